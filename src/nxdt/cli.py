@@ -1,0 +1,52 @@
+"""The `nxdt` console script: one sub-command per tool.
+
+Each sub-command lives in its own module and exposes `main(argv) -> int`; this file only dispatches,
+so `nxdt --help` stays fast (nothing heavy is imported until a sub-command runs).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+# name -> (module, one-line help)
+COMMANDS = {
+    "train": ("nxdt.training.run", "train from an NxDT-shaped YAML (same arguments as examples/train.py)"),
+    "preprocess": ("nxdt.tools.preprocess", "tokenize jsonl/json/text into Megatron .bin/.idx files"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: nxdt <command> [args...]", "", "commands:"]
+    lines += [f"  {name:<12} {help_}" for name, (_, help_) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        import difflib
+
+        close = difflib.get_close_matches(name, COMMANDS, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        print(f"error: unknown command '{name}'{hint}\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    from nxdt.config.errors import ConfigError
+
+    try:
+        return int(module.main(rest) or 0)
+    except ConfigError as err:
+        if os.environ.get("NXDT_FULL_ERROR") == "1" or os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
