@@ -1,0 +1,39 @@
+# Two entry points: `make demo` (set up, prepare the bundled data, train a tiny Llama on 2 CPU
+# processes) and `make test` (set up, run the whole test suite). Both create .venv if missing.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.nxdt-installed
+DATA   := data/kjv/kjv_text_document
+NPROC  ?= 2
+
+.PHONY: setup data demo test test-fast clean
+
+$(STAMP): pyproject.toml setup.py
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# the CPU wheel first: an unpinned torch would pull a multi-GB CUDA build
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+$(DATA).idx: | $(STAMP)
+	$(BIN)/nxdt preprocess --input src/nxdt/assets/kjv_chapters.jsonl.gz \
+		--tokenizer src/nxdt/assets/tokenizer --output-prefix $(DATA) --workers $(NPROC)
+
+data: $(DATA).idx
+
+demo: setup data
+	$(BIN)/python -m nxdt.tools.unigram_entropy --data-prefix $(DATA)
+	$(BIN)/torchrun --standalone --nproc_per_node $(NPROC) examples/train.py --config-name tiny_llama_cpu $(ARGS)
+
+test: setup
+	$(BIN)/python -m pytest -q $(ARGS)
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
+
+clean:
+	rm -rf data nxdt_experiments .pytest_cache

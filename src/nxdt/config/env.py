@@ -1,0 +1,182 @@
+"""Config-derived environment variables, set BEFORE torch / torch-xla is imported.
+
+On XLA (Neuron) `apply_env` sets the runtime/compiler knobs (interface §1) and the precision
+preset's variables (§7). A variable the user already set is never overwritten;
+`NEURON_CC_FLAGS` is appended to, skipping any flag whose option is already present.
+Off XLA nothing is set: the Neuron-only keys that were given are returned so the caller can
+report them once, in one line (`format_inert`).
+
+`COMPILE=1` in the environment (NxDT's graph pre-compilation run) is kept everywhere as a
+smoke mode: trainer.max_steps = 10, no TensorBoard, no checkpoints.
+
+Only the standard library and omegaconf are imported here.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from collections.abc import MutableMapping
+from typing import Any
+
+from omegaconf import open_dict
+
+from nxdt.config import schema
+from nxdt.config.layout import get
+
+MIXED_FLAGS = ["--enable-mixed-precision-accumulation"]
+
+# precision.type -> (env vars, flags appended to NEURON_CC_FLAGS); "manual" reads the config.
+PRECISION_PRESETS: dict[str, tuple[dict[str, str], list[str]]] = {
+    "mixed_precision": ({"XLA_USE_BF16": "0", "XLA_DOWNCAST_BF16": "1", "NEURON_RT_STOCHASTIC_ROUNDING_EN": "0"},
+                        MIXED_FLAGS),
+    "mixed_precisionSR": ({"XLA_USE_BF16": "0", "XLA_DOWNCAST_BF16": "1", "NEURON_RT_STOCHASTIC_ROUNDING_EN": "1"},
+                          MIXED_FLAGS),
+    "bf16SR": ({"XLA_USE_BF16": "1", "XLA_DOWNCAST_BF16": "0", "NEURON_RT_STOCHASTIC_ROUNDING_EN": "1"},
+               MIXED_FLAGS),
+    "fp32": ({"XLA_USE_BF16": "0", "XLA_DOWNCAST_BF16": "0"}, ["--auto-cast", "none"]),
+    "autocast": ({"XLA_USE_BF16": "0", "XLA_DOWNCAST_BF16": "0", "NEURON_RT_STOCHASTIC_ROUNDING_EN": "0"},
+                 MIXED_FLAGS + ["--auto-cast", "none"]),
+}
+PRECISION_PRESETS["mixed_precision_SR"] = PRECISION_PRESETS["mixed_precisionSR"]
+
+# top-level key -> environment variable
+KNOB_ENV = {
+    "compiler_cache_url": "NEURON_COMPILE_CACHE_URL",
+    "aync_exec_max_inflight_requests": "NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS",
+    "bucket_size_collectives": "BUCKET_CAP_MB",
+    "neuron_rt_exec_timeout": "NEURON_RT_EXEC_TIMEOUT",
+    "neuron_experimental_compress_rg": "NEURON_EXPERIMENTAL_COMPRESS_RG",
+}
+
+
+def normalize_precision(ptype: str) -> str:
+    """`mixed_precision_SR` is accepted as another spelling of `mixed_precisionSR`."""
+    return "mixed_precisionSR" if ptype == "mixed_precision_SR" else ptype
+
+
+def precision_env(cfg: Any) -> tuple[dict[str, str], list[str]]:
+    """(env vars, NEURON_CC_FLAGS tokens) of cfg.precision on XLA."""
+    ptype = normalize_precision(str(get(cfg, "precision.type", "fp32")))
+    if ptype == "manual":
+        env = {
+            "XLA_USE_BF16": str(get(cfg, "precision.xla_use_bf16", "0")),
+            "XLA_DOWNCAST_BF16": str(get(cfg, "precision.xla_downcast_bf16", "0")),
+            "NEURON_RT_STOCHASTIC_ROUNDING_EN": str(get(cfg, "precision.neuron_rt_stochastic_rounding_en", "0")),
+        }
+        return env, []
+    env, flags = PRECISION_PRESETS[ptype]
+    return dict(env), list(flags)
+
+
+def _env_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    return str(value)
+
+
+def _flag_groups(tokens: list[str]) -> list[list[str]]:
+    """['--a', 'x', '--b=1'] -> [['--a', 'x'], ['--b=1']] (an option with its value tokens)."""
+    groups: list[list[str]] = []
+    for tok in tokens:
+        if tok.startswith("-") or not groups:
+            groups.append([tok])
+        else:
+            groups[-1].append(tok)
+    return groups
+
+
+def _option(group: list[str]) -> str:
+    return group[0].split("=", 1)[0]
+
+
+def merge_cc_flags(existing: str, extra: list[str]) -> str:
+    """Append the option groups of `extra` whose option is not already in `existing`."""
+    have = {_option(g) for g in _flag_groups(shlex.split(existing))}
+    out = existing.strip()
+    for group in _flag_groups(extra):
+        if _option(group) in have:
+            continue
+        have.add(_option(group))
+        out = f"{out} {shlex.join(group)}".strip()
+    return out
+
+
+def detect_xla(cfg: Any, environ: MutableMapping[str, str] | None = None) -> bool:
+    """True when this run uses torch-xla: trainer.accelerator xla/neuron/tpu, or (auto) XLA/Neuron hints."""
+    environ = os.environ if environ is None else environ
+    acc = str(get(cfg, "trainer.accelerator", "auto"))
+    if acc in ("xla", "neuron", "tpu"):
+        return True
+    if acc != "auto":
+        return False
+    if environ.get("PJRT_DEVICE"):
+        return True
+    if any(k in environ for k in ("NEURON_RT_VISIBLE_CORES", "NEURON_RT_NUM_CORES", "NEURON_RT_ROOT_COMM_ID")):
+        return True
+    return os.path.exists("/dev/neuron0")
+
+
+def inert_keys(cfg: Any) -> list[str]:
+    """Neuron-only keys given a non-default value (they have no effect off XLA)."""
+    out = []
+    for key, _tname, default, _help, meta in schema.iter_fields():
+        if not meta.get("neuron"):
+            continue
+        value = get(cfg, key)
+        if value is None or value is False or value == default:
+            continue
+        if key.startswith("precision.") and get(cfg, "precision.type") != "manual":
+            continue
+        out.append(key)
+    return out
+
+
+def format_inert(keys: list[str]) -> str:
+    return "Neuron-only settings have no effect on this device: " + ", ".join(keys)
+
+
+def apply_smoke_mode(cfg: Any, environ: MutableMapping[str, str] | None = None) -> bool:
+    """COMPILE=1: max_steps 10, no TensorBoard, no checkpoints. Returns True when applied."""
+    environ = os.environ if environ is None else environ
+    if environ.get("COMPILE") != "1":
+        return False
+    with open_dict(cfg):
+        cfg.trainer.max_steps = 10
+        cfg.exp_manager.create_tensorboard_logger = False
+        cfg.exp_manager.create_checkpoint_callback = False
+    return True
+
+
+def apply_env(cfg: Any, environ: MutableMapping[str, str] | None = None, is_xla: bool | None = None) -> list[str]:
+    """Set the config's Neuron/precision environment variables (XLA only); returns inert keys off XLA.
+
+    Call before torch is imported. Never overwrites a variable already in `environ`
+    (NEURON_CC_FLAGS is appended to). Also applies the COMPILE=1 smoke mode.
+    """
+    environ = os.environ if environ is None else environ
+    apply_smoke_mode(cfg, environ)
+    if is_xla is None:
+        is_xla = detect_xla(cfg, environ)
+    if not is_xla:
+        return inert_keys(cfg)
+
+    wanted: dict[str, str] = {}
+    for key, var in KNOB_ENV.items():
+        value = get(cfg, key)
+        if value is not None:
+            wanted[var] = _env_value(value)
+    if get(cfg, "model.fusions.softmax") is True:
+        wanted["NEURON_FUSE_SOFTMAX"] = "1"
+    penv, pflags = precision_env(cfg)
+    wanted.update(penv)
+    for var, value in wanted.items():
+        if var not in environ:
+            environ[var] = value
+
+    flags = shlex.split(str(get(cfg, "compiler_flags", "") or "")) + pflags
+    if flags:
+        merged = merge_cc_flags(environ.get("NEURON_CC_FLAGS", ""), flags)
+        if merged:
+            environ["NEURON_CC_FLAGS"] = merged
+    return []

@@ -1,0 +1,280 @@
+"""Compose a config from a Hydra-style command line; every failure is a one-line ConfigError.
+
+    examples/train.py --config-path conf --config-name tiny_llama_cpu trainer.max_steps=20 +foo=1 ~bar
+
+Arguments: `--config-path/-cp DIR` (relative to the working directory), `--config-name/-cn NAME`
+(with or without .yaml), then overrides `key=value`, `+key=value`, `++key=value`, `~key`.
+Hydra's compose API reads the YAML (and its defaults list); overrides of config groups go to
+Hydra, all other overrides are applied here, after the YAML is merged over the schema defaults,
+so any schema key can be set without `+` and a typo is reported by the validator with a
+did-you-mean. `~key` on a schema key resets it to its default.
+
+The composed config is resolved, validated by `check_schema` and put in struct mode (reading a
+key that is not in the schema raises). `load_config` adds the full `validate`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from nxdt.config import resolvers, schema
+from nxdt.config.errors import ConfigError
+from nxdt.config.validate import check_schema, validate
+
+# Mappings that a config gives as a whole: the user's value replaces the default (no key merge).
+OPEN_PATHS = ("model.optim", "model.rope_scaling", "model_alignment_strategy")
+
+_USAGE = ("expected --config-path/-cp DIR, --config-name/-cn NAME, key=value, +key=value, "
+          "++key=value or ~key")
+
+
+def _one_line(text: Any, limit: int = 300) -> str:
+    s = " ".join(str(text).split())
+    return s if len(s) <= limit else s[: limit - 3] + "..."
+
+
+def _show(path: Path) -> str:
+    try:
+        return os.path.relpath(path) if path.resolve().is_relative_to(Path.cwd().resolve()) else str(path)
+    except (ValueError, OSError):
+        return str(path)
+
+
+def parse_argv(argv: list[str]) -> tuple[str | None, str | None, list[str]]:
+    """(config dir, config name, overrides) from a Hydra-like command line."""
+    config_dir = config_name = None
+    overrides: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = str(argv[i])
+        for long, short in (("--config-path", "-cp"), ("--config-name", "-cn")):
+            if arg in (long, short) or arg.startswith(long + "=") or arg.startswith(short + "="):
+                if "=" in arg:
+                    value = arg.split("=", 1)[1]
+                else:
+                    if i + 1 >= len(argv):
+                        raise ConfigError(f"{arg} needs a value")
+                    i += 1
+                    value = str(argv[i])
+                if long == "--config-path":
+                    config_dir = value
+                else:
+                    config_name = value
+                break
+        else:
+            if arg.startswith("-"):
+                raise ConfigError(f"unknown option '{arg}' ({_USAGE})")
+            overrides.append(arg)
+        i += 1
+    return config_dir, config_name, overrides
+
+
+def _available(config_dir: Path) -> str:
+    names = sorted(p.stem for p in config_dir.glob("*.yaml"))
+    return ", ".join(names) if names else "none"
+
+
+def _check_yaml(path: Path) -> None:
+    import yaml
+    from omegaconf._utils import get_yaml_loader
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{_show(path)}: cannot read: {_one_line(err)}") from None
+    try:
+        data = yaml.load(text, Loader=get_yaml_loader())
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        line = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = err.problem or err.context or "syntax error"
+        raise ConfigError(f"{_show(path)}: malformed YAML{line}: {_one_line(problem)}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{_show(path)}: malformed YAML: {_one_line(err)}") from None
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"{_show(path)}: the top level must be a mapping of keys, got {type(data).__name__}")
+
+
+def _parse_overrides(overrides: list[str]) -> list:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    parsed = []
+    for line in overrides:
+        try:
+            (ov,) = parser.parse_overrides([line])
+        except HydraException as err:
+            msg = str(err).splitlines()
+            detail = next((m for m in msg if m.strip() and not m.startswith("Error parsing override")), msg[0] if msg else "")
+            raise ConfigError(f"bad override '{line}': {_one_line(detail)} ({_USAGE})") from None
+        if ov.is_sweep_override():
+            raise ConfigError(f"bad override '{line}': sweeps (a=1,2) are not supported")
+        if ov.package is not None:
+            raise ConfigError(f"bad override '{line}': '@package' overrides are not supported")
+        parsed.append(ov)
+    return parsed
+
+
+def _is_group(config_dir: Path, key: str) -> bool:
+    d = config_dir / key.replace(".", "/")
+    return d.is_dir() and any(d.glob("*.yaml"))
+
+
+def _merge(base: Any, over: Any, path: str = "") -> Any:
+    """Deep merge of plain containers; mappings merge key by key except OPEN_PATHS (replaced)."""
+    if isinstance(base, dict) and isinstance(over, dict) and path not in OPEN_PATHS:
+        out = dict(base)
+        for k, v in over.items():
+            sub = f"{path}.{k}" if path else str(k)
+            out[k] = _merge(base[k], v, sub) if k in base else v
+        return out
+    return over
+
+
+def _apply_overrides(cfg: DictConfig, parsed: list) -> None:
+    for ov in parsed:
+        key, line = ov.key_or_group, ov.input_line
+        try:
+            value = ov.value()
+            if ov.is_delete():
+                parent_key, _, leaf = key.rpartition(".")
+                parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
+                if not isinstance(parent, DictConfig) or leaf not in parent:
+                    raise ConfigError(f"bad override '{line}': '{key}' is not in the config")
+                del parent[leaf]
+                continue
+            existing = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
+            # a mapping merges into a mapping (as in Hydra), except open mappings such as
+            # model.optim, which a mapping value replaces as a whole
+            merge = isinstance(value, dict) and isinstance(existing, DictConfig) and key not in OPEN_PATHS
+            OmegaConf.update(cfg, key, value, merge=merge, force_add=True)
+        except ConfigError:
+            raise
+        except (OmegaConfBaseException, ValueError, TypeError, KeyError) as err:
+            raise ConfigError(f"bad override '{line}': {_one_line(str(err).splitlines()[0])}") from None
+
+
+def compose(argv: list[str], default_config_dir: str | os.PathLike | None = None,
+            default_config_name: str | None = None, notices: list[str] | None = None) -> DictConfig:
+    """Compose, merge over the schema defaults, apply overrides, resolve and schema-check a config.
+
+    `default_config_dir`: used when argv has no --config-path (default: nxdt's shipped conf/).
+    `notices`: if given, one-line notices (e.g. a setting turned off) are appended to it.
+    """
+    config_path, config_name, overrides = parse_argv(list(argv))
+    if config_path is not None:
+        config_dir = Path(config_path).expanduser()
+    elif default_config_dir is not None:
+        config_dir = Path(default_config_dir)
+    else:
+        config_dir = resolvers.shipped_conf_dir()
+    config_dir = config_dir.resolve()
+    if not config_dir.is_dir():
+        raise ConfigError(f"config directory not found: {config_dir}")
+    config_name = config_name or default_config_name
+    if not config_name:
+        raise ConfigError(f"no config given: pass --config-name NAME (available in {config_dir}: {_available(config_dir)})")
+    if config_name.endswith((".yaml", ".yml")):
+        config_name = config_name.rsplit(".", 1)[0]
+    config_file = config_dir / f"{config_name}.yaml"
+    if not config_file.is_file():
+        raise ConfigError(f"config '{config_name}' not found in {config_dir} (available: {_available(config_dir)})")
+    _check_yaml(config_file)
+
+    parsed = _parse_overrides(overrides)
+    group_ovs = [ov.input_line for ov in parsed if _is_group(config_dir, ov.key_or_group)]
+    key_ovs = [ov for ov in parsed if not _is_group(config_dir, ov.key_or_group)]
+
+    resolvers.register()
+    resolvers.set_config_dir(config_dir)
+    user = _hydra_compose(config_dir, config_name, group_ovs, config_file)
+
+    base = schema.defaults()
+    cfg = OmegaConf.create(_merge(base, user))
+    _apply_overrides(cfg, key_ovs)
+    # restore schema keys removed by `~key` (a deleted key reads as its default)
+    cfg = OmegaConf.create(_merge(base, OmegaConf.to_container(cfg, resolve=False)))
+    found = check_schema(cfg)
+    if notices is not None:
+        notices.extend(found)
+    OmegaConf.set_struct(cfg, True)
+    return cfg
+
+
+def _hydra_compose(config_dir: Path, config_name: str, overrides: list[str], config_file: Path) -> dict:
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(version_base=None, config_dir=str(config_dir)):
+            composed = hydra_compose(config_name=config_name, overrides=overrides)
+        user = OmegaConf.to_container(composed, resolve=False)
+    except ConfigError:
+        raise
+    except Exception as err:  # noqa: BLE001 - Hydra raises many types; all become one line
+        first = next((m for m in str(err).splitlines() if m.strip()), type(err).__name__)
+        raise ConfigError(f"{_show(config_file)}: cannot compose: {_one_line(first)}") from None
+    if not isinstance(user, dict):
+        raise ConfigError(f"{_show(config_file)}: the top level must be a mapping of keys")
+    return user
+
+
+def is_rank_zero(environ: Any = None) -> bool:
+    environ = os.environ if environ is None else environ
+    return environ.get("RANK", "0") in ("", "0")
+
+
+def report(message: str, stream: Any = None) -> None:
+    """Print a one-line notice once (global rank 0 only)."""
+    if is_rank_zero():
+        print(f"notice: {message}", file=stream or sys.stderr)
+
+
+def load_config(argv: list[str], world_size: int | None = None, check_paths: bool = True,
+                check_supported: bool = True, default_config_dir: str | os.PathLike | None = None,
+                default_config_name: str | None = None, quiet: bool = False) -> DictConfig:
+    """compose + full validate; prints the notices once (rank 0) unless quiet."""
+    notices: list[str] = []
+    cfg = compose(argv, default_config_dir, default_config_name, notices=notices)
+    notices += validate(cfg, world_size=world_size, check_paths=check_paths, check_supported=check_supported)
+    if not quiet:
+        for n in dict.fromkeys(notices):
+            report(n)
+    return cfg
+
+
+def full_error_requested(environ: Any = None) -> bool:
+    environ = os.environ if environ is None else environ
+    return environ.get("HYDRA_FULL_ERROR") == "1" or environ.get("NXDT_FULL_ERROR") == "1"
+
+
+def main_guard(fn: Callable) -> Callable:
+    """Wrap an entry point: a ConfigError prints `error: <msg>` (rank 0 only) and exits 2 on every rank.
+
+    With HYDRA_FULL_ERROR=1 or NXDT_FULL_ERROR=1 the error is re-raised (full traceback).
+    Use as a decorator or as `main_guard(main)(argv)`.
+    """
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except ConfigError as err:
+            if full_error_requested():
+                raise
+            if is_rank_zero():
+                print(f"error: {_one_line(err, limit=2000)}", file=sys.stderr)
+            sys.exit(ConfigError.exit_code)
+
+    return wrapper

@@ -1,0 +1,153 @@
+"""Names and keys of `model.optim` and `model.optim.sched`, checked before torch is imported.
+
+This module imports only the standard library: `nxdt.config.validate` calls
+`check_optim` while the environment (Neuron / precision variables) is still
+being prepared, before torch may be loaded.
+
+`OPTIMIZERS[name]` and `SCHEDULERS[name]` map every key a name accepts to its
+default (the default of the torch / NeMo class it builds). `REQUIRED` marks a
+key without a default. The builders in `nxdt.training.optimizers` and
+`nxdt.training.schedulers` use these same tables, so a key that passes here is
+a key the builder knows.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from typing import Any
+
+from nxdt.config.errors import ConfigError
+
+REQUIRED = "???"  # OmegaConf's own "missing value" marker
+
+# Keys every `model.optim` may hold besides the optimizer's own arguments.
+# `capturable` is accepted for every optimizer because NxDT's shipped configs
+# always write it; the builder passes it only to classes that take it.
+OPTIM_COMMON_KEYS = ("name", "sched", "capturable")
+
+_BETAS = (0.9, 0.999)
+
+# name -> {argument: default}; defaults are those of the class it builds.
+OPTIMIZERS: dict[str, dict[str, Any]] = {
+    "adamw": {
+        "lr": 1e-3, "betas": _BETAS, "eps": 1e-8, "weight_decay": 0.01, "amsgrad": False,
+        "maximize": False, "foreach": None, "fused": None,
+    },
+    # AdamW whose moments (and a master copy of bf16/fp16 params) stay fp32.
+    "adamw_fp32OptState": {
+        "lr": 1e-3, "betas": _BETAS, "eps": 1e-8, "weight_decay": 0.01, "amsgrad": False,
+        "maximize": False,
+    },
+    "adam": {
+        "lr": 1e-3, "betas": _BETAS, "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False,
+        "maximize": False, "foreach": None, "fused": None, "decoupled_weight_decay": False,
+    },
+    "sgd": {
+        "lr": 1e-3, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False,
+        "maximize": False, "foreach": None, "fused": None,
+    },
+    "adadelta": {
+        "lr": 1.0, "rho": 0.9, "eps": 1e-6, "weight_decay": 0.0, "maximize": False, "foreach": None,
+    },
+    "adamax": {
+        "lr": 2e-3, "betas": _BETAS, "eps": 1e-8, "weight_decay": 0.0, "maximize": False, "foreach": None,
+    },
+    "adagrad": {
+        "lr": 1e-2, "lr_decay": 0.0, "weight_decay": 0.0, "initial_accumulator_value": 0.0,
+        "eps": 1e-10, "maximize": False, "foreach": None, "fused": None,
+    },
+    "rmsprop": {
+        "lr": 1e-2, "alpha": 0.99, "eps": 1e-8, "weight_decay": 0.0, "momentum": 0.0,
+        "centered": False, "maximize": False, "foreach": None,
+    },
+    # torch's Rprop has no weight decay.
+    "rprop": {
+        "lr": 1e-2, "etas": (0.5, 1.2), "step_sizes": (1e-6, 50.0), "maximize": False, "foreach": None,
+    },
+    # NeMo's Novograd (nemo/core/optim/novograd.py), defaults included.
+    "novograd": {
+        "lr": 1e-3, "betas": (0.95, 0.98), "eps": 1e-8, "weight_decay": 0.0,
+        "grad_averaging": False, "amsgrad": False, "luc": False, "luc_trust": 1e-3, "luc_eps": 1e-8,
+    },
+    "adafactor": {
+        "lr": 1e-2, "beta2_decay": -0.8, "eps": (None, 1e-3), "d": 1.0, "weight_decay": 0.0,
+        "maximize": False, "foreach": None,
+    },
+}
+
+# Keys every `model.optim.sched` may hold. `monitor` and `reduce_on_plateau`
+# are NeMo's Lightning keys: accepted so NeMo configs load, and ignored
+# (nxdt always steps the scheduler once per optimizer step).
+SCHED_COMMON_KEYS = ("name", "max_steps", "last_epoch", "monitor", "reduce_on_plateau")
+
+_WARMUP = {"warmup_steps": None, "warmup_ratio": None}
+
+# name -> {argument: default}, from NeMo's nemo/core/optim/lr_scheduler.py
+# (LinearAnnealingWithWarmUp from NxDT, StepLR / ExponentialLR from torch).
+SCHEDULERS: dict[str, dict[str, Any]] = {
+    "LinearAnnealingWithWarmUp": {"warmup_steps": 0},
+    "CosineAnnealing": {**_WARMUP, "constant_steps": None, "constant_ratio": None, "min_lr": 0.0},
+    "WarmupPolicy": {**_WARMUP, "min_lr": 0.0},
+    "WarmupHoldPolicy": {**_WARMUP, "hold_steps": None, "hold_ratio": None, "min_lr": 0.0},
+    "SquareAnnealing": {**_WARMUP, "min_lr": 1e-5},
+    "NoamAnnealing": {"d_model": REQUIRED, **_WARMUP, "min_lr": 0.0},
+    "WarmupAnnealing": {**_WARMUP, "min_lr": 0.0},
+    "StepLR": {"step_size": REQUIRED, "gamma": 0.1},
+    "ExponentialLR": {"gamma": REQUIRED},
+}
+
+
+def _did_you_mean(word: str, choices) -> str:
+    choices = list(choices)
+    close = [c for c in choices if c.lower() == word.lower()]  # AdamW -> adamw
+    close = close or difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _check_name(name: Any, table: Mapping[str, Any], path: str, what: str) -> None:
+    if name is None or name == "":
+        raise ConfigError(f"{path}: missing; valid {what}s: {', '.join(table)}")
+    if name not in table:
+        hint = _did_you_mean(str(name), table)
+        raise ConfigError(f"{path}: unknown {what} '{name}'{hint}; valid: {', '.join(table)}")
+
+
+def _check_keys(cfg: Mapping, allowed, path: str, owner: str) -> None:
+    for key in cfg:
+        if key not in allowed:
+            hint = _did_you_mean(str(key), allowed) or f"; {owner} takes: {', '.join(allowed)}"
+            raise ConfigError(f"{path}.{key}: unknown key{hint}")
+
+
+def check_optim(optim: Mapping, path: str = "model.optim") -> None:
+    """Raise ConfigError (one line, naming the dotted key) if `optim` has a bad name or key.
+
+    `optim.sched` may be absent or None (constant learning rate).
+    """
+    if not isinstance(optim, Mapping):
+        raise ConfigError(f"{path}: expected a mapping with at least 'name' and 'lr', got {optim!r}")
+    name = optim.get("name")
+    _check_name(name, OPTIMIZERS, f"{path}.name", "optimizer")
+    _check_keys(optim, (*OPTIM_COMMON_KEYS, *OPTIMIZERS[name]), path, f"optimizer '{name}'")
+
+    check_sched(optim.get("sched"), f"{path}.sched")
+
+
+def check_sched(sched: Mapping | None, path: str = "model.optim.sched") -> None:
+    """Raise ConfigError if `sched` names an unknown scheduler or key; None (constant lr) passes."""
+    if sched is None:
+        return
+    if not isinstance(sched, Mapping):
+        raise ConfigError(f"{path}: expected a mapping with 'name' (or null for a constant lr), got {sched!r}")
+    name = sched.get("name")
+    _check_name(name, SCHEDULERS, f"{path}.name", "scheduler")
+    allowed = SCHEDULERS[name]
+    _check_keys(sched, (*SCHED_COMMON_KEYS, *allowed), path, f"scheduler '{name}'")
+    for key, default in allowed.items():
+        if default == REQUIRED and sched.get(key) in (None, REQUIRED):
+            raise ConfigError(f"{path}.{key}: required by scheduler '{name}'")
+    for a, b in (("warmup_steps", "warmup_ratio"), ("hold_steps", "hold_ratio"),
+                 ("constant_steps", "constant_ratio")):
+        if sched.get(a) is not None and sched.get(b) is not None:
+            raise ConfigError(f"{path}: set {a} or {b}, not both")

@@ -1,0 +1,384 @@
+"""The config schema: every key nxdt reads, its type, its default and one line of help.
+
+One dataclass per YAML section. `nxdt.config.load` merges the user's YAML over
+`defaults()` so every key below exists in the composed `cfg`; `nxdt.config.validate`
+walks these classes to reject unknown keys, wrong types and values outside an
+enumeration (`Literal[...]`). `describe()` prints the whole tree for `--help`.
+
+Conventions:
+- `doc(default, "help")` puts the help text in `field(metadata=...)`.
+- `open=True` in the metadata marks a free-form mapping whose contents are not
+  checked here (`model.optim` is checked by `nxdt.config.optim_keys`).
+- `neuron=True` marks a key that only acts on Neuron/XLA (reported as inert elsewhere).
+- A string default `"${...}"` is an OmegaConf interpolation, resolved after the merge.
+
+This module imports only the standard library.
+"""
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field, is_dataclass
+from typing import Any, Dict, List, Literal, Optional, Union, get_args, get_origin, get_type_hints
+
+
+def doc(default: Any, help: str, **meta: Any) -> Any:
+    """A dataclass field with a default and a one-line description (`help`)."""
+    metadata = {"help": help, **meta}
+    if isinstance(default, type) and is_dataclass(default):
+        return field(default_factory=default, metadata=metadata)
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: copy.deepcopy(d), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+PRECISION_TYPES = (
+    "fp32", "autocast", "mixed_precision", "mixed_precisionSR", "mixed_precision_SR", "bf16SR", "manual",
+)
+PIPELINE_SCHEDULES = (
+    "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV",
+)
+SHARDING_STRATEGIES = (
+    "FSDP", "HSDP", "full-shard", "hybrid-full-shard", "grad-shard", "hybrid-grad-shard", "no-shard", "DDP",
+)
+ALIGNMENT_STRATEGIES = ("sft", "dpo", "orpo", "peft")
+
+ZeroOne = Literal["0", "1"]
+
+
+# --------------------------------------------------------------------------- trainer
+@dataclass
+class TrainerConfig:
+    devices: int = doc(1, "devices (processes) per node; devices x num_nodes must equal the world size")
+    num_nodes: int = doc(1, "number of nodes")
+    accelerator: Literal["auto", "cpu", "gpu", "cuda", "mps", "xla", "neuron", "tpu"] = doc(
+        "auto", "Lightning accelerator; 'xla'/'neuron' selects torch-xla (Neuron env vars are set)")
+    max_epochs: int = doc(-1, "maximum epochs; -1 = run by max_steps")
+    max_steps: int = doc(1000, "number of optimizer steps (global batches) to train")
+    log_every_n_steps: int = doc(1, "log metrics every N steps")
+    val_check_interval: Optional[Union[int, float]] = doc(
+        None, "validate every N training steps (int) or fraction of an epoch (float); null = Lightning default")
+    check_val_every_n_epoch: Optional[int] = doc(None, "validate every N epochs; null when validating by steps")
+    num_sanity_val_steps: int = doc(0, "validation batches run before training (0 = none)")
+    limit_val_batches: Union[int, float] = doc(1, "validation batches per validation run (int) or fraction (float)")
+    limit_test_batches: Union[int, float] = doc(1, "test batches (int) or fraction (float)")
+    gradient_clip_val: Optional[float] = doc(1.0, "clip the global gradient norm to this value; null or 0 = off")
+    accumulate_grad_batches: int = doc(
+        1, "must stay 1: accumulation is derived from data.global_batch_size / (micro_batch_size x dp)")
+    enable_progress_bar: bool = doc(True, "show Lightning's progress bar")
+    enable_model_summary: bool = doc(True, "print Lightning's model summary at start")
+    lnc: Optional[int] = doc(None, "Neuron logical NeuronCore configuration (trn2)", neuron=True)
+    sequential_move_factor: Optional[int] = doc(
+        None, "Neuron: move the model to device in groups of this many ranks", neuron=True)
+
+
+# --------------------------------------------------------------------------- exp_manager
+@dataclass
+class CheckpointCallbackParams:
+    monitor: str = doc("step", "metric that orders checkpoints (NxDT keeps 'step')")
+    save_top_k: int = doc(1, "keep the newest k checkpoints (by step); -1 = keep all")
+    mode: Literal["min", "max"] = doc("max", "whether a larger or smaller monitor value is better")
+    save_last: bool = doc(False, "also keep a copy named 'last'")
+    filename: str = doc("${exp_manager.name}--{step}-{consumed_samples}",
+                        "checkpoint directory name; {step} and {consumed_samples} are filled in")
+    model_parallel_size: Optional[int] = doc(
+        "${multiply:${distributed_strategy.tensor_model_parallel_size},"
+        "${distributed_strategy.pipeline_model_parallel_size}}",
+        "tp x pp (informational, NxDT writes it)")
+    every_n_train_steps: Optional[int] = doc(None, "save every N training steps; null = only at the end")
+    use_master_weights_in_ckpt: bool = doc(False, "save the fp32 master weights instead of the model's weights")
+
+
+@dataclass
+class ExpManagerConfig:
+    log_local_rank_0_only: bool = doc(True, "only local rank 0 writes logs")
+    create_tensorboard_logger: bool = doc(True, "write TensorBoard event files under the log dir")
+    explicit_log_dir: Optional[str] = doc(None, "log dir to use as is (overrides exp_dir/name/version)")
+    exp_dir: Optional[str] = doc(None, "root of experiment dirs; null = ./nxdt_experiments")
+    name: Optional[str] = doc("${name}", "experiment name (sub-folder of exp_dir)")
+    version: Optional[str] = doc(None, "version sub-folder; null = a timestamp (none when resume_if_exists)")
+    resume_if_exists: bool = doc(False, "resume from the newest complete checkpoint in the log dir")
+    resume_ignore_no_checkpoint: bool = doc(False, "with resume_if_exists: start fresh (with a notice) if none")
+    create_checkpoint_callback: bool = doc(True, "save checkpoints under <log_dir>/checkpoints")
+    checkpoint_callback_params: CheckpointCallbackParams = doc(CheckpointCallbackParams, "checkpoint callback")
+    log_parameter_norm: bool = doc(False, "log the global parameter norm")
+    log_gradient_norm: bool = doc(False, "log the global gradient norm (before clipping)")
+    enable_recovery_time_instrumentation: bool = doc(False, "log detailed timings of checkpoint recovery")
+    save_xser: bool = doc(False, "save with torch-xla serialization (XLA only)", neuron=True)
+    load_xser: bool = doc(False, "load with torch-xla serialization (XLA only)", neuron=True)
+    save_bf16: bool = doc(False, "save weights in bf16")
+    async_checkpointing: bool = doc(False, "continue training while a checkpoint is being written")
+    resume_from_checkpoint: Optional[str] = doc(None, "checkpoint directory to load at start")
+    ckpt_ptl_version: Optional[str] = doc(None, "Lightning version recorded in (or expected of) checkpoints")
+
+
+# --------------------------------------------------------------------------- distributed_strategy
+@dataclass
+class DistributedStrategyConfig:
+    tensor_model_parallel_size: int = doc(1, "tensor-parallel degree (tp)")
+    pipeline_model_parallel_size: int = doc(1, "pipeline-parallel degree (pp)")
+    virtual_pipeline_model_parallel_size: Optional[int] = doc(1, "interleaved stages per pp rank; null = 1")
+    context_parallel_size: int = doc(1, "context-parallel degree (cp, ring attention)")
+    expert_model_parallel_size: int = doc(1, "expert-parallel degree (within data parallel)")
+    token_shuffle_group_size: int = doc(1, "MoE token shuffling group size (NxDT)")
+    zero1: bool = doc(False, "shard optimizer state across data-parallel ranks (ZeRO-1)")
+    sequence_parallel: bool = doc(False, "shard activations along the sequence in tp regions (needs tp > 1)")
+    kv_replicator: Optional[int] = doc(None, "replicate K/V heads this many times when tp > num_kv_heads")
+    schedule: Optional[Literal[PIPELINE_SCHEDULES]] = doc(None, "pipeline schedule; null = 1F1B (Interleaved1F1B if vpp > 1)")
+    fsdp: bool = doc(False, "wrap the model with FSDP (see sharding_strategy)")
+    sharding_strategy: Optional[Literal[SHARDING_STRATEGIES]] = doc(
+        None, "FSDP | HSDP | grad-shard | no-shard/DDP (fms-fsdp, minimal_fsdp names); null = DDP")
+    cpu_offload: bool = doc(False, "offload parameters and optimizer state to CPU")
+    low_cpu_fsdp: bool = doc(False, "fms-fsdp: build the model on the meta device, materialize per shard")
+    meta_init: bool = doc(False, "minimal_fsdp: same as low_cpu_fsdp")
+
+
+# --------------------------------------------------------------------------- data
+@dataclass
+class TokenizerConfig:
+    library: Literal["huggingface", "megatron", "sentencepiece"] = doc("huggingface", "tokenizer library")
+    type: Optional[str] = doc(None, "huggingface: tokenizer directory; megatron: class name (e.g. GPT2BPETokenizer)")
+    model: Optional[str] = doc(None, "sentencepiece model file")
+    vocab_file: Optional[str] = doc(None, "vocabulary file (megatron GPT2BPETokenizer)")
+    merge_file: Optional[str] = doc(None, "BPE merges file (megatron GPT2BPETokenizer)")
+    delimiter: Optional[str] = doc(None, "tabular tokenizer delimiter (unused)")
+    sentencepiece_legacy: bool = doc(False, "sentencepiece legacy mode (allows added special tokens)")
+    use_fast: bool = doc(True, "huggingface: load the fast (Rust) tokenizer")
+
+
+@dataclass
+class DataConfig:
+    micro_batch_size: int = doc(1, "samples per forward/backward on one data-parallel rank")
+    global_batch_size: int = doc(1, "samples per optimizer step over all ranks; accumulation = gbs / (mbs x dp)")
+    seq_length: Optional[int] = doc("${model.encoder_seq_length}", "tokens per training sample")
+    data_prefix: Optional[Union[List[Any], Dict[str, Any], str]] = doc(
+        None, "megatron: [w1, path1, w2, path2, ...] (paths without .bin/.idx), a path, or {train, validation, test}")
+    index_mapping_dir: Optional[str] = doc(None, "where index mappings are cached; null = next to the data")
+    data_impl: Literal["mmap"] = doc("mmap", "indexed dataset implementation")
+    splits_string: str = doc("980,10,10", "train,validation,test proportions by document ranges")
+    skip_warmup: bool = doc(True, "skip warming up the memory map")
+    num_workers: int = doc(1, "DataLoader worker processes")
+    dataloader_type: Literal["single", "cyclic"] = doc("single", "single: sequential; cyclic: reshuffled per epoch")
+    reset_position_ids: bool = doc(False, "restart position ids after each end-of-document token")
+    reset_attention_mask: bool = doc(False, "block attention across end-of-document tokens")
+    eod_mask_loss: bool = doc(False, "no loss on end-of-document tokens")
+    validation_drop_last: bool = doc(True, "drop the last partial validation batch")
+    no_seqlen_plus_one_input_tokens: bool = doc(False, "read seq_length tokens (not seq_length+1), mask the last")
+    pad_samples_to_global_batch_size: bool = doc(False, "pad the last partial batch to the global batch size")
+    train_dir: Optional[str] = doc(None, "hf / SFT: training data (datasets.save_to_disk dir, jsonl or arrow)")
+    val_dir: Optional[str] = doc(None, "hf / SFT: validation data")
+    test_dir: Optional[str] = doc(None, "hf / SFT: test data")
+    dev_choose_samples: Optional[int] = doc(None, "hf / SFT: use only the first N samples")
+    use_sft_style_data_module: bool = doc(False, "NxDT: use the HF/SFT-style data module with a megatron model")
+    packing: bool = doc(False, "SFT: pack several examples into one sequence")
+    tokenizer: TokenizerConfig = doc(TokenizerConfig, "tokenizer")
+    data_module: Optional[str] = doc(
+        None, "custom LightningDataModule 'pkg.module.Class' taking (cfg, trainer); other data keys are free")
+    use_dummy_dataset: bool = doc(False, "fms-fsdp: random tokens instead of data (performance runs)")
+    datasets: Optional[List[str]] = doc(None, "fms-fsdp: dataset sub-folders to blend")
+    weights: Optional[List[float]] = doc(None, "fms-fsdp: blend weight of each entry of datasets")
+    logical_shards: Optional[int] = doc(None, "fms-fsdp: logical shards (resumable across rank counts)")
+
+
+# --------------------------------------------------------------------------- model
+@dataclass
+class FusionsConfig:
+    softmax: bool = doc(True, "fused softmax (Neuron: NEURON_FUSE_SOFTMAX=1)")
+    flash_attention: bool = doc(False, "flash attention (NKI kernel on Neuron, SDPA elsewhere)")
+    ring_attention: bool = doc(False, "ring attention over the context-parallel group")
+
+
+@dataclass
+class MoEConfig:
+    num_experts: int = doc(0, "experts per MoE layer; 0 = dense model")
+    frequency: int = doc(1, "every N-th layer is MoE")
+    dropout: float = doc(0.0, "dropout in the MoE layer")
+    capacity_factor: Optional[float] = doc(None, "expert capacity factor; null = no token dropping")
+    dropless: bool = doc(False, "dropless (blockwise) expert computation")
+    routing_algorithm: Literal["top_k", "sinkhorn"] = doc("top_k", "router")
+    router_activation: Literal["softmax", "sigmoid"] = doc("softmax", "router score activation")
+    sinkhorn_iterations: int = doc(30, "sinkhorn routing iterations")
+    sinkhorn_tol: Any = doc(None, "sinkhorn tolerance (optional)")
+    top_k: int = doc(2, "experts per token")
+    output_router_logits: bool = doc(False, "return router logits (for the aux loss)")
+    router_aux_loss_coef: float = doc(0.02, "load-balancing aux loss coefficient (Mixtral style)")
+    normalize_top_k_affinities: bool = doc(True, "renormalize the top-k router weights to sum to 1")
+    num_selects: Optional[int] = doc(None, "LLaMA-MoE name for top_k (overrides it when set)")
+    gate_balance_loss_weight: float = doc(0.0, "LLaMA-MoE balance loss w*(CV^2(importance)+CV^2(load)); 0 = off")
+    moe_calculator_score_scale_factor: float = doc(1.0, "LLaMA-MoE: expert outputs x this (total/selected)")
+
+
+@dataclass
+class ModelConfig:
+    # architecture (null = from model_config for hf; required or derived for megatron)
+    model_config: Optional[str] = doc(None, "hf: path to a transformers config.json (see ${nxdt_conf:...})")
+    encoder_seq_length: int = doc(2048, "training sequence length")
+    max_position_embeddings: Optional[int] = doc(None, "positions; null = encoder_seq_length (megatron) / config.json (hf)")
+    num_layers: Optional[int] = doc(None, "transformer layers (hf: overrides config.json)")
+    hidden_size: Optional[int] = doc(None, "hidden size (hf: overrides config.json)")
+    ffn_hidden_size: Optional[int] = doc(None, "MLP intermediate size")
+    num_attention_heads: Optional[int] = doc(None, "query heads")
+    num_kv_heads: Optional[int] = doc(None, "key/value heads (GQA); null = num_attention_heads")
+    kv_channels: Optional[int] = doc(None, "head dimension; null = hidden_size / num_attention_heads")
+    vocab_size: Optional[int] = doc(None, "vocabulary size; null = from the tokenizer (padded, see make_vocab_size_divisible_by)")
+    make_vocab_size_divisible_by: int = doc(8, "pad the vocabulary to a multiple of this x tp")
+    init_method_std: float = doc(0.02, "std of the normal weight init")
+    use_scaled_init_method: bool = doc(True, "scale output-layer init by 1/sqrt(2 x num_layers)")
+    hidden_dropout: float = doc(0.0, "dropout on hidden states")
+    attention_dropout: float = doc(0.0, "dropout on attention probabilities")
+    ffn_dropout: float = doc(0.0, "dropout in the MLP")
+    apply_query_key_layer_scaling: bool = doc(False, "scale Q.K^T by 1/layer_number (numerically neutral in fp32)")
+    normalization: Literal["rmsnorm", "layernorm"] = doc("rmsnorm", "normalization layer")
+    layernorm_epsilon: float = doc(1e-5, "normalization epsilon")
+    do_layer_norm_weight_decay: bool = doc(False, "apply weight decay to norm weights too")
+    persist_layer_norm: bool = doc(True, "NeMo fused layer-norm kernel (inert)")
+    share_embeddings_and_output_weights: bool = doc(False, "tie input embedding and lm_head")
+    position_embedding_type: Literal["rope", "learned_absolute"] = doc("rope", "position embedding")
+    rotary_percentage: float = doc(1.0, "fraction of each head dim that gets rotary embedding")
+    rope_theta: float = doc(10000.0, "rotary base")
+    rope_scaling: Optional[Dict[str, Any]] = doc(None, "rotary scaling as in transformers (e.g. rope_type: llama3)", open=True)
+    sliding_window_size: Optional[int] = doc(None, "sliding-window attention size; null = full causal")
+    activation: Literal["swiglu", "gelu"] = doc("swiglu", "MLP activation")
+    transformer_block_type: Literal["pre_ln", "post_ln", "normformer", "gpt_j"] = doc("pre_ln", "block layout")
+    has_bias: bool = doc(False, "biases in linear layers")
+    # hf-specific
+    qkv_linear: bool = doc(False, "NxDT GQAQKVLinear (one module for q, k, v)")
+    fuse_qkv: bool = doc(False, "fuse q, k, v projections into one matmul")
+    transpose_nki_inputs: bool = doc(False, "NKI flash-attention input layout (Neuron)", neuron=True)
+    pipeline_cuts: Optional[List[str]] = doc(None, "module names where pipeline stages start, e.g. [model.layers.16]")
+    # initialization / loading
+    use_cpu_initialization: bool = doc(True, "initialize weights on CPU, then move to the device")
+    weight_init_only: bool = doc(False, "with resume_from_checkpoint: load weights only (fine-tuning start)")
+    # activation checkpointing
+    activations_checkpoint_granularity: Optional[Literal["selective", "full"]] = doc(
+        None, "recompute activations: selective (attention core) | full (whole layers) | null")
+    activations_checkpoint_recompute: Optional[List[str]] = doc(
+        None, "selective: module class names to recompute, e.g. [CoreAttention, LlamaMLP]")
+    activations_checkpoint_recompute_mlp: bool = doc(False, "selective: also recompute the MLP (NxDT)")
+    checkpoint_num_layers: int = doc(1, "GPT-NeoX: layers per checkpointed chunk (full granularity)")
+    selective_checkpointing: Optional[float] = doc(
+        None, "fms-fsdp: checkpoint this fraction of blocks, evenly spaced (0 < p <= 1)")
+    fusions: FusionsConfig = doc(FusionsConfig, "fused kernels")
+    moe: MoEConfig = doc(MoEConfig, "mixture of experts")
+    optim: Dict[str, Any] = doc(
+        {"name": "adamw", "lr": 3e-4, "weight_decay": 0.01, "betas": [0.9, 0.95],
+         "sched": {"name": "CosineAnnealing", "warmup_steps": 0, "constant_steps": 0, "min_lr": 0.0}},
+        "optimizer {name, lr, ...} and sched {name, ...} (NeMo names); replaced as a whole when given",
+        open=True)
+
+
+# --------------------------------------------------------------------------- precision
+@dataclass
+class Fp16Config:
+    enabled: bool = doc(False, "GPT-NeoX/DeepSpeed fp16 training with loss scaling")
+    loss_scale: float = doc(0.0, "static loss scale; 0 = dynamic")
+    initial_scale_power: int = doc(16, "dynamic: initial scale = 2**initial_scale_power")
+    loss_scale_window: int = doc(1000, "dynamic: steps without overflow before the scale grows")
+    hysteresis: int = doc(2, "dynamic: overflows tolerated before the scale shrinks")
+    min_loss_scale: float = doc(1.0, "dynamic: lower bound of the scale")
+    max_consecutive_skips: int = doc(50, "nxdt: stop the run after this many overflow-skipped steps in a row")
+
+
+@dataclass
+class PrecisionConfig:
+    type: Literal[PRECISION_TYPES] = doc("fp32", "precision preset (see docs: env vars and meaning per device)")
+    master_weights: bool = doc(False, "manual: keep fp32 master weights")
+    fp32_grad_acc: bool = doc(False, "manual: accumulate gradients in fp32")
+    fp32_grads_cc: bool = doc(False, "manual: reduce gradients in fp32")
+    xla_use_bf16: ZeroOne = doc("0", "manual: XLA_USE_BF16", neuron=True)
+    xla_downcast_bf16: ZeroOne = doc("0", "manual: XLA_DOWNCAST_BF16", neuron=True)
+    neuron_rt_stochastic_rounding_en: ZeroOne = doc("0", "manual: NEURON_RT_STOCHASTIC_ROUNDING_EN", neuron=True)
+    fp16: Fp16Config = doc(Fp16Config, "fp16 with loss scaling (GPT-NeoX)")
+
+
+# --------------------------------------------------------------------------- top level
+@dataclass
+class NxdtConfig:
+    name: str = doc("nxdt", "run name")
+    model_source: Literal["megatron", "hf"] = doc("megatron", "megatron: native model from model.*; hf: transformers config.json")
+    seed: int = doc(1234, "random seed")
+    trainer: TrainerConfig = doc(TrainerConfig, "Lightning Trainer settings")
+    exp_manager: ExpManagerConfig = doc(ExpManagerConfig, "logging, checkpoints, resume")
+    distributed_strategy: DistributedStrategyConfig = doc(DistributedStrategyConfig, "parallel layout")
+    data: DataConfig = doc(DataConfig, "dataset, batch sizes, tokenizer")
+    model: ModelConfig = doc(ModelConfig, "architecture, optimizer, scheduler")
+    precision: PrecisionConfig = doc(PrecisionConfig, "dtype preset")
+    model_alignment_strategy: Optional[Dict[str, Any]] = doc(
+        None, "fine-tuning strategy: {sft: {packing: ...}} | dpo | orpo | peft", open=True)
+    compiler_flags: Optional[str] = doc(None, "Neuron compiler flags (appended to NEURON_CC_FLAGS)", neuron=True)
+    compiler_cache_url: Optional[str] = doc(None, "NEURON_COMPILE_CACHE_URL", neuron=True)
+    aync_exec_max_inflight_requests: Optional[int] = doc(
+        None, "NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS (NxDT's spelling of the key)", neuron=True)
+    bucket_size_collectives: Optional[int] = doc(None, "BUCKET_CAP_MB: collectives bucket size in MB", neuron=True)
+    neuron_rt_exec_timeout: Optional[int] = doc(None, "NEURON_RT_EXEC_TIMEOUT (seconds)", neuron=True)
+    neuron_experimental_compress_rg: bool = doc(False, "NEURON_EXPERIMENTAL_COMPRESS_RG", neuron=True)
+
+
+# --------------------------------------------------------------------------- helpers
+def defaults() -> dict:
+    """The default config as a plain dict (interpolation strings unresolved)."""
+    return dataclasses.asdict(NxdtConfig())
+
+
+def section_class(hint: Any) -> Optional[type]:
+    """The dataclass behind a field type (unwrapping Optional), or None."""
+    if isinstance(hint, type) and is_dataclass(hint):
+        return hint
+    if get_origin(hint) is Union:
+        for arg in get_args(hint):
+            if isinstance(arg, type) and is_dataclass(arg):
+                return arg
+    return None
+
+
+_HINTS: Dict[type, Dict[str, Any]] = {}
+
+
+def hints(cls: type) -> Dict[str, Any]:
+    """Resolved type hints of a schema dataclass (cached)."""
+    if cls not in _HINTS:
+        _HINTS[cls] = get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def type_name(hint: Any) -> str:
+    """A short human name for a type hint: 'int', 'float or null', 'one of [...]'."""
+    origin = get_origin(hint)
+    if hint is Any:
+        return "any"
+    if hint is type(None):
+        return "null"
+    if origin is Literal:
+        return f"one of {list(get_args(hint))}"
+    if origin is Union:
+        return " or ".join(type_name(a) for a in get_args(hint))
+    if origin in (list, List):
+        return "list"
+    if origin in (dict, Dict):
+        return "mapping"
+    if isinstance(hint, type) and is_dataclass(hint):
+        return "mapping"
+    return getattr(hint, "__name__", str(hint))
+
+
+def iter_fields(cls: type = NxdtConfig, prefix: str = ""):
+    """Yield (dotted_key, type_name, default, help, metadata) for every leaf key of the schema."""
+    inst = cls()
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        sub = section_class(hints(cls)[f.name])
+        if sub is not None:
+            yield from iter_fields(sub, key + ".")
+            continue
+        yield key, type_name(hints(cls)[f.name]), getattr(inst, f.name), f.metadata.get("help", ""), f.metadata
+
+
+def describe(section: Optional[str] = None) -> str:
+    """Human-readable key reference (for --help): one line per key, optionally one section only."""
+    lines = []
+    for key, tname, default, help_, meta in iter_fields():
+        if section and not (key == section or key.startswith(section + ".")):
+            continue
+        shown = "null" if default is None else repr(default)
+        tag = " [Neuron]" if meta.get("neuron") else ""
+        lines.append(f"{key} ({tname}, default {shown}){tag}: {help_}")
+    return "\n".join(lines)

@@ -1,0 +1,521 @@
+"""Checks a composed config; every problem is a one-line ConfigError naming the dotted key.
+
+Stages (in this order):
+1. `check_schema`: unknown keys (with did-you-mean), types, enumerations; coerces values in
+   place (ints and numeric strings such as "3e-4" to floats for float keys) and normalises
+   (vpp null -> 1, sequence_parallel off when tp == 1, megatron defaults, sched.max_steps).
+2. `NOT_SUPPORTED_YET`: keys the schema accepts but nxdt does not build yet.
+3. Cross-checks: world size, parallel layout and batch sizes, attention heads, sequence length.
+4. Paths named by the config exist (`check_paths`).
+
+`validate` returns the notices (one line each) the caller should print once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import re
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin
+
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
+
+from nxdt.config import schema
+from nxdt.config.errors import ConfigError
+from nxdt.config.layout import compute_layout, get
+
+
+def _gt1(v: Any) -> bool:
+    return v is not None and v > 1
+
+
+# dotted key -> predicate on its value: True means "this value needs a feature not built yet".
+# The lead removes entries as features land.
+NOT_SUPPORTED_YET: dict[str, Callable[[Any], bool]] = {
+    "distributed_strategy.tensor_model_parallel_size": _gt1,
+    "distributed_strategy.pipeline_model_parallel_size": _gt1,
+    "distributed_strategy.virtual_pipeline_model_parallel_size": _gt1,
+    "distributed_strategy.context_parallel_size": _gt1,
+    "distributed_strategy.expert_model_parallel_size": _gt1,
+    "distributed_strategy.zero1": bool,
+    "distributed_strategy.fsdp": bool,
+    "distributed_strategy.sharding_strategy": lambda v: v not in (None, "no-shard", "DDP"),
+    "distributed_strategy.cpu_offload": bool,
+    "distributed_strategy.low_cpu_fsdp": bool,
+    "distributed_strategy.meta_init": bool,
+    "precision.type": lambda v: v not in ("fp32", "autocast"),
+    "precision.fp16.enabled": bool,
+    "model.moe.num_experts": lambda v: v is not None and v > 0,
+    "model.activations_checkpoint_granularity": lambda v: v is not None,
+    "model.selective_checkpointing": lambda v: v is not None,
+    "model.fusions.ring_attention": bool,
+    "model.transformer_block_type": lambda v: v != "pre_ln",
+    "model_alignment_strategy": lambda v: v is not None,
+    "data.data_module": lambda v: v is not None,
+    "data.packing": bool,
+    "data.use_dummy_dataset": bool,
+    "data.use_sft_style_data_module": bool,
+    "data.datasets": lambda v: v is not None,
+    "exp_manager.async_checkpointing": bool,
+}
+
+
+def _one_line(text: Any) -> str:
+    return " ".join(str(text).split())
+
+
+def _did_you_mean(word: str, choices, prefix: str = "") -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean '{prefix}{close[0]}'?)" if close else ""
+
+
+def _type_of(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, (list, ListConfig)):
+        return "list"
+    if isinstance(value, (dict, DictConfig)):
+        return "mapping"
+    return type(value).__name__
+
+
+# --------------------------------------------------------------------------- type checking
+_FAIL = object()
+
+
+def _coerce(value: Any, hint: Any) -> Any:
+    """`value` converted to `hint`, or _FAIL."""
+    origin = get_origin(hint)
+    if hint is Any:
+        return value
+    if hint is type(None):
+        return None if value is None else _FAIL
+    if origin is Union:
+        for arg in get_args(hint):
+            out = _coerce(value, arg)
+            if out is not _FAIL:
+                return out
+        return _FAIL
+    if origin is Literal:
+        choices = get_args(hint)
+        if isinstance(value, str) and value in choices:
+            return value
+        if isinstance(value, bool) and all(isinstance(c, str) for c in choices):
+            alt = "1" if value else "0"
+            return alt if alt in choices else _FAIL
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if value in choices and not isinstance(value, str):
+                return value
+            alt = str(int(value)) if float(value).is_integer() else str(value)
+            return alt if alt in choices else _FAIL
+        return _FAIL
+    if hint is bool:
+        return value if isinstance(value, bool) else _FAIL
+    if hint is int:
+        return value if isinstance(value, int) and not isinstance(value, bool) else _FAIL
+    if hint is float:
+        if isinstance(value, bool):
+            return _FAIL
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value.strip())
+            except ValueError:
+                return _FAIL
+        return _FAIL
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        return _FAIL
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            return _FAIL
+        (elem,) = get_args(hint) or (Any,)
+        out = []
+        for item in value:
+            c = _coerce(item, elem)
+            if c is _FAIL:
+                return _FAIL
+            out.append(c)
+        return out
+    if origin is dict:
+        return value if isinstance(value, dict) else _FAIL
+    return value  # unknown hint kinds are not checked
+
+
+def _check_value(value: Any, hint: Any, path: str) -> Any:
+    plain = OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) else value
+    out = _coerce(plain, hint)
+    if out is _FAIL:
+        # element-level message for lists of a simple type
+        if get_origin(hint) is Union and type(None) in get_args(hint):
+            inner = [a for a in get_args(hint) if a is not type(None)]
+            hint_for_msg = inner[0] if len(inner) == 1 else hint
+        else:
+            hint_for_msg = hint
+        if get_origin(hint_for_msg) is list and isinstance(plain, list):
+            (elem,) = get_args(hint_for_msg) or (Any,)
+            for i, item in enumerate(plain):
+                if _coerce(item, elem) is _FAIL:
+                    raise ConfigError(f"{path}[{i}]: expected {schema.type_name(elem)}, got {item!r} ({_type_of(item)})")
+        raise ConfigError(f"{path}: expected {schema.type_name(hint_for_msg)}, got {plain!r} ({_type_of(plain)})")
+    return out
+
+
+def _walk(node: DictConfig, cls: type, path: str, free_extra: bool = False) -> None:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = schema.hints(cls)
+    prefix = f"{path}." if path else ""
+    for key in list(node.keys()):
+        key = str(key)
+        dotted = prefix + key
+        if key not in fields:
+            if free_extra:
+                continue
+            raise ConfigError(f"unknown key '{dotted}'{_did_you_mean(key, fields, prefix)}")
+        hint = hints[key]
+        value = node[key]
+        sub = schema.section_class(hint)
+        if sub is not None:
+            if not isinstance(value, DictConfig):
+                raise ConfigError(f"{dotted}: expected a mapping of {sub.__name__} keys, got {value!r} ({_type_of(value)})")
+            _walk(value, sub, dotted)
+            continue
+        new = _check_value(value, hint, dotted)
+        old = OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) else value
+        if new is not None and (type(new) is not type(old) or new != old):
+            node[key] = new
+
+
+def _resolve(cfg: DictConfig) -> None:
+    from nxdt.config import resolvers
+
+    resolvers.register()
+    try:
+        OmegaConf.resolve(cfg)
+    except (OmegaConfBaseException, ValueError, TypeError, ArithmeticError) as err:
+        key = getattr(err, "full_key", None) or _bad_interpolation_key(cfg)
+        where = f" at '{key}'" if key else ""
+        raise ConfigError(f"cannot resolve interpolation{where}: {_one_line(str(err).splitlines()[0])}") from None
+
+
+def _bad_interpolation_key(node: Any, prefix: str = "") -> str | None:
+    """Dotted key of the first value whose interpolation fails to resolve."""
+    keys = node.keys() if isinstance(node, DictConfig) else range(len(node))
+    for key in keys:
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        try:
+            value = node[key]
+        except Exception:  # noqa: BLE001 - any failure locates the key
+            return dotted
+        if isinstance(value, (DictConfig, ListConfig)):
+            found = _bad_interpolation_key(value, dotted)
+            if found:
+                return found
+    return None
+
+
+_NUMBER = re.compile(r"\s*[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?\s*")
+
+
+def _numbers_from_strings(node: DictConfig) -> None:
+    """In model.optim / sched, a number written as a string ("3e-4") becomes a float."""
+    for key in list(node.keys()):
+        value = node[key]
+        if isinstance(value, DictConfig):
+            _numbers_from_strings(value)
+        elif isinstance(value, ListConfig):
+            for i, item in enumerate(value):
+                if isinstance(item, str) and _NUMBER.fullmatch(item):
+                    value[i] = float(item)
+        elif isinstance(value, str) and key != "name" and _NUMBER.fullmatch(value):
+            node[key] = float(value)
+
+
+def _set(node: DictConfig, key: str, value: Any) -> None:
+    with open_dict(node):
+        node[key] = value
+
+
+def check_schema(cfg: DictConfig) -> list[str]:
+    """Unknown keys, types and enumerations; coerces and normalises `cfg` in place. Returns notices."""
+    if not isinstance(cfg, DictConfig):
+        raise ConfigError(f"config must be a mapping, got {_type_of(cfg)}")
+    _resolve(cfg)
+    data = cfg.get("data")
+    free_data = isinstance(data, DictConfig) and data.get("data_module") is not None
+    # with a custom data module, extra keys under data are free (known keys are still checked)
+    _walk_top(cfg, free_data)
+    notices: list[str] = []
+
+    ds = cfg.distributed_strategy
+    if ds.virtual_pipeline_model_parallel_size is None:
+        ds.virtual_pipeline_model_parallel_size = 1
+    if ds.sequence_parallel and ds.tensor_model_parallel_size == 1:
+        ds.sequence_parallel = False
+        notices.append("distributed_strategy.sequence_parallel needs tensor_model_parallel_size > 1: turned off")
+
+    model = cfg.model
+    if cfg.model_source == "megatron":
+        if model.max_position_embeddings is None:
+            model.max_position_embeddings = model.encoder_seq_length
+        if model.num_kv_heads is None and model.num_attention_heads is not None:
+            model.num_kv_heads = model.num_attention_heads
+    if model.moe.num_selects is not None:
+        model.moe.top_k = model.moe.num_selects
+
+    mas = cfg.get("model_alignment_strategy")
+    if mas is not None:
+        for key in mas.keys():
+            if key not in schema.ALIGNMENT_STRATEGIES:
+                raise ConfigError(
+                    f"unknown key 'model_alignment_strategy.{key}'"
+                    f"{_did_you_mean(str(key), schema.ALIGNMENT_STRATEGIES, 'model_alignment_strategy.')}"
+                    f" (expected one of {list(schema.ALIGNMENT_STRATEGIES)})")
+
+    optim = model.optim
+    _numbers_from_strings(optim)
+    sched = optim.get("sched")
+    if isinstance(sched, DictConfig) and sched.get("max_steps") is None:
+        _set(sched, "max_steps", cfg.trainer.max_steps)
+    _check_optim(OmegaConf.to_container(optim, resolve=True))
+    return notices
+
+
+def _walk_top(cfg: DictConfig, free_data: bool) -> None:
+    fields = {f.name for f in dataclasses.fields(schema.NxdtConfig)}
+    hints = schema.hints(schema.NxdtConfig)
+    for key in list(cfg.keys()):
+        key = str(key)
+        if key not in fields:
+            raise ConfigError(f"unknown key '{key}'{_did_you_mean(key, fields)}")
+        sub = schema.section_class(hints[key])
+        value = cfg[key]
+        if sub is None:
+            new = _check_value(value, hints[key], key)
+            if not isinstance(value, (DictConfig, ListConfig)) and new is not None and (
+                    type(new) is not type(value) or new != value):
+                cfg[key] = new
+            continue
+        if not isinstance(value, DictConfig):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r} ({_type_of(value)})")
+        _walk(value, sub, key, free_extra=(key == "data" and free_data))
+
+
+def _check_optim(optim: Any) -> None:
+    try:
+        from nxdt.config.optim_keys import check_optim
+    except ImportError:  # pragma: no cover - the module is written in parallel
+        return
+    check_optim(optim, path="model.optim")
+
+
+# --------------------------------------------------------------------------- not supported yet
+def check_not_supported(cfg: Any) -> None:
+    """Raise `'<key>' is not supported yet` for the first NOT_SUPPORTED_YET entry that matches."""
+    for key, predicate in NOT_SUPPORTED_YET.items():
+        value = get(cfg, key)
+        if isinstance(value, (DictConfig, ListConfig)):
+            value = OmegaConf.to_container(value, resolve=True)
+        if predicate(value):
+            shown = value if not isinstance(value, (dict, list)) else _one_line(value)
+            raise ConfigError(f"'{key}' is not supported yet (got {shown})")
+
+
+# --------------------------------------------------------------------------- cross-checks
+def _hf_json(cfg: Any) -> dict:
+    path = get(cfg, "model.model_config")
+    if get(cfg, "model_source") != "hf" or not path or not os.path.isfile(str(path)):
+        return {}
+    try:
+        with open(str(path), encoding="utf-8") as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _effective_model(cfg: Any) -> dict:
+    """Architecture numbers as the model builder will see them (hf: config.json under cfg overrides)."""
+    hf = _hf_json(cfg)
+    m = cfg.model
+
+    def pick(key: str, json_key: str):
+        v = m.get(key)
+        return v if v is not None else hf.get(json_key)
+
+    heads = pick("num_attention_heads", "num_attention_heads")
+    kv = pick("num_kv_heads", "num_key_value_heads") or heads
+    return {
+        "num_layers": pick("num_layers", "num_hidden_layers"),
+        "hidden_size": pick("hidden_size", "hidden_size"),
+        "ffn_hidden_size": pick("ffn_hidden_size", "intermediate_size"),
+        "num_attention_heads": heads,
+        "num_kv_heads": kv,
+        "max_position_embeddings": pick("max_position_embeddings", "max_position_embeddings"),
+        "kv_channels": pick("kv_channels", "head_dim"),
+    }
+
+
+def _prefix_paths(value: Any, path: str) -> list[str]:
+    """Paths in a data_prefix value ([w, p, w, p, ...], [p], p, or {train, validation, test})."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        out = []
+        for key, sub in value.items():
+            if key not in ("train", "validation", "test"):
+                raise ConfigError(f"unknown key '{path}.{key}'{_did_you_mean(str(key), ('train', 'validation', 'test'), path + '.')}")
+            out += _prefix_paths(sub, f"{path}.{key}")
+        return out
+    if isinstance(value, list):
+        if len(value) == 1 and isinstance(value[0], str):
+            return [value[0]]
+        ok = len(value) >= 2 and len(value) % 2 == 0
+        for i in range(0, len(value) - 1, 2) if ok else ():
+            w, p = value[i], value[i + 1]
+            try:
+                weight = float(w) if not isinstance(w, bool) else -1.0
+            except (TypeError, ValueError):
+                weight = -1.0
+            if weight < 0 or not isinstance(p, str):
+                ok = False
+        if ok:
+            return [value[i] for i in range(1, len(value), 2)]
+    raise ConfigError(f"{path}: expected [weight, path, weight, path, ...], a path, or "
+                      f"{{train, validation, test}}, got {_one_line(value)}")
+
+
+def check_cross(cfg: Any, world_size: int | None = None) -> None:
+    tr, ds, data, model = cfg.trainer, cfg.distributed_strategy, cfg.data, cfg.model
+    if tr.accumulate_grad_batches != 1:
+        raise ConfigError(
+            f"trainer.accumulate_grad_batches: {tr.accumulate_grad_batches} is not allowed: gradient accumulation "
+            f"is derived from data.global_batch_size / (data.micro_batch_size x data-parallel size); set those instead")
+    for key in ("devices", "num_nodes"):
+        if tr[key] < 1:
+            raise ConfigError(f"trainer.{key}: must be >= 1, got {tr[key]}")
+    if world_size is not None and tr.devices * tr.num_nodes != world_size:
+        raise ConfigError(
+            f"trainer.devices ({tr.devices}) x trainer.num_nodes ({tr.num_nodes}) = {tr.devices * tr.num_nodes} "
+            f"does not match the world size {world_size}")
+    layout = compute_layout(cfg, world_size)
+    if layout.vpp > 1 and layout.pp == 1:
+        raise ConfigError("distributed_strategy.virtual_pipeline_model_parallel_size > 1 needs "
+                          "pipeline_model_parallel_size > 1")
+
+    if cfg.model_source == "megatron":
+        for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads"):
+            if model[key] is None:
+                raise ConfigError(f"model.{key} is required for model_source megatron")
+    elif model.model_config is None:
+        raise ConfigError("model.model_config (a transformers config.json) is required for model_source hf")
+
+    eff = _effective_model(cfg)
+    heads, kv, hidden, tp = eff["num_attention_heads"], eff["num_kv_heads"], eff["hidden_size"], layout.tp
+    for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_kv_heads",
+                "max_position_embeddings"):
+        if eff[key] is not None and eff[key] < 1:
+            raise ConfigError(f"model.{key}: must be >= 1, got {eff[key]}")
+    if heads is not None:
+        if heads % tp:
+            raise ConfigError(f"model.num_attention_heads ({heads}) is not divisible by "
+                              f"distributed_strategy.tensor_model_parallel_size ({tp})")
+        if hidden is not None and eff["kv_channels"] is None and hidden % heads:
+            raise ConfigError(f"model.hidden_size ({hidden}) is not divisible by model.num_attention_heads ({heads})")
+        if kv is not None:
+            if heads % kv:
+                raise ConfigError(f"model.num_attention_heads ({heads}) is not divisible by model.num_kv_heads ({kv})")
+            if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
+                raise ConfigError(f"model.num_kv_heads ({kv}) and distributed_strategy.tensor_model_parallel_size "
+                                  f"({tp}) must divide one another (K/V heads are split or replicated across tp)")
+    seq, maxpos = data.seq_length, eff["max_position_embeddings"]
+    if seq is not None and seq < 1:
+        raise ConfigError(f"data.seq_length: must be >= 1, got {seq}")
+    if seq is not None and maxpos is not None and seq > maxpos:
+        raise ConfigError(f"data.seq_length ({seq}) exceeds model.max_position_embeddings ({maxpos})")
+    p = model.selective_checkpointing
+    if p is not None and not 0 < p <= 1:
+        raise ConfigError(f"model.selective_checkpointing: expected a fraction in (0, 1], got {p}")
+    moe = model.moe
+    if moe.num_experts > 0 and not 1 <= moe.top_k <= moe.num_experts:
+        raise ConfigError(f"model.moe.top_k ({moe.top_k}) must be between 1 and model.moe.num_experts ({moe.num_experts})")
+    if not re.fullmatch(r"\s*\d+(\.\d+)?\s*(,\s*\d+(\.\d+)?\s*){2}", data.splits_string):
+        raise ConfigError(f"data.splits_string: expected three comma-separated numbers like '980,10,10', "
+                          f"got '{data.splits_string}'")
+    if data.datasets is not None and data.weights is not None and len(data.datasets) != len(data.weights):
+        raise ConfigError(f"data.weights has {len(data.weights)} entries but data.datasets has {len(data.datasets)}")
+    if data.data_module is not None and not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+", data.data_module):
+        raise ConfigError(f"data.data_module: expected 'package.module.ClassName', got '{data.data_module}'")
+    prefix = data.data_prefix
+    if data.data_module is None:
+        _prefix_paths(OmegaConf.to_container(prefix) if isinstance(prefix, (DictConfig, ListConfig)) else prefix,
+                      "data.data_prefix")
+
+
+# --------------------------------------------------------------------------- paths
+def _need(path: Any, key: str, what: str = "file", kind: str = "any") -> None:
+    p = Path(os.path.expanduser(str(path)))
+    ok = p.is_dir() if kind == "dir" else p.is_file() if kind == "file" else p.exists()
+    if not ok:
+        raise ConfigError(f"{key}: {what} not found: {p if p.is_absolute() else os.path.abspath(p)}")
+
+
+def check_files(cfg: Any) -> None:
+    data, model = cfg.data, cfg.model
+    if data.data_module is None:
+        has_source = (data.data_prefix is not None or data.train_dir is not None or data.use_dummy_dataset
+                      or data.datasets is not None)
+        if cfg.model_source == "megatron" and not has_source:
+            raise ConfigError("data.data_prefix is required for model_source megatron "
+                              "(or set data.train_dir, data.use_dummy_dataset or data.data_module)")
+        if cfg.model_source == "hf" and not has_source:
+            raise ConfigError("data.train_dir is required for model_source hf "
+                              "(or set data.data_prefix, data.use_dummy_dataset or data.data_module)")
+        if data.data_prefix is not None and not data.use_dummy_dataset:
+            prefix = data.data_prefix
+            plain = OmegaConf.to_container(prefix) if isinstance(prefix, (DictConfig, ListConfig)) else prefix
+            for p in _prefix_paths(plain, "data.data_prefix"):
+                for ext in (".bin", ".idx"):
+                    _need(str(p) + ext, "data.data_prefix", "indexed dataset file", "file")
+        for key in ("train_dir", "val_dir", "test_dir"):
+            if data[key] is not None:
+                _need(data[key], f"data.{key}", "data path")
+    tok = data.tokenizer
+    if tok.library == "huggingface" and tok.type is not None:
+        _need(tok.type, "data.tokenizer.type", "tokenizer directory", "dir")
+    for key in ("model", "vocab_file", "merge_file"):
+        if tok[key] is not None:
+            _need(tok[key], f"data.tokenizer.{key}", "tokenizer file", "file")
+    if cfg.model_source == "hf" and model.model_config is not None:
+        _need(model.model_config, "model.model_config", "transformers config.json", "file")
+    if cfg.exp_manager.resume_from_checkpoint is not None:
+        _need(cfg.exp_manager.resume_from_checkpoint, "exp_manager.resume_from_checkpoint", "checkpoint")
+
+
+# --------------------------------------------------------------------------- entry
+def validate(cfg: DictConfig, world_size: int | None = None, check_paths: bool = True,
+             check_supported: bool = True) -> list[str]:
+    """Validate (and coerce/normalise in place) a composed config; raise ConfigError on the first problem.
+
+    Returns notices (one line each) for the caller to print once, e.g. sequence_parallel turned off.
+    """
+    if isinstance(cfg, Mapping) and not isinstance(cfg, DictConfig):
+        raise ConfigError("validate() expects an OmegaConf DictConfig")
+    notices = check_schema(cfg)
+    if check_supported:
+        check_not_supported(cfg)
+    check_cross(cfg, world_size)
+    if check_paths:
+        check_files(cfg)
+    return notices

@@ -1,0 +1,126 @@
+"""Build the tokenizer named by `data.tokenizer.*` (offline: nothing is downloaded).
+
+| data.tokenizer.library     | what is loaded                                                        |
+|----------------------------|-----------------------------------------------------------------------|
+| huggingface (default)      | `AutoTokenizer.from_pretrained(type, local_files_only=True)`; `type`  |
+|                            | is a tokenizer directory (null → the bundled KJV BPE tokenizer)       |
+| megatron                   | GPT-2 BPE from `vocab_file` (vocab.json) + `merge_file` (merges.txt)  |
+| sentencepiece              | a SentencePiece `model` file (needs the `sentencepiece` package)       |
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from nxdt.config.errors import ConfigError
+
+
+def _get(cfg: Any, key: str, default=None):
+    if cfg is None:
+        return default
+    if isinstance(cfg, Mapping) or hasattr(cfg, "get"):
+        value = cfg.get(key, default)
+    else:
+        value = getattr(cfg, key, default)
+    return default if value is None else value
+
+
+def _require_file(path: str | None, key: str, what: str) -> str:
+    if not path:
+        raise ConfigError(f"data.tokenizer.{key}: required for {what}")
+    path = os.path.expanduser(str(path))
+    if not os.path.isfile(path):
+        raise ConfigError(f"data.tokenizer.{key}: file not found: {path}")
+    return path
+
+
+def build_tokenizer(tok_cfg: Any):
+    """Return a `transformers.PreTrainedTokenizerBase` for the `data.tokenizer` config node.
+
+    A missing directory or file raises `ConfigError` naming the key and the path.
+    """
+    library = str(_get(tok_cfg, "library", "huggingface")).lower()
+    if library in ("huggingface", "hf"):
+        return _huggingface(tok_cfg)
+    if library == "megatron":
+        return _megatron_gpt2(tok_cfg)
+    if library == "sentencepiece":
+        return _sentencepiece(tok_cfg)
+    raise ConfigError(
+        f"data.tokenizer.library: unknown value '{library}' (expected huggingface, megatron or sentencepiece)"
+    )
+
+
+def _huggingface(tok_cfg: Any):
+    from nxdt.data.assets import bundled_tokenizer_dir
+
+    path = _get(tok_cfg, "type")
+    path = str(bundled_tokenizer_dir()) if path is None else os.path.expanduser(str(path))
+    if not os.path.isdir(path):
+        raise ConfigError(
+            f"data.tokenizer.type: tokenizer directory not found: {path} "
+            "(nxdt loads tokenizers offline; point it at a directory made by save_pretrained)"
+        )
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True, use_fast=bool(_get(tok_cfg, "use_fast", True)))
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"data.tokenizer.type: cannot load a tokenizer from {path}: {err}") from err
+
+
+def _megatron_gpt2(tok_cfg: Any):
+    tok_type = str(_get(tok_cfg, "type", "GPT2BPETokenizer"))
+    if tok_type not in ("GPT2BPETokenizer", "GPT2BPE", "gpt2"):
+        raise ConfigError(f"data.tokenizer.type: megatron library supports GPT2BPETokenizer, got '{tok_type}'")
+    vocab = _require_file(_get(tok_cfg, "vocab_file"), "vocab_file", "the megatron GPT2BPE tokenizer")
+    merges = _require_file(_get(tok_cfg, "merge_file"), "merge_file", "the megatron GPT2BPE tokenizer")
+    # Built from `tokenizers` directly: the transformers GPT-2 class changed its arguments in v5.
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    try:
+        bpe = models.BPE.from_file(vocab, merges)
+    except Exception as err:  # noqa: BLE001 - tokenizers raises plain Exception
+        raise ConfigError(f"data.tokenizer.vocab_file: cannot read GPT-2 BPE files {vocab}, {merges}: {err}") from err
+    tok = Tokenizer(bpe)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    eod = "<|endoftext|>"
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=eod, eos_token=eod, unk_token=eod, pad_token=eod)
+
+
+def _sentencepiece(tok_cfg: Any):
+    model = _require_file(_get(tok_cfg, "model"), "model", "the sentencepiece tokenizer")
+    try:
+        import sentencepiece  # noqa: F401
+    except ImportError as err:
+        raise ConfigError(
+            "data.tokenizer.library: 'sentencepiece' needs the sentencepiece package (pip install sentencepiece)"
+        ) from err
+    import tempfile
+
+    from transformers import LlamaTokenizer
+
+    # from_pretrained on a directory holding `tokenizer.model` works the same in transformers 4 and 5.
+    with tempfile.TemporaryDirectory(prefix="nxdt-spm-") as tmp:
+        os.symlink(os.path.abspath(model), os.path.join(tmp, "tokenizer.model"))
+        try:
+            tok = LlamaTokenizer.from_pretrained(
+                tmp, local_files_only=True, legacy=bool(_get(tok_cfg, "sentencepiece_legacy", False))
+            )
+        except Exception as err:  # noqa: BLE001 - the converters raise many kinds
+            raise ConfigError(f"data.tokenizer.model: cannot load sentencepiece model {model}: {err}") from err
+    if tok.pad_token is None:
+        tok.pad_token = tok.unk_token or tok.eos_token
+    return tok
+
+
+def eod_id(tokenizer) -> int:
+    """The end-of-document id appended after every document: the tokenizer's eos id."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        raise ConfigError("data.tokenizer: the tokenizer has no eos token, which nxdt uses as end-of-document")
+    return int(eos)

@@ -1,0 +1,497 @@
+"""Llama in plain PyTorch: the native ("megatron" source) model of nxdt.
+
+Read it top to bottom: arguments, norms, rotary embedding, attention, MLP,
+decoder layer, the model, and weight initialisation.
+
+Design points:
+- The module tree and parameter names are exactly those of
+  `transformers.LlamaForCausalLM` (`model.embed_tokens`, `model.layers.<i>.self_attn.q_proj`,
+  ..., `lm_head`), so a state dict moves between the two with no renaming and the
+  parallel plans can name modules by these paths.
+- No distributed code here: tensor/pipeline/data parallelism is applied from the
+  outside (nxdt.parallel), the way torchtitan and gpt-fast do it.
+- Activation checkpointing selects modules by class name (`CoreAttention`,
+  `LlamaMLP`, `LlamaRMSNorm`), which is why the SDPA call lives in its own small
+  parameter-free `CoreAttention` module.
+- Megatron-style options (`normalization`, `activation`, `position_embedding_type`,
+  `rotary_percentage`, `has_bias`, dropouts, scaled init) are supported so the
+  NxDT "megatron" model configs mean what they say.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class LlamaArgs:
+    """Architecture of a Llama-family decoder. Names follow NxDT/Megatron model keys."""
+
+    vocab_size: int = 32000
+    """Rows of the embedding and the output layer (already padded by the builder)."""
+    hidden_size: int = 4096
+    num_layers: int = 32
+    num_attention_heads: int = 32
+    num_kv_heads: int | None = None
+    """Key/value heads (GQA). None → num_attention_heads (plain multi-head attention)."""
+    ffn_hidden_size: int = 11008
+    kv_channels: int | None = None
+    """Head dimension override. None → hidden_size // num_attention_heads."""
+    max_position_embeddings: int = 4096
+    """Rows of the learned position table; unused by RoPE (which needs no table)."""
+    normalization: str = "rmsnorm"
+    """'rmsnorm' (Llama) or 'layernorm' (GPT-style, with a bias)."""
+    layernorm_epsilon: float = 1e-5
+    activation: str = "swiglu"
+    """'swiglu' (down(silu(gate(x)) * up(x))) or 'gelu' (down(gelu(up(x))), no gate_proj)."""
+    has_bias: bool = False
+    """Bias on every linear layer of attention and MLP (never on lm_head)."""
+    share_embeddings_and_output_weights: bool = False
+    """Tie lm_head.weight to model.embed_tokens.weight (one tensor, counted once)."""
+    position_embedding_type: str = "rope"
+    """'rope' or 'learned_absolute' (adds model.embed_positions)."""
+    rotary_percentage: float = 1.0
+    """Fraction of each head dim that is rotated (GPT-NeoX partial rotary); the rest passes through."""
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    """None, or HF-style {'rope_type': 'llama3', 'factor', 'low_freq_factor',
+    'high_freq_factor', 'original_max_position_embeddings'} (Llama 3.1 long context)."""
+    sliding_window_size: int | None = None
+    """If set, a token sees at most this many tokens (itself included), as in Mistral."""
+    hidden_dropout: float = 0.0
+    """Dropout on the embeddings and on the attention / MLP outputs before each residual add."""
+    attention_dropout: float = 0.0
+    """Dropout on the attention probabilities."""
+    ffn_dropout: float = 0.0
+    """Dropout inside the MLP, after the activation."""
+    init_method_std: float = 0.02
+    use_scaled_init_method: bool = True
+    """Output projections (o_proj, down_proj) get std / sqrt(2 * num_layers), as in GPT-2/Megatron:
+    each layer adds two residual branches, this keeps the residual stream's variance from growing."""
+    apply_query_key_layer_scaling: bool = False
+    """Accepted for NxDT compatibility, no effect. In Megatron it divides QK^T by the layer
+    number and multiplies it back inside an fp32 softmax: an fp16 overflow guard that leaves
+    the result unchanged. Our softmax (SDPA) is numerically safe, so the math is the same."""
+
+    def __post_init__(self) -> None:
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_attention_heads
+        if self.normalization not in ("rmsnorm", "layernorm"):
+            raise ValueError(f"normalization must be 'rmsnorm' or 'layernorm', got {self.normalization!r}")
+        if self.activation not in ("swiglu", "gelu"):
+            raise ValueError(f"activation must be 'swiglu' or 'gelu', got {self.activation!r}")
+        if self.position_embedding_type not in ("rope", "learned_absolute"):
+            raise ValueError(
+                f"position_embedding_type must be 'rope' or 'learned_absolute', got {self.position_embedding_type!r}"
+            )
+        if self.num_attention_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads != 0:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                f"({self.num_attention_heads}) unless kv_channels is set"
+            )
+        if not 0.0 < self.rotary_percentage <= 1.0:
+            raise ValueError(f"rotary_percentage must be in (0, 1], got {self.rotary_percentage}")
+        if self.position_embedding_type == "rope" and self.rotary_dim % 2 != 0:
+            raise ValueError(f"rotary dimension {self.rotary_dim} (head_dim × rotary_percentage) must be even")
+        if self.sliding_window_size is not None and self.sliding_window_size < 1:
+            raise ValueError(f"sliding_window_size must be >= 1 or None, got {self.sliding_window_size}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.rotary_percentage)
+
+    def to_hf_config_dict(self) -> dict[str, Any]:
+        """The equivalent transformers LlamaConfig (as a config.json dict), for exporting a
+        checkpoint to HF. Raises for options HF Llama cannot express."""
+        unsupported = []
+        if self.normalization != "rmsnorm":
+            unsupported.append("normalization=layernorm")
+        if self.activation != "swiglu":
+            unsupported.append("activation=gelu")
+        if self.position_embedding_type != "rope":
+            unsupported.append("position_embedding_type=learned_absolute")
+        if self.rotary_percentage != 1.0:
+            unsupported.append("rotary_percentage<1")
+        if self.sliding_window_size is not None:
+            unsupported.append("sliding_window_size")
+        if unsupported:
+            raise ValueError(f"transformers LlamaConfig cannot express: {', '.join(unsupported)}")
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.ffn_hidden_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.layernorm_epsilon,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
+            "attention_bias": self.has_bias,
+            "mlp_bias": self.has_bias,
+            "attention_dropout": self.attention_dropout,
+            "initializer_range": self.init_method_std,
+            "tie_word_embeddings": self.share_embeddings_and_output_weights,
+        }
+
+
+# --------------------------------------------------------------------------- norms
+
+
+class LlamaRMSNorm(nn.Module):
+    """RMSNorm, computed in fp32 and cast back (same arithmetic as transformers' LlamaRMSNorm)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * x.to(input_dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class LlamaLayerNorm(nn.LayerNorm):
+    """LayerNorm with bias (normalization: layernorm); a named class so checkpointing can select it."""
+
+
+def make_norm(args: LlamaArgs) -> nn.Module:
+    if args.normalization == "rmsnorm":
+        return LlamaRMSNorm(args.hidden_size, eps=args.layernorm_epsilon)
+    return LlamaLayerNorm(args.hidden_size, eps=args.layernorm_epsilon)
+
+
+# --------------------------------------------------------------------------- rotary embedding
+
+
+def rope_inv_freq(dim: int, theta: float, rope_scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies of the rotary embedding for a rotated dimension `dim`.
+
+    With Llama 3.1 scaling, long wavelengths (beyond the original context) are slowed
+    down by `factor`, short ones are kept, and the band in between is interpolated
+    smoothly. Same formula and fp32 arithmetic as transformers' `_compute_llama3_parameters`.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim))
+    if not rope_scaling:
+        return inv_freq
+    rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / rope_scaling["factor"]
+    if rope_type != "llama3":
+        raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: llama3, linear)")
+    factor = rope_scaling["factor"]
+    low_freq_factor = rope_scaling["low_freq_factor"]
+    high_freq_factor = rope_scaling["high_freq_factor"]
+    old_context_len = rope_scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class LlamaRotaryEmbedding(nn.Module):
+    """Gives (cos, sin) [B, S, rotary_dim] for the given positions.
+
+    It holds no state: the inverse frequencies are recomputed on each call (rotary_dim/2
+    numbers, negligible), so the model is correct straight after a meta-device build and
+    `to_empty`, with nothing to re-initialise and nothing in the state dict.
+    """
+
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.dim = args.rotary_dim
+        self.theta = args.rope_theta
+        self.rope_scaling = dict(args.rope_scaling) if args.rope_scaling else None
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = rope_inv_freq(self.dim, self.theta, self.rope_scaling).to(x.device)
+        freqs = position_ids[..., None].float() * inv_freq  # [B, S, dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # "rotate half" layout, as in HF Llama
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first cos.shape[-1] dims of each head of x [B, H, S, D]; pass the rest through."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[B, KV, S, D] → [B, KV * n_rep, S, D]: each K/V head serves n_rep query heads (GQA)."""
+    if n_rep == 1:
+        return x
+    b, kv, s, d = x.shape
+    return x[:, :, None].expand(b, kv, n_rep, s, d).reshape(b, kv * n_rep, s, d)
+
+
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """Which packed document each token belongs to, or None if every row is one document.
+
+    A new document starts wherever the position does not advance by exactly 1 (the
+    rule transformers uses for packed sequences), e.g. positions [0 1 2 0 1 0] →
+    documents [0 0 0 1 1 2].
+    """
+    first = position_ids[:, :1] - 1
+    starts = torch.diff(position_ids, prepend=first, dim=-1) != 1
+    if not bool(starts[:, 1:].any()):
+        return None
+    return starts.cumsum(-1)
+
+
+def build_attention_mask(
+    seq_len: int,
+    device: torch.device,
+    position_ids: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+) -> torch.Tensor | None:
+    """Boolean mask [B|1, 1, S, S] (True = may attend), or None when plain causal is enough.
+
+    Causal, further limited to the last `sliding_window` tokens, and, when the
+    position ids show several packed documents, to the token's own document.
+    """
+    docs = document_ids(position_ids) if position_ids is not None else None
+    if sliding_window is None and docs is None:
+        return None  # the fast path: SDPA's is_causal
+    q = torch.arange(seq_len, device=device)[:, None]
+    k = torch.arange(seq_len, device=device)[None, :]
+    mask = k <= q
+    if sliding_window is not None:
+        mask = mask & (k > q - sliding_window)
+    mask = mask[None, None]  # [1, 1, S, S]
+    if docs is not None:
+        mask = mask & (docs[:, None, :, None] == docs[:, None, None, :])
+    return mask
+
+
+class CoreAttention(nn.Module):
+    """softmax(QK^T / sqrt(d)) V via SDPA. Parameter-free, so it is the cheap thing to recompute."""
+
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.dropout = args.attention_dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        # Repeating K/V explicitly (instead of SDPA's enable_gqa) keeps every backend
+        # (CPU, CUDA, XLA) on the same code path. The ratio is read from the tensors, not
+        # the config, so a tensor-parallel shard holding fewer (or replicated) heads works.
+        n_rep = q.shape[1] // k.shape[1]
+        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=mask is None,
+        )
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.num_heads = args.num_attention_heads
+        self.num_kv_heads = args.num_kv_heads
+        self.head_dim = args.head_dim
+        self.use_rope = args.position_embedding_type == "rope"
+        bias = args.has_bias
+        self.q_proj = nn.Linear(args.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(args.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(args.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, args.hidden_size, bias=bias)
+        self.core_attention = CoreAttention(args)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        b, s, _ = x.shape
+        # [B, S, H*D] → [B, H, S, D]; reshape with -1 heads so a tensor-parallel shard
+        # (fewer local heads, same head_dim) runs this code unchanged.
+        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        if self.use_rope:
+            cos, sin = rope
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.core_attention(q, k, v, mask)  # [B, H, S, D]
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+# --------------------------------------------------------------------------- MLP
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)); GELU: down(gelu(up(x))) (no gate_proj)."""
+
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.swiglu = args.activation == "swiglu"
+        bias = args.has_bias
+        if self.swiglu:
+            self.gate_proj = nn.Linear(args.hidden_size, args.ffn_hidden_size, bias=bias)
+        self.up_proj = nn.Linear(args.hidden_size, args.ffn_hidden_size, bias=bias)
+        self.down_proj = nn.Linear(args.ffn_hidden_size, args.hidden_size, bias=bias)
+        self.act_fn = nn.SiLU() if self.swiglu else nn.GELU()  # a module, as in transformers' tree
+        self.dropout = nn.Dropout(args.ffn_dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            h = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
+        else:
+            h = self.act_fn(self.up_proj(x))
+        return self.down_proj(self.dropout(h))
+
+
+# --------------------------------------------------------------------------- decoder
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, args: LlamaArgs, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        # Registration order = transformers' order, so state dicts list keys identically.
+        self.self_attn = LlamaAttention(args)
+        self.mlp = LlamaMLP(args)
+        self.input_layernorm = make_norm(args)
+        self.post_attention_layernorm = make_norm(args)
+        self.dropout = nn.Dropout(args.hidden_dropout)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = x + self.dropout(self.self_attn(self.input_layernorm(x), rope, mask))
+        return x + self.dropout(self.mlp(self.post_attention_layernorm(x)))
+
+
+class LlamaModel(nn.Module):
+    """Embeddings → decoder layers → final norm (no output layer); HF's `LlamaModel`."""
+
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        if args.position_embedding_type == "learned_absolute":
+            self.embed_positions = nn.Embedding(args.max_position_embeddings, args.hidden_size)
+        else:
+            self.rotary_emb = LlamaRotaryEmbedding(args)
+        self.embed_dropout = nn.Dropout(args.hidden_dropout)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(args, i) for i in range(args.num_layers))
+        self.norm = make_norm(args)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        b, s = input_ids.shape
+        explicit_positions = position_ids is not None
+        if position_ids is None:
+            position_ids = torch.arange(s, device=input_ids.device)[None].expand(b, s)
+        x = self.embed_tokens(input_ids)
+        rope = None
+        if self.args.position_embedding_type == "learned_absolute":
+            x = x + self.embed_positions(position_ids)
+        else:
+            rope = self.rotary_emb(x, position_ids)
+        x = self.embed_dropout(x)
+        # Only caller-given positions can describe several packed documents.
+        mask = build_attention_mask(
+            s, x.device, position_ids if explicit_positions else None, self.args.sliding_window_size
+        )
+        for layer in self.layers:
+            x = layer(x, rope, mask)
+        return self.norm(x)
+
+
+class NxdtLlamaForCausalLM(nn.Module):
+    """Decoder + output layer: `forward(input_ids, position_ids=None) -> logits [B, S, V]` (fp)."""
+
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.model = LlamaModel(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Make lm_head use the embedding matrix (one Parameter). Re-run after `to_empty`,
+        which gives each module its own new tensor."""
+        if self.args.share_embeddings_and_output_weights:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.lm_head(self.model(input_ids, position_ids))
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Megatron-style initialisation; valid on freshly `to_empty`-ed (garbage) memory.
+
+        Linear and embedding weights ~ N(0, init_method_std); o_proj and down_proj use
+        std / sqrt(2 * num_layers) when use_scaled_init_method; biases 0; norm weights 1.
+        """
+        a = self.args
+        self.tie_weights()
+        std = a.init_method_std
+        out_std = std / math.sqrt(2.0 * a.num_layers) if a.use_scaled_init_method else std
+        tied = a.share_embeddings_and_output_weights
+        for name, module in self.named_modules():
+            if tied and module is self.lm_head:
+                continue  # its weight is model.embed_tokens.weight, drawn as an embedding
+            if isinstance(module, nn.Linear):
+                is_output_proj = name.endswith(("self_attn.o_proj", "mlp.down_proj"))
+                nn.init.normal_(module.weight, mean=0.0, std=out_std if is_output_proj else std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, LlamaRMSNorm):
+                module.reset_parameters()
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)

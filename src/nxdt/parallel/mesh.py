@@ -1,0 +1,96 @@
+"""The one DeviceMesh every parallelism of a run is cut from.
+
+Axes, outermost first: ``pp`` (pipeline stages), ``dp_replicate`` and ``dp_shard`` (data
+parallel: replicated copies and FSDP shards; their product is dp), ``cp`` (context
+parallel) and ``tp`` (tensor parallel, innermost so its ranks are neighbours on a node).
+Every axis exists even when its size is 1, so code can always ask for ``mesh["tp"]``;
+``dp`` is the flattened (dp_replicate, dp_shard) axis that data loading and loss
+reduction use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.cp * self.tp
+
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(getattr(self, axis) for axis in MESH_AXES)
+
+
+def mesh_shape_from_layout(layout, sharding_strategy: str | None = None, num_nodes: int = 1) -> MeshShape:
+    """Split dp into replicate × shard by the FSDP sharding strategy.
+
+    no-shard / DDP / ZeRO-1: all dp ranks replicate; FSDP / grad-shard: all shard;
+    HSDP: shard within a node, replicate across nodes.
+    """
+    strategy = (sharding_strategy or "no-shard").lower()
+    dp = layout.dp
+    if strategy in ("fsdp", "full-shard", "full_shard", "grad-shard", "grad_shard"):
+        replicate, shard = 1, dp
+    elif strategy in ("hsdp", "hybrid-full-shard", "hybrid-grad-shard", "hybrid_shard"):
+        replicate = max(1, min(num_nodes, dp))
+        if dp % replicate:
+            replicate = 1
+        shard = dp // replicate
+    else:
+        replicate, shard = dp, 1
+    return MeshShape(pp=layout.pp, dp_replicate=replicate, dp_shard=shard, cp=layout.cp, tp=layout.tp)
+
+
+def build_mesh(shape: MeshShape, device_type: str) -> DeviceMesh:
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if shape.world_size != world:
+        raise ValueError(
+            f"parallel layout pp={shape.pp} × dp={shape.dp} × cp={shape.cp} × tp={shape.tp} = "
+            f"{shape.world_size} does not match the world size {world}"
+        )
+    mesh = init_device_mesh(device_type, shape.sizes(), mesh_dim_names=MESH_AXES)
+    _FLAT[(mesh, "dp")] = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    return mesh
+
+
+# Flattened axes, kept here because slicing a flattened axis from the root mesh is deprecated.
+_FLAT: dict[tuple[DeviceMesh, str], DeviceMesh] = {}
+
+
+def submesh(mesh: DeviceMesh, axis: str) -> DeviceMesh:
+    """`mesh[axis]`, also for the flattened `dp` axis."""
+    return _FLAT.get((mesh, axis)) or mesh[axis]
+
+
+def dp_rank_and_size(mesh: DeviceMesh) -> tuple[int, int]:
+    dp = submesh(mesh, "dp")
+    return dp.get_local_rank(), dp.size()
+
+
+def all_reduce_mean(value: torch.Tensor, mesh: DeviceMesh, axis: str = "dp") -> torch.Tensor:
+    """Mean of a (scalar) metric over one mesh axis, for logging; a no-op when that axis has size 1."""
+    sub = submesh(mesh, axis)
+    if sub.size() == 1:
+        return value
+    out = value.detach().clone()
+    # gloo has no AVG op: sum then divide.
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=sub.get_group())
+    return out / sub.size()

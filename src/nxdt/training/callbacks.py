@@ -1,0 +1,95 @@
+"""Callbacks that show a run to a person: the start summary, throughput, a step-based progress bar."""
+
+from __future__ import annotations
+
+import time
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback, RichProgressBar
+from lightning.pytorch.utilities import rank_zero_only
+
+
+class ThroughputMonitor(Callback):
+    """Logs step time and tokens/s (all data-parallel ranks together) after each optimizer step."""
+
+    def __init__(self, tokens_per_step: int) -> None:
+        self.tokens_per_step = tokens_per_step
+        self._start: float | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._start is None:
+            return
+        step_time = time.perf_counter() - self._start
+        pl_module.log("step_time", step_time, rank_zero_only=True)
+        pl_module.log("throughput", self.tokens_per_step / step_time, prog_bar=True, rank_zero_only=True)
+
+
+class StepProgressBar(RichProgressBar):
+    """Rich progress bar counted in optimizer steps (Lightning's shows 'Epoch 0/-2' for step-bounded runs)."""
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        return "train (steps)"
+
+    def get_metrics(self, trainer, pl_module):
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)
+        pretty = {}
+        for key, value in metrics.items():
+            if key == "throughput":
+                pretty["tok/s"] = f"{float(value):,.0f}"
+            elif key == "reduced_train_loss":
+                pretty["loss"] = f"{float(value):.4f}"
+            else:
+                pretty[key] = value
+        return pretty
+
+
+def format_summary(cfg, layout, num_parameters: int, memory: dict[str, int], log_dir: str | None) -> str:
+    gib = 1024**3
+    lines = [
+        f"nxdt run '{cfg.name}'  model_source={cfg.model_source}  precision={cfg.precision.type}",
+        f"  layout       world={layout.world_size}  dp={layout.dp}  tp={layout.tp}  pp={layout.pp}  cp={layout.cp}",
+        f"  parameters   {num_parameters:,}  ({num_parameters / 1e6:.1f} M)",
+        f"  batch        global={layout.global_batch_size}  micro={layout.micro_batch_size}  "
+        f"microbatches/step={layout.num_microbatches}  seq={cfg.data.seq_length}",
+        f"  tokens/step  {layout.tokens_per_step:,}   max_steps={cfg.trainer.max_steps}",
+        "  memory/rank  "
+        + "  ".join(f"{k}={v / gib:.2f}GiB" for k, v in memory.items())
+        + "  (estimate)",
+    ]
+    if log_dir:
+        lines.append(f"  log dir      {log_dir}")
+    return "\n".join(lines)
+
+
+def estimate_memory_per_rank(num_parameters: int, layout, cfg, bytes_per_param: int = 4) -> dict[str, int]:
+    """A first-order estimate: fp32 params + grads + Adam's two moments, split over tp × pp.
+
+    Activations: per layer ~ 34·s·b·h bytes·(fp32/2) (Korthikanti et al.), micro-batch only.
+    `nxdt plan` will refine this per sharding and checkpointing choice.
+    """
+    shard = layout.tp * layout.pp
+    params = num_parameters * bytes_per_param // shard
+    grads = params
+    optimizer = 2 * num_parameters * 4 // shard
+    s, b, h = cfg.data.seq_length, layout.micro_batch_size, cfg.model.hidden_size
+    layers = cfg.model.num_layers // layout.pp
+    activations = int(34 * s * b * h * layers * bytes_per_param / 2 / layout.tp)
+    return {"params": params, "grads": grads, "optimizer": optimizer, "activations": activations,
+            "total": params + grads + optimizer + activations}
+
+
+class RunSummary(Callback):
+    """Prints a one-screen summary (layout, parameters, tokens per step, memory) once the model exists."""
+
+    def __init__(self, cfg, layout, log_dir: str | None) -> None:
+        self.cfg, self.layout, self.log_dir = cfg, layout, log_dir
+
+    @rank_zero_only
+    def on_fit_start(self, trainer: pl.Trainer, pl_module) -> None:
+        n = pl_module.num_parameters
+        memory = estimate_memory_per_rank(n, self.layout, self.cfg)
+        print(format_summary(self.cfg, self.layout, n, memory, self.log_dir), flush=True)

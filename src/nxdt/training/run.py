@@ -1,0 +1,112 @@
+"""`nxdt train` / examples/train.py: compose the config, set env vars, then import torch and train.
+
+Order matters: the config is composed and validated, and the Neuron / precision environment
+variables it implies are set, before torch (or torch-xla) is imported — they are read at import.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from nxdt.config.errors import ConfigError
+
+REPO_CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
+
+
+def _world_size_from_env() -> int | None:
+    value = os.environ.get("WORLD_SIZE")
+    return int(value) if value else None
+
+
+def _global_rank() -> int:
+    return int(os.environ.get("RANK", os.environ.get("GLOBAL_RANK", "0")))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from nxdt.config.env import apply_env
+    from nxdt.config.load import load_config
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cfg = load_config(argv, default_config_dir=REPO_CONF_DIR, world_size=_world_size_from_env())
+    inert = apply_env(cfg)
+    if inert and _global_rank() == 0:
+        print(f"note: Neuron-only keys have no effect on this device: {', '.join(inert)}", file=sys.stderr)
+    train(cfg)
+    return 0
+
+
+def build_datamodule(cfg, trainer):
+    if cfg.data.get("data_prefix"):
+        from nxdt.data.megatron_module import MegatronDataModule
+
+        return MegatronDataModule(cfg, trainer)
+    raise ConfigError("data: set data.data_prefix (Megatron indexed data); other data modules are not supported yet")
+
+
+def build_trainer(cfg, layout, mesh_shape, loggers, callbacks):
+    import lightning.pytorch as pl
+
+    from nxdt.training.strategy import NxdtStrategy
+
+    t = cfg.trainer
+    return pl.Trainer(
+        accelerator=t.get("accelerator", "auto"),
+        strategy=NxdtStrategy(mesh_shape),
+        devices=t.devices,
+        num_nodes=t.num_nodes,
+        max_epochs=t.max_epochs,
+        max_steps=t.max_steps,
+        log_every_n_steps=t.log_every_n_steps,
+        val_check_interval=t.val_check_interval,
+        check_val_every_n_epoch=t.check_val_every_n_epoch,
+        num_sanity_val_steps=t.num_sanity_val_steps,
+        limit_val_batches=t.limit_val_batches,
+        limit_test_batches=t.limit_test_batches,
+        # one batch = one optimizer step; accumulation happens inside training_step
+        accumulate_grad_batches=1,
+        # our samplers shard over the mesh's dp axis; Lightning's would shuffle and shard over all ranks
+        use_distributed_sampler=False,
+        logger=loggers or False,
+        callbacks=callbacks,
+        enable_checkpointing=any(type(c).__name__ == "ModelCheckpoint" for c in callbacks),
+        enable_progress_bar=t.get("enable_progress_bar", True),
+        enable_model_summary=False,
+    )
+
+
+def train(cfg):
+    import lightning.pytorch as pl
+
+    from nxdt.config.layout import compute_layout
+    from nxdt.exp.exp_manager import setup_exp_manager
+    from nxdt.parallel.mesh import mesh_shape_from_layout
+    from nxdt.training.callbacks import RunSummary, StepProgressBar, ThroughputMonitor
+    from nxdt.training.module import NxdtLightningModule
+
+    world_size = cfg.trainer.devices * cfg.trainer.num_nodes
+    layout = compute_layout(cfg, world_size)
+    mesh_shape = mesh_shape_from_layout(
+        layout, cfg.distributed_strategy.get("sharding_strategy"), cfg.trainer.num_nodes
+    )
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+
+    dirs, loggers, callbacks = setup_exp_manager(cfg, _global_rank())
+    callbacks += [ThroughputMonitor(layout.tokens_per_step), RunSummary(cfg, layout, str(dirs.log_dir))]
+    if cfg.trainer.get("enable_progress_bar", True):
+        callbacks.append(StepProgressBar())
+    trainer = build_trainer(cfg, layout, mesh_shape, loggers, callbacks)
+    datamodule = build_datamodule(cfg, trainer)
+    module = NxdtLightningModule(cfg, layout, vocab_size=datamodule.vocab_size)
+    trainer.fit(module, datamodule=datamodule)
+    if trainer.is_global_zero:
+        print(f"logs and TensorBoard files: {dirs.log_dir}", flush=True)
+    return trainer, module
+
+
+def entry() -> None:
+    """Console entry used by examples/train.py: one clear line and exit 2 on bad input."""
+    from nxdt.config.load import main_guard
+
+    sys.exit(main_guard(main)())

@@ -1,0 +1,75 @@
+"""Shared fixtures: a small Megatron dataset tokenized from the bundled corpus, and run helpers."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN_SCRIPT = REPO / "examples" / "train.py"
+TOKENIZER_DIR = REPO / "src" / "nxdt" / "assets" / "tokenizer"
+CORPUS = REPO / "src" / "nxdt" / "assets" / "kjv_chapters.jsonl.gz"
+
+# A model small enough that a torchrun launch is dominated by imports, not compute.
+TINY_OVERRIDES = [
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.ffn_hidden_size=176",
+    "model.num_attention_heads=4",
+    "model.num_kv_heads=2",
+    "model.max_position_embeddings=128",
+    "model.encoder_seq_length=32",
+    "data.seq_length=32",
+    "data.micro_batch_size=2",
+    "data.global_batch_size=8",
+    "trainer.log_every_n_steps=1",
+    "trainer.enable_progress_bar=false",
+]
+
+
+@pytest.fixture(scope="session")
+def kjv_prefix(tmp_path_factory) -> str:
+    """The first 120 chapters of the bundled corpus as Megatron .bin/.idx (built once per session)."""
+    from nxdt.tools.preprocess import main as preprocess
+
+    root = tmp_path_factory.mktemp("kjv")
+    small = root / "kjv_small.jsonl"
+    with gzip.open(CORPUS, "rt", encoding="utf-8") as src, small.open("w", encoding="utf-8") as dst:
+        for i, line in enumerate(src):
+            if i >= 120:
+                break
+            dst.write(json.dumps({"text": json.loads(line)["text"]}) + "\n")
+    prefix = root / "kjv_small"
+    assert preprocess(["--input", str(small), "--tokenizer", str(TOKENIZER_DIR), "--output-prefix", str(prefix)]) == 0
+    return str(prefix)
+
+
+def run_cli(args: list[str], nproc: int = 1, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run examples/train.py: plainly for one process, under torchrun for several."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env.pop("NXDT_RUN_VERSION", None)
+    if nproc == 1:
+        cmd = [sys.executable, str(TRAIN_SCRIPT), *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(TRAIN_SCRIPT), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=timeout, cwd=REPO)
+
+
+def read_scalars(log_dir: Path) -> dict[str, dict[int, float]]:
+    """All TensorBoard scalars under log_dir as {tag: {step: value}}."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out: dict[str, dict[int, float]] = {}
+    for events in sorted(Path(log_dir).rglob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(events), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            out.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
+    return out
