@@ -234,7 +234,7 @@ class ModelConfig:
     share_embeddings_and_output_weights: bool = doc(False, "tie input embedding and lm_head")
     position_embedding_type: Literal["rope", "learned_absolute"] = doc("rope", "position embedding")
     rotary_percentage: float = doc(1.0, "fraction of each head dim that gets rotary embedding")
-    rope_theta: float = doc(10000.0, "rotary base")
+    rope_theta: Optional[float] = doc(None, "rotary base; null = 10000 (megatron) or the config.json value (hf)")
     rope_scaling: Optional[Dict[str, Any]] = doc(None, "rotary scaling as in transformers (e.g. rope_type: llama3)", open=True)
     sliding_window_size: Optional[int] = doc(None, "sliding-window attention size; null = full causal")
     activation: Literal["swiglu", "gelu"] = doc("swiglu", "MLP activation")
