@@ -93,3 +93,15 @@ def test_data_parallel_matches_single_process(single_run, dp2_run):
     assert _curve(single_run[1], "gradient_norm") == pytest.approx(_curve(dp2_run[1], "gradient_norm"), abs=1e-5)
     assert _curve(single_run[1], "val_loss") == pytest.approx(_curve(dp2_run[1], "val_loss"), abs=1e-5)
     assert "dp=2" in dp2_run[0].stdout
+
+
+def test_hf_model_source_trains(kjv_prefix, tmp_path):
+    """model_source: hf builds transformers' LlamaForCausalLM from a local config.json and trains it."""
+    args = _train_args(kjv_prefix, tmp_path, devices=1, extra=[
+        "model_source=hf", "model.model_config=${nxdt_conf:model_configs/tiny_llama/config.json}",
+    ])
+    proc = run_cli([a for a in args if not a.startswith("trainer.max_steps")] + ["trainer.max_steps=4"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "model_source=hf" in proc.stdout
+    losses = _curve(read_scalars(tmp_path))
+    assert len(losses) == 4 and losses[-1] < losses[0]

@@ -140,6 +140,10 @@ def parse_data_prefix(data_prefix) -> DataBlend:
 # ----------------------------------------------------------------------------- GPT dataset
 
 
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+
+
 def _atomic_save(path: str, array: np.ndarray) -> None:
     """np.save under a unique temporary name, then rename: readers never see a partial file."""
     fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=os.path.dirname(path))
@@ -239,20 +243,34 @@ class GPTDataset(torch.utils.data.Dataset):
     def _index_mapping(self, cache_dir: str | None):
         if self.num_samples <= 0:
             return np.zeros(0, np.int32), np.zeros((1, 2), np.int64), np.zeros(0, np.int64)
-        paths = None
-        if cache_dir:
-            base = os.path.join(cache_dir, f"{os.path.basename(self.indexed.prefix)}_{self.name}_{self._cache_key()}")
-            paths = [f"{base}_{part}_idx.npy" for part in ("doc", "sample", "shuffle")]
-            if all(os.path.isfile(p) for p in paths):
-                return tuple(np.load(p, mmap_mode="r", allow_pickle=False) for p in paths)
-
-        sizes = np.asarray(self.indexed.sizes, dtype=np.int64)
-        tokens_per_epoch = int(sizes[self.doc_ids].sum()) if len(self.doc_ids) else 0
-        if tokens_per_epoch == 0:
+        # Checked on every rank before any collective, so no rank waits for one that failed.
+        if not len(self.doc_ids) or not int(np.asarray(self.indexed.sizes, dtype=np.int64)[self.doc_ids].sum()):
             raise ConfigError(
                 f"{self.indexed.prefix}: the {self.name} split has no tokens "
                 f"({len(self.doc_ids)} documents) but {self.num_samples} samples are needed; check data.splits_string"
             )
+        paths = None
+        if cache_dir:
+            base = os.path.join(cache_dir, f"{os.path.basename(self.indexed.prefix)}_{self.name}_{self._cache_key()}")
+            paths = [f"{base}_{part}_idx.npy" for part in ("doc", "sample", "shuffle")]
+            if _distributed():
+                # Global rank 0 builds and writes the cache while the others wait, then they load it.
+                import torch.distributed as dist
+
+                built = self._build_and_cache(cache_dir, paths) if dist.get_rank() == 0 else None
+                dist.barrier()
+                if built is not None:
+                    return built
+            if all(os.path.isfile(p) for p in paths):
+                return tuple(np.load(p, mmap_mode="r", allow_pickle=False) for p in paths)
+        return self._build_and_cache(cache_dir, paths)
+
+    def _build_and_cache(self, cache_dir: str | None, paths: list[str] | None):
+        if paths is not None and all(os.path.isfile(p) for p in paths):
+            return tuple(np.load(p, mmap_mode="r", allow_pickle=False) for p in paths)
+
+        sizes = np.asarray(self.indexed.sizes, dtype=np.int64)
+        tokens_per_epoch = int(sizes[self.doc_ids].sum()) if len(self.doc_ids) else 0
         num_epochs = self._num_epochs(tokens_per_epoch)
         rng = np.random.RandomState(self.seed) if self.shuffle else None
         doc_idx = build_document_index(self.doc_ids, num_epochs, rng)

@@ -29,12 +29,26 @@ def main(argv: list[str] | None = None) -> int:
     from nxdt.config.load import load_config
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print_help(argv[1] if len(argv) > 1 else None)
+        return 0
     cfg = load_config(argv, default_config_dir=REPO_CONF_DIR, world_size=_world_size_from_env())
     inert = apply_env(cfg)
     if inert and _global_rank() == 0:
         print(f"note: Neuron-only keys have no effect on this device: {', '.join(inert)}", file=sys.stderr)
     train(cfg)
     return 0
+
+
+def print_help(section: str | None = None) -> None:
+    """Usage plus every config key with its type, default and description (from the schema)."""
+    from nxdt.config import describe
+
+    print(__doc__.strip().splitlines()[0])
+    print("usage: examples/train.py [--config-path DIR] --config-name NAME [key=value | +key=value | ~key ...]")
+    print("       examples/train.py --help [SECTION]   (SECTION: trainer, exp_manager, distributed_strategy, data, model, precision)")
+    print(f"shipped configs: {', '.join(sorted(p.stem for p in REPO_CONF_DIR.glob('*.yaml')))}\n")
+    print(describe(section))
 
 
 def build_datamodule(cfg, trainer):
@@ -76,6 +90,16 @@ def build_trainer(cfg, layout, mesh_shape, loggers, callbacks):
     )
 
 
+def _quiet_known_warnings() -> None:
+    """Silence warnings that are about Lightning's internals or that we handle on purpose."""
+    import warnings
+
+    # we reduce val_loss over dp ourselves (all_reduce_mean) before logging it
+    warnings.filterwarnings("ignore", message=r".*sync_dist=True.*when logging on epoch level")
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+    warnings.filterwarnings("ignore", message=r".*does not have many workers which may be a bottleneck")
+
+
 def train(cfg):
     import lightning.pytorch as pl
 
@@ -85,6 +109,7 @@ def train(cfg):
     from nxdt.training.callbacks import RunSummary, StepProgressBar, ThroughputMonitor
     from nxdt.training.module import NxdtLightningModule
 
+    _quiet_known_warnings()
     world_size = cfg.trainer.devices * cfg.trainer.num_nodes
     layout = compute_layout(cfg, world_size)
     mesh_shape = mesh_shape_from_layout(
@@ -101,7 +126,10 @@ def train(cfg):
     module = NxdtLightningModule(cfg, layout, vocab_size=datamodule.vocab_size)
     trainer.fit(module, datamodule=datamodule)
     if trainer.is_global_zero:
-        print(f"logs and TensorBoard files: {dirs.log_dir}", flush=True)
+        final = {k: float(v) for k, v in trainer.callback_metrics.items() if k in ("reduced_train_loss", "val_loss")}
+        if final:
+            print("final " + "  ".join(f"{k}={v:.4f}" for k, v in sorted(final.items())), flush=True)
+        print(f"logs and TensorBoard files: {dirs.log_dir}  (tensorboard --logdir {dirs.log_dir})", flush=True)
     return trainer, module
 
 

@@ -1,0 +1,173 @@
+"""What every nxdt data module shares: the dp layout, sample counts, resume position, loaders.
+
+`NxdtDataModuleBase(cfg, trainer)` (trainer may be None: dp rank 0 of 1, nothing consumed) asks
+the strategy for `dp_rank` / `dp_size` and the LightningModule for `consumed_samples`, and builds
+loaders from nxdt's batch samplers (one global step's share per batch, never Lightning's
+injected sampler). Subclasses set `self.tokenizer` / `self.vocab_size` in `__init__` (the model
+is sized from it before `setup()`).
+
+Sample counts (Megatron/NeMo), used by modules whose data is an endless stream:
+    train      = trainer.max_steps × global_batch_size
+    validation = (max_steps // val_check_interval + 1) × limit_val_batches × global_batch_size
+    test       = limit_test_batches × global_batch_size
+A float limit (a fraction, ≤ 1.0) counts as one batch; 0 turns the split off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+
+from nxdt.config.errors import ConfigError
+from nxdt.data.samplers import MegatronPretrainingBatchSampler, MegatronPretrainingRandomBatchSampler
+
+
+def cfg_get(node: Any, key: str, default=None):
+    """`node.key` for a DictConfig, dict or object; None (or missing) reads as `default`."""
+    if node is None:
+        return default
+    value = node.get(key, default) if isinstance(node, Mapping) or hasattr(node, "get") else getattr(node, key, default)
+    return default if value is None else value
+
+
+def limit_batches(limit, key: str) -> int:
+    """A Lightning limit_*_batches as a number of batches: int as is, a fraction → 1, 0 → 0."""
+    if isinstance(limit, bool):
+        raise ConfigError(f"{key}: expected a number, got {limit}")
+    if isinstance(limit, float):
+        if limit < 0:
+            raise ConfigError(f"{key}: must be >= 0, got {limit}")
+        if limit <= 1.0:
+            return 0 if limit == 0 else 1
+        return int(limit)
+    return max(int(limit), 0)
+
+
+class RepeatedDataset(torch.utils.data.Dataset):
+    """`num_samples` items cycling over `dataset` (epoch after epoch).
+
+    With `shuffle`, epoch e visits the items in `RandomState(seed + e).permutation(len)`; the map
+    from index to item is fixed, so resuming at `consumed_samples` continues exactly.
+    """
+
+    def __init__(self, dataset, num_samples: int, seed: int = 1234, shuffle: bool = False):
+        if len(dataset) == 0:
+            raise ValueError("cannot repeat an empty dataset")
+        self.dataset = dataset
+        self.num_samples = int(num_samples)
+        self.seed = int(seed)
+        self.shuffle = shuffle
+        self._perm: tuple[int, np.ndarray] | None = None
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def source_index(self, idx: int) -> int:
+        epoch, i = divmod(int(idx), len(self.dataset))
+        if not self.shuffle:
+            return i
+        if self._perm is None or self._perm[0] != epoch:
+            self._perm = (epoch, np.random.RandomState((self.seed + epoch) % 2**32).permutation(len(self.dataset)))
+        return int(self._perm[1][i])
+
+    def __getitem__(self, idx: int):
+        if not 0 <= idx < self.num_samples:
+            raise IndexError(f"sample {idx} out of range ({self.num_samples})")
+        return self.dataset[self.source_index(idx)]
+
+
+class NxdtDataModuleBase(pl.LightningDataModule):
+    """Layout, counts and loaders shared by the nxdt data modules (see the module docstring)."""
+
+    def __init__(self, cfg, trainer=None):
+        super().__init__()
+        self.cfg = cfg
+        self.trainer = trainer
+        data = cfg.data
+        seq = cfg_get(data, "seq_length")
+        if seq is None:
+            raise ConfigError("data.seq_length: required (tokens per training sample)")
+        self.seq_length = int(seq)
+        self.micro_batch_size = int(cfg_get(data, "micro_batch_size", 1))
+        self.global_batch_size = int(cfg_get(data, "global_batch_size", 1))
+        self.num_workers = int(cfg_get(data, "num_workers", 0))
+        self.seed = int(cfg_get(cfg, "seed", 1234))
+
+    # -- layout
+
+    def _strategy_attr(self, name: str, default: int) -> int:
+        strategy = getattr(self.trainer, "strategy", None) if self.trainer is not None else None
+        return int(getattr(strategy, name, default)) if strategy is not None else default
+
+    @property
+    def dp_rank(self) -> int:
+        return self._strategy_attr("dp_rank", 0)
+
+    @property
+    def dp_size(self) -> int:
+        return self._strategy_attr("dp_size", 1)
+
+    def _consumed_samples(self) -> int:
+        if self.trainer is None:
+            return 0
+        try:
+            module = self.trainer.lightning_module
+        except (AttributeError, RuntimeError):
+            return 0
+        return int(getattr(module, "consumed_samples", 0) or 0)
+
+    def local_batch_size(self) -> int:
+        dp_size = self.dp_size
+        if self.global_batch_size % dp_size:
+            raise ConfigError(
+                f"data.global_batch_size: {self.global_batch_size} is not divisible by the data-parallel size {dp_size}"
+            )
+        return self.global_batch_size // dp_size
+
+    # -- sample counts
+
+    def num_samples(self) -> dict[str, int]:
+        tr = self.cfg.trainer
+        gbs = self.global_batch_size
+        max_steps = int(cfg_get(tr, "max_steps", -1))
+        if max_steps <= 0:
+            raise ConfigError(f"trainer.max_steps: must be > 0 for nxdt data modules (got {max_steps})")
+        vci = cfg_get(tr, "val_check_interval", 1.0)
+        if isinstance(vci, float) and vci <= 1.0:
+            vci = max(1, int(vci * max_steps))
+        vci = max(1, int(vci))
+        val_batches = limit_batches(cfg_get(tr, "limit_val_batches", 1.0), "trainer.limit_val_batches")
+        test_batches = limit_batches(cfg_get(tr, "limit_test_batches", 1.0), "trainer.limit_test_batches")
+        return {
+            "train": max_steps * gbs,
+            "validation": (max_steps // vci + 1) * val_batches * gbs,
+            "test": test_batches * gbs,
+        }
+
+    # -- loaders
+
+    def _loader(self, dataset, consumed: int, drop_last: bool = True, cyclic: bool = False, collate_fn=None):
+        local = self.local_batch_size()
+        common = dict(
+            total_samples=len(dataset), consumed_samples=consumed, local_batch_size=local,
+            global_batch_size=self.global_batch_size, dp_rank=self.dp_rank, dp_size=self.dp_size, drop_last=drop_last,
+        )
+        if cyclic:
+            sampler = MegatronPretrainingRandomBatchSampler(**common, seed=self.seed)
+        else:
+            sampler = MegatronPretrainingBatchSampler(**common)
+        workers = self.num_workers
+        return torch.utils.data.DataLoader(
+            dataset, batch_sampler=sampler, num_workers=workers, persistent_workers=workers > 0,
+            collate_fn=collate_fn,
+        )
+
+    def _eval_loader(self, dataset):
+        """A validation/test loader: whole global batches only (the step needs B = local batch)."""
+        if dataset is None or len(dataset) < self.global_batch_size:
+            return []
+        return self._loader(dataset, 0, drop_last=True)

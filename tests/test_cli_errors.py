@@ -1,0 +1,97 @@
+"""Bad input through the real entry point: one clear line on stderr, exit code 2, no traceback.
+
+These runs stop during config validation, before torch is imported, so each takes ~1-2 s.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import REPO, run_cli
+
+BASE = ["--config-name", "tiny_llama_cpu"]
+
+
+def _assert_one_line_error(proc, *fragments: str) -> str:
+    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+    return errors[0]
+
+
+@pytest.fixture()
+def data_args(kjv_prefix):
+    return [f"data.data_prefix=[1.0,{kjv_prefix}]"]
+
+
+def test_unknown_key_names_dotted_path_and_suggestion(data_args):
+    proc = run_cli([*BASE, *data_args, "model.hiden_size=64"])
+    _assert_one_line_error(proc, "model.hiden_size", "model.hidden_size")
+
+
+def test_wrong_type_names_key_and_expected_type(data_args):
+    proc = run_cli([*BASE, *data_args, "model.num_layers=abc"])
+    _assert_one_line_error(proc, "model.num_layers", "int", "abc")
+
+
+def test_malformed_yaml_names_the_file(tmp_path):
+    (tmp_path / "broken.yaml").write_text("name: x\nmodel:\n  hidden_size: [1, 2\n")
+    proc = run_cli(["--config-path", str(tmp_path), "--config-name", "broken"])
+    _assert_one_line_error(proc, "broken.yaml")
+
+
+def test_missing_config_name_lists_available():
+    proc = run_cli(["--config-name", "no_such_config"])
+    _assert_one_line_error(proc, "no_such_config", "tiny_llama_cpu")
+
+
+def test_missing_data_prefix_names_the_path(tmp_path):
+    missing = tmp_path / "nothing_here"
+    proc = run_cli([*BASE, f"data.data_prefix=[1.0,{missing}]"])
+    _assert_one_line_error(proc, "data.data_prefix", str(missing))
+
+
+def test_missing_tokenizer_dir_names_the_path(data_args, tmp_path):
+    missing = tmp_path / "no_tokenizer"
+    proc = run_cli([*BASE, *data_args, f"data.tokenizer.type={missing}"])
+    _assert_one_line_error(proc, "data.tokenizer.type", str(missing))
+
+
+def test_world_size_must_match_devices_times_nodes(data_args):
+    proc = run_cli([*BASE, *data_args, "trainer.devices=2"], env={"WORLD_SIZE": "3", "RANK": "0"})
+    _assert_one_line_error(proc, "trainer.devices", "3")
+
+
+def test_batch_sizes_that_do_not_divide(data_args):
+    # dp = 2 (devices 2), micro 4 → global must be a multiple of 8
+    proc = run_cli([*BASE, *data_args, "data.global_batch_size=12"])
+    _assert_one_line_error(proc, "data.global_batch_size", "12", "8")
+
+
+def test_accumulate_grad_batches_is_rejected_with_the_reason(data_args):
+    proc = run_cli([*BASE, *data_args, "trainer.accumulate_grad_batches=4"])
+    _assert_one_line_error(proc, "trainer.accumulate_grad_batches", "global_batch_size")
+
+
+def test_feature_not_built_yet_is_refused_not_ignored(data_args):
+    proc = run_cli([*BASE, *data_args, "model.moe.num_experts=8"])
+    _assert_one_line_error(proc, "model.moe.num_experts", "not supported yet")
+
+
+@pytest.mark.slow
+def test_world_size_mismatch_under_torchrun(data_args):
+    """A real 2-rank torchrun launch of a config that says devices=1: every rank exits 2, rank 0 says why."""
+    proc = run_cli([*BASE, *data_args, "trainer.devices=1"], nproc=2)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "trainer.devices" in errors[0], proc.stderr[-3000:]
+
+
+def test_nxdt_cli_unknown_command():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "nxdt.cli", "trian"], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 2 and "did you mean 'train'" in proc.stderr

@@ -1,0 +1,47 @@
+"""Every shipped YAML composes, validates and builds its model (big ones on the meta device only).
+
+Megatron configs name a tokenizer by a placeholder path, so their vocabulary is given here:
+Llama-2's 32,000 tokens and GPT-2's 50,257.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from nxdt.config.load import load_config
+from nxdt.models import build_model, count_parameters
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+SHIPPED = sorted(p.stem for p in CONF.glob("*.yaml"))
+
+# name -> (vocab size for megatron configs, expected parameter count or None)
+EXPECTED = {
+    "megatron_llama_7B_config": (32000, 6_738_415_616),
+    "megatron_llama_70b_config": (32000, 68_976_648_192),
+    "hf_llama3_8B_config": (None, 8_030_261_248),
+    "hf_llama3.1_8B_config": (None, 8_030_261_248),
+    "hf_llama3_70B_config": (None, 70_553_706_496),
+    "hf_llama3_8B_SFT_config": (None, 8_030_261_248),
+    "megatron_gpt_config": (50257, None),
+    "tiny_llama_cpu": (8192, None),
+}
+
+
+def test_every_shipped_config_is_listed():
+    assert set(SHIPPED) == set(EXPECTED), "add new shipped configs to EXPECTED"
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_config_builds_its_model_on_meta(name):
+    cfg = load_config(["--config-name", name], default_config_dir=CONF, check_paths=False,
+                      check_supported=False, quiet=True)
+    vocab, expected = EXPECTED[name]
+    model = build_model(cfg, vocab, device="meta")
+    assert all(p.device == torch.device("meta") for p in model.parameters())
+    n = count_parameters(model)
+    if expected is not None:
+        assert n == expected
+    assert len(model.model.layers) == (cfg.model.num_layers or model.config.num_hidden_layers)
