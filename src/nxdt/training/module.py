@@ -92,7 +92,15 @@ class NxdtLightningModule(pl.LightningModule):
         optimizer = self.optimizers()
         scheduler = self.lr_schedulers()
         optimizer.zero_grad(set_to_none=True)
+        loss = self._forward_backward(batch)
+        grad_norm, lr = self._clip_and_step(optimizer, scheduler)
+        self.consumed_samples += self.layout.global_batch_size
+        reduced = all_reduce_mean(loss, self.device_mesh, "dp")
+        self._log_step(reduced, lr, grad_norm)
+        return reduced
 
+    def _forward_backward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Accumulate the gradients of one global step's share; returns the (unreduced) loss."""
         microbatches = self._microbatches(batch)
         total = torch.zeros((), device=self.device)
         for i, mb in enumerate(microbatches):
@@ -100,7 +108,10 @@ class NxdtLightningModule(pl.LightningModule):
             loss = self._microbatch_loss(mb) / len(microbatches)
             self.manual_backward(loss)
             total += loss.detach()
+        return total
 
+    def _clip_and_step(self, optimizer, scheduler) -> tuple[torch.Tensor, float]:
+        """Clip by the global gradient norm, step optimizer and scheduler; returns (grad norm, lr used)."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         clip = self.cfg.trainer.gradient_clip_val
         grad_norm = _total_norm(
@@ -110,11 +121,7 @@ class NxdtLightningModule(pl.LightningModule):
         optimizer.step()
         if scheduler is not None:
             scheduler.step()
-        self.consumed_samples += self.layout.global_batch_size
-
-        reduced = all_reduce_mean(total, self.device_mesh, "dp")
-        self._log_step(reduced, lr, grad_norm)
-        return reduced
+        return grad_norm, lr
 
     def _log_step(self, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor) -> None:
         exp = self.cfg.exp_manager
