@@ -37,3 +37,19 @@ test-fast: setup
 
 clean:
 	rm -rf data nxdt_experiments .pytest_cache
+
+# The XLA path (docs/precision.md): torch-xla 2.9.0 needs torch 2.9.0, so it gets its own venv.
+# Trains a tiny Llama with every precision preset on XLA:CPU and reloads an xser checkpoint.
+XLA_VENV  := .venv-xla
+XLA_STAMP := $(XLA_VENV)/.nxdt-installed
+
+$(XLA_STAMP): pyproject.toml setup.py
+	test -x $(XLA_VENV)/bin/python || $(PYTHON) -m venv $(XLA_VENV)
+	$(XLA_VENV)/bin/python -m pip install -q --upgrade pip
+	$(XLA_VENV)/bin/python -m pip install -q torch==2.9.0 torch-xla==2.9.0
+	$(XLA_VENV)/bin/python -m pip install -q -e '.[test]'
+	touch $(XLA_STAMP)
+
+.PHONY: test-xla
+test-xla: $(XLA_STAMP)
+	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -q tests/xla $(ARGS)

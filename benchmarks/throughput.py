@@ -20,7 +20,10 @@ leak between them; the ways are interleaved and rotated in every repeat):
   hf            `transformers.Trainer` on `LlamaForCausalLM` with the same config and the same
                 initial weights (copied from the native model: same parameter names), SDPA
                 attention, the Trainer's defaults (fused AdamW, max_grad_norm 1.0).
+  nxdt-fused    nxdt with `model.optim.fused=true` (a real config key: torch's fused AdamW,
+                which is also what the HF Trainer uses by default).
   nxdt-bf16     nxdt with `precision.type=autocast` (a real config key: bf16 autocast).
+  nxdt-bf16-fused  both of the above.
   hf-bf16       hf with `TrainingArguments(bf16=True)` (the Trainer's bf16 autocast).
   nxdt-compile  PROTOTYPE, no config key yet: nxdt with each decoder block `torch.compile`d
                 (patched into `parallelize_llama` in the worker; see benchmarks/README.md).
@@ -52,8 +55,16 @@ SEQ = 256
 TOKENS_PER_STEP = MICRO_BATCH * SEQ
 GOAL_VS_PLAIN = 0.97
 GOAL_VS_HF = 1.25
-WAYS = ("nxdt", "plain", "hf", "nxdt-bf16", "hf-bf16", "nxdt-compile", "plain-compile")
-DEFAULT_WAYS = "nxdt,plain,hf,nxdt-bf16"
+# nxdt variants: extra config overrides (real config keys) on top of the equal-footing run.
+NXDT_VARIANTS = {
+    "nxdt": [],
+    "nxdt-fused": ["model.optim.fused=true"],
+    "nxdt-bf16": ["precision.type=autocast"],
+    "nxdt-bf16-fused": ["precision.type=autocast", "model.optim.fused=true"],
+    "nxdt-compile": [],  # + the per-block compile prototype
+}
+WAYS = (*NXDT_VARIANTS, "plain", "hf", "hf-bf16", "plain-compile")
+DEFAULT_WAYS = "nxdt,plain,hf,nxdt-fused,nxdt-bf16-fused"
 
 
 def overrides(data_prefix: str, exp_dir: str, max_steps: int, extra: list[str] | None = None) -> list[str]:
@@ -122,9 +133,15 @@ class _Stamps:
     def __init__(self, label: str, total: int) -> None:
         self.t: list[float] = []
         self.label, self.total = label, total
+        self.cpu: list[float] = []
+        self.checksum = 0  # of the token ids trained on, in order: proves "same batches"
+
+    def saw(self, input_ids) -> None:
+        self.checksum += (len(self.t) + 1) * int(input_ids.long().sum())
 
     def mark(self) -> None:
         self.t.append(time.perf_counter())
+        self.cpu.append(time.process_time())  # all threads of this process: less hurt by other load
         k = len(self.t)
         if k == 1 or k % 5 == 0 or k == self.total:
             dt = self.t[-1] - self.t[-2] if k > 1 else float("nan")
@@ -141,6 +158,7 @@ def worker_nxdt(args, stamps: _Stamps, compile_blocks: bool, extra: list[str]) -
 
     class StepTimer(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            stamps.saw(batch["input_ids"])
             stamps.mark()
 
     build_trainer = run.build_trainer
@@ -179,6 +197,7 @@ def worker_plain(args, stamps: _Stamps, compile_blocks: bool) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())  # what a textbook loop prints; a no-op sync on CPU
+        stamps.saw(batch["input_ids"])
         stamps.mark()
     return {"final_loss": sum(losses) / len(losses)}
 
@@ -206,12 +225,14 @@ def worker_hf(args, stamps: _Stamps, bf16: bool) -> dict:
     # HF causal-LM convention: labels = input_ids, the model shifts them (it scores S-1 of the
     # S positions; the compute is the same). Samples in the same order as the other ways.
     samples = [{"input_ids": ids, "labels": ids} for b in batches for ids in b["input_ids"]]
+    fetched: list[int] = []  # sample indices in the order the Trainer's loader asked for them
 
     class Samples(Dataset):
         def __len__(self):
             return len(samples)
 
         def __getitem__(self, i):
+            fetched.append(i)
             return samples[i]
 
     class InOrder(Trainer):
@@ -220,6 +241,8 @@ def worker_hf(args, stamps: _Stamps, bf16: bool) -> dict:
 
     class StepTimer(TrainerCallback):
         def on_step_end(self, targs, state, control, **kwargs):
+            k = len(stamps.t)
+            stamps.saw(torch.stack([samples[i]["input_ids"] for i in fetched[k * MICRO_BATCH:(k + 1) * MICRO_BATCH]]))
             stamps.mark()
 
     o = cfg.model.optim
@@ -241,10 +264,8 @@ def worker(args) -> int:
     torch.set_num_threads(THREADS)
     stamps = _Stamps(args.worker, args.warmup_steps + args.steps)
     way = args.worker
-    if way in ("nxdt", "nxdt-compile"):
-        info = worker_nxdt(args, stamps, way == "nxdt-compile", [])
-    elif way == "nxdt-bf16":
-        info = worker_nxdt(args, stamps, False, ["precision.type=autocast"])
+    if way in NXDT_VARIANTS:
+        info = worker_nxdt(args, stamps, way == "nxdt-compile", NXDT_VARIANTS[way])
     elif way in ("plain", "plain-compile"):
         info = worker_plain(args, stamps, way == "plain-compile")
     elif way in ("hf", "hf-bf16"):
@@ -254,9 +275,11 @@ def worker(args) -> int:
     intervals = [b - a for a, b in zip(stamps.t, stamps.t[1:])]
     # stamps.t[0] ends step 1; interval i ends step i+2. Keep those after the warm-up steps.
     steady = intervals[max(args.warmup_steps - 1, 0):]
+    cpu = [b - a for a, b in zip(stamps.cpu, stamps.cpu[1:])][max(args.warmup_steps - 1, 0):]
     result = {
         "way": way, "steps": len(steady), "step_times": steady, "threads": torch.get_num_threads(),
-        "tokens_per_s": TOKENS_PER_STEP * len(steady) / sum(steady), **info,
+        "tokens_per_s": TOKENS_PER_STEP * len(steady) / sum(steady), "batch_checksum": stamps.checksum,
+        "tokens_per_cpu_s": TOKENS_PER_STEP * len(cpu) / sum(cpu), **info,
     }
     Path(args.out).write_text(json.dumps(result))
     return 0
@@ -298,13 +321,15 @@ def run_way(way: str, args, data_prefix: str, work: Path, tag: str) -> dict | No
     res = json.loads(out.read_text())
     res["wall_s"] = wall
     times = res["step_times"]
-    print(f"  {way:14s} {res['tokens_per_s']:8,.0f} tok/s   step {statistics.median(times):.3f}s median "
+    print(f"  {way:14s} {res['tokens_per_s']:8,.0f} tok/s  {res['tokens_per_cpu_s']:6,.0f} tok/cpu-s   step {statistics.median(times):.3f}s median "
           f"({min(times):.3f}-{max(times):.3f})   loss {res['final_loss']:.3f}   process {wall:5.1f}s",
           flush=True)
     return res
 
 
-def table(results: dict[str, list[float]]) -> str:
+def table(by_repeat: dict[str, dict[int, float]]) -> str:
+    """Medians per way and the ratios; per-repeat ratios pair runs of the same repeat."""
+    results = {w: list(v.values()) for w, v in by_repeat.items()}
     lines = [f"{'way':15s} {'tokens/s (median)':>18s} {'min-max':>17s} {'spread':>7s} {'runs':>5s}"]
     med = {}
     for way, vals in results.items():
@@ -321,19 +346,40 @@ def table(results: dict[str, list[float]]) -> str:
             return
         r = med[a] / med[b]
         # per-repeat ratios (same repeat = closest in time) show how much of the gap is noise
-        pairs = [x / y for x, y in zip(results[a], results[b])]
+        pairs = [by_repeat[a][k] / by_repeat[b][k] for k in by_repeat[a] if k in by_repeat[b]] or [float("nan")]
         verdict = "" if goal is None else (f"  goal ≥ {goal:.2f}×  " + ("PASS" if r >= goal else "MISS"))
         lines.append(f"{a + ' / ' + b:28s} {r:5.3f}×  (per repeat {min(pairs):.3f}-{max(pairs):.3f}){verdict}")
 
     ratio("nxdt", "plain", GOAL_VS_PLAIN)
     ratio("nxdt", "hf", GOAL_VS_HF)
     ratio("plain", "hf", None)
-    for opt in ("nxdt-bf16", "nxdt-compile"):
+    for opt in ("nxdt-fused", "nxdt-bf16", "nxdt-bf16-fused", "nxdt-compile"):
         ratio(opt, "plain", None)
         ratio(opt, "hf", GOAL_VS_HF)
     ratio("nxdt-bf16", "hf-bf16", None)
+    ratio("nxdt-bf16-fused", "hf-bf16", None)
     ratio("nxdt-compile", "plain-compile", None)
     return "\n".join(lines)
+
+
+def summarize(work: Path) -> int:
+    """The table from the r<k>-<way>.json files of a kept (possibly interrupted) run."""
+    results: dict[str, dict[int, float]] = {}
+    per_cpu: dict[str, dict[int, float]] = {}
+    checksums = set()
+    for f in sorted(work.glob("r*-*.json"), key=lambda f: int(f.name.split("-")[0][1:])):
+        res, rep = json.loads(f.read_text()), int(f.name.split("-")[0][1:])
+        results.setdefault(res["way"], {})[rep] = res["tokens_per_s"]
+        if "tokens_per_cpu_s" in res:
+            per_cpu.setdefault(res["way"], {})[rep] = res["tokens_per_cpu_s"]
+        checksums.add(res.get("batch_checksum"))
+    if len(checksums) == 1 and None not in checksums:
+        print(f"all ways trained on the same batches (token checksum {checksums.pop()})")
+    print(table(results))
+    if per_cpu:
+        print("\nsame, in tokens per CPU-second of the process (wall time hides other load; this less so):")
+        print(table(per_cpu))
+    return 0
 
 
 def main(argv=None) -> int:
@@ -345,6 +391,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="6 steps, 2 warm-up, 1 repeat (a smoke run)")
     p.add_argument("--data-dir", default=None, help="reuse tokenized data here (default: a temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the work dir (worker logs)")
+    p.add_argument("--from-dir", help="only re-tabulate the worker results kept (--keep) in this work dir")
     # worker mode (internal)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -353,6 +400,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.worker:
         return worker(args)
+    if args.from_dir:
+        return summarize(Path(args.from_dir))
     if args.quick:
         args.steps, args.warmup_steps, args.repeats = 6, 2, 1
     ways = [w.strip() for w in args.ways.split(",") if w.strip()]
@@ -370,16 +419,30 @@ def main(argv=None) -> int:
           f"{THREADS} threads; {args.steps} timed steps after {args.warmup_steps} warm-up, "
           f"{args.repeats} repeat(s), ways {','.join(ways)}; torch {torch.__version__}, {os.cpu_count()} cpus",
           flush=True)
-    results: dict[str, list[float]] = {w: [] for w in ways}
-    for r in range(args.repeats):
-        order = ways[r % len(ways):] + ways[: r % len(ways)]  # rotate so no way always runs first
-        print(f"repeat {r + 1}/{args.repeats}: {' → '.join(order)}", flush=True)
-        for way in order:
-            res = run_way(way, args, data_prefix, work, f"r{r}")
-            if res is not None:
-                results[way].append(res["tokens_per_s"])
+    results: dict[str, dict[int, float]] = {w: {} for w in ways}
+    per_cpu: dict[str, dict[int, float]] = {w: {} for w in ways}
+    checksums: set[int] = set()
+    try:
+        for r in range(args.repeats):
+            order = ways[r % len(ways):] + ways[: r % len(ways)]  # rotate so no way always runs first
+            print(f"repeat {r + 1}/{args.repeats}: {' → '.join(order)}", flush=True)
+            for way in order:
+                res = run_way(way, args, data_prefix, work, f"r{r}")
+                if res is not None:
+                    results[way][r] = res["tokens_per_s"]
+                    per_cpu[way][r] = res["tokens_per_cpu_s"]
+                    checksums.add(res["batch_checksum"])
+                    if len(checksums) > 1:
+                        print("  WARNING: the ways did not train on the same batches", flush=True)
+    except KeyboardInterrupt:
+        print("\ninterrupted: the table below covers the runs that finished", flush=True)
+        args.keep = True
     print()
+    if len(checksums) == 1:
+        print(f"all ways trained on the same batches (token checksum {checksums.pop()})")
     print(table(results))
+    print("\nsame, in tokens per CPU-second of the process (wall time hides other load; this less so):")
+    print(table(per_cpu))
     if args.keep:
         print(f"\nworker logs: {work}")
     else:

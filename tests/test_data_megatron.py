@@ -363,3 +363,64 @@ def test_indexed_dataset_pickles_by_path(corpus):
     clone = pickle.loads(pickle.dumps(corpus))
     assert len(pickle.dumps(corpus)) < 500
     assert [clone[i].tolist() for i in range(len(clone))] == [corpus[i].tolist() for i in range(len(corpus))]
+
+
+# ----------------------------------------------------------------------------- document masking, cache by rank 0
+
+
+def test_reset_attention_mask_blocks_attention_across_documents(corpus):
+    """Either Megatron switch restarts positions after each eod; the native model then masks attention."""
+    from nxdt.models.llama import build_attention_mask
+
+    for flags in ({"reset_attention_mask": True, "reset_position_ids": False},
+                  {"reset_attention_mask": False, "reset_position_ids": True}):
+        dm = MegatronDataModule(_cfg([corpus.prefix], eod_mask_loss=False, **flags), None)
+        batch = next(iter(dm.train_dataloader()))
+        row = next(i for i in range(8) if (batch["input_ids"][i, :-1] == EOD).any())
+        ids, pos = batch["input_ids"][row], batch["position_ids"][row]
+        cut = int((ids[:-1] == EOD).nonzero()[0]) + 1
+        assert pos[cut] == 0 and pos[cut - 1] != 0 or cut == 1
+        mask = build_attention_mask(16, ids.device, pos[None])
+        assert mask is not None and not mask[0, 0, cut, cut - 1] and mask[0, 0, cut - 1, 0]
+    plain = MegatronDataModule(_cfg([corpus.prefix], eod_mask_loss=False, reset_position_ids=False), None)
+    assert next(iter(plain.train_dataloader()))["position_ids"].eq(torch.arange(16)).all()
+
+
+def _cache_worker(rank, prefix, cache_dir, port, out):
+    import os as _os
+
+    import torch.distributed as dist
+
+    _os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        from nxdt.data.gpt_dataset import GPTDataset
+        from nxdt.data.indexed import IndexedDataset
+
+        ix = IndexedDataset(prefix)
+        ds = GPTDataset(ix, np.arange(len(ix)), 40, 16, 5, eod_id=EOD, index_mapping_dir=cache_dir)
+        np.save(f"{out}_{rank}.npy", np.asarray(ds.shuffle_idx))
+        # what rank 1 found on disk right after the barrier: the files rank 0 wrote
+        np.save(f"{out}_{rank}_files.npy", np.asarray(sorted(_os.listdir(cache_dir))))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_index_mapping_built_by_rank_0_others_wait(corpus, tmp_path):
+    import os
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    mp.spawn(_cache_worker, args=(corpus.prefix, str(cache), port, str(tmp_path / "r")), nprocs=2, join=True)
+    a, b = np.load(tmp_path / "r_0.npy"), np.load(tmp_path / "r_1.npy")
+    assert np.array_equal(a, b)
+    files = sorted(os.listdir(cache))
+    assert len(files) == 3 and all(f.endswith("_idx.npy") for f in files)  # written once, no temporaries left
+    assert np.load(tmp_path / "r_1_files.npy").tolist() == files

@@ -10,10 +10,15 @@ from conftest import REPO
 
 PROBE = r"""
 import json, os, sys
+import nxdt.config.env as nenv
 import nxdt.training.run as run
 seen = {}
+real_apply_env = nenv.apply_env
+def recording_apply_env(cfg, *args, **kwargs):
+    seen["torch_imported"] = "torch" in sys.modules  # at the moment the env vars are set
+    return real_apply_env(cfg, *args, **kwargs)
+nenv.apply_env = recording_apply_env
 def fake_train(cfg):
-    seen["torch_imported"] = "torch" in sys.modules
     seen["env"] = {k: os.environ.get(k) for k in (
         "NEURON_CC_FLAGS", "XLA_USE_BF16", "XLA_DOWNCAST_BF16", "NEURON_RT_STOCHASTIC_ROUNDING_EN",
         "NEURON_RT_EXEC_TIMEOUT", "NEURON_FUSE_SOFTMAX")}
@@ -35,7 +40,7 @@ def _probe(args, env=None):
 
 def test_xla_env_is_set_before_torch_and_user_values_win(kjv_prefix):
     seen, _ = _probe(
-        ["--config-name", "tiny_llama_cpu", f"data.data_prefix=[1.0,{kjv_prefix}]", "trainer.accelerator=xla",
+        ["--config-name", "tiny_llama_cpu", f"data.data_prefix=[1.0,{kjv_prefix}]", "trainer.accelerator=xla", "trainer.devices=1",
          "precision.type=fp32", "neuron_rt_exec_timeout=600", "compiler_flags=--model-type transformer"],
         env={"XLA_USE_BF16": "1", "NEURON_CC_FLAGS": "--retry_failed_compilation"},
     )

@@ -127,6 +127,8 @@ class DistributedStrategyConfig:
     fsdp: bool = doc(False, "wrap the model with FSDP (see sharding_strategy)")
     sharding_strategy: Optional[Literal[SHARDING_STRATEGIES]] = doc(
         None, "FSDP | HSDP | grad-shard | no-shard/DDP (fms-fsdp, minimal_fsdp names); null = DDP")
+    hsdp_replicate_size: Optional[int] = doc(
+        None, "HSDP: data-parallel replicas (shards = dp / this); null = trainer.num_nodes (shard within a node)")
     cpu_offload: bool = doc(False, "offload parameters and optimizer state to CPU")
     low_cpu_fsdp: bool = doc(False, "fms-fsdp: build the model on the meta device, materialize per shard")
     meta_init: bool = doc(False, "minimal_fsdp: same as low_cpu_fsdp")
@@ -244,7 +246,7 @@ class ModelConfig:
     qkv_linear: bool = doc(False, "NxDT GQAQKVLinear (one module for q, k, v)")
     fuse_qkv: bool = doc(False, "fuse q, k, v projections into one matmul")
     transpose_nki_inputs: bool = doc(False, "NKI flash-attention input layout (Neuron)", neuron=True)
-    pipeline_cuts: Optional[List[str]] = doc(None, "module names where pipeline stages start, e.g. [model.layers.16]")
+    pipeline_cuts: Optional[List[str]] = doc(None, "pp x vpp - 1 layers that end a pipeline stage (NxD), e.g. [model.layers.15]; null = even split")
     # initialization / loading
     use_cpu_initialization: bool = doc(True, "initialize weights on CPU, then move to the device")
     weight_init_only: bool = doc(False, "with resume_from_checkpoint: load weights only (fine-tuning start)")
@@ -288,6 +290,8 @@ class PrecisionConfig:
     xla_downcast_bf16: ZeroOne = doc("0", "manual: XLA_DOWNCAST_BF16", neuron=True)
     neuron_rt_stochastic_rounding_en: ZeroOne = doc("0", "manual: NEURON_RT_STOCHASTIC_ROUNDING_EN", neuron=True)
     fp16: Fp16Config = doc(Fp16Config, "fp16 with loss scaling (GPT-NeoX)")
+    on_nonfinite: Literal["stop", "skip"] = doc(
+        "stop", "nxdt: a NaN/inf loss or gradient norm stops the run (stop) or skips the step (skip)")
 
 
 # --------------------------------------------------------------------------- top level

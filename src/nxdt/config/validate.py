@@ -37,31 +37,14 @@ def _gt1(v: Any) -> bool:
 # dotted key -> predicate on its value: True means "this value needs a feature not built yet".
 # The lead removes entries as features land.
 NOT_SUPPORTED_YET: dict[str, Callable[[Any], bool]] = {
-    "distributed_strategy.tensor_model_parallel_size": _gt1,
-    "distributed_strategy.pipeline_model_parallel_size": _gt1,
-    "distributed_strategy.virtual_pipeline_model_parallel_size": _gt1,
     "distributed_strategy.context_parallel_size": _gt1,
     "distributed_strategy.expert_model_parallel_size": _gt1,
-    "distributed_strategy.zero1": bool,
-    "distributed_strategy.fsdp": bool,
-    "distributed_strategy.sharding_strategy": lambda v: v not in (None, "no-shard", "DDP"),
-    "distributed_strategy.cpu_offload": bool,
-    "distributed_strategy.low_cpu_fsdp": bool,
-    "distributed_strategy.meta_init": bool,
-    "precision.type": lambda v: v not in ("fp32", "autocast"),
-    "precision.fp16.enabled": bool,
     "model.moe.num_experts": lambda v: v is not None and v > 0,
-    "model.activations_checkpoint_granularity": lambda v: v is not None,
-    "model.selective_checkpointing": lambda v: v is not None,
+    # GPT-NeoX chunks of several layers per checkpoint (1 = each block, built)
+    "model.checkpoint_num_layers": _gt1,
     "model.fusions.ring_attention": bool,
     "model.transformer_block_type": lambda v: v != "pre_ln",
-    "model_alignment_strategy": lambda v: v is not None,
-    "data.data_module": lambda v: v is not None,
-    "data.packing": bool,
-    "data.use_dummy_dataset": bool,
-    "data.use_sft_style_data_module": bool,
-    "data.datasets": lambda v: v is not None,
-    "exp_manager.async_checkpointing": bool,
+    "model_alignment_strategy": lambda v: v is not None and any(k != "sft" for k in v),  # sft is built
 }
 
 
@@ -410,9 +393,6 @@ def check_cross(cfg: Any, world_size: int | None = None) -> None:
             f"trainer.devices ({tr.devices}) x trainer.num_nodes ({tr.num_nodes}) = {tr.devices * tr.num_nodes} "
             f"does not match the world size {world_size}")
     layout = compute_layout(cfg, world_size)
-    if layout.vpp > 1 and layout.pp == 1:
-        raise ConfigError("distributed_strategy.virtual_pipeline_model_parallel_size > 1 needs "
-                          "pipeline_model_parallel_size > 1")
 
     if cfg.model_source == "megatron":
         for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads"):
@@ -422,6 +402,7 @@ def check_cross(cfg: Any, world_size: int | None = None) -> None:
         raise ConfigError("model.model_config (a transformers config.json) is required for model_source hf")
 
     eff = _effective_model(cfg)
+    check_pipeline(cfg, layout, eff["num_layers"])
     heads, kv, hidden, tp = eff["num_attention_heads"], eff["num_kv_heads"], eff["hidden_size"], layout.tp
     for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_kv_heads",
                 "max_position_embeddings"):
@@ -444,6 +425,21 @@ def check_cross(cfg: Any, world_size: int | None = None) -> None:
         raise ConfigError(f"data.seq_length: must be >= 1, got {seq}")
     if seq is not None and maxpos is not None and seq > maxpos:
         raise ConfigError(f"data.seq_length ({seq}) exceeds model.max_position_embeddings ({maxpos})")
+    check_recompute_classes(cfg)
+    rep = ds.get("hsdp_replicate_size")
+    if rep is not None and (rep < 1 or layout.dp % rep):
+        raise ConfigError(f"distributed_strategy.hsdp_replicate_size ({rep}) does not divide the data-parallel "
+                          f"size {layout.dp}")
+    if tr.accelerator in ("xla", "neuron", "tpu") and tr.devices * tr.num_nodes > 1:
+        raise ConfigError(f"trainer.accelerator {tr.accelerator}: only one device is supported yet "
+                          f"(got trainer.devices x trainer.num_nodes = {tr.devices * tr.num_nodes})")
+    ptype = cfg.precision.type
+    if cfg.precision.fp16.enabled and ds.pipeline_model_parallel_size > 1:
+        raise ConfigError("precision.fp16.enabled with pipeline_model_parallel_size > 1 is not supported yet "
+                          "(the pipeline schedule's loss is not loss-scaled)")
+    if cfg.precision.fp16.enabled and ptype not in ("fp32", "autocast", "mixed_precision", "manual"):
+        raise ConfigError(f"precision.fp16.enabled: cannot be combined with precision.type {ptype} "
+                          "(fp16 uses fp32 master weights; use type fp32 or mixed_precision)")
     p = model.selective_checkpointing
     if p is not None and not 0 < p <= 1:
         raise ConfigError(f"model.selective_checkpointing: expected a fraction in (0, 1], got {p}")
@@ -455,12 +451,115 @@ def check_cross(cfg: Any, world_size: int | None = None) -> None:
                           f"got '{data.splits_string}'")
     if data.datasets is not None and data.weights is not None and len(data.datasets) != len(data.weights):
         raise ConfigError(f"data.weights has {len(data.weights)} entries but data.datasets has {len(data.datasets)}")
+    if data.weights is not None and (any(w < 0 for w in data.weights) or sum(data.weights) <= 0):
+        raise ConfigError(f"data.weights: {list(data.weights)} must be non-negative with a positive sum")
+    if data.logical_shards is not None and data.logical_shards < 1:
+        raise ConfigError(f"data.logical_shards: must be >= 1, got {data.logical_shards}")
+    if data.packing and "sft" not in (cfg.get("model_alignment_strategy") or {}):
+        raise ConfigError("data.packing: packing applies to SFT data only (set model_alignment_strategy.sft)")
     if data.data_module is not None and not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+", data.data_module):
         raise ConfigError(f"data.data_module: expected 'package.module.ClassName', got '{data.data_module}'")
     prefix = data.data_prefix
     if data.data_module is None:
         _prefix_paths(OmegaConf.to_container(prefix) if isinstance(prefix, (DictConfig, ListConfig)) else prefix,
                       "data.data_prefix")
+
+
+# --------------------------------------------------------------------------- activation checkpointing
+# Module classes of a Llama block that `model.activations_checkpoint_recompute` may name (native
+# model; transformers' Llama has the same names, CoreAttention meaning its LlamaAttention).
+RECOMPUTE_CLASSES = ("CoreAttention", "LlamaAttention", "LlamaDecoderLayer", "LlamaLayerNorm", "LlamaMLP",
+                     "LlamaRMSNorm", "Linear", "SiLU", "GELU", "Dropout")
+
+
+def check_recompute_classes(cfg: Any) -> None:
+    """Unknown class names in activations_checkpoint_recompute (Llama models; other transformers
+    architectures are checked against their modules when the model is built)."""
+    names = get(cfg, "model.activations_checkpoint_recompute")
+    if not names:
+        return
+    if get(cfg, "model_source") == "hf" and _hf_json(cfg).get("model_type", "llama") != "llama":
+        return
+    for name in names:
+        if name not in RECOMPUTE_CLASSES:
+            raise ConfigError(f"model.activations_checkpoint_recompute: unknown module class '{name}'"
+                              f"{_did_you_mean(str(name), RECOMPUTE_CLASSES)}; valid: {', '.join(RECOMPUTE_CLASSES)}")
+
+
+# --------------------------------------------------------------------------- pipeline
+SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+_CUT = re.compile(r"model\.layers\.(\d+)")
+
+
+def default_pipeline_schedule(vpp: int) -> str:
+    return "1F1B" if vpp == 1 else "Interleaved1F1B"
+
+
+def pipeline_stage_starts(num_layers: int, num_stages: int, cuts: list[str] | None = None) -> list[int]:
+    """First decoder layer of each stage, plus `num_layers` at the end (num_stages + 1 numbers).
+
+    Without cuts the layers split evenly. A cut names the last layer of a stage, as in NxD
+    (`model.layers.15` with 32 layers and 2 stages: layers 0-15 | 16-31).
+    """
+    key = "model.pipeline_cuts"
+    if cuts:
+        if len(cuts) != num_stages - 1:
+            raise ConfigError(
+                f"{key} has {len(cuts)} entries; {num_stages} pipeline stages (pipeline_model_parallel_size x "
+                f"virtual_pipeline_model_parallel_size) need {num_stages - 1}")
+        starts = [0]
+        for cut in cuts:
+            m = _CUT.fullmatch(str(cut).strip())
+            last = int(m.group(1)) if m else -1
+            if not 0 <= last < num_layers - 1:
+                raise ConfigError(f"{key}: no module '{cut}' to cut after; valid cuts are model.layers.0 ... "
+                                  f"model.layers.{num_layers - 2} (the model has {num_layers} layers)")
+            if last + 1 <= starts[-1]:
+                raise ConfigError(f"{key}: cuts must name increasing layers, got {list(cuts)}")
+            starts.append(last + 1)
+        return starts + [num_layers]
+    if num_layers % num_stages:
+        raise ConfigError(
+            f"model.num_layers ({num_layers}) is not divisible by {num_stages} pipeline stages "
+            f"(pipeline_model_parallel_size x virtual_pipeline_model_parallel_size); "
+            f"change the sizes or set model.pipeline_cuts")
+    per = num_layers // num_stages
+    return [i * per for i in range(num_stages + 1)]
+
+
+def check_pipeline(cfg: Any, layout: Any, num_layers: int | None) -> None:
+    """Stage split, schedule and microbatch requirements of torch.distributed.pipelining."""
+    ds = "distributed_strategy"
+    pp, vpp, nmb = layout.pp, layout.vpp, layout.num_microbatches
+    if vpp > 1 and pp == 1:
+        raise ConfigError(f"{ds}.virtual_pipeline_model_parallel_size > 1 needs pipeline_model_parallel_size > 1")
+    cuts = get(cfg, "model.pipeline_cuts")
+    if pp == 1 and not cuts:
+        return
+    if pp > 1 and get(cfg, "model.share_embeddings_and_output_weights"):
+        raise ConfigError("model.share_embeddings_and_output_weights with pipeline_model_parallel_size > 1 is not "
+                          "supported (the embedding and the output layer live on different stages)")
+    if num_layers is not None:
+        pipeline_stage_starts(int(num_layers), pp * vpp, list(cuts) if cuts else None)
+    if pp == 1:
+        return
+    name = get(cfg, f"{ds}.schedule") or default_pipeline_schedule(vpp)
+    where = f"{ds}.schedule {name}"
+    if name in SINGLE_STAGE_SCHEDULES and vpp != 1:
+        raise ConfigError(f"{where} runs one stage per rank: it needs virtual_pipeline_model_parallel_size 1, "
+                          f"got {vpp} (use Interleaved1F1B, LoopedBFS or InterleavedZeroBubble)")
+    if name in V_SCHEDULES and vpp != 2:
+        raise ConfigError(f"{where} needs virtual_pipeline_model_parallel_size 2, got {vpp}")
+    need = {"1F1B": pp, "DualPipeV": pp * vpp}.get(name)
+    if need is not None and nmb < need:
+        raise ConfigError(f"{where} needs at least {need} microbatches per step, got {nmb} (= global_batch_size / "
+                          f"(micro_batch_size x data-parallel size)); raise data.global_batch_size")
+    if name in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        rounds = max(1, nmb // pp)
+        if nmb % rounds:
+            raise ConfigError(f"{where} needs the number of microbatches ({nmb}) to be a multiple of "
+                              f"max(1, microbatches // pipeline_model_parallel_size) = {rounds}")
 
 
 # --------------------------------------------------------------------------- paths
@@ -491,6 +590,10 @@ def check_files(cfg: Any) -> None:
         for key in ("train_dir", "val_dir", "test_dir"):
             if data[key] is not None:
                 _need(data[key], f"data.{key}", "data path")
+        if data.datasets is not None and not data.use_dummy_dataset:
+            for i, p in enumerate(data.datasets):
+                for ext in (".bin", ".idx"):
+                    _need(str(p) + ext, f"data.datasets[{i}]", "indexed dataset file", "file")
     tok = data.tokenizer
     if tok.library == "huggingface" and tok.type is not None:
         _need(tok.type, "data.tokenizer.type", "tokenizer directory", "dir")

@@ -429,24 +429,30 @@ class LlamaModel(nn.Module):
         self.norm = make_norm(args)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        b, s = input_ids.shape
+        # A pipeline stage (see nxdt.parallel.pipeline) holds only some parts: without
+        # embed_tokens, `input_ids` are the previous stage's hidden states [B, S, H];
+        # without norm, the hidden states are returned unnormalised.
+        b, s = input_ids.shape[:2]
         explicit_positions = position_ids is not None
         if position_ids is None:
             position_ids = torch.arange(s, device=input_ids.device)[None].expand(b, s)
-        x = self.embed_tokens(input_ids)
-        rope = None
-        if self.args.position_embedding_type == "learned_absolute":
-            x = x + self.embed_positions(position_ids)
+        if self.embed_tokens is None:
+            x = input_ids
         else:
+            x = self.embed_tokens(input_ids)
+            if self.args.position_embedding_type == "learned_absolute":
+                x = x + self.embed_positions(position_ids)
+            x = self.embed_dropout(x)
+        rope = None
+        if self.args.position_embedding_type == "rope":
             rope = self.rotary_emb(x, position_ids)
-        x = self.embed_dropout(x)
         # Only caller-given positions can describe several packed documents.
         mask = build_attention_mask(
             s, x.device, position_ids if explicit_positions else None, self.args.sliding_window_size
         )
         for layer in self.layers:
             x = layer(x, rope, mask)
-        return self.norm(x)
+        return self.norm(x) if self.norm is not None else x
 
 
 class NxdtLlamaForCausalLM(nn.Module):
@@ -466,7 +472,9 @@ class NxdtLlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        return self.lm_head(self.model(input_ids, position_ids))
+        hidden = self.model(input_ids, position_ids)
+        # a pipeline stage without the output layer passes its hidden states on
+        return self.lm_head(hidden) if self.lm_head is not None else hidden
 
     @torch.no_grad()
     def init_weights(self) -> None:

@@ -1,51 +1,46 @@
 """Apply parallelism to a Llama (native or transformers) from the outside, in one visible order.
 
 torchtitan's order: tensor parallel → activation checkpointing → compile → data parallel
-(FSDP2 / replicate). Each step is a small function; a step whose config asks for nothing
-returns the model unchanged. The model file itself knows nothing of any of this.
+(FSDP2 / replicate) → (meta-device models) materialise the local shards. Each step is a small
+function in its own module; a step whose config asks for nothing leaves the model unchanged.
+The model file itself knows nothing of any of this.
+
+`parallelize_llama` takes any module whose decoder blocks are `model.model.layers`, so a
+pipeline stage (a subset of the blocks, maybe without embedding or lm_head) goes through the
+same function.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from nxdt.parallel.mesh import submesh
+from nxdt.parallel.activation_checkpointing import apply_activation_checkpointing
+from nxdt.parallel.data_parallel import (
+    apply_data_parallel,
+    data_parallel_config,
+    is_meta,
+    materialize,
+    set_gradient_sync,
+    transformer_blocks,
+)
+from nxdt.parallel.tensor_parallel import apply_tensor_parallel
+
+__all__ = ["parallelize_llama", "apply_data_parallel", "set_gradient_sync", "transformer_blocks"]
 
 
-def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The decoder layers: `model.model.layers` for both model sources (same tree as transformers)."""
-    return list(model.model.layers)
-
-
-def parallelize_llama(model: nn.Module, mesh: DeviceMesh, cfg) -> nn.Module:
-    # 1. tensor / sequence parallel, 2. activation checkpointing, 3. compile: later issues;
-    #    their config keys are refused by nxdt.config.validate until they land.
-    # 4. data parallel
-    apply_data_parallel(model, mesh)
+def parallelize_llama(model: nn.Module, mesh: DeviceMesh, cfg, device: torch.device | str | None = None) -> nn.Module:
+    ds = cfg.distributed_strategy
+    # 1. tensor (+ sequence) parallel over the tp axis
+    apply_tensor_parallel(model, mesh["tp"], bool(ds.get("sequence_parallel")))
+    # 2. activation checkpointing (model.activations_checkpoint_*, model.selective_checkpointing)
+    apply_activation_checkpointing(model, cfg)
+    # 3. compile: hook for a later issue — torch.compile each block here, after AC and before
+    #    FSDP (per-block compile keeps FSDP's per-block hooks outside the compiled graph).
+    # 4. data parallel over (dp_replicate, dp_shard): replicate / FSDP2 / HSDP
+    apply_data_parallel(model, mesh, data_parallel_config(cfg))
+    # 5. a model built on the meta device gets its local shards allocated and initialised now
+    if is_meta(model):
+        materialize(model, device if device is not None else mesh.device_type)
     return model
-
-
-def apply_data_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Replicate the model over dp with FSDP2's replicate (DDP semantics, per-block buckets).
-
-    Gradients are all-reduced (averaged) during the backward of the last micro-batch; the
-    training step turns the sync off for the earlier ones with `set_requires_gradient_sync`.
-    Wrapping each block separately lets the reduction of block i overlap the backward of
-    block i-1.
-    """
-    from torch.distributed._composable.replicate_with_fsdp import replicate
-
-    dp_mesh = submesh(mesh, "dp")
-    if dp_mesh.size() == 1:
-        return
-    for block in transformer_blocks(model):
-        replicate(block, mesh=dp_mesh)
-    replicate(model, mesh=dp_mesh)
-
-
-def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
-    """Turn dp gradient reduction on/off (no-op for a model without data parallelism)."""
-    setter = getattr(model, "set_requires_gradient_sync", None)
-    if setter is not None:
-        setter(enabled)

@@ -14,7 +14,6 @@ same loss.
 
 from __future__ import annotations
 
-import math
 from contextlib import nullcontext
 from typing import Any
 
@@ -24,14 +23,24 @@ import torch.nn.functional as F
 
 from nxdt.models import build_model, count_parameters, logits_of
 from nxdt.parallel.mesh import all_reduce_mean
+from nxdt.parallel.data_parallel import wants_meta_init, zero1_optimizer
+from nxdt.parallel.mesh import submesh
 from nxdt.parallel.parallelize import parallelize_llama, set_gradient_sync
-from nxdt.training.optimizers import build_optimizer
+from nxdt.parallel.tensor_parallel import clip_grads_with_norm_, is_vocab_parallel, loss_parallel, total_norm
+from nxdt.training.optimizers import build_optimizer, param_groups, resolve_optimizer
+from nxdt.training.precision import Precision
+from nxdt.training.xla import use_xla
 from nxdt.training.schedulers import build_scheduler
 
 
 def masked_token_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """Mean cross entropy over the tokens whose loss_mask is 1 (fp32 for the softmax)."""
+    """Mean cross entropy over the tokens whose loss_mask is 1 (fp32 for the softmax).
+
+    Vocabulary-sharded logits (tensor parallel: a Shard(-1) DTensor) need the caller to run this
+    and the backward under `loss_parallel()`: the softmax is then computed across the shards."""
     per_token = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
+    if is_vocab_parallel(logits):
+        per_token = per_token.full_tensor()  # replicated per-token losses as a plain tensor
     mask = loss_mask.flatten().to(per_token.dtype)
     return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
 
@@ -44,7 +53,10 @@ class NxdtLightningModule(pl.LightningModule):
         self.layout = layout
         self.vocab_size = vocab_size
         self.model: torch.nn.Module | None = None
+        self.pipeline = None  # nxdt.parallel.pipeline.Pipeline when pipeline_model_parallel_size > 1
         self.num_parameters = 0
+        # precision.type / fp16 / NaN guard: dtypes, autocast, loss scale, skipped steps (checkpointed)
+        self.precision = Precision.from_cfg(cfg, on_xla=use_xla(cfg))
         # Samples consumed by finished optimizer steps; data modules read it to resume in place.
         self.consumed_samples = 0
 
@@ -52,23 +64,40 @@ class NxdtLightningModule(pl.LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:  # Lightning may call this twice (fit after validate, ...)
             return
-        model = build_model(self.cfg, self.vocab_size)
+        # meta-device init (low_cpu_fsdp / meta_init): only this rank's shards are ever allocated
+        meta = wants_meta_init(self.cfg, self.device.type)
+        model = build_model(self.cfg, self.vocab_size, device="meta" if meta else None)
         self.num_parameters = count_parameters(model)
-        self.model = parallelize_llama(model, self.device_mesh, self.cfg)
+        model = self.precision.convert_model(model)
+        if self.layout.pp > 1:
+            self._configure_pipeline(model)
+            self.precision.attach(self.model, delegate=True)  # the schedule runs fwd/bwd: autocast only
+            return
+        self.model = parallelize_llama(model, self.device_mesh, self.cfg, self.device)
+        self.precision.attach(self.model)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         with self._autocast():
             return logits_of(self.model(input_ids=input_ids, position_ids=position_ids))
 
     def _autocast(self):
-        if self.cfg.precision.type == "autocast":
-            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
-        return nullcontext()
+        return self.precision.autocast(self.device.type)
+
+    def _loss_parallel(self):
+        """tp > 1: logits are vocabulary shards; the cross entropy (forward and backward) runs under this."""
+        return loss_parallel() if self.layout.tp > 1 else nullcontext()
 
     # ---- optimization --------------------------------------------------------------------------
     def configure_optimizers(self) -> Any:
         optim_cfg = self.cfg.model.optim
-        optimizer = build_optimizer(self.model, optim_cfg, self.cfg.model.do_layer_norm_weight_decay)
+        dp_group = submesh(self.device_mesh, "dp")
+        if self.cfg.distributed_strategy.zero1 and dp_group.size() > 1:
+            # ZeRO-1: each dp rank keeps the optimizer state of its part of the parameters
+            cls, kwargs = resolve_optimizer(optim_cfg)
+            groups = param_groups(self.model, kwargs.get("weight_decay", 0.0), self.cfg.model.do_layer_norm_weight_decay)
+            optimizer = zero1_optimizer(groups, cls, kwargs, dp_group.get_group())
+        else:
+            optimizer = build_optimizer(self.model, optim_cfg, self.cfg.model.do_layer_norm_weight_decay)
         scheduler = build_scheduler(optimizer, optim_cfg.get("sched"), self.cfg.trainer.max_steps)
         if scheduler is None:
             return optimizer
@@ -89,13 +118,16 @@ class NxdtLightningModule(pl.LightningModule):
         return masked_token_loss(logits, mb["labels"], mb["loss_mask"])
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if self.pipeline is not None:
+            return self._pipeline_training_step(batch)
         optimizer = self.optimizers()
         scheduler = self.lr_schedulers()
         optimizer.zero_grad(set_to_none=True)
+        self.precision.begin_step(self.model)
         loss = self._forward_backward(batch)
-        grad_norm, lr = self._clip_and_step(optimizer, scheduler)
+        reduced = all_reduce_mean(loss, self.device_mesh, "dp")  # before the step: the NaN guard reads it
+        grad_norm, lr = self._clip_and_step(optimizer, scheduler, reduced)
         self.consumed_samples += self.layout.global_batch_size
-        reduced = all_reduce_mean(loss, self.device_mesh, "dp")
         self._log_step(reduced, lr, grad_norm)
         return reduced
 
@@ -105,20 +137,30 @@ class NxdtLightningModule(pl.LightningModule):
         total = torch.zeros((), device=self.device)
         for i, mb in enumerate(microbatches):
             set_gradient_sync(self.model, i == len(microbatches) - 1)
-            loss = self._microbatch_loss(mb) / len(microbatches)
-            self.manual_backward(loss)
+            with self._loss_parallel():
+                loss = self._microbatch_loss(mb) / len(microbatches)
+                self.manual_backward(self.precision.scale_loss(loss))
             total += loss.detach()
         return total
 
-    def _clip_and_step(self, optimizer, scheduler) -> tuple[torch.Tensor, float]:
-        """Clip by the global gradient norm, step optimizer and scheduler; returns (grad norm, lr used)."""
+    def _clip_and_step(self, optimizer, scheduler, loss: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+        """Clip by the global gradient norm, step optimizer and scheduler; returns (grad norm, lr used).
+
+        A non-finite loss or gradient norm (or an fp16 overflow) skips the update and the
+        scheduler step, or stops the run (precision.on_nonfinite); see nxdt.training.precision.
+        """
+        self.precision.finish_grads(self.model)  # fp32 master weights and fp32, unscaled grads
         params = [p for p in self.model.parameters() if p.grad is not None]
         clip = self.cfg.trainer.gradient_clip_val
-        grad_norm = _total_norm(
-            torch.nn.utils.clip_grad_norm_(params, max_norm=clip if clip and clip > 0 else math.inf, foreach=True)
-        )
+        grad_norm = total_norm([p.grad for p in params]).detach()  # DTensor and plain grads mixed under tp
+        if self.pipeline is not None:  # each pp rank holds some stages: the norm of all of them
+            grad_norm = self.pipeline.norm_over_stages(grad_norm)
         lr = optimizer.param_groups[0]["lr"]
-        optimizer.step()
+        if not self.precision.check_step(self.global_step, loss, grad_norm, self.model):
+            self.precision.skip_step(optimizer, self.model)
+            return grad_norm, lr
+        clip_grads_with_norm_(params, clip, grad_norm)
+        self.precision.optimizer_step(optimizer)
         if scheduler is not None:
             scheduler.step()
         return grad_norm, lr
@@ -130,24 +172,66 @@ class NxdtLightningModule(pl.LightningModule):
         if exp.log_gradient_norm:
             self.log("gradient_norm", grad_norm, rank_zero_only=True)
         if exp.log_parameter_norm and self.global_step % self.trainer.log_every_n_steps == 0:
-            self.log("parameter_norm", _total_norm(_parameter_norm(self.model)), rank_zero_only=True)
+            self.log("parameter_norm", self._parameter_norm(), rank_zero_only=True)
         self.log("consumed_samples", float(self.consumed_samples), rank_zero_only=True)
         self.log("global_step", float(self.global_step), rank_zero_only=True)
+        for key, value in self.precision.metrics().items():  # loss_scale, skipped_steps
+            self.log(key, value, rank_zero_only=True)
 
     # ---- validation ----------------------------------------------------------------------------
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         microbatches = self._microbatches(batch)
-        loss = sum(self._microbatch_loss(mb) for mb in microbatches) / len(microbatches)
+        if self.pipeline is not None:
+            with self._autocast(), self._loss_parallel():
+                loss = self.pipeline.eval(batch["input_ids"], batch["labels"], batch["loss_mask"],
+                                          batch.get("position_ids"))
+        else:
+            with self._loss_parallel():
+                loss = sum(self._microbatch_loss(mb) for mb in microbatches) / len(microbatches)
         reduced = all_reduce_mean(loss.detach(), self.device_mesh, "dp")
         self.log("val_loss", reduced, prog_bar=True, rank_zero_only=True, on_epoch=True, batch_size=1)
+        return reduced
+
+    def _parameter_norm(self) -> torch.Tensor:
+        norm = _total_norm(_parameter_norm(self.model))
+        return self.pipeline.norm_over_stages(norm) if self.pipeline is not None else norm
+
+    # ---- pipeline parallel (pipeline_model_parallel_size > 1) ----------------------------------
+    def _configure_pipeline(self, model: torch.nn.Module) -> None:
+        """Split into this rank's stages (each parallelized like a whole model) and build the schedule."""
+        from nxdt.parallel.pipeline import build_pipeline, model_of
+
+        self.pipeline = build_pipeline(model, self.device_mesh, self.cfg, self.layout, self.device,
+                                       loss_fn=masked_token_loss, parallelize_fn=parallelize_llama)
+        self.model = model_of(self.pipeline)
+
+    def _pipeline_training_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One optimizer step through the pipeline schedule: every pp rank of a dp index gets the same
+        batch; the first stage reads input_ids, the last stage labels and loss_mask. Clipping and the
+        update are the non-pipeline ones, with the gradient norm taken over all stages."""
+        optimizer = self.optimizers()
+        scheduler = self.lr_schedulers()
+        optimizer.zero_grad(set_to_none=True)
+        self.precision.begin_step(self.model)
+        self._microbatches(batch)  # checks the batch size
+        with self._autocast(), self._loss_parallel():
+            loss = self.pipeline.step(batch["input_ids"], batch["labels"], batch["loss_mask"],
+                                      batch.get("position_ids"))
+        reduced = all_reduce_mean(loss, self.device_mesh, "dp")
+        grad_norm, lr = self._clip_and_step(optimizer, scheduler, reduced)
+        self.consumed_samples += self.layout.global_batch_size
+        self._log_step(reduced, lr, grad_norm)
         return reduced
 
     # ---- state carried in checkpoints ----------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["consumed_samples"] = self.consumed_samples
+        checkpoint["precision"] = self.precision.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.consumed_samples = int(checkpoint.get("consumed_samples", 0))
+        if checkpoint.get("precision"):
+            self.precision.load_state_dict(checkpoint["precision"])
 
 
 def _total_norm(norm: torch.Tensor) -> torch.Tensor:
@@ -158,4 +242,4 @@ def _total_norm(norm: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def _parameter_norm(model: torch.nn.Module) -> torch.Tensor:
-    return torch.nn.utils.get_total_norm([p for p in model.parameters()], foreach=True)
+    return total_norm([p.detach() for p in model.parameters()])

@@ -36,7 +36,14 @@ def main(argv: list[str] | None = None) -> int:
     inert = apply_env(cfg)
     if inert and _global_rank() == 0:
         print(f"note: Neuron-only keys have no effect on this device: {', '.join(inert)}", file=sys.stderr)
-    train(cfg)
+    from nxdt.training.precision import NumericalInstabilityError
+
+    try:
+        train(cfg)
+    except NumericalInstabilityError as err:  # NaN/inf or fp16 overflow stop: one line, exit 3
+        if _global_rank() == 0:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        return 3
     return 0
 
 
@@ -52,11 +59,10 @@ def print_help(section: str | None = None) -> None:
 
 
 def build_datamodule(cfg, trainer):
-    if cfg.data.get("data_prefix"):
-        from nxdt.data.megatron_module import MegatronDataModule
+    """custom (data.data_module) > SFT > dummy > data.datasets > HF (train_dir) > Megatron: see nxdt.data.select."""
+    from nxdt.data.select import build_datamodule as select_and_build
 
-        return MegatronDataModule(cfg, trainer)
-    raise ConfigError("data: set data.data_prefix (Megatron indexed data); other data modules are not supported yet")
+    return select_and_build(cfg, trainer)
 
 
 def build_trainer(cfg, layout, mesh_shape, loggers, callbacks):
@@ -64,17 +70,21 @@ def build_trainer(cfg, layout, mesh_shape, loggers, callbacks):
 
     from nxdt.training.strategy import NxdtStrategy
 
+    from nxdt.training import xla
+
     t = cfg.trainer
+    on_xla = xla.use_xla(cfg)  # torch-xla: Lightning's XLA accelerator with nxdt's bookkeeping (xla.py)
     return pl.Trainer(
-        accelerator=t.get("accelerator", "auto"),
-        strategy=NxdtStrategy(mesh_shape),
+        accelerator=xla.lightning_accelerator(cfg) if on_xla else t.get("accelerator", "auto"),
+        strategy=xla.build_xla_strategy(mesh_shape) if on_xla else NxdtStrategy(mesh_shape),
         devices=t.devices,
         num_nodes=t.num_nodes,
         max_epochs=t.max_epochs,
         max_steps=t.max_steps,
         log_every_n_steps=t.log_every_n_steps,
         val_check_interval=t.val_check_interval,
-        check_val_every_n_epoch=t.check_val_every_n_epoch,
+        # an int val_check_interval counts steps across epochs (NeMo), also after a resume
+        check_val_every_n_epoch=None if isinstance(t.val_check_interval, int) else t.check_val_every_n_epoch,
         num_sanity_val_steps=t.num_sanity_val_steps,
         limit_val_batches=t.limit_val_batches,
         limit_test_batches=t.limit_test_batches,
@@ -113,7 +123,8 @@ def train(cfg):
     world_size = cfg.trainer.devices * cfg.trainer.num_nodes
     layout = compute_layout(cfg, world_size)
     mesh_shape = mesh_shape_from_layout(
-        layout, cfg.distributed_strategy.get("sharding_strategy"), cfg.trainer.num_nodes
+        layout, cfg.distributed_strategy.get("sharding_strategy"),
+        cfg.distributed_strategy.get("hsdp_replicate_size") or cfg.trainer.num_nodes
     )
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
 
@@ -124,7 +135,8 @@ def train(cfg):
     trainer = build_trainer(cfg, layout, mesh_shape, loggers, callbacks)
     datamodule = build_datamodule(cfg, trainer)
     module = NxdtLightningModule(cfg, layout, vocab_size=datamodule.vocab_size)
-    trainer.fit(module, datamodule=datamodule)
+    resume = None if dirs.weights_only else dirs.resume_path  # weights only: ResumeHelper loads them
+    trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume) if resume else None)
     if trainer.is_global_zero:
         final = {k: float(v) for k, v in trainer.callback_metrics.items() if k in ("reduced_train_loss", "val_loss")}
         if final:

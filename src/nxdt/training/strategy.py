@@ -10,6 +10,7 @@ split so its checks pass, then replace the mesh with nxdt's 5-D one
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -45,3 +46,42 @@ class NxdtStrategy(ModelParallelStrategy):
     @property
     def dp_size(self) -> int:
         return dp_rank_and_size(self.device_mesh)[1]
+
+    # ---- checkpoints: written and read by nxdt.exp.checkpoint (sharded DCP, atomic, maybe async) ----
+    @property
+    def checkpointer(self):
+        if getattr(self, "_checkpointer", None) is None:
+            from nxdt.exp.checkpoint import Checkpointer, use_xser
+
+            exp = self.lightning_module.cfg.exp_manager
+            self._checkpointer = Checkpointer(bool(exp.async_checkpointing),
+                                              use_xser(exp.save_xser, self.root_device.type))
+        return self._checkpointer
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}  # model and optimizer tensors are collected by nxdt.exp.checkpoint
+
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        return {}
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any = None) -> None:
+        self.checkpointer.save(self, checkpoint, Path(filepath), self.lightning_module.cfg)
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        from nxdt.exp.checkpoint import batches_done_in_epoch, load_checkpoint
+
+        path = Path(self.broadcast(str(checkpoint_path)))
+        state = load_checkpoint(self, path, self.lightning_module.cfg)
+        self._resume_skip = batches_done_in_epoch(state)
+        return state
+
+    def process_dataloader(self, dataloader: object) -> object:
+        # After a resume, the first training loader starts at consumed_samples while Lightning
+        # counts the epoch's batches from its start: make the two agree (see ResumedLoader).
+        skip = getattr(self, "_resume_skip", 0)
+        if skip and not self.lightning_module.trainer.sanity_checking:
+            from nxdt.exp.checkpoint import ResumedLoader
+
+            self._resume_skip = 0
+            return ResumedLoader(dataloader, skip)
+        return dataloader

@@ -1,0 +1,67 @@
+"""Which data module a config gets, in this order (the first that applies):
+
+1. `data.data_module: pkg.module.Class`  → the user's LightningDataModule, `Class(cfg, trainer)`
+2. `model_alignment_strategy.sft`        → SFTDataModule (jsonl / arrow input-output pairs)
+3. `data.use_dummy_dataset: true`        → DummyDataModule (random tokens, performance runs)
+4. `data.datasets`                       → LogicalShardDataModule (fms-fsdp: weights, logical shards)
+5. `data.train_dir` with model_source hf, or use_sft_style_data_module, or no data_prefix
+                                         → HFDataModule (pre-tokenized save_to_disk datasets)
+6. `data.data_prefix`                    → MegatronDataModule (indexed .bin/.idx, blending, splits)
+"""
+
+from __future__ import annotations
+
+from nxdt.config.errors import ConfigError
+from nxdt.data.common import cfg_get
+
+
+def datamodule_kind(cfg) -> str:
+    """'custom' | 'sft' | 'dummy' | 'logical_shards' | 'hf' | 'megatron' for `cfg` (see the module doc)."""
+    data = cfg.data
+    mas = cfg_get(cfg, "model_alignment_strategy")
+    if cfg_get(data, "data_module") is not None:
+        return "custom"
+    if mas is not None and "sft" in mas:
+        return "sft"
+    if cfg_get(data, "use_dummy_dataset", False):
+        return "dummy"
+    if cfg_get(data, "datasets") is not None:
+        return "logical_shards"
+    has_prefix = bool(cfg_get(data, "data_prefix"))
+    if cfg_get(data, "train_dir") is not None and (
+            cfg_get(cfg, "model_source") == "hf" or cfg_get(data, "use_sft_style_data_module", False) or not has_prefix):
+        return "hf"
+    if has_prefix:
+        return "megatron"
+    raise ConfigError("data: no data source; set data.data_prefix (Megatron), data.train_dir (HF datasets), "
+                      "data.datasets, data.use_dummy_dataset, model_alignment_strategy.sft or data.data_module")
+
+
+def build_datamodule(cfg, trainer):
+    """The LightningDataModule for `cfg`, built as Cls(cfg, trainer)."""
+    kind = datamodule_kind(cfg)
+    if cfg_get(cfg.data, "packing", False) and kind != "sft":
+        raise ConfigError("data.packing: packing applies to SFT data only (set model_alignment_strategy.sft)")
+    if kind == "custom":
+        from nxdt.data.custom import build_custom_datamodule
+
+        return build_custom_datamodule(cfg, trainer)
+    if kind == "sft":
+        from nxdt.data.sft import SFTDataModule
+
+        return SFTDataModule(cfg, trainer)
+    if kind == "dummy":
+        from nxdt.data.dummy import DummyDataModule
+
+        return DummyDataModule(cfg, trainer)
+    if kind == "logical_shards":
+        from nxdt.data.logical_shards import LogicalShardDataModule
+
+        return LogicalShardDataModule(cfg, trainer)
+    if kind == "hf":
+        from nxdt.data.hf_module import HFDataModule
+
+        return HFDataModule(cfg, trainer)
+    from nxdt.data.megatron_module import MegatronDataModule
+
+    return MegatronDataModule(cfg, trainer)

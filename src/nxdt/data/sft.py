@@ -1,0 +1,262 @@
+"""`SFTDataModule` (`model_alignment_strategy.sft`): input/output pairs → masked (and packed) batches.
+
+Keys: `data.train_dir` (required), `data.val_dir`, `data.test_dir`: a `.jsonl` / `.jsonl.gz`
+file, an `.arrow` file, or a `datasets.save_to_disk` directory, with string columns `input` and
+`output`. `data.dev_choose_samples` keeps the first N rows. `model_alignment_strategy.sft`:
+  packing          true: several examples per sequence (also read from `data.packing`)
+  prompt_template  optional, e.g. "### Question:\\n{input}\\n### Answer:\\n" ({input} is replaced)
+
+Each example is the token sequence  BOS + prompt  |  output + EOS  (BOS only if the tokenizer has
+one); position t is trained to predict token t+1, and only predictions of output tokens count:
+`loss_mask` is 0 on the prompt (transformers' labels = -100) and on padding. An example longer
+than seq_length + 1 tokens is cut; one whose prompt alone fills seq_length is dropped (with a warning).
+
+Without packing every example is one row, padded to seq_length (pad labels masked).
+With packing, examples are placed in order into rows of seq_length tokens (first fit: a new row
+starts when the next example does not fit); each keeps its own loss mask and its position_ids
+restart at 0, so the model attends only within the example (the native model and transformers 5
+with SDPA both turn restarting position_ids into a per-document causal mask). The tail of a row
+is padding: masked, positions restarting at 0 (its own segment).
+
+Training goes round the rows as many times as `trainer.max_steps × global_batch_size` needs,
+starting at the LightningModule's `consumed_samples` when resuming.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import warnings
+
+import numpy as np
+import torch
+
+from nxdt.config.errors import ConfigError
+from nxdt.data.common import NxdtDataModuleBase, RepeatedDataset, cfg_get
+from nxdt.data.tokenizers import build_tokenizer
+
+SPLIT_KEYS = {"train": "train_dir", "validation": "val_dir", "test": "test_dir"}
+SFT_KEYS = ("packing", "prompt_template")
+
+
+# ----------------------------------------------------------------------------- reading rows
+
+
+def _check_row(row, where: str) -> tuple[str, str]:
+    if not isinstance(row, dict):
+        raise ConfigError(f"{where}: expected a JSON object with 'input' and 'output', got {type(row).__name__}")
+    for key in ("input", "output"):
+        if key not in row or row[key] is None:
+            raise ConfigError(f"{where}: row has no '{key}' (SFT rows need 'input' and 'output'; has {sorted(row)})")
+        if not isinstance(row[key], str):
+            raise ConfigError(f"{where}: '{key}' is {type(row[key]).__name__}, expected a string")
+    return row["input"], row["output"]
+
+
+def read_pairs(path: str, key: str, limit: int | None = None) -> list[tuple[str, str]]:
+    """(input, output) pairs from jsonl, arrow or a save_to_disk dir; errors name the file (and line)."""
+    path = os.path.expanduser(str(path))
+    if not os.path.exists(path):
+        raise ConfigError(f"data.{key}: {path}: file not found")
+    pairs: list[tuple[str, str]] = []
+    if os.path.isfile(path) and path.endswith((".jsonl", ".jsonl.gz", ".json", ".json.gz")):
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "rt", encoding="utf-8") as stream:
+            for lineno, line in enumerate(stream, start=1):
+                if limit is not None and len(pairs) >= limit:
+                    break
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ConfigError(f"{path}:{lineno}: invalid JSON: {err.msg}") from None
+                pairs.append(_check_row(row, f"{path}:{lineno}"))
+    else:
+        ds = _read_arrow(path, key)
+        missing = [c for c in ("input", "output") if c not in ds.column_names]
+        if missing:
+            raise ConfigError(f"{path}: no '{missing[0]}' column (SFT rows need 'input' and 'output'; "
+                              f"columns: {ds.column_names})")
+        n = len(ds) if limit is None else min(limit, len(ds))
+        cols = ds.select(range(n)).select_columns(["input", "output"]).to_dict()
+        for i, (inp, out) in enumerate(zip(cols["input"], cols["output"])):
+            pairs.append(_check_row({"input": inp, "output": out}, f"{path}: row {i}"))
+    if not pairs:
+        raise ConfigError(f"{path}: no examples (empty file)")
+    return pairs
+
+
+def _read_arrow(path: str, key: str):
+    import datasets
+
+    try:
+        if os.path.isdir(path):
+            ds = datasets.load_from_disk(path)
+            if isinstance(ds, datasets.DatasetDict):
+                ds = ds[next(iter(ds))] if len(ds) == 1 else ds["train"] if "train" in ds else None
+                if ds is None:
+                    raise ConfigError(f"data.{key}: {path}: a DatasetDict with several splits and no 'train'")
+            return ds
+        if path.endswith(".arrow"):
+            return datasets.Dataset.from_file(path)
+    except ConfigError:
+        raise
+    except Exception as err:  # noqa: BLE001 - datasets / pyarrow raise many kinds
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ConfigError(f"data.{key}: {path}: cannot read ({first})") from None
+    raise ConfigError(f"data.{key}: {path}: expected a .jsonl file, an .arrow file or a save_to_disk directory")
+
+
+# ----------------------------------------------------------------------------- examples
+
+
+def tokenize_pairs(tokenizer, pairs, template: str | None) -> list[tuple[np.ndarray, int]]:
+    """Per example: (token ids, prompt length): BOS + prompt + output + EOS, and len(BOS + prompt)."""
+    if template is not None and "{input}" not in template:
+        raise ConfigError("model_alignment_strategy.sft.prompt_template: must contain '{input}'")
+    prompts = [template.replace("{input}", i) if template is not None else i for i, _ in pairs]
+    outputs = [o for _, o in pairs]
+    p_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    o_ids = tokenizer(outputs, add_special_tokens=False)["input_ids"]
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ConfigError("data.tokenizer: SFT needs a tokenizer with an eos token")
+    out = []
+    for p, o in zip(p_ids, o_ids):
+        prompt = bos + list(p)
+        out.append((np.asarray(prompt + list(o) + [eos], dtype=np.int64), len(prompt)))
+    return out
+
+
+def example_arrays(tokens: np.ndarray, prompt_len: int, seq_length: int):
+    """inputs, labels, loss_mask of one example (at most seq_length positions)."""
+    tokens = tokens[: seq_length + 1]
+    inputs, labels = tokens[:-1], tokens[1:]
+    # label t is token t+1: it counts when that token belongs to the output
+    mask = (np.arange(1, len(tokens)) >= prompt_len).astype(np.float32)
+    return inputs, labels, mask
+
+
+def pack_examples(lengths: list[int], seq_length: int) -> list[list[int]]:
+    """First-fit in order: rows of example indices whose positions (len - 1 each) fit in seq_length."""
+    rows, current, used = [], [], 0
+    for i, n in enumerate(lengths):
+        need = min(n - 1, seq_length)
+        if current and used + need > seq_length:
+            rows.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += need
+    if current:
+        rows.append(current)
+    return rows
+
+
+class SFTRows(torch.utils.data.Dataset):
+    """Tokenized examples as fixed-length rows, one example per row or packed."""
+
+    def __init__(self, examples: list[tuple[np.ndarray, int]], seq_length: int, pad_id: int, packing: bool):
+        self.examples = examples
+        self.seq_length = int(seq_length)
+        self.pad_id = int(pad_id)
+        self.packing = packing
+        if packing:
+            self.rows = pack_examples([len(t) for t, _ in examples], self.seq_length)
+        else:
+            self.rows = [[i] for i in range(len(examples))]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
+        S = self.seq_length
+        tokens = np.full(S, self.pad_id, dtype=np.int64)
+        labels = np.full(S, self.pad_id, dtype=np.int64)
+        loss_mask = np.zeros(S, dtype=np.float32)
+        position_ids = np.arange(S, dtype=np.int64)
+        at = 0
+        for e in self.rows[int(idx)]:
+            inputs, lab, mask = example_arrays(*self.examples[e], S)
+            n = len(inputs)
+            tokens[at : at + n], labels[at : at + n], loss_mask[at : at + n] = inputs, lab, mask
+            position_ids[at : at + n] = np.arange(n)
+            at += n
+        if self.packing and at < S:
+            position_ids[at:] = np.arange(S - at)  # padding is a segment of its own
+        return {
+            "input_ids": torch.from_numpy(tokens),
+            "labels": torch.from_numpy(labels),
+            "loss_mask": torch.from_numpy(loss_mask),
+            "position_ids": torch.from_numpy(position_ids),
+        }
+
+
+def sft_options(cfg) -> dict:
+    """model_alignment_strategy.sft as a dict (packing also from data.packing)."""
+    mas = cfg_get(cfg, "model_alignment_strategy")
+    sft = cfg_get(mas, "sft", {}) if mas is not None else {}
+    sft = dict(sft) if sft else {}
+    unknown = [k for k in sft if k not in SFT_KEYS]
+    if unknown:
+        raise ConfigError(f"unknown key 'model_alignment_strategy.sft.{unknown[0]}' (known: {list(SFT_KEYS)})")
+    return {
+        "packing": bool(sft.get("packing") or cfg_get(cfg.data, "packing", False)),
+        "prompt_template": sft.get("prompt_template"),
+    }
+
+
+class SFTDataModule(NxdtDataModuleBase):
+    """Supervised fine-tuning data; see the module docstring."""
+
+    def __init__(self, cfg, trainer=None):
+        super().__init__(cfg, trainer)
+        data = cfg.data
+        if cfg_get(data, "train_dir") is None:
+            raise ConfigError("data.train_dir: required for SFT (jsonl, arrow or save_to_disk rows of input/output)")
+        opts = sft_options(cfg)
+        self.packing = opts["packing"]
+        self.prompt_template = opts["prompt_template"]
+        self.tokenizer = build_tokenizer(cfg_get(data, "tokenizer"))
+        self.vocab_size = len(self.tokenizer)
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
+        self.datasets: dict[str, SFTRows | None] = {}
+
+    def build(self, path: str, key: str) -> SFTRows:
+        limit = cfg_get(self.cfg.data, "dev_choose_samples")
+        if limit is not None and limit < 1:
+            raise ConfigError(f"data.dev_choose_samples: must be >= 1, got {limit}")
+        pairs = read_pairs(path, key, limit)
+        examples = tokenize_pairs(self.tokenizer, pairs, self.prompt_template)
+        # an example whose prompt fills the whole sequence has nothing left to train on: drop it
+        kept = [(t, p) for t, p in examples if p < min(len(t), self.seq_length + 1)]
+        if not kept:
+            raise ConfigError(f"{path}: every prompt is at least data.seq_length ({self.seq_length}) tokens long; "
+                              "no output token is left to train on")
+        if len(kept) < len(examples):
+            warnings.warn(f"{path}: {len(examples) - len(kept)} of {len(examples)} examples dropped: their prompt "
+                          f"fills data.seq_length ({self.seq_length})", stacklevel=2)
+        return SFTRows(kept, self.seq_length, self.pad_id, self.packing)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.datasets:
+            return
+        for split, key in SPLIT_KEYS.items():
+            path = cfg_get(self.cfg.data, key)
+            self.datasets[split] = None if path is None else self.build(path, key)
+
+    def train_dataloader(self):
+        self.setup("fit")
+        train = RepeatedDataset(self.datasets["train"], self.num_samples()["train"], seed=self.seed)
+        return self._loader(train, self._consumed_samples())
+
+    def val_dataloader(self):
+        self.setup("validate")
+        return self._eval_loader(self.datasets["validation"])
+
+    def test_dataloader(self):
+        self.setup("test")
+        return self._eval_loader(self.datasets["test"])

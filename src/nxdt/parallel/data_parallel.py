@@ -1,0 +1,235 @@
+"""Data parallelism: replicate (DDP / ZeRO-1), FSDP2 full shard, HSDP, grad-shard; meta-device init.
+
+The dp part of the mesh is (dp_replicate, dp_shard) (see nxdt.parallel.mesh):
+
+    sharding_strategy          mesh used                         FSDP2 call
+    no-shard / DDP (default)   flattened dp                      replicate (gradients all-reduced)
+    FSDP / full-shard          dp_shard                          fully_shard(reshard_after_forward=True)
+    grad-shard                 dp_shard                          fully_shard(reshard_after_forward=False)
+    HSDP / hybrid-*            (dp_replicate, dp_shard)          fully_shard on the 2-D mesh
+    distributed_strategy.fsdp: true with no strategy → FSDP.
+
+Each decoder block is its own unit (its gradient reduction overlaps the backward of the
+block before it); the root takes what is left (embedding, final norm, lm_head). The modules
+already carry the tp sharding as DTensors, so FSDP over dp composes into a 2-D layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from nxdt.parallel.mesh import submesh
+
+SHARD = {"fsdp", "full-shard", "full_shard"}
+GRAD_SHARD = {"grad-shard", "grad_shard"}
+HYBRID = {"hsdp", "hybrid-full-shard", "hybrid_shard", "hybrid-grad-shard"}
+
+
+@dataclass(frozen=True)
+class DataParallelConfig:
+    """What `apply_data_parallel` does; built from the config by `data_parallel_config`."""
+
+    mode: str = "replicate"
+    """'replicate' (DDP semantics) or 'shard' (FSDP2 over dp_shard, HSDP when dp_replicate > 1)."""
+    reshard_after_forward: bool = True
+    """False for grad-shard (ZeRO-2-like: parameters stay gathered between forward and backward)."""
+    mp_policy: object | None = None
+    """A torch.distributed.fsdp.MixedPrecisionPolicy, or None (fp32 throughout)."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state on the CPU (CPUOffloadPolicy)."""
+
+
+def data_parallel_config(cfg) -> DataParallelConfig:
+    ds = cfg.distributed_strategy
+    strategy = (ds.get("sharding_strategy") or ("FSDP" if ds.get("fsdp") else "no-shard")).lower()
+    shard = strategy in SHARD | GRAD_SHARD | HYBRID
+    return DataParallelConfig(
+        mode="shard" if shard else "replicate",
+        reshard_after_forward=not (strategy in GRAD_SHARD or strategy == "hybrid-grad-shard"),
+        mp_policy=mixed_precision_policy(cfg.precision.type) if shard else None,
+        cpu_offload=bool(ds.get("cpu_offload")),
+    )
+
+
+def mixed_precision_policy(precision_type: str):
+    """FSDP2 MixedPrecisionPolicy for a precision preset: bf16 compute/communication of
+    parameters with fp32 gradient reduction for the bf16 presets; None for fp32 / autocast."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision_type in ("fp32", "autocast", None):
+        return None
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers: `model.model.layers` for both model sources (same tree as transformers)."""
+    return list(model.model.layers)
+
+
+def apply_data_parallel(model: nn.Module, mesh: DeviceMesh, dp_cfg: DataParallelConfig | None = None) -> None:
+    """Wrap `model` for data parallelism over the dp axes of `mesh` (no-op when dp == 1)."""
+    dp_cfg = dp_cfg or DataParallelConfig()
+    if dp_cfg.mode == "shard":
+        _fully_shard(model, mesh, dp_cfg)
+    else:
+        _replicate(model, mesh)
+
+
+def _replicate(model: nn.Module, mesh: DeviceMesh) -> None:
+    """FSDP2's replicate (DDP semantics, per-block buckets) over the flattened dp axis.
+
+    Gradients are all-reduced (averaged) during the backward of the last micro-batch; the
+    training step turns the sync off for the earlier ones with `set_requires_gradient_sync`.
+    """
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    dp_mesh = submesh(mesh, "dp")
+    if dp_mesh.size() == 1:
+        return
+    for block in transformer_blocks(model):
+        replicate(block, mesh=dp_mesh)
+    replicate(model, mesh=dp_mesh)
+
+
+def _fully_shard(model: nn.Module, mesh: DeviceMesh, dp_cfg: DataParallelConfig) -> None:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    if mesh["dp_replicate"].size() > 1:
+        dp_mesh = mesh["dp_replicate", "dp_shard"]  # HSDP: replicate × shard
+    else:
+        dp_mesh = mesh["dp_shard"]
+    if dp_mesh.size() == 1:
+        return
+    kwargs = dict(
+        mesh=dp_mesh,
+        mp_policy=dp_cfg.mp_policy or MixedPrecisionPolicy(),
+        # pinned host memory needs an accelerator; on a CPU-only run offloading changes nothing
+        offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if dp_cfg.cpu_offload else OffloadPolicy(),
+    )
+    blocks = transformer_blocks(model)
+    for i, block in enumerate(blocks):
+        # The last block's parameters are needed again at once by the backward: keep them.
+        fully_shard(block, reshard_after_forward=dp_cfg.reshard_after_forward and i < len(blocks) - 1, **kwargs)
+    fully_shard(model, reshard_after_forward=dp_cfg.reshard_after_forward, **kwargs)
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Turn dp gradient reduction on/off (no-op for a model without data parallelism)."""
+    setter = getattr(model, "set_requires_gradient_sync", None)
+    if setter is not None:
+        setter(enabled)
+
+
+# --------------------------------------------------------------------------- meta-device init
+def wants_meta_init(cfg, device_type: str) -> bool:
+    """Build on the meta device and materialise only this rank's shards: `low_cpu_fsdp` /
+    `meta_init`, or `model.use_cpu_initialization: false` on an accelerator."""
+    ds = cfg.distributed_strategy
+    if ds.get("low_cpu_fsdp") or ds.get("meta_init"):
+        return True
+    return not cfg.model.get("use_cpu_initialization", True) and device_type != "cpu"
+
+
+def is_meta(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """Allocate a meta-device (already parallelized) model on `device` and initialise it.
+
+    Only the local shards are allocated. Random initialisers are drawn as in one process:
+    each random fill of a DTensor draws the full tensor from the (identically seeded) default
+    generator, one parameter at a time, and keeps the local shard — so shards are never
+    duplicates of one another, and the weights equal an unsharded meta-init with the same seed.
+    """
+    from nxdt.models import init_model_weights
+
+    model.to_empty(device=device)
+    with _FullRandomFill():
+        init_model_weights(model)
+    return model
+
+
+class _FullRandomFill(torch.overrides.TorchFunctionMode):
+    """Random fills of a DTensor draw the global tensor, then keep this rank's shard.
+
+    On CPU meshes DTensor's own RNG tracker is off: every rank would fill its shard from the
+    same generator state, making all shards equal."""
+
+    _RANDOM = {torch.Tensor.normal_, torch.Tensor.uniform_, torch.nn.init.normal_, torch.nn.init.uniform_,
+               torch.nn.init.trunc_normal_, torch.nn.init.kaiming_uniform_, torch.nn.init.kaiming_normal_,
+               torch.nn.init.xavier_uniform_, torch.nn.init.xavier_normal_}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        # torch.nn.init functions pass the tensor as a keyword (`tensor=`), Tensor methods positionally
+        target = args[0] if args else kwargs.get("tensor")
+        if func in self._RANDOM and isinstance(target, DTensor):
+            full = torch.empty(target.shape, dtype=target.dtype, device=target.to_local().device)
+            if args:
+                func(full, *args[1:], **kwargs)
+            else:
+                func(**{**kwargs, "tensor": full})
+            local = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
+            target.to_local().copy_(local)
+            return target
+        return func(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------- ZeRO-1
+def zero1_optimizer(params, optimizer_class: type, kwargs: dict, process_group):
+    """`optimizer_class(params, **kwargs)` with its state sharded over `process_group` (ZeRO-1).
+
+    torch's ZeroRedundancyOptimizer: each dp rank steps the parameters it owns (whole tensors,
+    balanced by size) and broadcasts them to the others. Gradients stay all-reduced (replicate),
+    so every rank holds full gradients and clipping sees the true global norm.
+    Parameter groups without `weight_decay` support get a single group.
+    """
+    import inspect
+
+    if "weight_decay" not in inspect.signature(optimizer_class.__init__).parameters:
+        params = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
+    return DTensorZeroRedundancyOptimizer(params, optimizer_class=optimizer_class,
+                                          process_group=process_group, **kwargs)
+
+
+def _zero_class():
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer
+
+
+class DTensorZeroRedundancyOptimizer(_zero_class()):
+    """ZeroRedundancyOptimizer that also takes DTensor parameters (tensor parallel / replicate).
+
+    The only change: the post-step broadcast sends each parameter's local tensor (c10d
+    collectives do not accept DTensors). Each rank's dp peers hold the same tp shard, so the
+    local tensors are what must agree.
+
+    Checkpoints: `state_dict()` needs `consolidate_state_dict(to=0)` first (a gather on rank 0);
+    for sharded checkpoints save `self.optim.state_dict()` on every rank instead.
+    """
+
+    def _broadcast_params_from_rank(self, rank: int):
+        from torch.distributed.tensor import DTensor
+
+        if self.parameters_as_bucket_view:
+            return super()._broadcast_params_from_rank(rank)
+        import torch.distributed as dist
+
+        src = dist.get_global_rank(self.process_group, rank)
+        handles = []
+        with torch.no_grad():
+            for group in self._partition_parameters()[rank]:
+                for param in group["params"]:
+                    tensor = param.to_local() if isinstance(param, DTensor) else param
+                    handles.append(dist.broadcast(tensor.detach(), src=src, group=self.process_group,
+                                                  async_op=True))
+        return handles

@@ -1,0 +1,237 @@
+"""Pipeline parallelism with `torch.distributed.pipelining`, the torchtitan way.
+
+1. **Split.** The whole model is built once (same seed, so the same weights as one process);
+   each stage is a pruned copy of it: stage 0 keeps `model.embed_tokens`, the last stage keeps
+   `model.norm` and `lm_head`, every stage keeps its own decoder layers *under their original
+   names* (`model.layers.18` stays `model.layers.18`, see `StageLayers`), so parallel plans and
+   checkpoints name the same parameters in every layout. Layers split evenly over
+   pp × vpp stages, or after the layers named by `model.pipeline_cuts` (NxD's meaning).
+2. **Parallelize each stage** with the same function as a whole model (`parallelize_llama`:
+   tensor parallel, checkpointing, data parallel), as torchtitan does.
+3. **Schedule.** `PipelineStage`s on the mesh's `pp` axis, driven by 1F1B (vpp = 1) or
+   interleaved 1F1B (vpp > 1) unless `distributed_strategy.schedule` names another
+   (`torch.distributed.pipelining.schedules.get_schedule_class`).
+
+The loss is computed on the last stage per micro-batch; `labels` and `loss_mask` reach it as
+the schedule's `target` (stacked as float64, exact for any vocabulary). The schedule scales
+gradients by 1/num_microbatches (`scale_grads=True`), so a per-micro-batch mean loss gives the
+same gradients as the non-pipeline step. `Pipeline.step` returns that loss on every pp rank.
+
+Stage modules run as plain modules: the native Llama's forward accepts hidden states when it
+has no `embed_tokens` and returns them when it has no `norm` / `lm_head`; a transformers model
+is wrapped by `_HFStageModule` (same parameter names). `position_ids`, when the batch has them,
+are given to every stage (the schedule passes keyword arguments to all stages).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+from nxdt.config.validate import V_SCHEDULES, default_pipeline_schedule, pipeline_stage_starts
+
+
+class StageLayers(nn.Module):
+    """The decoder layers one stage keeps, registered under their original indices.
+
+    Iterates like the `nn.ModuleList` it replaces (the model's `for layer in self.layers`
+    runs unchanged); `layers[18]` is layer 18 of the whole model, a slice gives a list.
+    """
+
+    def __init__(self, layers: dict[int, nn.Module]) -> None:
+        super().__init__()
+        for index, layer in layers.items():
+            self.add_module(str(index), layer)
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(list(self.children()))
+
+    def __len__(self) -> int:
+        return len(list(self.children()))
+
+    def __getitem__(self, index: int | slice):
+        if isinstance(index, slice):
+            return list(self.children())[index]
+        return self.get_submodule(str(index))
+
+    def __setitem__(self, index: int, module: nn.Module) -> None:  # e.g. a checkpoint wrapper
+        self.register_module(str(index), module)
+
+    def indices(self) -> list[int]:
+        return [int(name) for name, _ in self.named_children()]
+
+
+class _HFStageModule(nn.Module):
+    """A pruned transformers `LlamaForCausalLM` as a stage: token ids or hidden states in,
+    hidden states or logits out. Holds `model` and `lm_head` as children, so parameter names
+    are those of the whole model."""
+
+    def __init__(self, part: nn.Module, is_first: bool, is_last: bool) -> None:
+        super().__init__()
+        self.model = part.model
+        self.lm_head = part.lm_head if is_last else None
+        self.config = part.config
+        self.is_first = is_first
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if self.is_first:
+            out = self.model(input_ids=x, position_ids=position_ids)
+        else:
+            out = self.model(inputs_embeds=x, position_ids=position_ids)
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        return self.lm_head(hidden) if self.lm_head is not None else hidden
+
+
+def _is_native(model: nn.Module) -> bool:
+    from nxdt.models.llama import NxdtLlamaForCausalLM
+
+    return isinstance(model, NxdtLlamaForCausalLM)
+
+
+def prune_to_stage(model: nn.Module, layers: range, is_first: bool, is_last: bool) -> nn.Module:
+    """A copy of `model` holding only what one stage needs; the parts it drops are not copied."""
+    inner = model.model
+    drop: list[nn.Module] = [layer for i, layer in enumerate(inner.layers) if i not in layers]
+    if not is_first:
+        drop += [m for m in (getattr(inner, "embed_tokens", None), getattr(inner, "embed_positions", None))
+                 if m is not None]
+    if not is_last:
+        drop += [inner.norm, model.lm_head]
+    # deepcopy's memo maps a dropped module to None: the copy gets None there and never copies it.
+    part = copy.deepcopy(model, {id(m): None for m in drop})
+    part.model.layers = StageLayers({i: part.model.layers[i] for i in layers})
+    if _is_native(model):
+        return part  # its forward tolerates the missing parts
+    if not is_last:
+        part.model.norm = nn.Identity()  # transformers' forward always calls norm
+    return _HFStageModule(part, is_first, is_last)
+
+
+def stage_ids_of_rank(pp_rank: int, pp: int, vpp: int, style: str = "loop") -> list[int]:
+    """Stages held by one pp rank: loop style r, r + pp, ...; V style (ZBV, DualPipeV) r, 2pp - 1 - r."""
+    if style == "v":
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(vpp)]
+
+
+@dataclass
+class Pipeline:
+    schedule: object
+    stages: list[PipelineStage]
+    parts: list[nn.Module]
+    stage_ids: list[int]
+    num_stages: int
+    pp_group: dist.ProcessGroup
+    v_style: bool = False
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def has_last(self) -> bool:
+        return self.num_stages - 1 in self.stage_ids
+
+    def _run(self, fn, input_ids, labels, loss_mask, position_ids) -> torch.Tensor:
+        args = (input_ids,) if self.has_first else ()
+        kwargs = {"position_ids": position_ids} if position_ids is not None else {}
+        target = torch.stack((labels.double(), loss_mask.double()), dim=-1) if self.has_last else None
+        losses: list[torch.Tensor] | None = [] if self.has_last else None
+        fn(*args, target=target, losses=losses, **kwargs)
+        if losses:
+            local = torch.stack([loss.detach().float() for loss in losses]).sum() / len(losses)
+        else:
+            local = torch.zeros((), device=input_ids.device)
+        # only the rank with the last stage has the loss: a sum over pp hands it to all
+        dist.all_reduce(local, op=dist.ReduceOp.SUM, group=self.pp_group)
+        return local
+
+    def norm_over_stages(self, local_norm: torch.Tensor) -> torch.Tensor:
+        return norm_over_stages(local_norm, self.pp_group)
+
+    def step(self, input_ids, labels, loss_mask, position_ids=None) -> torch.Tensor:
+        """Forward + backward of one batch (all micro-batches); the mean micro-batch loss on every pp rank."""
+        return self._run(self.schedule.step, input_ids, labels, loss_mask, position_ids)
+
+    def eval(self, input_ids, labels, loss_mask, position_ids=None) -> torch.Tensor:
+        """Forward only (validation); the mean micro-batch loss on every pp rank.
+
+        torch's V-shaped schedules (ZBVZeroBubble, DualPipeV) fail in `eval()` (their runtime
+        still hands backward inputs between the two local stages), so for them validation runs
+        a full `step()` and throws the gradients away: same loss, more compute.
+        """
+        if not self.v_style:
+            with torch.no_grad():
+                return self._run(self.schedule.eval, input_ids, labels, loss_mask, position_ids)
+        with torch.inference_mode(False), torch.enable_grad():
+            loss = self._run(self.schedule.step, input_ids, labels, loss_mask, position_ids)
+        for part in self.parts:
+            part.zero_grad(set_to_none=True)
+        return loss
+
+
+def build_pipeline(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    cfg,
+    layout,
+    device: torch.device,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    parallelize_fn: Callable[[nn.Module, DeviceMesh, object], nn.Module] | None = None,
+) -> Pipeline:
+    """Split `model` into this rank's stages, parallelize each, and build the schedule.
+
+    `loss_fn(logits, labels, loss_mask)` is the per-micro-batch loss (a mean over tokens).
+    """
+    pp, vpp = layout.pp, layout.vpp
+    num_stages = pp * vpp
+    name = cfg.distributed_strategy.get("schedule") or default_pipeline_schedule(vpp)
+    schedule_cls = get_schedule_class(name)
+    pp_mesh = mesh["pp"]
+    pp_rank, pp_group = pp_mesh.get_local_rank(), pp_mesh.get_group()
+
+    num_layers = len(model.model.layers)
+    cuts = cfg.model.get("pipeline_cuts")
+    starts = pipeline_stage_starts(num_layers, num_stages, list(cuts) if cuts else None)
+    v_style = name in V_SCHEDULES
+    stage_ids = stage_ids_of_rank(pp_rank, pp, vpp, "v" if v_style else "loop")
+
+    parts, stages = [], []
+    for sid in stage_ids:
+        part = prune_to_stage(model, range(starts[sid], starts[sid + 1]), sid == 0, sid == num_stages - 1)
+        if parallelize_fn is not None:
+            part = parallelize_fn(part, mesh, cfg)
+        parts.append(part)
+        stages.append(PipelineStage(part, stage_index=sid, num_stages=num_stages, device=device, group=pp_group))
+
+    def stage_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return loss_fn(logits, target[..., 0].long(), target[..., 1].float())
+
+    n = layout.num_microbatches
+    if issubclass(schedule_cls, PipelineScheduleSingle):
+        schedule = schedule_cls(stages[0], n_microbatches=n, loss_fn=stage_loss, scale_grads=True)
+    else:
+        schedule = schedule_cls(stages, n_microbatches=n, loss_fn=stage_loss, scale_grads=True)
+    return Pipeline(schedule=schedule, stages=stages, parts=parts, stage_ids=stage_ids,
+                    num_stages=num_stages, pp_group=pp_group, v_style=v_style)
+
+
+def model_of(pipeline: Pipeline) -> nn.Module:
+    """The module the LightningModule holds: the single stage part, or a ModuleList of them (vpp > 1)."""
+    return pipeline.parts[0] if len(pipeline.parts) == 1 else nn.ModuleList(pipeline.parts)
+
+
+def norm_over_stages(local_norm: torch.Tensor, pp_group: dist.ProcessGroup, norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of tensors spread over the pipeline stages from each rank's norm of its own:
+    (sum over pp of local^p)^(1/p). Gradient clipping then uses the true global norm."""
+    total = local_norm.detach().float().pow(norm_type)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_group)
+    return total.pow(1.0 / norm_type)

@@ -1,0 +1,235 @@
+"""Tensor and sequence parallelism for a Llama (native or transformers), as a plan applied from outside.
+
+Megatron's layout, written as DTensor parallel styles over the ``tp`` mesh axis:
+
+    model.embed_tokens          RowwiseParallel      vocab-parallel embedding (rows = vocabulary)
+    self_attn.{q,k,v}_proj      ColwiseParallel      each rank holds whole heads
+    self_attn.o_proj            RowwiseParallel      partial sums → all-reduce (or reduce-scatter with SP)
+    mlp.{gate,up}_proj          ColwiseParallel
+    mlp.down_proj               RowwiseParallel
+    lm_head                     ColwiseParallel      logits stay a Shard(-1) DTensor for `loss_parallel`
+
+With ``sequence_parallel`` the residual stream between the tp regions is sharded along the
+sequence (dim 1) from the first block's input to the final norm (or the last block's output
+when a pipeline stage has no final norm): the norms run on a sequence shard (SequenceParallel), attention and MLP
+gather the sequence on entry (PrepareModuleInput) and reduce-scatter on exit (o_proj /
+down_proj output Shard(1)). The arithmetic is the same as one process; only where the
+activations live changes.
+
+Heads: both models reshape q/k/v with ``-1`` heads and a fixed head_dim, so a shard holding
+H/tp heads runs the model code unchanged. When tp > num_kv_heads each rank needs one whole
+K/V head that several ranks share: `KVHeadSelect` keeps k_proj/v_proj replicated over tp and
+each rank computes all K/V heads (few, cheap) and keeps the one its query heads use; the
+gradient of the shared weight is summed over the ranks (Partial), exactly the single-process
+gradient. This is NxDT's ``kv_replicator`` without copying weights: checkpoints keep the
+original [num_kv_heads × head_dim, hidden] shape and load into any tp.
+
+Functions take a module whose blocks are ``model.model.layers`` (possibly a pipeline stage's
+subset; missing embed_tokens / norm / lm_head are skipped).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+__all__ = ["KVHeadSelect", "apply_tensor_parallel", "loss_parallel", "llama_tp_plan", "is_hf_model"]
+
+
+def is_hf_model(model: nn.Module) -> bool:
+    """A transformers model (its attention/decoder modules take keyword arguments)."""
+    from nxdt.models.llama import NxdtLlamaForCausalLM
+
+    return not isinstance(model, NxdtLlamaForCausalLM)
+
+
+def _num_kv_heads(model: nn.Module) -> tuple[int, int]:
+    """(num_attention_heads, num_kv_heads) of either model source."""
+    args = getattr(model, "args", None)
+    if args is not None:
+        return args.num_attention_heads, args.num_kv_heads
+    c = model.config
+    return c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+
+
+class KVHeadSelect(ParallelStyle):
+    """k_proj / v_proj when tp > num_kv_heads: replicated weight, each rank keeps its K/V head(s).
+
+    Rank t of the tp group serves query heads [t·H/tp, (t+1)·H/tp), which all read K/V head
+    t // (tp / kv). The full projection (kv heads, small) is computed on every rank; its
+    gradient is marked Partial so the weight's gradient is the sum over the ranks sharing it.
+    """
+
+    def __init__(self, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        tp = device_mesh.size()
+        per_head = tp // self.num_kv_heads
+        head = device_mesh.get_local_rank() // per_head
+        lo, hi = head * self.head_dim, (head + 1) * self.head_dim
+
+        def partition_fn(name, mod, mesh):
+            for pname, param in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [Replicate()])))
+
+        def input_fn(mod, inputs, mesh):
+            x = inputs[0]
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+            return (x.redistribute(mesh, [Replicate()]), *inputs[1:])
+
+        def output_fn(mod, out, mesh):
+            return out.to_local(grad_placements=[Partial()])[..., lo:hi]
+
+        return distribute_module(module, device_mesh, partition_fn, input_fn, output_fn)
+
+
+def llama_tp_plan(model: nn.Module, tp: int, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """The plan {module path: ParallelStyle} for `model` (paths relative to the causal-LM root)."""
+    hf = is_hf_model(model)
+    heads, kv = _num_kv_heads(model)
+    if heads % tp:
+        raise ValueError(f"num_attention_heads ({heads}) is not divisible by tensor_model_parallel_size ({tp})")
+    replicate_kv = tp > kv
+    if replicate_kv and tp % kv:
+        raise ValueError(f"tensor_model_parallel_size ({tp}) must be a multiple of num_kv_heads ({kv})")
+    sp = sequence_parallel
+    seq = Shard(1)
+    names = dict(model.named_modules())
+    plan: dict[str, ParallelStyle] = {}
+
+    if "model.embed_tokens" in names:
+        plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    blocks = list(model.model.layers)
+    for i, block in enumerate(blocks):
+        p = f"model.layers.{i}"
+        head_dim = block.self_attn.head_dim
+        if sp:
+            # Between blocks the residual stream is a sequence shard; at the edges of the block
+            # list (and so of a pipeline stage) it is whole: HF builds its causal mask and rotary
+            # table from the embedding's output length, and stages pass full [B, S, H] tensors.
+            edge = {}
+            if i == 0:
+                edge.update(input_layouts=(Replicate(),) + (None,) * (0 if hf else 2),
+                            desired_input_layouts=(seq,) + (None,) * (0 if hf else 2))
+            if i == len(blocks) - 1 and "model.norm" not in names:
+                edge.update(output_layouts=seq, desired_output_layouts=Replicate())
+            if "input_layouts" in edge and "output_layouts" in edge:
+                plan[p] = PrepareModuleInputOutput(**edge, use_local_input=True)
+            elif "input_layouts" in edge:
+                plan[p] = PrepareModuleInput(**edge, use_local_output=True)
+            elif edge:
+                plan[p] = PrepareModuleOutput(**edge)
+            plan[f"{p}.input_layernorm"] = SequenceParallel()
+            plan[f"{p}.post_attention_layernorm"] = SequenceParallel()
+            if hf:
+                plan[f"{p}.self_attn"] = PrepareModuleInput(
+                    input_kwarg_layouts={"hidden_states": seq},
+                    desired_input_kwarg_layouts={"hidden_states": Replicate()})
+            else:  # forward(x, rope, mask)
+                plan[f"{p}.self_attn"] = PrepareModuleInput(
+                    input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None))
+            plan[f"{p}.mlp"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
+        plan[f"{p}.self_attn.q_proj"] = ColwiseParallel()
+        kv_style = KVHeadSelect(kv, head_dim) if replicate_kv else ColwiseParallel()
+        plan[f"{p}.self_attn.k_proj"] = kv_style
+        plan[f"{p}.self_attn.v_proj"] = KVHeadSelect(kv, head_dim) if replicate_kv else ColwiseParallel()
+        plan[f"{p}.self_attn.o_proj"] = RowwiseParallel(output_layouts=seq if sp else Replicate())
+        if hasattr(block.mlp, "gate_proj"):
+            plan[f"{p}.mlp.gate_proj"] = ColwiseParallel()
+        plan[f"{p}.mlp.up_proj"] = ColwiseParallel()
+        plan[f"{p}.mlp.down_proj"] = RowwiseParallel(output_layouts=seq if sp else Replicate())
+    if "model.norm" in names and sp:
+        plan["model.norm"] = SequenceParallel(use_local_output=True)
+    if "lm_head" in names:
+        plan["lm_head"] = ColwiseParallel(
+            input_layouts=seq if sp else Replicate(), output_layouts=Shard(-1), use_local_output=False)
+    return plan
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> nn.Module:
+    """Shard `model` over `tp_mesh` in place (no-op when tp == 1). Returns the model.
+
+    Afterwards the model's logits are a DTensor sharded on the vocabulary (Shard(-1)): compute
+    the cross entropy under `loss_parallel()` (see nxdt.training.module.masked_token_loss).
+    """
+    tp = tp_mesh.size()
+    if tp == 1:
+        return model
+    heads, kv = _num_kv_heads(model)
+    tied = _tied(model)
+    parallelize_module(model, tp_mesh, llama_tp_plan(model, tp, sequence_parallel))
+    if tied:  # embedding (rows) and lm_head (colwise = rows of its weight) share Shard(0)
+        model.lm_head.weight = model.model.embed_tokens.weight
+    if tp > kv and is_hf_model(model):
+        # transformers repeats K/V by num_key_value_groups (query heads per K/V head); a rank now
+        # holds H/tp query heads and one K/V head.
+        for block in model.model.layers:
+            block.self_attn.num_key_value_groups = heads // tp
+    return model
+
+
+def _tied(model: nn.Module) -> bool:
+    emb = getattr(getattr(model, "model", None), "embed_tokens", None)
+    head = getattr(model, "lm_head", None)
+    return emb is not None and head is not None and head.weight is emb.weight
+
+
+def is_vocab_parallel(logits: torch.Tensor) -> bool:
+    """True for logits sharded on the vocabulary (compute their loss under loss_parallel)."""
+    return isinstance(logits, DTensor) and any(p.is_shard() for p in logits.placements)
+
+
+def total_norm(tensors: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """The p-norm of all `tensors` as a plain tensor, when some are DTensors (sharded or replicated
+    over tp / dp) and some plain (e.g. norm weights under tp without sequence parallel, which
+    every tp rank holds whole and identical: counted once)."""
+    by_mesh: dict[object, list[DTensor]] = {}
+    for t in tensors:
+        if isinstance(t, DTensor):
+            by_mesh.setdefault(t.device_mesh, []).append(t)
+    plain = [t for t in tensors if not isinstance(t, DTensor)]
+    # e.g. replicate over dp on top of tp: tp-sharded params live on the (dp, tp) mesh, the others on dp
+    parts = [torch.nn.utils.get_total_norm(group, norm_type, foreach=True).full_tensor() for group in by_mesh.values()]
+    if plain:
+        parts.append(torch.nn.utils.get_total_norm(plain, norm_type, foreach=True))
+    if not parts:
+        return torch.zeros(())
+    if len(parts) == 1:
+        return parts[0]
+    return torch.linalg.vector_norm(torch.stack([p.float() for p in parts]), norm_type)
+
+
+@torch.no_grad()
+def clip_grads_with_norm_(parameters: list[torch.Tensor], max_norm: float | None, norm: torch.Tensor) -> None:
+    """Scale the gradients by max_norm / norm when that is below 1 (torch's rule), for a mix of
+    DTensor and plain gradients (torch's foreach version refuses the mix)."""
+    import math
+
+    if not max_norm or max_norm <= 0 or not math.isfinite(max_norm):
+        return
+    coef = max_norm / (float(norm) + 1e-6)
+    if coef >= 1.0:
+        return
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in parameters:
+        if p.grad is not None:
+            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
+    for group in groups.values():
+        torch._foreach_mul_(group, coef)

@@ -1,0 +1,193 @@
+"""`nxdt convert`: Hugging Face folders ⇄ nxdt checkpoints.
+
+    nxdt convert hf-to-nxdt --input HF_DIR --output CKPT
+    nxdt convert nxdt-to-hf --input CKPT --output HF_DIR [--max-shard-size 5GB] [--dtype bfloat16]
+
+Both model sources use transformers' LlamaForCausalLM parameter names, so the tensors are
+copied as they are. hf-to-nxdt writes a weights-only nxdt checkpoint (start training from it with
+`exp_manager.resume_from_checkpoint=CKPT model.weight_init_only=true`) and keeps the config.json
+and tokenizer files inside it. nxdt-to-hf writes safetensors shards with their
+`model.safetensors.index.json`, a config.json (the HF one kept at import, else from the
+checkpoint's config.yaml: `model.model_config` for model_source hf, LlamaArgs for megatron) and
+the tokenizer files. Only safetensors and JSON are read: nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from nxdt.config.errors import ConfigError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json")
+INDEX = "model.safetensors.index.json"
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?i?B?)\s*", str(text), flags=re.I)
+    if not m:
+        raise ConfigError(f"--max-shard-size: cannot read '{text}' (e.g. 5GB, 500MB, 1000000)")
+    unit = m.group(2).upper().rstrip("B").rstrip("I")
+    return int(float(m.group(1)) * {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}[unit])
+
+
+# --------------------------------------------------------------------------- HF folder
+def read_hf_weights(folder: Path) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    index = folder / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as err:
+            raise ConfigError(f"{index}: not a safetensors index ({err})") from None
+        files = sorted(set(weight_map.values()))
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise ConfigError(f"{folder}: no model.safetensors or {INDEX} (only safetensors weights are read)")
+    tensors: dict[str, Any] = {}
+    for name in files:
+        try:
+            tensors.update(load_file(str(folder / name)))
+        except Exception as err:
+            raise ConfigError(f"{folder / name}: unreadable safetensors file ({err})") from None
+    return tensors
+
+
+def copy_tokenizer(src: Path | None, dst: Path) -> list[str]:
+    if src is None or not src.is_dir():
+        return []
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            dst.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src / name, dst / name)
+            copied.append(name)
+    return copied
+
+
+def hf_to_nxdt(input_dir: Path, output: Path) -> None:
+    from nxdt.exp.checkpoint import save_weights
+
+    config_file = input_dir / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"{config_file} is missing")
+    hf_config = json.loads(config_file.read_text())
+    tensors = read_hf_weights(input_dir)
+    if hf_config.get("tie_word_embeddings") and "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    if output.exists():
+        raise ConfigError(f"--output {output} exists; choose a new path (nothing is overwritten)")
+    save_weights(tensors, output, {"hf_config": hf_config, "source": str(input_dir)})
+    copy_tokenizer(input_dir, output / "tokenizer")
+
+
+# --------------------------------------------------------------------------- nxdt checkpoint
+def hf_config_for(ckpt: Path, tensors: dict[str, Any]) -> dict[str, Any]:
+    from nxdt.exp.checkpoint import META, read_json
+
+    meta = read_json(ckpt / META)
+    if meta.get("hf_config"):
+        return dict(meta["hf_config"])
+    cfg_file = ckpt / "config.yaml"
+    if not cfg_file.is_file():
+        raise ConfigError(f"{cfg_file} is missing: cannot tell the model's architecture")
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(cfg_file)
+    if cfg.get("model_source") == "hf":
+        from nxdt.models.hf import HF_OVERRIDES, load_config_dict
+
+        d = load_config_dict(cfg.model.model_config, {k: cfg.model.get(k) for k in HF_OVERRIDES})
+        d.setdefault("model_type", "llama")
+        return d
+    from nxdt.models.builder import llama_args_from_cfg
+
+    rows = tensors["model.embed_tokens.weight"].shape[0]
+    return llama_args_from_cfg(cfg, vocab_size=rows).to_hf_config_dict()
+
+
+def tokenizer_dir_for(ckpt: Path) -> Path | None:
+    if (ckpt / "tokenizer").is_dir():
+        return ckpt / "tokenizer"
+    cfg_file = ckpt / "config.yaml"
+    if cfg_file.is_file():
+        from omegaconf import OmegaConf
+
+        tok = OmegaConf.load(cfg_file).get("data", {}).get("tokenizer", {}) or {}
+        if tok.get("library", "huggingface") == "huggingface" and tok.get("type"):
+            return Path(str(tok.get("type")))
+    return None
+
+
+def write_safetensors(tensors: dict[str, Any], output: Path, max_shard_bytes: int) -> list[str]:
+    from safetensors.torch import save_file
+
+    shards: list[dict[str, Any]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t.contiguous()
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(output / "model.safetensors"), metadata={"format": "pt"})
+        return ["model.safetensors"]
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for name, shard in zip(names, shards):
+        save_file(shard, str(output / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (output / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return names
+
+
+def nxdt_to_hf(ckpt: Path, output: Path, max_shard_bytes: int, dtype: str | None = None) -> None:
+    import torch
+
+    from nxdt.exp.checkpoint import load_weights
+
+    tensors = load_weights(ckpt)
+    config = hf_config_for(ckpt, tensors)
+    if config.get("tie_word_embeddings"):
+        tensors.pop("lm_head.weight", None)
+    if dtype:
+        tensors = {k: v.to(getattr(torch, dtype)) for k, v in tensors.items()}
+    config["torch_dtype"] = dtype or str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+    config.pop("dtype", None)
+    if output.exists() and any(output.iterdir()):
+        raise ConfigError(f"--output {output} exists and is not empty (nothing is overwritten)")
+    output.mkdir(parents=True, exist_ok=True)
+    write_safetensors(tensors, output, max_shard_bytes)
+    (output / "config.json").write_text(json.dumps(config, indent=2))
+    copy_tokenizer(tokenizer_dir_for(ckpt), output)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="nxdt convert", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="direction", required=True)
+    a = sub.add_parser("hf-to-nxdt", help="HF folder (safetensors) → nxdt weights-only checkpoint")
+    a.add_argument("--input", required=True, type=Path)
+    a.add_argument("--output", required=True, type=Path)
+    b = sub.add_parser("nxdt-to-hf", help="nxdt checkpoint → HF folder loadable by transformers")
+    b.add_argument("--input", required=True, type=Path)
+    b.add_argument("--output", required=True, type=Path)
+    b.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    b.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="store the weights in this dtype (default: as in the checkpoint)")
+    args = parser.parse_args(argv)
+    if args.direction == "hf-to-nxdt":
+        hf_to_nxdt(args.input, args.output)
+    else:
+        nxdt_to_hf(args.input, args.output, parse_size(args.max_shard_size), args.dtype)
+    print(f"wrote {args.output}")
+    return 0

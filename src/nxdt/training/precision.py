@@ -1,0 +1,480 @@
+"""`precision.type` in PyTorch terms: one object the training step calls at fixed points.
+
+    configure_model:  model = p.convert_model(model)   before parallelize (dtype of the parameters)
+                      p.attach(model)                  after parallelize (fp32 grad accumulation hooks)
+    training_step:    p.begin_step(model)              before the first micro-batch
+                      with p.autocast(device_type): forward
+                      manual_backward(p.scale_loss(loss))
+    _clip_and_step:   p.finish_grads(model)            fp32 master weights + fp32 grads back in place, unscaled
+                      ok = p.check_step(step, loss, grad_norm, model)   NaN/inf guard, fp16 overflow → skip
+                      p.optimizer_step(optimizer) if ok else p.skip_step(optimizer, model)
+    checkpoints:      p.state_dict() / p.load_state_dict(d)   (loss scaler, skip counters, SR generator)
+    FSDP2/replicate:  p.fsdp_mp_policy()               MixedPrecisionPolicy for the data-parallel wrapper
+
+Modes (what the presets mean on CPU/CUDA; on XLA the env vars of nxdt.config.env do the work):
+
+| preset | parameters between steps | forward/backward | grads accumulated | update |
+|---|---|---|---|---|
+| fp32 | fp32 | fp32 | fp32 | fp32 |
+| autocast | fp32 | torch.autocast(bf16) | fp32 | fp32 |
+| mixed_precision | fp32 (master) | bf16 copy of the weights | fp32 | fp32 |
+| mixed_precisionSR | fp32 (master) | bf16 copy, made with stochastic rounding | fp32 | fp32 |
+| bf16SR | bf16 | bf16 | fp32, rounded once | computed in fp32, written back to bf16 params and optimizer state with stochastic rounding |
+| manual | master_weights → like mixed_precision, else like bf16SR (SR from neuron_rt_stochastic_rounding_en); bf16 only when xla_use_bf16 or xla_downcast_bf16 is "1"; fp32_grad_acc chooses fp32 or bf16 accumulation |
+| fp16.enabled | fp32 (master) | fp16 copy | fp32 | fp32, with a (dynamic) loss scale |
+
+"master" mode swaps the parameters' storage (`p.data`): bf16 copies for forward and backward,
+the fp32 masters back for clipping, the optimizer step and checkpoints. A model wrapped by FSDP2
+(`fully_shard` / `replicate`) owns its parameter storage: there the wrapper casts
+(`fsdp_mp_policy()`: param bf16, reduce fp32, fp32 accumulation without sync) and this object
+only adds `torch.autocast` around the forward.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from nxdt.config.env import normalize_precision
+from nxdt.config.errors import ConfigError
+from nxdt.training.stochastic_rounding import round_to
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class NumericalInstabilityError(RuntimeError):
+    """Training stopped on non-finite numbers; the message names the step, the tensor and the scale."""
+
+
+# --------------------------------------------------------------------------- loss scaler
+class DynamicLossScaler:
+    """GPT-NeoX / DeepSpeed fp16 loss scaler.
+
+    Dynamic (loss_scale 0): start at 2**initial_scale_power. An overflow skips the step; the
+    scale is halved once `hysteresis` overflows have been seen (never below min_loss_scale).
+    After `loss_scale_window` steps without overflow the scale doubles and hysteresis is
+    restored. Static (loss_scale > 0): the scale never changes; overflows still skip the step.
+    This is DeepSpeed's `DynamicLossScaler.update_scale` with consecutive_hysteresis=False.
+    """
+
+    def __init__(self, loss_scale: float = 0.0, initial_scale_power: int = 16, loss_scale_window: int = 1000,
+                 hysteresis: int = 2, min_loss_scale: float = 1.0, scale_factor: float = 2.0) -> None:
+        self.dynamic = loss_scale == 0
+        self.scale = float(2.0 ** initial_scale_power) if self.dynamic else float(loss_scale)
+        self.window = int(loss_scale_window)
+        self.hysteresis = int(hysteresis)
+        self.min_scale = float(min_loss_scale)
+        self.factor = float(scale_factor)
+        self.cur_hysteresis = self.hysteresis
+        self.cur_iter = 0
+        self.last_overflow_iter = -1
+
+    def update(self, overflow: bool) -> None:
+        """Advance the state machine by one step (call once per optimizer step, skipped or not)."""
+        if self.dynamic:
+            if overflow:
+                if self.hysteresis <= 1 or self.cur_hysteresis <= 1:
+                    self.scale = max(self.scale / self.factor, self.min_scale)
+                else:
+                    self.cur_hysteresis -= 1
+                self.last_overflow_iter = self.cur_iter
+            elif (self.cur_iter - self.last_overflow_iter) % self.window == 0:
+                self.cur_hysteresis = self.hysteresis
+                self.scale *= self.factor
+        self.cur_iter += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": self.scale, "cur_hysteresis": self.cur_hysteresis, "cur_iter": self.cur_iter,
+                "last_overflow_iter": self.last_overflow_iter}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scale = float(state["scale"])
+        self.cur_hysteresis = int(state["cur_hysteresis"])
+        self.cur_iter = int(state["cur_iter"])
+        self.last_overflow_iter = int(state["last_overflow_iter"])
+
+
+# --------------------------------------------------------------------------- settings
+@dataclass(frozen=True)
+class PrecisionSettings:
+    """A preset reduced to what the code does with it."""
+
+    ptype: str
+    mode: str  # "fp32" | "autocast" | "master" | "lowp"
+    compute_dtype: torch.dtype
+    stochastic: bool
+    fp32_grad_acc: bool
+    fp16: bool
+
+
+def settings_from_cfg(pcfg: Any) -> PrecisionSettings:
+    """`cfg.precision` → PrecisionSettings; ConfigError on combinations that mean nothing."""
+    ptype = normalize_precision(str(pcfg.get("type", "fp32")))
+    fp16 = pcfg.get("fp16") or {}
+    if fp16.get("enabled", False):
+        if ptype not in ("fp32", "autocast", "mixed_precision", "manual"):
+            raise ConfigError(f"precision.fp16.enabled: cannot be combined with precision.type {ptype} "
+                              "(fp16 uses fp32 master weights; use type fp32 or mixed_precision)")
+        return PrecisionSettings(ptype, "master", torch.float16, False, True, True)
+    bf16 = torch.bfloat16
+    if ptype == "fp32":
+        return PrecisionSettings(ptype, "fp32", torch.float32, False, True, False)
+    if ptype == "autocast":
+        return PrecisionSettings(ptype, "autocast", bf16, False, True, False)
+    if ptype == "mixed_precision":
+        return PrecisionSettings(ptype, "master", bf16, False, True, False)
+    if ptype == "mixed_precisionSR":
+        return PrecisionSettings(ptype, "master", bf16, True, True, False)
+    if ptype == "bf16SR":
+        return PrecisionSettings(ptype, "lowp", bf16, True, True, False)
+    if ptype == "manual":
+        low = str(pcfg.get("xla_use_bf16", "0")) == "1" or str(pcfg.get("xla_downcast_bf16", "0")) == "1"
+        if not low:
+            return PrecisionSettings(ptype, "fp32", torch.float32, False, True, False)
+        sr = str(pcfg.get("neuron_rt_stochastic_rounding_en", "0")) == "1"
+        mode = "master" if pcfg.get("master_weights", False) else "lowp"
+        return PrecisionSettings(ptype, mode, bf16, sr, bool(pcfg.get("fp32_grad_acc", False)), False)
+    raise ConfigError(f"precision.type: unknown preset '{ptype}'")
+
+
+def fsdp_mp_policy(cfg: Any):
+    """The FSDP2 MixedPrecisionPolicy for `cfg.precision` (None: leave dtypes alone). See Precision.fsdp_mp_policy."""
+    return Precision.from_cfg(cfg).fsdp_mp_policy()
+
+
+# --------------------------------------------------------------------------- the object
+def _is_fsdp_managed(model: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - every supported torch has it
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
+class Precision:
+    def __init__(self, settings: PrecisionSettings, *, on_nonfinite: str = "stop", max_consecutive_skips: int = 50,
+                 scaler: DynamicLossScaler | None = None, seed: int = 0) -> None:
+        self.settings = settings
+        self.on_nonfinite = on_nonfinite
+        self.max_consecutive_skips = int(max_consecutive_skips)
+        self.scaler = scaler
+        self.seed = seed
+        self.skipped_steps = 0
+        self.consecutive_skips = 0
+        self.delegated = False  # True when FSDP2 owns the parameter storage (casts done by its policy)
+        self._masters: dict[nn.Parameter, torch.Tensor] = {}
+        self._acc: dict[nn.Parameter, torch.Tensor] = {}
+        self._hooks: list[Any] = []
+        self._generators: dict[str, torch.Generator] = {}
+        # XLA: with on_nonfinite=stop (and no fp16), check in a step closure after the graph ran
+        # instead of syncing before the update; the run then stops one update late.
+        self.lazy_guard = False
+
+    @classmethod
+    def from_cfg(cls, cfg: Any, rank: int | None = None, on_xla: bool = False) -> Precision:
+        """From the whole config (`cfg.precision`, `cfg.seed`); `rank` (default: $RANK) decorrelates SR noise.
+
+        `on_xla`: the XLA env vars (nxdt.config.env) do the bf16 casting and the stochastic
+        rounding there, so the master/low-precision modes keep the dtypes as built; autocast and
+        fp16 stay; the NaN/inf stop check runs in a step closure (no extra graph sync).
+        """
+        if rank is None:
+            rank = int(os.environ.get("RANK", "0") or 0)
+        pcfg = cfg.precision
+        settings = settings_from_cfg(pcfg)
+        if on_xla and settings.mode in ("master", "lowp") and not settings.fp16:
+            settings = replace(settings, mode="fp32", compute_dtype=torch.float32, stochastic=False)
+        f = pcfg.get("fp16") or {}
+        scaler = None
+        if settings.fp16:
+            scaler = DynamicLossScaler(f.get("loss_scale", 0.0), f.get("initial_scale_power", 16),
+                                       f.get("loss_scale_window", 1000), f.get("hysteresis", 2),
+                                       f.get("min_loss_scale", 1.0))
+        out = cls(settings, on_nonfinite=str(pcfg.get("on_nonfinite", "stop")),
+                  max_consecutive_skips=f.get("max_consecutive_skips", 50), scaler=scaler,
+                  seed=int(cfg.get("seed", 0) or 0) * 1000003 + rank)
+        out.lazy_guard = on_xla
+        return out
+
+    # ---- properties ----------------------------------------------------------------------------
+    @property
+    def mode(self) -> str:
+        return self.settings.mode
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        key = str(device)
+        if key not in self._generators:
+            self._generators[key] = torch.Generator(device=device).manual_seed(self.seed)
+        return self._generators[key]
+
+    def _round(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        sr = self.settings.stochastic
+        return round_to(x, dtype, sr, self._generator(_local(x).device) if sr else None)
+
+    # ---- configure time ------------------------------------------------------------------------
+    def convert_model(self, model: nn.Module) -> nn.Module:
+        """Parameter dtype before parallelization: bf16 for the low-precision mode, else fp32 as built.
+
+        Only parameters are converted; buffers (RoPE frequencies) stay fp32.
+        """
+        if self.mode == "lowp":
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.is_floating_point():
+                        p.data = p.data.to(self.settings.compute_dtype)
+        return model
+
+    def fsdp_mp_policy(self):
+        """MixedPrecisionPolicy for FSDP2 `fully_shard` / `replicate`, or None (keep the dtypes).
+
+        mixed_precision*, fp16 and manual with master weights: compute in bf16/fp16 copies of the
+        fp32 sharded (master) parameters, reduce gradients in fp32 (FSDP2 then also accumulates
+        unsynced micro-batch gradients in fp32). bf16SR / manual without master weights: the
+        parameters are already bf16; reduce in fp32.
+        """
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        if self.mode == "master":
+            return MixedPrecisionPolicy(param_dtype=self.settings.compute_dtype, reduce_dtype=torch.float32)
+        if self.mode == "lowp":
+            return MixedPrecisionPolicy(reduce_dtype=torch.float32)
+        return None
+
+    def attach(self, model: nn.Module, delegate: bool = False) -> None:
+        """After parallelization: choose who casts, and install the fp32 accumulation hooks.
+
+        `delegate=True` (or an FSDP2-wrapped model): this object does not touch the parameter
+        storage; master mode then computes under torch.autocast (bf16/fp16, fp32 grads).
+        """
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self.delegated = delegate or _is_fsdp_managed(model)
+        if self.delegated or self.mode not in ("master", "lowp") or not self.settings.fp32_grad_acc:
+            return
+        for p in model.parameters():
+            if p.requires_grad:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._accumulate))
+
+    def _accumulate(self, p: nn.Parameter) -> None:
+        """Post-accumulate-grad hook: move each micro-batch's low-precision grad into an fp32 sum."""
+        acc = self._acc.get(p)
+        if acc is None:
+            self._acc[p] = p.grad.to(torch.float32, copy=True)
+        else:
+            acc.add_(p.grad)
+        p.grad = None
+
+    # ---- forward / backward --------------------------------------------------------------------
+    def autocast(self, device_type: str):
+        """Context for the forward pass."""
+        s = self.settings
+        if s.mode == "autocast" or (self.delegated and s.mode == "master"):
+            return torch.autocast(device_type=device_type, dtype=s.compute_dtype)
+        return nullcontext()
+
+    def begin_step(self, model: nn.Module) -> None:
+        """Before the first micro-batch: master mode swaps in low-precision copies of the fp32 weights."""
+        self._acc.clear()
+        if self.mode != "master" or self.delegated:
+            return
+        dtype = self.settings.compute_dtype
+        with torch.no_grad():
+            for p in model.parameters():
+                if not p.is_floating_point():
+                    continue
+                p.grad = None
+                self._masters[p] = p.data
+                p.data = self._round(p.data, dtype)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scaler.scale if self.scaler is not None else loss
+
+    def finish_grads(self, model: nn.Module) -> None:
+        """After the last backward: fp32 masters back in the parameters, fp32 grads in .grad, unscaled."""
+        if self.mode in ("master", "lowp") and not self.delegated:
+            with torch.no_grad():
+                for p in model.parameters():
+                    master = self._masters.pop(p, None)
+                    acc = self._acc.pop(p, None)
+                    grad = acc if acc is not None else p.grad
+                    p.grad = None
+                    if master is not None:
+                        p.data = master
+                    if grad is not None:
+                        p.grad = grad.to(p.dtype)
+        if self.scaler is not None and self.scaler.scale != 1.0:
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
+
+    # ---- guard ---------------------------------------------------------------------------------
+    def check_step(self, step: int, loss: torch.Tensor | None, grad_norm: torch.Tensor, model: nn.Module) -> bool:
+        """True: apply this step. False: skip it (fp16 overflow, or a NaN/inf with on_nonfinite=skip).
+
+        Raises NumericalInstabilityError (on_nonfinite=stop, or too many skips in a row).
+        Call after finish_grads and before clipping, once per optimizer step.
+        """
+        if self.lazy_guard and self.scaler is None and self.on_nonfinite == "stop":
+            from nxdt.training.xla import in_step_closure
+
+            args = (loss.detach(),) if loss is not None else ()
+            in_step_closure(lambda *a: self._check_now(step, a[0] if a else None, grad_norm.detach(), model),
+                            *args, grad_norm.detach())
+            return True
+        return self._check_now(step, loss, grad_norm, model)
+
+    def _check_now(self, step: int, loss: torch.Tensor | None, grad_norm: torch.Tensor, model: nn.Module) -> bool:
+        loss_ok = loss is None or bool(torch.isfinite(loss.detach()).all())
+        finite = loss_ok and bool(torch.isfinite(grad_norm.detach()))
+        if self.scaler is not None:
+            old = self.scaler.scale
+            self.scaler.update(overflow=not finite)
+        if finite:
+            self.consecutive_skips = 0
+            return True
+        where = self._where_nonfinite(loss, loss_ok, grad_norm, model)
+        if self.scaler is None and self.on_nonfinite == "stop":
+            raise NumericalInstabilityError(f"step {step}: non-finite {where}; stopping "
+                                            "(precision.on_nonfinite=stop; set it to skip to skip such steps)")
+        self.skipped_steps += 1
+        self.consecutive_skips += 1
+        scale = f", loss scale {old:g} -> {self.scaler.scale:g}" if self.scaler is not None else ""
+        if self.consecutive_skips >= self.max_consecutive_skips:
+            raise NumericalInstabilityError(
+                f"step {step}: {self.consecutive_skips} steps in a row skipped on non-finite values "
+                f"(last: {where}{scale}); stopping (precision.fp16.max_consecutive_skips="
+                f"{self.max_consecutive_skips})")
+        what = "fp16 overflow" if self.scaler is not None else "non-finite values"
+        log.warning("step %d: %s (%s): step skipped%s", step, what, where, scale)
+        return False
+
+    @staticmethod
+    def _where_nonfinite(loss, loss_ok: bool, grad_norm: torch.Tensor, model: nn.Module) -> str:
+        if not loss_ok:
+            return f"loss ({float(loss.detach().float().reshape(-1)[0])})"
+        for name, p in model.named_parameters():
+            g = p.grad
+            if g is not None and not bool(torch.isfinite(_local(g)).all()):
+                return f"gradient of {name} (gradient norm {float(grad_norm)})"
+        return f"gradient norm ({float(grad_norm)})"
+
+    # ---- optimizer -----------------------------------------------------------------------------
+    def skip_step(self, optimizer, model: nn.Module) -> None:
+        """Drop the gradients and call optimizer.step() as a no-op (so Lightning still counts the step)."""
+        for p in model.parameters():
+            p.grad = None
+        optimizer.step()
+
+    def optimizer_step(self, optimizer) -> None:
+        """optimizer.step(); in the low-precision mode the update is computed in fp32 and rounded back."""
+        inner = getattr(optimizer, "optimizer", optimizer)  # LightningOptimizer → torch optimizer
+        if self.mode != "lowp" or getattr(inner, "_FP32_STATE", None):  # AdamWFP32OptState keeps fp32 masters
+            optimizer.step()
+            return
+        swaps = self._swap_in_fp32(inner)
+        try:
+            optimizer.step()
+        finally:
+            self._swap_back(inner, swaps)
+
+    def _swap_in_fp32(self, opt: torch.optim.Optimizer) -> list[tuple[dict, int, nn.Parameter, nn.Parameter]]:
+        """Replace each low-precision param (with a grad) by an fp32 stand-in carrying fp32 grad and state."""
+        swaps = []
+        with torch.no_grad():
+            for group in opt.param_groups:
+                for i, p in enumerate(group["params"]):
+                    if p.grad is None or p.dtype == torch.float32:
+                        continue
+                    p32 = nn.Parameter(p.detach().to(torch.float32))
+                    p32.grad = p.grad.to(torch.float32)
+                    state = opt.state.pop(p, None)
+                    if state:
+                        opt.state[p32] = {k: (v.to(torch.float32) if torch.is_tensor(v) and v.is_floating_point()
+                                              and v.shape == p.shape else v) for k, v in state.items()}
+                    group["params"][i] = p32
+                    swaps.append((group, i, p, p32))
+        return swaps
+
+    def _swap_back(self, opt: torch.optim.Optimizer, swaps) -> None:
+        """Write the fp32 results back into the original parameters and state (stochastic rounding for SR)."""
+        with torch.no_grad():
+            for group, i, p, p32 in swaps:
+                group["params"][i] = p
+                _local(p).copy_(_local(self._round(p32.data, p.dtype)))
+                state = opt.state.pop(p32, None)
+                if state:
+                    opt.state[p] = {k: (self._round(v, p.dtype) if torch.is_tensor(v) and v.is_floating_point()
+                                        and v.shape == p.shape else v) for k, v in state.items()}
+
+    # ---- logging and checkpoints ---------------------------------------------------------------
+    def metrics(self) -> dict[str, float]:
+        """Scalars to log each step: loss_scale (fp16) and skipped_steps (when steps can be skipped)."""
+        out: dict[str, float] = {}
+        if self.scaler is not None:
+            out["loss_scale"] = float(self.scaler.scale)
+        if self.scaler is not None or self.on_nonfinite == "skip":
+            out["skipped_steps"] = float(self.skipped_steps)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint must carry: the loss scaler, the skip counters, the SR generators."""
+        return {
+            "type": self.settings.ptype,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "skipped_steps": self.skipped_steps,
+            "consecutive_skips": self.consecutive_skips,
+            "sr_generators": {k: g.get_state().tolist() for k, g in self._generators.items()},  # plain ints
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("scaler") is not None and self.scaler is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.consecutive_skips = int(state.get("consecutive_skips", 0))
+        for key, gstate in (state.get("sr_generators") or {}).items():
+            self._generator(torch.device(key)).set_state(torch.tensor(gstate, dtype=torch.uint8))
+
+
+def reference_step(precision: Precision, model: nn.Module, optimizer, microbatches, loss_fn, step: int,
+                   clip: float | None = None, device_type: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """One optimizer step in plain PyTorch, at the same call points as NxdtLightningModule's step
+    (no Lightning, no data parallelism). `loss_fn(model, microbatch) -> scalar loss`.
+
+    Tests, benchmarks and the XLA runner use it. Returns (mean loss, gradient norm, applied).
+    """
+    optimizer.zero_grad(set_to_none=True)
+    precision.begin_step(model)
+    total = None
+    for mb in microbatches:
+        with precision.autocast(device_type):
+            loss = loss_fn(model, mb) / len(microbatches)
+        precision.scale_loss(loss).backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    precision.finish_grads(model)
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])  # foreach where the device has it
+    if not precision.check_step(step, total, norm, model):
+        precision.skip_step(optimizer, model)
+        return total, norm, False
+    torch.nn.utils.clip_grads_with_norm_(params, clip if clip and clip > 0 else math.inf, norm)
+    precision.optimizer_step(optimizer)
+    return total, norm, True

@@ -1,0 +1,176 @@
+"""The torch-xla (Neuron / TPU / XLA:CPU) side of training: device, graph cuts, step closures, xser.
+
+torch-xla is optional and lives in its own environment (`make test-xla` builds `.venv-xla` with
+torch==2.9.0 + torch-xla==2.9.0); nothing here imports it at module import time.
+
+The order of a run on XLA (interface §1, §7):
+1. `nxdt.config.env.apply_env(cfg)` sets XLA_USE_BF16 / XLA_DOWNCAST_BF16 /
+   NEURON_RT_STOCHASTIC_ROUNDING_EN / NEURON_CC_FLAGS and the Neuron knobs, never overwriting
+   the user's, BEFORE torch / torch_xla is imported (they are read at import).
+2. On XLA the precision env vars do the casting, so `Precision.from_cfg(cfg, on_xla=True)`
+   leaves dtypes alone except for `autocast` (torch.autocast on the xla device) and fp16
+   (loss-scaled fp16 copies); the NaN/inf guard runs in a step closure (no extra graph sync).
+3. Each optimizer step ends with `mark_step()` (one graph per step); scalars are logged from
+   step closures (`in_step_closure`), which run after the graph has executed, so logging does
+   not force a sync.
+4. Checkpoints with `exp_manager.save_xser` / `load_xser` use torch_xla's serialization
+   (`save_xser` / `load_xser` below: one file per tensor, loadable without the device that
+   wrote them); the checkpoint I/O module calls them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable, MutableMapping
+from typing import Any
+
+
+def xla_available() -> bool:
+    """torch_xla is importable (without importing it)."""
+    return importlib.util.find_spec("torch_xla") is not None
+
+
+def use_xla(cfg: Any, environ: MutableMapping[str, str] | None = None) -> bool:
+    """This run goes through torch-xla: trainer.accelerator xla/neuron/tpu, or (auto) torch_xla is
+    installed and PJRT_DEVICE / Neuron hints are present (nxdt.config.env.detect_xla)."""
+    from nxdt.config.env import detect_xla
+    from nxdt.config.layout import get
+
+    environ = os.environ if environ is None else environ
+    if str(get(cfg, "trainer.accelerator", "auto")) in ("xla", "neuron", "tpu"):
+        return True
+    return detect_xla(cfg, environ) and xla_available()
+
+
+def xla_device():
+    import torch_xla
+
+    return torch_xla.device()
+
+
+def mark_step() -> None:
+    """Cut and run the lazily traced graph (end of an optimizer step)."""
+    import torch_xla
+
+    sync = getattr(torch_xla, "sync", None)
+    if sync is not None:
+        sync()
+    else:  # older torch-xla
+        import torch_xla.core.xla_model as xm
+
+        xm.mark_step()
+
+
+def is_xla_tensor(t: Any) -> bool:
+    return getattr(getattr(t, "device", None), "type", None) == "xla"
+
+
+def in_step_closure(fn: Callable[..., Any], *args: Any) -> None:
+    """Run `fn(*args)` once the current step's graph has executed (XLA tensors in `args` are then
+    materialized without forcing a sync); off XLA, run it now."""
+    if any(is_xla_tensor(a) for a in args):
+        import torch_xla.core.xla_model as xm
+
+        xm.add_step_closure(fn, args)
+    else:
+        fn(*args)
+
+
+def save_xser(obj: Any, path: str | os.PathLike, master_only: bool = True) -> None:
+    """Save a (nested) state dict with torch_xla's serialization: tensors are written one file
+    each under `<path>.tensors/` and `path` holds the structure. Works for CPU tensors too.
+    `master_only`: only the master ordinal writes (all ranks must call it)."""
+    from torch_xla.utils.serialization import save
+
+    save(obj, str(path), master_only=master_only)
+
+
+def load_xser(path: str | os.PathLike) -> Any:
+    """Load what `save_xser` wrote; tensors come back on the CPU (move them to the device after)."""
+    from torch_xla.utils.serialization import load
+
+    return load(str(path))
+
+
+def lightning_accelerator(cfg: Any):
+    """Lightning's XLAAccelerator ('tpu') counts devices by asking the TPU runtime (and GCP's
+    metadata server); this subclass asks torch-xla's PJRT runtime instead, so XLA:CPU, Neuron
+    and TPU all work."""
+    from lightning.pytorch.accelerators import XLAAccelerator
+
+    class NxdtXLAAccelerator(XLAAccelerator):
+        @staticmethod
+        def auto_device_count() -> int:
+            import torch_xla.runtime as xr
+
+            return xr.addressable_runtime_device_count()
+
+        @staticmethod
+        def parse_devices(devices: Any) -> int:  # the parent validates against the TPU count
+            return int(devices) if str(devices) != "auto" else NxdtXLAAccelerator.auto_device_count()
+
+        @staticmethod
+        def get_parallel_devices(devices: Any) -> list:
+            import torch
+
+            return [torch.device("xla", i) for i in range(int(devices))]
+
+        @staticmethod
+        def is_available() -> bool:
+            try:
+                return NxdtXLAAccelerator.auto_device_count() > 0
+            except (ValueError, AssertionError, OSError, RuntimeError):
+                return False
+
+    return NxdtXLAAccelerator()
+
+
+def build_xla_strategy(mesh_shape: Any):
+    """A Lightning strategy for one XLA device with nxdt's DeviceMesh bookkeeping.
+
+    Lightning's `SingleDeviceXLAStrategy` runs the device, wraps the data loader with torch-xla's
+    MpDeviceLoader and, through its XLA precision plugin, ends every optimizer step with a
+    mark_step. nxdt's module and data modules also read a DeviceMesh (dp rank/size, collectives
+    over mesh axes): on one device every axis has size 1, so a world-size-1 gloo group and a CPU
+    mesh give them the same answers as on CPU without any collective touching the device.
+    Several XLA devices (dp over torch-xla's `xla` process-group backend) are not built yet;
+    nxdt.config.validate refuses them.
+    """
+    from lightning.pytorch.strategies import SingleDeviceXLAStrategy
+
+    from nxdt.parallel.mesh import build_mesh
+
+    class NxdtXLAStrategy(SingleDeviceXLAStrategy):
+        def __init__(self) -> None:
+            super().__init__(device=0)
+            self.mesh_shape = mesh_shape
+            self._device_mesh = None
+
+        def setup_environment(self) -> None:
+            import torch.distributed as dist
+
+            super().setup_environment()
+            if not dist.is_initialized():
+                dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            self._device_mesh = build_mesh(self.mesh_shape, "cpu")
+            assert self.lightning_module is not None
+            self.lightning_module._device_mesh = self._device_mesh
+
+        @property
+        def device_mesh(self):
+            return self._device_mesh
+
+        @property
+        def dp_rank(self) -> int:
+            return 0
+
+        @property
+        def dp_size(self) -> int:
+            return 1
+
+        @property
+        def distributed_sampler_kwargs(self) -> dict[str, Any]:
+            return {"num_replicas": 1, "rank": 0}
+
+    return NxdtXLAStrategy()

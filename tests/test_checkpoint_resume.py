@@ -1,0 +1,148 @@
+"""Exact resume after a real SIGKILL of a 2-rank torchrun run, resharding dp2 → dp1, bad checkpoints.
+
+One uninterrupted dp=2 run (saving every 2 steps) is the reference; the killed-and-rerun runs
+must log the same reduced_train_loss at every step, bit for bit (CPU, fp32).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, TINY_OVERRIDES, TRAIN_SCRIPT, read_scalars, run_cli
+
+STEPS = 8
+pytestmark = pytest.mark.slow
+
+
+def _args(prefix: str, log_dir, devices: int = 2, extra: list[str] = ()) -> list[str]:
+    return [
+        "--config-name", "tiny_llama_cpu", *TINY_OVERRIDES,
+        f"trainer.devices={devices}", f"trainer.max_steps={STEPS}",
+        "trainer.val_check_interval=3", "trainer.limit_val_batches=1",
+        "model.optim.lr=1e-2", "model.optim.sched.warmup_steps=2",
+        f"data.data_prefix=[1.0,{prefix}]",
+        f"exp_manager.explicit_log_dir={log_dir}",
+        "exp_manager.create_checkpoint_callback=true",
+        "exp_manager.checkpoint_callback_params.every_n_train_steps=2",
+        "exp_manager.checkpoint_callback_params.save_top_k=-1",
+        "exp_manager.resume_if_exists=true",
+        "exp_manager.resume_ignore_no_checkpoint=true",
+        *extra,
+    ]
+
+
+def _popen(args: list[str], nproc: int = 2, env: dict | None = None, log: Path | None = None) -> subprocess.Popen:
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env.pop("NXDT_RUN_VERSION", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(TRAIN_SCRIPT), *args]
+    out = open(log, "w") if log else subprocess.DEVNULL
+    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, cwd=REPO,
+                            start_new_session=True)
+
+
+def _kill_when(proc: subprocess.Popen, ready, timeout: float = 300) -> None:
+    """SIGKILL the whole process group (torchrun and both ranks) once ready() is true."""
+    deadline = time.time() + timeout
+    while not ready():
+        assert proc.poll() is None, "the run ended before the kill point"
+        assert time.time() < deadline, "kill point never reached"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _losses(log_dir) -> dict[int, float]:
+    return read_scalars(log_dir)["reduced_train_loss"]
+
+
+def _ckpt(log_dir, step: int) -> Path:
+    return Path(log_dir) / "checkpoints" / f"tiny_llama--step={step}-consumed_samples={8.0 * step}"
+
+
+@pytest.fixture(scope="module")
+def reference(kjv_prefix, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("reference")
+    proc = run_cli(_args(kjv_prefix, log_dir), nproc=2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return log_dir, _losses(log_dir)
+
+
+def test_reference_writes_complete_checkpoints(reference):
+    log_dir, losses = reference
+    assert sorted(losses) == list(range(STEPS))
+    for step in (2, 4, 6, 8):
+        path = _ckpt(log_dir, step)
+        assert (path / "COMPLETE").is_file(), path
+        assert sorted(p.name for p in path.glob("rank_*.json")) == ["rank_00000.json", "rank_00001.json"]
+        assert (path / "config.yaml").is_file() and (path / ".metadata").is_file()
+    assert not list((Path(log_dir) / "checkpoints").glob(".tmp-*"))
+
+
+def test_sigkill_between_saves_resumes_bit_for_bit(reference, kjv_prefix, tmp_path):
+    _, expected = reference
+    args = _args(kjv_prefix, tmp_path)
+    proc = _popen(args, log=tmp_path / "killed.log")
+    _kill_when(proc, lambda: (_ckpt(tmp_path, 4) / "COMPLETE").is_file())
+    assert not (_ckpt(tmp_path, 8)).exists()
+    rerun = run_cli(args, nproc=2)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert "resuming from" in rerun.stdout
+    got = _losses(tmp_path)
+    assert got == expected  # every step, exactly
+
+
+def test_sigkill_during_async_save_resumes_from_previous(reference, kjv_prefix, tmp_path):
+    """The step-4 async save is made slow; the run is killed while it is in flight (training
+    has gone on meanwhile); the rerun skips the unfinished save and resumes from step 2."""
+    _, expected = reference
+    args = _args(kjv_prefix, tmp_path, extra=["exp_manager.async_checkpointing=true"])
+    tmp4 = _ckpt(tmp_path, 4).parent / (".tmp-" + _ckpt(tmp_path, 4).name)
+    proc = _popen(args, env={"NXDT_TEST_SLOW_ASYNC_SAVE": "4:600"}, log=tmp_path / "killed.log")
+    _kill_when(proc, lambda: len(list(tmp4.glob("rank_*.json"))) == 2 and (_ckpt(tmp_path, 2) / "COMPLETE").is_file())
+    assert not _ckpt(tmp_path, 4).exists() and tmp4.is_dir()
+    rerun = run_cli(args, nproc=2)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert f"resuming from {_ckpt(tmp_path, 2)}" in rerun.stdout
+    assert _losses(tmp_path) == expected
+    assert (_ckpt(tmp_path, 8) / "COMPLETE").is_file() and (_ckpt(tmp_path, 4) / "COMPLETE").is_file()
+
+
+def test_reshard_dp2_to_dp1(reference, kjv_prefix, tmp_path):
+    """A dp=2 checkpoint continues on one process: same losses (dp2 vs dp1 sums differ in rounding only)."""
+    ref_dir, expected = reference
+    (tmp_path / "checkpoints").mkdir()
+    shutil.copytree(_ckpt(ref_dir, 4), _ckpt(tmp_path, 4))
+    proc = run_cli(_args(kjv_prefix, tmp_path, devices=1))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = _losses(tmp_path)
+    assert sorted(got) == [4, 5, 6, 7]
+    assert max(abs(got[s] - expected[s]) for s in got) < 1e-5, (got, expected)
+
+
+def test_bad_checkpoints_exit_2_and_are_kept(reference, kjv_prefix, tmp_path):
+    ref_dir, _ = reference
+    # truncated shard, named with its file and key
+    bad = tmp_path / "truncated"
+    shutil.copytree(_ckpt(ref_dir, 4), bad)
+    shard = next(bad.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:1000])
+    proc = run_cli(_args(kjv_prefix, tmp_path / "a", devices=1, extra=[f"exp_manager.resume_from_checkpoint={bad}"]))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"checkpoint file {shard} is truncated: key '" in proc.stderr
+    assert shard.is_file() and (bad / "COMPLETE").is_file()
+    # a model whose shape does not match the checkpoint
+    good = tmp_path / "good"
+    shutil.copytree(_ckpt(ref_dir, 4), good)
+    proc = run_cli(_args(kjv_prefix, tmp_path / "b", devices=1,
+                         extra=[f"exp_manager.resume_from_checkpoint={good}", "model.ffn_hidden_size=160"]))
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "key 'model.layers.0.mlp.gate_proj.weight' has shape [176, 64] in the checkpoint but [160, 64]" in proc.stderr
+    assert (good / "COMPLETE").is_file()

@@ -1,0 +1,241 @@
+"""Parallel engine pieces: activation checkpointing (in process), config errors, and one torchrun
+launch checking ZeRO-1 optimizer bytes and meta-device initialisation (this file is also the worker)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+from test_config import error, load  # noqa: E402
+
+
+def tiny_cfg(**model):
+    return OmegaConf.create({
+        "model_source": "megatron",
+        "model": {"num_layers": 4, "hidden_size": 64, "ffn_hidden_size": 176, "num_attention_heads": 4,
+                  "num_kv_heads": 2, "make_vocab_size_divisible_by": 8, "activations_checkpoint_granularity": None,
+                  "activations_checkpoint_recompute": None, "activations_checkpoint_recompute_mlp": False,
+                  "selective_checkpointing": None, **model},
+        "distributed_strategy": {"tensor_model_parallel_size": 1, "sequence_parallel": False, "zero1": False,
+                                 "sharding_strategy": None, "fsdp": False, "cpu_offload": False,
+                                 "low_cpu_fsdp": False, "meta_init": False},
+        "precision": {"type": "fp32"},
+    })
+
+
+# ----------------------------------------------------------------------------- activation checkpointing
+def _loss_and_grads(cfg, checkpointed: bool):
+    from nxdt.models import build_model
+    from nxdt.parallel.activation_checkpointing import apply_activation_checkpointing, checkpointed_modules
+
+    torch.manual_seed(0)
+    model = build_model(cfg, vocab_size=512)
+    names = checkpointed_modules(apply_activation_checkpointing(model, cfg)) if checkpointed else []
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
+    loss = torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}, names
+
+
+@pytest.mark.parametrize("model_keys, expected", [
+    ({"activations_checkpoint_granularity": "full"}, [f"model.layers.{i}" for i in range(4)]),
+    ({"activations_checkpoint_granularity": "selective"},
+     [f"model.layers.{i}.self_attn.core_attention" for i in range(4)]),
+    ({"activations_checkpoint_granularity": "selective", "activations_checkpoint_recompute_mlp": True},
+     [m for i in range(4) for m in (f"model.layers.{i}.self_attn.core_attention", f"model.layers.{i}.mlp")]),
+    ({"activations_checkpoint_granularity": "selective", "activations_checkpoint_recompute": ["LlamaRMSNorm"]},
+     [m for i in range(4) for m in (f"model.layers.{i}.input_layernorm", f"model.layers.{i}.post_attention_layernorm")]),
+    ({"selective_checkpointing": 0.5}, ["model.layers.0", "model.layers.2"]),  # fms-fsdp: half, evenly spaced
+])
+def test_activation_checkpointing_same_loss_and_grads(model_keys, expected):
+    cfg = tiny_cfg(**model_keys)
+    loss0, grads0, _ = _loss_and_grads(cfg, checkpointed=False)
+    loss1, grads1, names = _loss_and_grads(cfg, checkpointed=True)
+    assert sorted(names) == sorted(expected)
+    assert loss1 == loss0
+    for n, g in grads0.items():
+        torch.testing.assert_close(grads1[n], g, rtol=0, atol=0, msg=n)
+
+
+def test_checkpointed_block_recomputes_in_backward():
+    from nxdt.models import build_model
+    from nxdt.parallel.activation_checkpointing import apply_activation_checkpointing
+
+    cfg = tiny_cfg(activations_checkpoint_granularity="full")
+    model = apply_activation_checkpointing(build_model(cfg, vocab_size=512), cfg)
+    calls = []
+    model.model.layers[1].mlp.register_forward_pre_hook(lambda *a: calls.append(1))
+    model(torch.randint(0, 512, (1, 8))).sum().backward()
+    assert len(calls) == 2  # forward + recomputation
+
+
+def test_selected_blocks_evenly_spaced():
+    from nxdt.parallel.activation_checkpointing import selected_blocks
+
+    assert selected_blocks(8, None) == list(range(8))
+    assert selected_blocks(8, 0.25) == [1, 5]
+    assert len(selected_blocks(32, 1 / 3)) == round(32 / 3)
+
+
+def test_hf_selective_maps_core_attention_to_llama_attention():
+    from nxdt.models import build_model
+    from nxdt.parallel.activation_checkpointing import apply_activation_checkpointing, checkpointed_modules
+
+    cfg = tiny_cfg(activations_checkpoint_granularity="selective")
+    cfg.model_source = "hf"
+    cfg.model.model_config = "model_configs/tiny_llama"
+    cfg.model.num_layers = 2
+    names = checkpointed_modules(apply_activation_checkpointing(build_model(cfg), cfg))
+    assert names == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+
+
+# ----------------------------------------------------------------------------- bad input
+def test_unknown_recompute_class_is_one_line_listing_valid_ones():
+    msg = error("model.activations_checkpoint_granularity=selective",
+                "model.activations_checkpoint_recompute=[CoreAtention]")
+    assert "unknown module class 'CoreAtention'" in msg and "did you mean 'CoreAttention'" in msg
+    assert "valid: CoreAttention, LlamaAttention" in msg
+
+
+def test_bad_parallel_sizes_are_one_line_errors():
+    assert "num_attention_heads (8) is not divisible by" in error(
+        "distributed_strategy.tensor_model_parallel_size=16", "trainer.devices=16", world_size=16)
+    assert "hsdp_replicate_size (3) does not divide the data-parallel size 2" in error(
+        "distributed_strategy.sharding_strategy=HSDP", "distributed_strategy.hsdp_replicate_size=3")
+    assert "'distributed_strategy.context_parallel_size' is not supported yet" in error(
+        "distributed_strategy.context_parallel_size=2")
+    assert "'model.checkpoint_num_layers' is not supported yet" in error("model.checkpoint_num_layers=2")
+
+
+def test_parallel_keys_are_accepted():
+    load("distributed_strategy.tensor_model_parallel_size=2", "distributed_strategy.sequence_parallel=true",
+         "trainer.devices=4", "distributed_strategy.zero1=true", world_size=4)
+    for strategy in ("FSDP", "HSDP", "grad-shard", "no-shard"):
+        load(f"distributed_strategy.sharding_strategy={strategy}", "distributed_strategy.cpu_offload=true",
+             "distributed_strategy.meta_init=true", "model.activations_checkpoint_granularity=full",
+             "model.selective_checkpointing=0.5")
+
+
+def test_mesh_shape_for_hsdp_and_data_parallel_config():
+    from nxdt.config.layout import compute_layout
+    from nxdt.parallel.data_parallel import data_parallel_config
+    from nxdt.parallel.mesh import mesh_shape_from_layout
+
+    cfg = load("distributed_strategy.sharding_strategy=HSDP", "trainer.devices=4", world_size=4)
+    shape = mesh_shape_from_layout(compute_layout(cfg, 4), "HSDP", num_nodes=2)
+    assert (shape.dp_replicate, shape.dp_shard) == (2, 2)
+    assert data_parallel_config(cfg).mode == "shard"
+    grad = data_parallel_config(load("distributed_strategy.sharding_strategy=grad-shard"))
+    assert grad.mode == "shard" and not grad.reshard_after_forward
+    assert data_parallel_config(load("distributed_strategy.fsdp=true")).mode == "shard"
+    assert data_parallel_config(load()).mode == "replicate"
+
+
+# ----------------------------------------------------------------------------- torchrun: ZeRO-1 bytes, meta init
+@pytest.fixture(scope="module")
+def worker_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("worker") / "results.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NXDT_TEST_OUT": str(out)}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           __file__], capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_zero1_optimizer_bytes_are_one_over_dp(worker_results):
+    z = worker_results["zero1"]
+    assert sum(z["per_rank"]) == z["unsharded"]  # every state tensor lives on exactly one rank
+    for b in z["per_rank"]:
+        assert abs(b / (z["unsharded"] / 2) - 1) <= 0.02, z
+    assert z["params_equal_across_ranks"]
+    assert z["params_max_diff_to_plain_adamw"] < 1e-4, z  # one AdamW step (lr 1e-2) as plain AdamW on one rank
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_meta_init_allocates_shards_and_matches_unsharded_init(worker_results, layout):
+    m = worker_results[f"meta_{layout}"]
+    assert m["max_abs_diff"] == 0.0
+    assert m["local_bytes"] < 0.6 * m["full_bytes"], m  # each rank holds about half
+
+
+def _worker() -> None:  # pragma: no cover - runs under torchrun
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from nxdt.models import build_model, init_model_weights
+    from nxdt.parallel.data_parallel import apply_data_parallel, zero1_optimizer
+    from nxdt.parallel.mesh import MeshShape, build_mesh, submesh
+    from nxdt.parallel.parallelize import parallelize_llama
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    results = {}
+    V = 512
+
+    def full(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    # ZeRO-1: replicate over dp=2, AdamW state sharded
+    cfg = tiny_cfg()
+    mesh = build_mesh(MeshShape(dp_replicate=2), "cpu")
+    torch.manual_seed(0)
+    model = build_model(cfg, V)
+    plain = build_model(cfg, V)
+    plain.load_state_dict(model.state_dict())
+    apply_data_parallel(model, mesh)
+    opt = zero1_optimizer([{"params": list(model.parameters())}], torch.optim.AdamW, {"lr": 1e-2},
+                          submesh(mesh, "dp").get_group())
+    ref_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    ids = torch.randint(0, V, (4, 16), generator=torch.Generator().manual_seed(1))
+    for m, o, x in ((model, opt, ids[2 * rank:2 * rank + 2]), (plain, ref_opt, ids)):
+        torch.nn.functional.cross_entropy(m(x).flatten(0, 1), x.flatten()).backward()
+        o.step()
+
+    def state_bytes(optim):
+        return sum(t.numel() * t.element_size() for s in optim.state.values() for t in s.values()
+                   if torch.is_tensor(t))
+
+    per_rank = [None, None]
+    dist.all_gather_object(per_rank, state_bytes(opt.optim))
+    mine = torch.cat([full(p).detach().flatten() for p in model.parameters()])
+    other = mine.clone()
+    dist.broadcast(other, src=0)
+    ref = torch.cat([p.detach().flatten() for p in plain.parameters()])
+    results["zero1"] = {"per_rank": per_rank, "unsharded": state_bytes(ref_opt),
+                        "params_equal_across_ranks": bool(torch.equal(mine, other)),
+                        "params_max_diff_to_plain_adamw": (mine - ref).abs().max().item()}
+
+    # meta-device init: sharded (FSDP dp=2 / TP=2) equals an unsharded meta init with the same seed
+    for layout, shape, keys in (("fsdp", MeshShape(dp_shard=2), {"sharding_strategy": "FSDP"}),
+                                ("tp", MeshShape(tp=2), {"tensor_model_parallel_size": 2})):
+        cfg = tiny_cfg()
+        cfg.distributed_strategy.meta_init = True
+        cfg.distributed_strategy.update(keys)
+        mesh = build_mesh(shape, "cpu")
+        torch.manual_seed(3)
+        model = parallelize_llama(build_model(cfg, V, device="meta"), mesh, cfg)
+        torch.manual_seed(3)
+        ref = init_model_weights(build_model(cfg, V, device="meta"), "cpu")
+        diff = max((full(p).detach() - ref.get_parameter(n)).abs().max().item()
+                   for n, p in model.named_parameters())
+        local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * 4 for p in model.parameters())
+        results[f"meta_{layout}"] = {"max_abs_diff": diff, "local_bytes": local,
+                                     "full_bytes": sum(p.numel() * 4 for p in ref.parameters())}
+    if rank == 0:
+        Path(os.environ["NXDT_TEST_OUT"]).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _worker()
