@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import subprocess
 import sys
@@ -367,3 +368,27 @@ def test_every_scheduler_has_its_keys_registered():
 def test_optim_keys_import_no_torch():
     code = "import sys, nxdt.config.optim_keys; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_adamw_is_fused_by_default_and_matches_the_reference_loop():
+    """Plain fp32 params get the fused kernel unless the config picks an implementation."""
+    import torch
+
+    from nxdt.training.optimizers import build_optimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4))
+    reference = copy.deepcopy(model)
+    cfg = {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1, "betas": [0.9, 0.95]}
+    fused = build_optimizer(model, cfg)
+    assert fused.defaults["fused"] is True
+    plain = build_optimizer(reference, {**cfg, "foreach": False})
+    assert not plain.defaults.get("fused")
+    for step in range(5):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+        for m, opt in ((model, fused), (reference, plain)):
+            opt.zero_grad()
+            m(x).pow(2).mean().backward()
+            opt.step()
+    for a, b in zip(model.parameters(), reference.parameters()):
+        assert torch.allclose(a, b, atol=1e-6, rtol=0)

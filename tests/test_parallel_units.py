@@ -239,3 +239,18 @@ def _worker() -> None:  # pragma: no cover - runs under torchrun
 
 if __name__ == "__main__":
     _worker()
+
+
+def test_use_torch_compile_compiles_each_block_and_only_blocks():
+    """model.use_torch_compile: every decoder block gets torch.compile'd (not run here: cold compile is slow)."""
+    from omegaconf import OmegaConf
+
+    from nxdt.models import build_model
+    from nxdt.parallel.parallelize import apply_compile
+
+    cfg = OmegaConf.create({"model_source": "megatron", "model": {
+        "num_layers": 2, "hidden_size": 32, "ffn_hidden_size": 64, "num_attention_heads": 4}})
+    model = build_model(cfg, 64)
+    apply_compile(model)
+    assert all(block._compiled_call_impl is not None for block in model.model.layers)
+    assert model._compiled_call_impl is None and model.lm_head._compiled_call_impl is None

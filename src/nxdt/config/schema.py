@@ -249,6 +249,8 @@ class ModelConfig:
     pipeline_cuts: Optional[List[str]] = doc(None, "pp x vpp - 1 layers that end a pipeline stage (NxD), e.g. [model.layers.15]; null = even split")
     # initialization / loading
     use_cpu_initialization: bool = doc(True, "initialize weights on CPU, then move to the device")
+    use_torch_compile: bool = doc(False, "torch.compile each decoder block (fms-fsdp's use_torch_compile; CPU/CUDA; "
+                                  "the first steps pay the compile time)")
     weight_init_only: bool = doc(False, "with resume_from_checkpoint: load weights only (fine-tuning start)")
     # activation checkpointing
     activations_checkpoint_granularity: Optional[Literal["selective", "full"]] = doc(

@@ -285,4 +285,22 @@ def build_optimizer(model: nn.Module, optim_cfg: Mapping,
         raise ConfigError("model.optim: the model has no trainable parameters")
     if "weight_decay" not in defaults:  # e.g. rprop, which has no weight decay: one group
         groups = [{"params": [p for g in groups for p in g["params"]]}]
+    if _can_fuse(cls, kwargs, groups):
+        # torch's default Adam(W) on CPU walks the tensors one by one; the fused kernel is several
+        # times faster and what transformers.Trainer uses. Same math, rounding-level differences.
+        kwargs = {**kwargs, "fused": True}
     return cls(groups, **kwargs)
+
+
+def _can_fuse(cls: type[Optimizer], kwargs: Mapping, groups: list[dict]) -> bool:
+    """Fused Adam(W) when the config chose no implementation and every parameter is a plain float tensor."""
+    if cls not in (torch.optim.Adam, torch.optim.AdamW) or "fused" in kwargs or "foreach" in kwargs:
+        return False
+    if kwargs.get("capturable") or kwargs.get("differentiable"):
+        return False
+    params = [p for g in groups for p in g["params"]]
+    return all(
+        type(p) in (torch.Tensor, nn.Parameter) and p.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and p.device.type in ("cpu", "cuda")
+        for p in params
+    )
