@@ -24,6 +24,7 @@ EXPECTED = {
     "hf_llama3_8B_config": (None, 8_030_261_248),
     "hf_llama3.1_8B_config": (None, 8_030_261_248),
     "hf_llama3_70B_config": (None, 70_553_706_496),
+    "hf_llama3_405B_config": (None, 405_853_388_800),
     "hf_llama3_8B_SFT_config": (None, 8_030_261_248),
     "megatron_gpt_config": (50257, None),
     "tiny_llama_cpu": (8192, None),
