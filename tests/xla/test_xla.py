@@ -45,12 +45,7 @@ def fp32_run():
     return _run("fp32")
 
 
-AUTOCAST_SDPA = ("torch.autocast('xla') leaves RoPE'd q/k in fp32 but v in bf16: scaled_dot_product_attention "
-                 "raises 'Expected query, key, and value to have the same dtype' (the model must cast q/k/v alike)")
-
-
-@pytest.mark.parametrize("ptype", [pytest.param(p, marks=pytest.mark.xfail(reason=AUTOCAST_SDPA, strict=False))
-                                   if p == "autocast" else p for p in PRESETS])
+@pytest.mark.parametrize("ptype", PRESETS)
 def test_tiny_llama_trains_on_xla_with_each_preset(ptype, fp32_run):
     out = fp32_run if ptype == "fp32" else _run(ptype)
     losses = out["losses"]
@@ -75,8 +70,6 @@ def test_xser_checkpoint_loads_back(tmp_path):
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.xfail(strict=False, reason="nxdt.parallel.tensor_parallel.total_norm passes foreach=True, which "
-                                        "torch refuses for xla tensors (needs foreach=None)")
 def test_examples_train_runs_on_xla(tmp_path):
     """The product path: examples/train.py with trainer.accelerator=xla (Lightning, one XLA:CPU device)."""
     sys.path.insert(0, str(REPO / "tests"))

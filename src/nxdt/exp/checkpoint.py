@@ -142,14 +142,37 @@ def _inner(optimizer):
     return getattr(optimizer, "_optimizer", optimizer)  # unwrap LightningOptimizer
 
 
+def _canonical(model: torch.nn.Module):
+    """Maps a parameter name of `model` to its layout-independent name.
+
+    A pipeline rank with several stages (vpp > 1) holds an nn.ModuleList of them, whose names
+    are `<k>.model.layers.<i>...`; the stages keep the whole model's names below that prefix,
+    which is stripped. Every other layout already uses the whole model's names."""
+    if isinstance(model, torch.nn.ModuleList):
+        return lambda fqn: fqn.split(".", 1)[1]
+    return lambda fqn: fqn
+
+
+def _rename_optim(osd: dict[str, Any], rename) -> dict[str, Any]:
+    """Rename the FQN inside flattened optimizer keys `state.<fqn>.<k>` / `param_groups.<fqn>.<k>`
+    (optimizer state keys such as exp_avg, lr, betas have no dots)."""
+    out = {}
+    for key, value in osd.items():
+        kind, rest = key.split(".", 1)
+        fqn, k = rest.rsplit(".", 1)
+        out[f"{kind}.{rename(fqn)}.{k}"] = value
+    return out
+
+
 def model_and_optimizer_state(model: torch.nn.Module, optimizers: list, weights_only: bool = False) -> dict[str, Any]:
     """The flat state to save or load for the current parallel layout.
 
     Keys: `model.<fqn>` (tensors: plain, or DTensor when sharded) and `optim<i>.<key>` from the
-    flattened optimizer state dict (`state.<fqn>.exp_avg`, `param_groups.<fqn>.lr`, ...), so the
-    names do not depend on how parameters are grouped or split across pipeline stages: a
-    checkpoint saved with one layout loads into another. ZeRO-1 (ZeroRedundancyOptimizer)
-    contributes each rank's own shard under the same FQN keys.
+    flattened optimizer state dict (`state.<fqn>.exp_avg`, `param_groups.<fqn>.lr`, ...), with
+    the whole model's FQNs (pipeline stages merged, see `_canonical`), so the names do not
+    depend on how parameters are grouped, sharded or split across pipeline stages: a checkpoint
+    saved with one layout loads into another. ZeRO-1 (ZeroRedundancyOptimizer) contributes each
+    rank's own shard under the same FQN keys.
     """
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -157,8 +180,9 @@ def model_and_optimizer_state(model: torch.nn.Module, optimizers: list, weights_
         get_optimizer_state_dict,
     )
 
+    canon = _canonical(model)
     options = StateDictOptions(flatten_optimizer_state_dict=True)
-    state: dict[str, Any] = {f"model.{k}": v for k, v in get_model_state_dict(model, options=options).items()}
+    state: dict[str, Any] = {f"model.{canon(k)}": v for k, v in get_model_state_dict(model, options=options).items()}
     if weights_only:
         return state
     for i, optimizer in enumerate(optimizers):
@@ -167,24 +191,31 @@ def model_and_optimizer_state(model: torch.nn.Module, optimizers: list, weights_
             osd = _zero1_state(model, inner)
         else:
             osd = get_optimizer_state_dict(model, inner, options=options)
-        state.update({f"optim{i}.{k}": v for k, v in osd.items()})
+        state.update({f"optim{i}.{k}": v for k, v in _rename_optim(osd, canon).items()})
     return state
 
 
 def set_model_and_optimizer_state(model: torch.nn.Module, optimizers: list, state: dict[str, Any]) -> None:
+    """Load `state` (keys as made by `model_and_optimizer_state`) into the model and optimizers."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
+    canon = _canonical(model)
+    local = {canon(k): k for k in model.state_dict()}
+    local.update({canon(k): k for k, _ in model.named_parameters()})
+    to_local = lambda fqn: local.get(fqn, fqn)  # noqa: E731
     options = StateDictOptions(flatten_optimizer_state_dict=True)
-    set_model_state_dict(model, {k[6:]: v for k, v in state.items() if k.startswith("model.")}, options=options)
+    set_model_state_dict(model, {to_local(k[6:]): v for k, v in state.items() if k.startswith("model.")},
+                         options=options)
     for i, optimizer in enumerate(optimizers):
         prefix = f"optim{i}."
         osd = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
         if not osd:
             continue
+        osd = _rename_optim(osd, to_local)
         inner = _inner(optimizer)
         if _is_zero1(inner):
             _set_zero1_state(model, inner, osd)
@@ -208,6 +239,8 @@ def _zero1_state(model, zero) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import _init_optim_state
 
     _init_optim_state(zero.optim)  # a fresh optimizer has no state tensors for DCP to load into
+    # the scheduler sets lr on the outer param_groups; ZeRO copies them inward only at step()
+    zero._sync_param_groups(zero.param_groups, zero.optim.param_groups)
     out: dict[str, Any] = {}
     for fqn, p, group in _zero1_params(model, zero):
         for k, v in zero.optim.state.get(p, {}).items():
@@ -225,6 +258,12 @@ def _set_zero1_state(model, zero, osd: dict[str, Any]) -> None:
         for k in list(group):
             if k != "params" and f"param_groups.{fqn}.{k}" in osd:
                 group[k] = osd[f"param_groups.{fqn}.{k}"]
+    # ZeroRedundancyOptimizer copies its own (outer) param_groups onto the inner optimizer's before
+    # each step, and the scheduler sets the outer lr: restore the outer groups too (group i of
+    # the inner optimizer holds this rank's share of outer group i).
+    for outer, inner in zip(zero.param_groups, zero.optim.param_groups):
+        if inner["params"]:
+            outer.update({k: v for k, v in inner.items() if k != "params"})
 
 
 def split_tensors(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -234,6 +273,34 @@ def split_tensors(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[
 
 def tensor_shapes(tensors: dict[str, torch.Tensor]) -> dict[str, list[int]]:
     return {k: list(v.shape) for k, v in tensors.items() if k.startswith("model.")}
+
+
+def all_tensor_shapes(tensors: dict[str, torch.Tensor]) -> dict[str, list[int]]:
+    """The model's (global) tensor shapes over all ranks: pipeline ranks hold different stages."""
+    shapes = tensor_shapes(tensors)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return shapes
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, shapes)  # in-memory objects of this run's ranks, not file data
+    merged: dict[str, list[int]] = {}
+    for part in gathered:
+        merged.update(part)
+    return merged
+
+
+LAYOUT_KEYS = ("dp", "tp", "pp", "vpp", "cp")
+
+
+def layout_of(module) -> dict[str, int]:
+    layout = getattr(module, "layout", None)
+    return {k: int(getattr(layout, k)) for k in LAYOUT_KEYS if hasattr(layout, k)} if layout else {}
+
+
+def _dp_rank(strategy) -> int | None:
+    try:
+        return int(strategy.dp_rank)
+    except Exception:  # a strategy without a mesh (tests)
+        return None
 
 
 # --------------------------------------------------------------------------- DCP metadata, safely
@@ -362,27 +429,28 @@ class Checkpointer:
         checkpoint.pop("optimizer_states", None)
         state = model_and_optimizer_state(module.model, strategy.optimizers)
         tensors, scalars = split_tensors(state)
+        shapes = all_tensor_shapes(tensors)  # a collective: every rank, before rank 0 writes meta.json
         per_rank = {
             "rank": rank,
             "world_size": strategy.world_size,
+            "dp_rank": _dp_rank(strategy),
             "rng": rng_state(),
             "scalars": to_json(scalars, "optimizer state"),
             "trainer": to_json(checkpoint, "trainer state"),
         }
         _write_json(tmp / rank_file(rank), per_rank)
         if rank == 0:
-            layout = getattr(module, "layout", None)
             meta = {
                 "format": FORMAT,
                 "version": FORMAT_VERSION,
                 "world_size": strategy.world_size,
-                "layout": {k: getattr(layout, k) for k in ("dp", "tp", "pp", "cp")} if layout else {},
+                "layout": layout_of(module),
                 "step": int(checkpoint.get("global_step", 0)),
                 "consumed_samples": int(checkpoint.get("consumed_samples", 0)),
                 "torch_version": torch.__version__,
                 "lightning_version": checkpoint.get("pytorch-lightning_version"),
                 "model_source": cfg.get("model_source") if cfg is not None else None,
-                "model_shapes": tensor_shapes(tensors),
+                "model_shapes": shapes,
             }
             _write_json(tmp / META, meta)
             if cfg is not None:
@@ -504,7 +572,7 @@ def validate_checkpoint(path: Path) -> dict[str, Any]:
 
 def check_model_matches(path: Path, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
     saved = meta.get("model_shapes", {})
-    current = tensor_shapes(tensors)
+    current = all_tensor_shapes(tensors)
     missing = sorted(set(current) - set(saved))
     extra = sorted(set(saved) - set(current))
     if missing or extra:
@@ -539,12 +607,24 @@ def load_checkpoint(strategy, path: Path, cfg=None, weights_only: bool = False) 
     check_model_matches(path, meta, tensors)
 
     rank, world = strategy.global_rank, strategy.world_size
-    same_layout = int(meta.get("world_size", -1)) == world
-    own = {} if weights_only else read_json(path / rank_file(rank if same_layout else 0), "this rank's state")
+    saved_layout, layout = meta.get("layout") or {}, layout_of(module)
+    same_world = int(meta.get("world_size", -1)) == world
+    # every rank's state belongs to its place in the layout: RNG states only carry over the same
+    # layout, data-loader state the same data-parallel size (taken from a rank with our dp rank)
+    same_layout = same_world and all(saved_layout.get(k, v) == v for k, v in layout.items())
+    same_dp = same_layout or (bool(saved_layout) and saved_layout.get("dp") == layout.get("dp"))
+    own: dict[str, Any] = {}
     if not weights_only:
+        files = [read_json(path / rank_file(r), "this rank's state") for r in range(int(meta.get("world_size", 1)))]
+        if same_layout:
+            own = files[rank]
+        else:
+            dp_rank = _dp_rank(strategy)
+            own = next((f for f in files if same_dp and f.get("dp_rank") == dp_rank), files[0])
+            same_dp = same_dp and own.get("dp_rank") == dp_rank
         saved_scalars: dict[str, Any] = {}
-        for r in range(int(meta.get("world_size", 1))):  # pipeline stages hold different keys: merge
-            saved_scalars.update(from_json(read_json(path / rank_file(r)).get("scalars", {})))
+        for f in files:  # pipeline stages and ZeRO-1 shards hold different keys: merge
+            saved_scalars.update(from_json(f.get("scalars", {})))
         for key in scalars:
             if key not in saved_scalars:
                 raise ConfigError(f"checkpoint {path}: optimizer key '{key}' not found in {rank_file(0)} "
@@ -569,7 +649,13 @@ def load_checkpoint(strategy, path: Path, cfg=None, weights_only: bool = False) 
     trainer_state = from_json(own.get("trainer", {}))
     trainer_state["pending_rng"] = own.get("rng") if same_layout else None
     if not same_layout and not weights_only:
-        _drop_data_state(trainer_state, strategy, meta, world)
+        if same_dp:
+            if rank == 0:
+                warnings.warn(f"checkpoint saved with layout {_layout_text(saved_layout)}, loading on "
+                              f"{_layout_text(layout)}: tensors resharded; per-rank RNG states are not "
+                              "restored", stacklevel=2)
+        else:
+            _drop_data_state(trainer_state, strategy, meta, world)
     if cfg is not None and cfg.exp_manager.get("enable_recovery_time_instrumentation") and rank == 0:
         print(f"checkpoint load {path.name}: check {t1 - t0:.3f}s, tensors {t2 - t1:.3f}s", flush=True)
     return trainer_state
@@ -583,11 +669,18 @@ def _drop_data_state(trainer_state: dict[str, Any], strategy, meta: dict[str, An
     fit_loop = trainer_state.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
     fit_loop.pop("combined_loader", None)
     if strategy.global_rank == 0:
+        saved = meta.get("layout") or {}
+        now = layout_of(strategy.lightning_module)
+        dp = f" (dp={saved['dp']} -> dp={now['dp']})" if "dp" in saved and "dp" in now else ""
         warnings.warn(
-            f"checkpoint saved with {meta.get('world_size')} ranks, loading on {world}: data-loader and RNG "
+            f"checkpoint saved with {meta.get('world_size')} ranks, loading on {world}{dp}: data-loader and RNG "
             "state do not carry over a change of layout; data continues from consumed_samples",
             stacklevel=3,
         )
+
+
+def _layout_text(layout: dict[str, int]) -> str:
+    return " ".join(f"{k}={v}" for k, v in layout.items()) or "?"
 
 
 def _one_line(err: Exception) -> str:

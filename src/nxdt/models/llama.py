@@ -248,7 +248,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the first cos.shape[-1] dims of each head of x [B, H, S, D]; pass the rest through."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
+    # in x's dtype: under autocast q/k come out of the projections in bf16 while the rotary table
+    # follows the fp32 residual stream; keep q, k and v in one dtype for SDPA (XLA needs it)
+    cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)  # broadcast over heads
     rot = cos.shape[-1]
     if rot == x.shape[-1]:
         return x * cos + rotate_half(x) * sin

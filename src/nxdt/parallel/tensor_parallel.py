@@ -206,9 +206,9 @@ def total_norm(tensors: list[torch.Tensor], norm_type: float = 2.0) -> torch.Ten
             by_mesh.setdefault(t.device_mesh, []).append(t)
     plain = [t for t in tensors if not isinstance(t, DTensor)]
     # e.g. replicate over dp on top of tp: tp-sharded params live on the (dp, tp) mesh, the others on dp
-    parts = [torch.nn.utils.get_total_norm(group, norm_type, foreach=True).full_tensor() for group in by_mesh.values()]
+    parts = [torch.nn.utils.get_total_norm(group, norm_type, foreach=None).full_tensor() for group in by_mesh.values()]
     if plain:
-        parts.append(torch.nn.utils.get_total_norm(plain, norm_type, foreach=True))
+        parts.append(torch.nn.utils.get_total_norm(plain, norm_type, foreach=None))
     if not parts:
         return torch.zeros(())
     if len(parts) == 1:

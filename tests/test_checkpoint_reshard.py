@@ -1,0 +1,197 @@
+"""Resharding: a checkpoint saved with one parallel layout continues in another.
+
+Every run has the same model, init, data and global batch (8 samples), so every layout's
+per-step `reduced_train_loss` equals the one uninterrupted reference run within 1e-5
+(tests/test_parallel_layouts.py). The runs form chains: each resume run loads a checkpoint of
+the previous one and writes its own checkpoints (every step) for the next, so nine launches
+(seven under torchrun, two single-process) cover these layout changes:
+
+    reference  pp2 x vpp2, from scratch, 8 steps
+    ├─ @1 → pp2 x vpp2      plain resume, same layout
+    │   └─ @2 → pp2         vpp2 → vpp1 (stages regrouped)
+    │       └─ @3 → pp1     pp2 → pp1, one process
+    │           └─ @4 → tp2         tp1 → tp2
+    │               └─ @5 → tp1     tp2 → tp1, one process
+    └─ @1 → zero1 dp2       dp1 → dp2 (data-loader state dropped, continues from consumed_samples)
+        ├─ @3 → fsdp dp2    zero1 dp2 → fsdp dp2
+        └─ @3 → zero1 dp2   plain ZeRO-1 resume
+
+Each resumed run's losses (steps after the checkpoint, to step 8) are compared with the
+reference's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import TINY_OVERRIDES, read_scalars, run_cli
+
+STEPS = 8
+TOL = 1e-5
+PP2 = ["distributed_strategy.pipeline_model_parallel_size=2"]
+VPP2 = [*PP2, "distributed_strategy.virtual_pipeline_model_parallel_size=2"]
+pytestmark = pytest.mark.slow
+
+
+def _args(prefix: str, log_dir: Path, devices: int, extra=()) -> list[str]:
+    return [
+        "--config-name", "tiny_llama_cpu", *TINY_OVERRIDES,
+        "model.num_layers=4",  # pp2 x vpp2: four stages of one layer
+        f"trainer.devices={devices}", f"trainer.max_steps={STEPS}",
+        "trainer.val_check_interval=4", "trainer.limit_val_batches=1",
+        "model.optim.lr=1e-2", "model.optim.sched.warmup_steps=2",
+        f"data.data_prefix=[1.0,{prefix}]",
+        f"exp_manager.explicit_log_dir={log_dir}",
+        "exp_manager.create_checkpoint_callback=true",
+        "exp_manager.checkpoint_callback_params.every_n_train_steps=1",
+        "exp_manager.checkpoint_callback_params.save_top_k=-1",
+        *extra,
+    ]
+
+
+def _ckpt(log_dir: Path, step: int) -> Path:
+    return Path(log_dir) / "checkpoints" / f"tiny_llama--step={step}-consumed_samples={8.0 * step}"
+
+
+class Run:
+    def __init__(self, log_dir: Path, proc) -> None:
+        self.log_dir = log_dir
+        self.proc = proc
+        self.losses = read_scalars(log_dir)["reduced_train_loss"]
+        log = Path(log_dir) / "nxdt_log_globalrank-0_localrank-0.txt"
+        self.log = (log.read_text() if log.is_file() else "") + proc.stdout + proc.stderr
+
+    def ckpt(self, step: int) -> Path:
+        return _ckpt(self.log_dir, step)
+
+
+def _train(prefix, tmp_path_factory, name: str, devices: int, extra=(), resume: tuple[Run, int] | None = None) -> Run:
+    log_dir = tmp_path_factory.mktemp(name)
+    if resume is not None:
+        source, step = resume
+        # quoted: the checkpoint's name contains '=' (step=..., consumed_samples=...)
+        extra = [*extra, f"exp_manager.resume_from_checkpoint='{source.ckpt(step)}'"]
+    proc = run_cli(_args(prefix, log_dir, devices, extra), nproc=devices)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = Run(log_dir, proc)
+    if resume is not None:
+        assert f"resuming from {source.ckpt(step)} (step {step}" in proc.stdout
+    return run
+
+
+def _assert_continues(reference: Run, run: Run, from_step: int, label: str) -> None:
+    assert sorted(run.losses) == list(range(from_step, STEPS)), (label, run.losses)
+    gap = max(abs(run.losses[s] - reference.losses[s]) for s in run.losses)
+    assert gap < TOL, f"{label}: max loss gap {gap:.2e}\n{reference.losses}\n{run.losses}"
+    print(f"{label}: steps {from_step}..{STEPS - 1}, max loss gap {gap:.2e}")
+
+
+# ----------------------------------------------------------------------------- the runs (chained)
+@pytest.fixture(scope="module")
+def reference(kjv_prefix, tmp_path_factory) -> Run:
+    return _train(kjv_prefix, tmp_path_factory, "ref_pp2_vpp2", 2, VPP2)
+
+
+@pytest.fixture(scope="module")
+def vpp_resumed(kjv_prefix, tmp_path_factory, reference) -> Run:
+    return _train(kjv_prefix, tmp_path_factory, "pp2_vpp2", 2, VPP2, resume=(reference, 1))
+
+
+@pytest.fixture(scope="module")
+def pp2(kjv_prefix, tmp_path_factory, vpp_resumed) -> Run:
+    return _train(kjv_prefix, tmp_path_factory, "pp2", 2, PP2, resume=(vpp_resumed, 2))
+
+
+@pytest.fixture(scope="module")
+def pp1(kjv_prefix, tmp_path_factory, pp2) -> Run:
+    return _train(kjv_prefix, tmp_path_factory, "pp1", 1, resume=(pp2, 3))
+
+
+@pytest.fixture(scope="module")
+def tp2(kjv_prefix, tmp_path_factory, pp1) -> Run:
+    return _train(kjv_prefix, tmp_path_factory, "tp2", 2, ["distributed_strategy.tensor_model_parallel_size=2"],
+                  resume=(pp1, 4))
+
+
+@pytest.fixture(scope="module")
+def tp1(kjv_prefix, tmp_path_factory, tp2) -> Run:
+    return _train(kjv_prefix, tmp_path_factory, "tp1", 1, resume=(tp2, 5))
+
+
+@pytest.fixture(scope="module")
+def zero1(kjv_prefix, tmp_path_factory, reference) -> Run:
+    return _train(kjv_prefix, tmp_path_factory, "zero1", 2, ["distributed_strategy.zero1=true"],
+                  resume=(reference, 1))
+
+
+@pytest.fixture(scope="module")
+def fsdp_from_zero1(kjv_prefix, tmp_path_factory, zero1) -> Run:
+    return _train(kjv_prefix, tmp_path_factory, "fsdp", 2, ["distributed_strategy.sharding_strategy=FSDP"],
+                  resume=(zero1, 3))
+
+
+@pytest.fixture(scope="module")
+def zero1_from_zero1(kjv_prefix, tmp_path_factory, zero1) -> Run:
+    return _train(kjv_prefix, tmp_path_factory, "zero1_again", 2, ["distributed_strategy.zero1=true"],
+                  resume=(zero1, 3))
+
+
+# ----------------------------------------------------------------------------- the cases
+def test_pipeline_checkpoint_names_the_whole_model(reference):
+    """A pp2 x vpp2 checkpoint uses the whole model's names (no `<k>.` stage prefix) and lists
+    every tensor, though each rank holds only its own stages."""
+    meta = json.loads((reference.ckpt(1) / "meta.json").read_text())
+    shapes = meta["model_shapes"]
+    assert meta["layout"] == {"dp": 1, "tp": 1, "pp": 2, "vpp": 2, "cp": 1}
+    assert "model.model.embed_tokens.weight" in shapes and "model.lm_head.weight" in shapes
+    assert {k.split(".")[3] for k in shapes if k.startswith("model.model.layers.")} == {"0", "1", "2", "3"}
+    assert not any(k.startswith("model.0.") or k.startswith("model.1.") for k in shapes)
+    scalars = {}
+    for rank in (0, 1):
+        scalars.update(json.loads((reference.ckpt(1) / f"rank_{rank:05d}.json").read_text())["scalars"])
+    assert "optim0.param_groups.model.layers.3.mlp.up_proj.weight.lr" in scalars
+
+
+def test_pp2_vpp2_resume_same_layout(reference, vpp_resumed):
+    _assert_continues(reference, vpp_resumed, 1, "pp2 x vpp2 -> pp2 x vpp2")
+    assert "resharded" not in vpp_resumed.log and "consumed_samples" not in _warnings(vpp_resumed)
+
+
+def test_pp2_vpp2_to_pp2(reference, pp2):
+    _assert_continues(reference, pp2, 2, "pp2 x vpp2 -> pp2")
+
+
+def test_pp2_to_pp1(reference, pp1):
+    _assert_continues(reference, pp1, 3, "pp2 -> pp1")
+    # same dp size (1): data-loader state carries over; only the RNG states are not restored
+    assert "tensors resharded; per-rank RNG states are not restored" in pp1.log
+    assert "data continues from consumed_samples" not in pp1.log
+
+
+def test_tp1_to_tp2(reference, tp2):
+    _assert_continues(reference, tp2, 4, "tp1 -> tp2")
+
+
+def test_tp2_to_tp1(reference, tp1):
+    _assert_continues(reference, tp1, 5, "tp2 -> tp1")
+
+
+def test_dp1_to_zero1_dp2_drops_data_state_in_one_line(reference, zero1):
+    _assert_continues(reference, zero1, 1, "pp2 x vpp2 dp1 -> zero1 dp2")
+    lines = [line for line in zero1.log.splitlines() if "data continues from consumed_samples" in line]
+    assert len(lines) == 1 and "(dp=1 -> dp=2)" in lines[0], lines
+
+
+def test_zero1_dp2_to_fsdp_dp2(reference, fsdp_from_zero1):
+    _assert_continues(reference, fsdp_from_zero1, 3, "zero1 dp2 -> fsdp dp2")
+
+
+def test_zero1_dp2_resume(reference, zero1_from_zero1):
+    _assert_continues(reference, zero1_from_zero1, 3, "zero1 dp2 -> zero1 dp2")
+    assert "resharded" not in zero1_from_zero1.log
+
+
+def _warnings(run: Run) -> str:
+    return "\n".join(line for line in run.log.splitlines() if "Warning" in line)
