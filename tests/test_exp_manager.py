@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 
 from nxdt.config.errors import ConfigError
 from nxdt.exp import checkpoint as ck
+from nxdt.exp import checkpoint_state as ck_state
 from nxdt.exp.exp_manager import (
     NxdtCheckpoint,
     complete_checkpoints,
@@ -122,13 +123,13 @@ def test_metadata_is_read_without_arbitrary_unpickling(tmp_path):
     path = _weights(tmp_path, "c", 1)
     (path / ".metadata").write_bytes(pickle.dumps(shutil.rmtree))
     with pytest.raises(ConfigError, match="refusing to load global shutil.rmtree"):
-        ck.read_dcp_metadata(path)
+        ck_state.read_dcp_metadata(path)
 
 
 def test_rng_state_round_trips_through_json():
-    state = ck.rng_state()
+    state = ck_state.rng_state()
     a = (random.random(), np.random.rand(), torch.rand(3))
-    ck.set_rng_state(state)
+    ck_state.set_rng_state(state)
     b = (random.random(), np.random.rand(), torch.rand(3))
     assert a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])
 

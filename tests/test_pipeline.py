@@ -13,7 +13,7 @@ from conftest import TINY_OVERRIDES, read_scalars, run_cli
 from omegaconf import OmegaConf
 
 from nxdt.config.errors import ConfigError
-from nxdt.config.validate import pipeline_stage_starts
+from nxdt.config.pipeline_checks import pipeline_stage_starts
 
 STEPS = 10
 TOL = 1e-5

@@ -166,6 +166,24 @@ class NxdtDataModuleBase(pl.LightningDataModule):
             collate_fn=collate_fn,
         )
 
+    # -- loaders: subclasses fill self.datasets in setup() and may override _train_dataset
+
+    def _train_dataset(self):
+        """The training split repeated (or cut) to the samples max_steps needs."""
+        return RepeatedDataset(self.datasets["train"], self.num_samples()["train"], seed=self.seed)
+
+    def train_dataloader(self):
+        self.setup("fit")
+        return self._loader(self._train_dataset(), self._consumed_samples())
+
+    def val_dataloader(self):
+        self.setup("validate")
+        return self._eval_loader(self.datasets["validation"])
+
+    def test_dataloader(self):
+        self.setup("test")
+        return self._eval_loader(self.datasets["test"])
+
     def _eval_loader(self, dataset):
         """A validation/test loader: whole global batches only (the step needs B = local batch)."""
         if dataset is None or len(dataset) < self.global_batch_size:

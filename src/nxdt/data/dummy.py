@@ -57,14 +57,5 @@ class DummyDataModule(NxdtDataModuleBase):
         for k, (split, n) in enumerate(self.num_samples().items()):
             self.datasets[split] = RandomTokens(n, self.seq_length, self.vocab_size, self.seed, k)
 
-    def train_dataloader(self):
-        self.setup("fit")
-        return self._loader(self.datasets["train"], self._consumed_samples())
-
-    def val_dataloader(self):
-        self.setup("validate")
-        return self._eval_loader(self.datasets["validation"])
-
-    def test_dataloader(self):
-        self.setup("test")
-        return self._eval_loader(self.datasets["test"])
+    def _train_dataset(self):
+        return self.datasets["train"]  # already sized to the samples max_steps needs

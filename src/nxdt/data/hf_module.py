@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from nxdt.config.errors import ConfigError
-from nxdt.data.common import NxdtDataModuleBase, RepeatedDataset, cfg_get
+from nxdt.data.common import NxdtDataModuleBase, cfg_get
 from nxdt.data.tokenizers import build_tokenizer
 
 SPLIT_KEYS = {"train": "train_dir", "validation": "val_dir", "test": "test_dir"}
@@ -131,16 +131,3 @@ class HFDataModule(NxdtDataModuleBase):
                 continue
             ds = choose_samples(load_hf_dataset(path, key, split), cfg_get(data, "dev_choose_samples"))
             self.datasets[split] = TokenBlocks(ds, self.seq_length, self.pad_id, f"data.{key}: {path}")
-
-    def train_dataloader(self):
-        self.setup("fit")
-        train = RepeatedDataset(self.datasets["train"], self.num_samples()["train"], seed=self.seed)
-        return self._loader(train, self._consumed_samples())
-
-    def val_dataloader(self):
-        self.setup("validate")
-        return self._eval_loader(self.datasets["validation"])
-
-    def test_dataloader(self):
-        self.setup("test")
-        return self._eval_loader(self.datasets["test"])

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from nxdt.config.errors import ConfigError
-from nxdt.data.common import NxdtDataModuleBase, RepeatedDataset, cfg_get
+from nxdt.data.common import NxdtDataModuleBase, cfg_get
 from nxdt.data.tokenizers import build_tokenizer
 
 SPLIT_KEYS = {"train": "train_dir", "validation": "val_dir", "test": "test_dir"}
@@ -247,16 +247,3 @@ class SFTDataModule(NxdtDataModuleBase):
         for split, key in SPLIT_KEYS.items():
             path = cfg_get(self.cfg.data, key)
             self.datasets[split] = None if path is None else self.build(path, key)
-
-    def train_dataloader(self):
-        self.setup("fit")
-        train = RepeatedDataset(self.datasets["train"], self.num_samples()["train"], seed=self.seed)
-        return self._loader(train, self._consumed_samples())
-
-    def val_dataloader(self):
-        self.setup("validate")
-        return self._eval_loader(self.datasets["validation"])
-
-    def test_dataloader(self):
-        self.setup("test")
-        return self._eval_loader(self.datasets["test"])

@@ -241,7 +241,7 @@ class ResumeHelper(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self._rng is not None:
-            from nxdt.exp.checkpoint import set_rng_state
+            from nxdt.exp.checkpoint_state import set_rng_state
 
             set_rng_state(self._rng)
             self._rng = None

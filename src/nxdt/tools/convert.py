@@ -90,7 +90,7 @@ def hf_to_nxdt(input_dir: Path, output: Path) -> None:
 
 # --------------------------------------------------------------------------- nxdt checkpoint
 def hf_config_for(ckpt: Path, tensors: dict[str, Any]) -> dict[str, Any]:
-    from nxdt.exp.checkpoint import META, read_json
+    from nxdt.exp.checkpoint_state import META, read_json
 
     meta = read_json(ckpt / META)
     if meta.get("hf_config"):

@@ -157,7 +157,7 @@ def in_flight_microbatches(schedule: str, pp: int, vpp: int, nmb: int) -> float:
 
 def plan(cfg) -> dict[str, Any]:
     from nxdt.config.layout import compute_layout
-    from nxdt.config.validate import default_pipeline_schedule, pipeline_stage_starts
+    from nxdt.config.pipeline_checks import default_pipeline_schedule, pipeline_stage_starts
     from nxdt.models import build_model
     from nxdt.parallel.mesh import mesh_shape_from_layout
 

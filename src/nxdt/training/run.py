@@ -10,8 +10,6 @@ import os
 import sys
 from pathlib import Path
 
-from nxdt.config.errors import ConfigError
-
 REPO_CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
 
 

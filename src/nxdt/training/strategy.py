@@ -34,6 +34,16 @@ class NxdtStrategy(ModelParallelStrategy):
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 
+    def teardown(self) -> None:
+        super().teardown()
+        # Destroy every process group (the default one, the mesh's, the checkpointer's) while the
+        # interpreter is still whole: left to interpreter exit, a gloo thread can abort a rank
+        # ("terminate called without an active exception") after a successful run.
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         rank, size = dp_rank_and_size(self.device_mesh)
