@@ -88,9 +88,9 @@ def test_tiny_config_full_validation(tmp_path, monkeypatch):
 
 
 def test_not_supported_check_is_skippable():
-    assert "is not supported yet" in error("model.checkpoint_num_layers=2", name="megatron_llama_7B_config",
+    assert "is not supported yet" in error("model.moe.num_experts=8", name="megatron_llama_7B_config",
                                            world_size=None)
-    load("model.checkpoint_num_layers=2", name="megatron_llama_7B_config", world_size=None, check_supported=False)
+    load("model.moe.num_experts=8", name="megatron_llama_7B_config", world_size=None, check_supported=False)
 
 
 # ----------------------------------------------------------------------------- error messages
@@ -118,7 +118,17 @@ def test_not_supported_check_is_skippable():
     (["model.hidden_size=260"], "model.hidden_size (260) is not divisible by model.num_attention_heads (8)"),
     (["model.num_kv_heads=3"], "model.num_attention_heads (8) is not divisible by model.num_kv_heads (3)"),
     (["model.encoder_seq_length=2048"], "data.seq_length (2048) exceeds model.max_position_embeddings (1024)"),
-    (["distributed_strategy.context_parallel_size=2"], "'distributed_strategy.context_parallel_size' is not supported yet"),
+    (["distributed_strategy.context_parallel_size=2", "model.encoder_seq_length=126"],
+     "data.seq_length (126) must be divisible by 2 x distributed_strategy.context_parallel_size (4)"),
+    (["distributed_strategy.context_parallel_size=2", "data.reset_attention_mask=true"],
+     "distributed_strategy.context_parallel_size > 1 with data.reset_attention_mask (document masks) is not "
+     "supported yet (got distributed_strategy.context_parallel_size=2)"),
+    (["distributed_strategy.context_parallel_size=2", "model.attention_dropout=0.1"],
+     "context_parallel_size > 1 with model.attention_dropout > 0 is not supported yet"),
+    (["distributed_strategy.context_parallel_size=2", "trainer.accelerator=gpu"],
+     "context_parallel_size > 1 with trainer.accelerator gpu is not supported yet"),
+    (["model.fusions.ring_attention=true"],
+     "model.fusions.ring_attention: true needs distributed_strategy.context_parallel_size > 1"),
     (["model.moe.num_experts=8"], "'model.moe.num_experts' is not supported yet (got 8)"),
     (["trainer.accelerator=xla"], "trainer.accelerator xla: only one device is supported yet"),
     (["precision.fp16.enabled=true", "precision.type=bf16SR"],

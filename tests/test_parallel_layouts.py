@@ -60,6 +60,7 @@ def _assert_same(ref, got, label):
 
 TP = "distributed_strategy.tensor_model_parallel_size"
 SP = "distributed_strategy.sequence_parallel=true"
+CP = "distributed_strategy.context_parallel_size"
 LAYOUTS = {
     # name: (ranks, overrides, expected layout line)
     "tp2": (2, [f"{TP}=2"], "dp=1  tp=2"),
@@ -74,6 +75,10 @@ LAYOUTS = {
     "tp2_dp2_zero1": (4, [f"{TP}=2", "distributed_strategy.zero1=true"], "dp=2  tp=2"),
     # 4 query heads, 2 K/V heads on 4 tp ranks: each K/V head is shared by two ranks
     "tp4_sp_kv_replicated": (4, [f"{TP}=4", SP], "dp=1  tp=4"),
+    # context parallel (ring attention): FSDP shards parameters over the cp ranks (dp_shard × cp)
+    "cp2_fsdp": (2, [f"{CP}=2", "distributed_strategy.sharding_strategy=FSDP"], "tp=1  pp=1  cp=2"),
+    "cp2_tp2_sp_selective_ac": (4, [f"{CP}=2", f"{TP}=2", SP, "model.activations_checkpoint_granularity=selective"],
+                                "dp=1  tp=2  pp=1  cp=2"),
 }
 
 
@@ -89,3 +94,25 @@ def test_hf_llama_tp2_sequence_parallel_matches_single_process(hf_reference, kjv
     """transformers' LlamaForCausalLM under the same plan (kwargs-called attention, HF causal mask)."""
     _, scalars = _train(kjv_prefix, tmp_path_factory, "hf_tp2_sp", 2, [*HF, f"{TP}=2", SP])
     _assert_same(hf_reference, scalars, "hf tp2+sp")
+
+
+def test_cp2_dp2_zero1_checkpoint_resumes_in_one_process(reference, kjv_prefix, tmp_path_factory):
+    """cp × dp with ZeRO-1 (optimizer sharded over dp, gradients reduced over dp × cp) matches one
+    process, and its step-5 checkpoint continues in a single process (within 1e-5 of both curves:
+    cp's and one process's arithmetic differ in summation order, so not bit for bit)."""
+    ckpt = ["exp_manager.create_checkpoint_callback=true", "exp_manager.checkpoint_callback_params.save_top_k=-1",
+            "exp_manager.checkpoint_callback_params.every_n_train_steps=5"]
+    log_dir = tmp_path_factory.mktemp("cp2_dp2_zero1")
+    proc = run_cli(_args(kjv_prefix, log_dir, 4, [f"{CP}=2", "distributed_strategy.zero1=true", *ckpt]), nproc=4)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "dp=2  tp=1  pp=1  cp=2" in proc.stdout
+    cp_scalars = read_scalars(log_dir)
+    _assert_same(reference, cp_scalars, "cp2 x dp2 zero1")
+
+    step5 = next((log_dir / "checkpoints").glob("*step=5-*"))
+    resumed, scalars = _train(kjv_prefix, tmp_path_factory, "cp_resumed", 1,
+                              [f"exp_manager.resume_from_checkpoint='{step5}'"])
+    assert "resuming from" in resumed.stdout + resumed.stderr
+    assert len(_curve(scalars)) == STEPS - 5  # steps 6-10
+    assert _curve(scalars) == pytest.approx(_curve(cp_scalars)[5:], abs=1e-5)
+    assert _curve(scalars) == pytest.approx(_curve(reference)[5:], abs=1e-5)

@@ -53,6 +53,21 @@ def test_hf_70b_per_rank_split(capsys):
     assert p["tokens_per_step"] == 1024 * 8192
 
 
+def test_fsdp_flag_shards_over_dp_and_cp(capsys):
+    """fms-fsdp's `fsdp: true` means full sharding (not replication), and with context parallel
+    FSDP shards over dp × cp: per-rank parameters are the tp shard / (dp × cp)."""
+    base = ["trainer.devices=8", "distributed_strategy.tensor_model_parallel_size=2", "distributed_strategy.zero1=false"]
+    tp_only = _plan(capsys, "megatron_llama_7B_config", *base, "distributed_strategy.fsdp=false",
+                    "data.global_batch_size=1024")
+    fsdp = _plan(capsys, "megatron_llama_7B_config", *base, "distributed_strategy.fsdp=true")
+    assert fsdp["layout"]["dp_replicate"] == 1 and fsdp["layout"]["dp_shard"] == 4
+    assert fsdp["parameters_per_rank"] == pytest.approx(tp_only["parameters_per_rank"] / 4, abs=1000)
+    cp = _plan(capsys, "megatron_llama_7B_config", *base, "distributed_strategy.fsdp=true",
+               "distributed_strategy.context_parallel_size=2")
+    assert cp["layout"]["cp"] == 2 and cp["layout"]["dp_shard"] == 2
+    assert cp["parameters_per_rank"] == pytest.approx(tp_only["parameters_per_rank"] / 4, abs=1000)
+
+
 def test_every_shipped_config_plans(capsys):
     for path in sorted((REPO / "conf").glob("*.yaml")):
         p = _plan(capsys, path.stem)

@@ -28,6 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 from nxdt.config import schema
 from nxdt.config.errors import ConfigError
 from nxdt.config.layout import compute_layout, get
+from nxdt.config.cp_checks import check_context_parallel
 from nxdt.config.pipeline_checks import check_pipeline
 
 
@@ -38,12 +39,10 @@ def _gt1(v: Any) -> bool:
 # dotted key -> predicate on its value: True means "this value needs a feature not built yet".
 # The lead removes entries as features land.
 NOT_SUPPORTED_YET: dict[str, Callable[[Any], bool]] = {
-    "distributed_strategy.context_parallel_size": _gt1,
     "distributed_strategy.expert_model_parallel_size": _gt1,
     "model.moe.num_experts": lambda v: v is not None and v > 0,
     # GPT-NeoX chunks of several layers per checkpoint (1 = each block, built)
     "model.checkpoint_num_layers": _gt1,
-    "model.fusions.ring_attention": bool,
     "model.transformer_block_type": lambda v: v != "pre_ln",
     "model_alignment_strategy": lambda v: v is not None and any(k != "sft" for k in v),  # sft is built
 }
@@ -404,6 +403,7 @@ def check_cross(cfg: Any, world_size: int | None = None) -> None:
 
     eff = _effective_model(cfg)
     check_pipeline(cfg, layout, eff["num_layers"])
+    check_context_parallel(cfg, layout)
     heads, kv, hidden, tp = eff["num_attention_heads"], eff["num_kv_heads"], eff["hidden_size"], layout.tp
     for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_kv_heads",
                 "max_position_embeddings"):

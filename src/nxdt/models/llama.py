@@ -314,6 +314,9 @@ class CoreAttention(nn.Module):
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
         self.dropout = args.attention_dropout
+        # The attention kernel, with F.scaled_dot_product_attention's signature. A parallelize
+        # plan may swap it from outside (context parallel puts ring attention here).
+        self.sdpa = F.scaled_dot_product_attention
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         # Repeating K/V explicitly (instead of SDPA's enable_gqa) keeps every backend
@@ -321,7 +324,7 @@ class CoreAttention(nn.Module):
         # the config, so a tensor-parallel shard holding fewer (or replicated) heads works.
         n_rep = q.shape[1] // k.shape[1]
         k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
-        return F.scaled_dot_product_attention(
+        return self.sdpa(
             q,
             k,
             v,
@@ -429,6 +432,7 @@ class LlamaModel(nn.Module):
         self.embed_dropout = nn.Dropout(args.hidden_dropout)
         self.layers = nn.ModuleList(LlamaDecoderLayer(args, i) for i in range(args.num_layers))
         self.norm = make_norm(args)
+        self.positions_mark_documents = True  # a jump in caller-given position ids starts a new document
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         # A pipeline stage (see nxdt.parallel.pipeline) holds only some parts: without
@@ -448,10 +452,10 @@ class LlamaModel(nn.Module):
         rope = None
         if self.args.position_embedding_type == "rope":
             rope = self.rotary_emb(x, position_ids)
-        # Only caller-given positions can describe several packed documents.
-        mask = build_attention_mask(
-            s, x.device, position_ids if explicit_positions else None, self.args.sliding_window_size
-        )
+        # Only caller-given positions can describe several packed documents (unless the
+        # owner says positions may jump for another reason: context-parallel slices do).
+        documents = explicit_positions and self.positions_mark_documents
+        mask = build_attention_mask(s, x.device, position_ids if documents else None, self.args.sliding_window_size)
         for layer in self.layers:
             x = layer(x, rope, mask)
         return self.norm(x) if self.norm is not None else x

@@ -8,6 +8,8 @@ The dp part of the mesh is (dp_replicate, dp_shard) (see nxdt.parallel.mesh):
     grad-shard                 dp_shard                          fully_shard(reshard_after_forward=False)
     HSDP / hybrid-*            (dp_replicate, dp_shard)          fully_shard on the 2-D mesh
     distributed_strategy.fsdp: true with no strategy → FSDP.
+With context parallelism (cp > 1) replicate runs over dp × cp and FSDP shards over dp_shard × cp:
+cp ranks hold the same parameters and sum their slices' gradients like dp ranks.
 
 Each decoder block is its own unit (its gradient reduction overlaps the backward of the
 block before it); the root takes what is left (embedding, final norm, lm_head). The modules
@@ -22,7 +24,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from nxdt.parallel.mesh import submesh
+from nxdt.parallel.mesh import sharding_strategy_of, submesh
 
 SHARD = {"fsdp", "full-shard", "full_shard"}
 GRAD_SHARD = {"grad-shard", "grad_shard"}
@@ -45,7 +47,7 @@ class DataParallelConfig:
 
 def data_parallel_config(cfg) -> DataParallelConfig:
     ds = cfg.distributed_strategy
-    strategy = (ds.get("sharding_strategy") or ("FSDP" if ds.get("fsdp") else "no-shard")).lower()
+    strategy = sharding_strategy_of(ds).lower()
     shard = strategy in SHARD | GRAD_SHARD | HYBRID
     return DataParallelConfig(
         mode="shard" if shard else "replicate",
@@ -87,7 +89,7 @@ def _replicate(model: nn.Module, mesh: DeviceMesh) -> None:
     """
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
-    dp_mesh = submesh(mesh, "dp")
+    dp_mesh = submesh(mesh, "dp_cp")  # context-parallel ranks reduce gradients like dp ranks
     if dp_mesh.size() == 1:
         return
     for block in transformer_blocks(model):
@@ -99,9 +101,9 @@ def _fully_shard(model: nn.Module, mesh: DeviceMesh, dp_cfg: DataParallelConfig)
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if mesh["dp_replicate"].size() > 1:
-        dp_mesh = mesh["dp_replicate", "dp_shard"]  # HSDP: replicate × shard
+        dp_mesh = mesh["dp_replicate", "dp_shard"]  # HSDP: replicate × shard (cp > 1 refused by validation)
     else:
-        dp_mesh = mesh["dp_shard"]
+        dp_mesh = submesh(mesh, "dp_shard_cp")  # with cp > 1 parameters are sharded over dp × cp
     if dp_mesh.size() == 1:
         return
     kwargs = dict(

@@ -39,6 +39,12 @@ class MeshShape:
         return tuple(getattr(self, axis) for axis in MESH_AXES)
 
 
+def sharding_strategy_of(ds) -> str:
+    """The effective FSDP sharding strategy of `distributed_strategy`: `sharding_strategy`, else
+    FSDP when fms-fsdp's `fsdp: true` is set, else no-shard."""
+    return ds.get("sharding_strategy") or ("FSDP" if ds.get("fsdp") else "no-shard")
+
+
 def mesh_shape_from_layout(layout, sharding_strategy: str | None = None, num_nodes: int = 1) -> MeshShape:
     """Split dp into replicate × shard by the FSDP sharding strategy.
 
@@ -68,6 +74,11 @@ def build_mesh(shape: MeshShape, device_type: str) -> DeviceMesh:
         )
     mesh = init_device_mesh(device_type, shape.sizes(), mesh_dim_names=MESH_AXES)
     _FLAT[(mesh, "dp")] = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    if shape.cp > 1:
+        # Gradients are reduced over dp and cp together (a cp rank is one more data-parallel
+        # rank to the optimizer): replicate uses dp_cp, FSDP shards over dp_shard_cp.
+        _FLAT[(mesh, "dp_cp")] = mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        _FLAT[(mesh, "dp_shard_cp")] = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
     return mesh
 
 
@@ -75,9 +86,18 @@ def build_mesh(shape: MeshShape, device_type: str) -> DeviceMesh:
 _FLAT: dict[tuple[DeviceMesh, str], DeviceMesh] = {}
 
 
+# Without context parallelism the dp × cp axes are just the dp axes.
+_WITHOUT_CP = {"dp_cp": "dp", "dp_shard_cp": "dp_shard"}
+
+
 def submesh(mesh: DeviceMesh, axis: str) -> DeviceMesh:
-    """`mesh[axis]`, also for the flattened `dp` axis."""
-    return _FLAT.get((mesh, axis)) or mesh[axis]
+    """`mesh[axis]`, also for the flattened axes `dp`, `dp_cp` and `dp_shard_cp`."""
+    flat = _FLAT.get((mesh, axis))
+    if flat is not None:
+        return flat
+    if axis in _WITHOUT_CP:
+        return submesh(mesh, _WITHOUT_CP[axis])
+    return mesh[axis]
 
 
 def dp_rank_and_size(mesh: DeviceMesh) -> tuple[int, int]:

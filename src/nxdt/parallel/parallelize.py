@@ -1,6 +1,6 @@
 """Apply parallelism to a Llama (native or transformers) from the outside, in one visible order.
 
-torchtitan's order: tensor parallel → activation checkpointing → compile → data parallel
+torchtitan's order: tensor parallel → context parallel → activation checkpointing → compile → data parallel
 (FSDP2 / replicate) → (meta-device models) materialise the local shards. Each step is a small
 function in its own module; a step whose config asks for nothing leaves the model unchanged.
 The model file itself knows nothing of any of this.
@@ -17,6 +17,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from nxdt.parallel.activation_checkpointing import apply_activation_checkpointing
+from nxdt.parallel.context_parallel import apply_context_parallel
 from nxdt.parallel.data_parallel import (
     apply_data_parallel,
     data_parallel_config,
@@ -34,6 +35,8 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh, cfg, device: torch.dev
     ds = cfg.distributed_strategy
     # 1. tensor (+ sequence) parallel over the tp axis
     apply_tensor_parallel(model, mesh["tp"], bool(ds.get("sequence_parallel")))
+    # 1b. context parallel: attention becomes ring attention over the cp axis
+    apply_context_parallel(model, mesh["cp"])
     # 2. activation checkpointing (model.activations_checkpoint_*, model.selective_checkpointing)
     apply_activation_checkpointing(model, cfg)
     # 3. torch.compile each block, after AC and before FSDP (per-block compile keeps FSDP's

@@ -159,14 +159,16 @@ def plan(cfg) -> dict[str, Any]:
     from nxdt.config.layout import compute_layout
     from nxdt.config.pipeline_checks import default_pipeline_schedule, pipeline_stage_starts
     from nxdt.models import build_model
-    from nxdt.parallel.mesh import mesh_shape_from_layout
+    from nxdt.parallel.mesh import mesh_shape_from_layout, sharding_strategy_of
 
     world = cfg.trainer.devices * cfg.trainer.num_nodes
     layout = compute_layout(cfg, world)
     ds = cfg.distributed_strategy
-    shape = mesh_shape_from_layout(layout, ds.get("sharding_strategy"), cfg.trainer.num_nodes)
-    fsdp = bool(ds.get("fsdp")) or shape.dp_shard > 1
-    dp_shard = shape.dp if (fsdp and shape.dp_shard == 1) else shape.dp_shard
+    strategy = sharding_strategy_of(ds)
+    shape = mesh_shape_from_layout(layout, strategy, ds.get("hsdp_replicate_size") or cfg.trainer.num_nodes)
+    fsdp = strategy.lower() not in ("no-shard", "ddp")
+    dp_shard = shape.dp_shard
+    shard_ways = dp_shard * layout.cp if fsdp else dp_shard  # FSDP shards over dp_shard × cp
 
     vocab, vocab_source = _vocab(cfg)
     model = build_model(cfg, vocab, device="meta")
@@ -189,7 +191,7 @@ def plan(cfg) -> dict[str, Any]:
         total += p.numel()
         s = stage_of(name)
         per_stage[s] += p.numel()
-        per_stage_rank[s] += math.ceil(_shard_numel(name, p.numel(), tp, arch["kv_heads"]) / dp_shard)
+        per_stage_rank[s] += math.ceil(_shard_numel(name, p.numel(), tp, arch["kv_heads"]) / shard_ways)
     schedule = (ds.get("schedule") or default_pipeline_schedule(vpp)) if pp > 1 else None
     v_style = schedule in ("ZBVZeroBubble", "DualPipeV")
     ranks = [[r, 2 * pp - 1 - r] if v_style else [r + k * pp for k in range(vpp)] for r in range(pp)]

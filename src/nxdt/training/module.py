@@ -25,6 +25,7 @@ from nxdt.models import build_model, count_parameters, logits_of
 from nxdt.parallel.mesh import all_reduce_mean
 from nxdt.parallel.data_parallel import wants_meta_init, zero1_optimizer
 from nxdt.parallel.mesh import submesh
+from nxdt.parallel.context_parallel import global_token_count, shard_sequence
 from nxdt.parallel.parallelize import parallelize_llama, set_gradient_sync
 from nxdt.parallel.tensor_parallel import clip_grads_with_norm_, is_vocab_parallel, loss_parallel, total_norm
 from nxdt.training.optimizers import build_optimizer, param_groups, resolve_optimizer
@@ -33,16 +34,26 @@ from nxdt.training.xla import use_xla
 from nxdt.training.schedulers import build_scheduler
 
 
-def masked_token_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+def masked_token_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
+                      cp_group=None) -> torch.Tensor:
     """Mean cross entropy over the tokens whose loss_mask is 1 (fp32 for the softmax).
 
     Vocabulary-sharded logits (tensor parallel: a Shard(-1) DTensor) need the caller to run this
-    and the backward under `loss_parallel()`: the softmax is then computed across the shards."""
+    and the backward under `loss_parallel()`: the softmax is then computed across the shards.
+
+    With context parallelism (`cp_group`) the tokens are one slice of each sequence: the sum is
+    divided by the whole sequence's token count / cp, so the mean over the cp ranks (which the
+    dp × cp gradient and metric reductions take) is the whole sequence's mean."""
     per_token = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
     if is_vocab_parallel(logits):
         per_token = per_token.full_tensor()  # replicated per-token losses as a plain tensor
     mask = loss_mask.flatten().to(per_token.dtype)
-    return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+    count = mask.sum()
+    if cp_group is not None:
+        count = global_token_count(count, cp_group).clamp(min=1.0) / cp_group.size()
+    else:
+        count = count.clamp(min=1.0)
+    return (per_token * mask).sum() / count
 
 
 class NxdtLightningModule(pl.LightningModule):
@@ -114,8 +125,12 @@ class NxdtLightningModule(pl.LightningModule):
         return [{k: v.chunk(n)[i] for k, v in batch.items()} for i in range(n)]
 
     def _microbatch_loss(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        cp_group = None
+        if self.layout.cp > 1:  # this rank's slice of every sequence
+            mb = shard_sequence(mb, self.device_mesh["cp"])
+            cp_group = self.device_mesh["cp"].get_group()
         logits = self(mb["input_ids"], mb.get("position_ids"))
-        return masked_token_loss(logits, mb["labels"], mb["loss_mask"])
+        return masked_token_loss(logits, mb["labels"], mb["loss_mask"], cp_group)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         if self.pipeline is not None:
@@ -125,7 +140,7 @@ class NxdtLightningModule(pl.LightningModule):
         optimizer.zero_grad(set_to_none=True)
         self.precision.begin_step(self.model)
         loss = self._forward_backward(batch)
-        reduced = all_reduce_mean(loss, self.device_mesh, "dp")  # before the step: the NaN guard reads it
+        reduced = all_reduce_mean(loss, self.device_mesh, "dp_cp")  # before the step: the NaN guard reads it
         grad_norm, lr = self._clip_and_step(optimizer, scheduler, reduced)
         self.consumed_samples += self.layout.global_batch_size
         self._log_step(reduced, lr, grad_norm)
@@ -188,7 +203,7 @@ class NxdtLightningModule(pl.LightningModule):
         else:
             with self._loss_parallel():
                 loss = sum(self._microbatch_loss(mb) for mb in microbatches) / len(microbatches)
-        reduced = all_reduce_mean(loss.detach(), self.device_mesh, "dp")
+        reduced = all_reduce_mean(loss.detach(), self.device_mesh, "dp_cp")
         self.log("val_loss", reduced, prog_bar=True, rank_zero_only=True, on_epoch=True, batch_size=1)
         return reduced
 

@@ -113,7 +113,7 @@ def train(cfg):
 
     from nxdt.config.layout import compute_layout
     from nxdt.exp.exp_manager import setup_exp_manager
-    from nxdt.parallel.mesh import mesh_shape_from_layout
+    from nxdt.parallel.mesh import mesh_shape_from_layout, sharding_strategy_of
     from nxdt.training.callbacks import RunSummary, StepProgressBar, ThroughputMonitor
     from nxdt.training.module import NxdtLightningModule
 
@@ -121,7 +121,7 @@ def train(cfg):
     world_size = cfg.trainer.devices * cfg.trainer.num_nodes
     layout = compute_layout(cfg, world_size)
     mesh_shape = mesh_shape_from_layout(
-        layout, cfg.distributed_strategy.get("sharding_strategy"),
+        layout, sharding_strategy_of(cfg.distributed_strategy),
         cfg.distributed_strategy.get("hsdp_replicate_size") or cfg.trainer.num_nodes
     )
     pl.seed_everything(cfg.seed, workers=True, verbose=False)

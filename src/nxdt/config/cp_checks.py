@@ -1,0 +1,44 @@
+"""Torch-free checks of a context-parallel layout (`distributed_strategy.context_parallel_size`).
+
+nxdt runs context parallelism as causal ring attention on the native Llama
+(`nxdt.parallel.context_parallel`); these are the combinations it refuses, one line each.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nxdt.config.errors import ConfigError
+from nxdt.config.layout import Layout, get
+
+_HYBRID = {"hsdp", "hybrid-full-shard", "hybrid_shard", "hybrid-grad-shard"}
+
+
+def check_context_parallel(cfg: Any, layout: Layout) -> None:
+    cp = layout.cp
+    key = "distributed_strategy.context_parallel_size"
+    if get(cfg, "model.fusions.ring_attention") and cp == 1:
+        raise ConfigError("model.fusions.ring_attention: true needs distributed_strategy.context_parallel_size > 1 "
+                          "(ring attention is how nxdt runs context parallelism)")
+    if cp == 1:
+        return
+    seq = get(cfg, "data.seq_length")
+    if seq is not None and seq % (2 * cp):
+        raise ConfigError(f"data.seq_length ({seq}) must be divisible by 2 x {key} ({2 * cp}): each cp rank "
+                          "holds two chunks of every sequence (head-tail load balancing)")
+    refused = {
+        "model_source: hf": get(cfg, "model_source") == "hf",
+        "pipeline_model_parallel_size > 1": layout.pp > 1,
+        "data.reset_attention_mask (document masks)": bool(get(cfg, "data.reset_attention_mask")),
+        "data.packing (document masks)": bool(get(cfg, "data.packing")),
+        "model.attention_dropout > 0": (get(cfg, "model.attention_dropout") or 0) > 0,
+        "model.sliding_window_size": get(cfg, "model.sliding_window_size") is not None,
+        "model.use_torch_compile": bool(get(cfg, "model.use_torch_compile")),
+        "HSDP (sharding_strategy hybrid)": str(get(cfg, "distributed_strategy.sharding_strategy") or "").lower()
+        in _HYBRID or (get(cfg, "distributed_strategy.hsdp_replicate_size") or 1) > 1,
+        f"trainer.accelerator {get(cfg, 'trainer.accelerator')}": str(get(cfg, "trainer.accelerator"))
+        in ("xla", "neuron", "tpu", "gpu", "cuda", "mps"),  # ring kernels are wired for CPU only
+    }
+    for what, bad in refused.items():
+        if bad:
+            raise ConfigError(f"{key} > 1 with {what} is not supported yet (got {key}={cp})")

@@ -1,0 +1,133 @@
+"""Context parallelism (cp): each rank of a cp group holds a slice of every sequence.
+
+Everything outside attention is per token, so it runs on the local slice unchanged. Attention
+needs all keys and values: it runs as **ring attention**, torch's own implementation
+(`torch.distributed.tensor.experimental._context_parallel`: `_templated_ring_attention` and its
+backward, which rotate K/V around the cp group with functional collectives and merge the
+partial results by their log-sum-exp). We call it directly with the device's SDPA kernel
+instead of going through torch's DTensor dispatcher, because torch 2.13 registers that
+dispatcher only for the CUDA kernels (flash / efficient / cuDNN): on CPU it fails with
+"aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy
+registered". The kernels are chosen per device in `_KERNELS`.
+
+Causal attention costs less on early tokens, so sequences are cut into 2 × cp chunks and rank r
+keeps chunks r and 2·cp−1−r (torch's head-tail load balancer; the ring code assumes exactly this
+order when `_cp_options.enable_load_balance` is on). Inputs, labels, loss masks and position ids
+are all cut the same way by `shard_sequence`, so rotary embeddings see true positions.
+
+Gradients: every cp rank computes its slice's share of the loss (`masked_token_loss` with
+`cp_group`), and the parameter gradients are reduced over dp × cp together (see
+`nxdt.parallel.data_parallel`): to the optimizer a cp rank is one more data-parallel rank.
+
+Limits (refused by the config validation): causal self-attention only — no document masks
+(`reset_attention_mask`, SFT packing), no attention dropout, the native model source, no pipeline.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from nxdt.config.errors import ConfigError
+
+aten = torch.ops.aten
+
+
+def _cp_api():
+    # Private torch module: import it in one place so a torch without it fails with one line.
+    try:
+        from torch.distributed.tensor.experimental import _context_parallel as cp
+    except ImportError as err:  # pragma: no cover - depends on the installed torch
+        raise RuntimeError(f"context_parallel_size > 1 needs torch's context-parallel module: {err}") from err
+    return cp
+
+
+# device type -> (forward kernel, backward kernel, backward's name for the output gradient)
+_KERNELS = {
+    "cpu": (aten._scaled_dot_product_flash_attention_for_cpu,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward.default, "grad_out"),
+}
+
+
+class _RingAttention(torch.autograd.Function):
+    """Causal ring attention over `group` for local q, k, v of shape [B, H, S_local, D]."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, scale):
+        cp = _cp_api()
+        fwd, bwd, grad_name = _KERNELS[q.device.type]  # apply_context_parallel checked the device
+        cp._cp_options.enable_load_balance = True  # inputs are cut head-tail by shard_sequence
+        out, lse, *_ = cp._attention._templated_ring_attention(
+            group, 2, fwd, q, k, v, is_causal=True, dropout_p=0.0, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.scale, ctx.bwd, ctx.grad_name = group, scale, bwd, grad_name
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        cp = _cp_api()
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv, *_ = cp._attention._templated_ring_attention_backward(
+            ctx.group, 2, ctx.bwd, grad_out=grad_out.contiguous(), grad_out_name=ctx.grad_name,
+            query=q, key=k, value=v, out=out, logsumexp=lse, is_causal=True, dropout_p=0.0, scale=ctx.scale)
+        return dq, dk, dv, None, None
+
+
+class RingSDPA:
+    """A drop-in for `F.scaled_dot_product_attention` (causal, no mask, no dropout) on a cp group."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def __call__(self, q, k, v, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False, scale=None):
+        if attn_mask is not None or not is_causal or dropout_p:
+            raise RuntimeError("context parallel attention supports causal attention without a mask or dropout only")
+        return _RingAttention.apply(q, k, v, self.group, scale)
+
+
+def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:
+    """Route every block's core attention through ring attention on `cp_mesh` (no-op for cp 1)."""
+    if cp_mesh.size() == 1:
+        return
+    if cp_mesh.device_type not in _KERNELS:
+        # Not wired yet: the CUDA flash / efficient kernels take extra outputs (philox state,
+        # padded log-sum-exp) that need a test on a multi-GPU machine before we claim them.
+        raise ConfigError(f"distributed_strategy.context_parallel_size > 1 on device '{cp_mesh.device_type}' is "
+                          f"not supported yet (ring-attention kernels are wired for: {', '.join(_KERNELS)})")
+    ring = RingSDPA(cp_mesh.get_group())
+    cores = [m for m in model.modules() if hasattr(m, "sdpa") and type(m).__name__ == "CoreAttention"]
+    if not cores:
+        raise RuntimeError("context parallel needs the native Llama (model_source: megatron): no CoreAttention found")
+    for core in cores:
+        core.sdpa = ring  # CoreAttention's documented seam for the attention kernel
+    for m in model.modules():
+        # A head-tail slice's positions jump (e.g. 0-7 then 24-31) without starting a document.
+        if hasattr(m, "positions_mark_documents"):
+            m.positions_mark_documents = False
+
+
+def shard_sequence(batch: dict[str, torch.Tensor], cp_mesh: DeviceMesh) -> dict[str, torch.Tensor]:
+    """This cp rank's slice (head-tail order) of every [B, S] tensor of a micro-batch.
+
+    Position ids are made explicit first (0..S-1 when the batch has none), so the slice keeps
+    the true positions of its tokens."""
+    if cp_mesh.size() == 1:
+        return batch
+    cp = _cp_api()
+    ids = batch["input_ids"]
+    batch = dict(batch)
+    if batch.get("position_ids") is None:
+        batch["position_ids"] = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    keys = [k for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() == 2]
+    balancer = cp._HeadTailLoadBalancer(ids.shape[1], cp_mesh.size(), ids.device)
+    shards = cp._context_parallel_shard(cp_mesh, [batch[k] for k in keys], [1] * len(keys), balancer)
+    return {**batch, **dict(zip(keys, shards))}
+
+
+def global_token_count(local_count: torch.Tensor, cp_group: dist.ProcessGroup) -> torch.Tensor:
+    """The number of loss tokens over the whole sequence (all cp slices)."""
+    total = local_count.detach().clone()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=cp_group)
+    return total
