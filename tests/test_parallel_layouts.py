@@ -96,6 +96,12 @@ def test_hf_llama_tp2_sequence_parallel_matches_single_process(hf_reference, kjv
     _assert_same(hf_reference, scalars, "hf tp2+sp")
 
 
+def test_hf_llama_cp2_matches_single_process(hf_reference, kjv_prefix, tmp_path_factory):
+    """transformers' Llama with ring attention through its attention-function registry."""
+    _, scalars = _train(kjv_prefix, tmp_path_factory, "hf_cp2", 2, [*HF, f"{CP}=2"])
+    _assert_same(hf_reference, scalars, "hf cp2")
+
+
 def test_cp2_dp2_zero1_checkpoint_resumes_in_one_process(reference, kjv_prefix, tmp_path_factory):
     """cp × dp with ZeRO-1 (optimizer sharded over dp, gradients reduced over dp × cp) matches one
     process, and its step-5 checkpoint continues in a single process (within 1e-5 of both curves:

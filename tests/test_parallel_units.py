@@ -113,9 +113,6 @@ def test_bad_parallel_sizes_are_one_line_errors():
         "distributed_strategy.sharding_strategy=HSDP", "distributed_strategy.hsdp_replicate_size=3")
     assert "context_parallel_size (3) = 3 does not divide the world size 2" in error(
         "distributed_strategy.context_parallel_size=3")
-    assert "context_parallel_size > 1 with model_source: hf is not supported yet" in error(
-        "distributed_strategy.context_parallel_size=2", "model_source=hf",
-        "model.model_config=${nxdt_conf:model_configs/tiny_llama/config.json}")
     assert "context_parallel_size > 1 with pipeline_model_parallel_size > 1 is not supported yet" in error(
         "distributed_strategy.context_parallel_size=2", "distributed_strategy.pipeline_model_parallel_size=2",
         "trainer.devices=4", world_size=4)
