@@ -2,16 +2,20 @@
 
 Every run has the same model, init, data and global batch (8 samples), so every layout's
 per-step `reduced_train_loss` equals the one uninterrupted reference run within 1e-5
-(tests/test_parallel_layouts.py). The runs form chains: each resume run loads a checkpoint of
-the previous one and writes its own checkpoints (every step) for the next, so nine launches
-(seven under torchrun, two single-process) cover these layout changes:
+(tests/test_parallel_layouts.py). The model has one K/V head for four query heads, so every
+tp2 layout replicates the K/V projections (tp > num_kv_heads). The runs form chains: each
+resume run loads a checkpoint of the previous one and writes its own checkpoints (every step)
+for the next, so ten launches (eight under torchrun, two single-process) cover these changes:
 
     reference  pp2 x vpp2, from scratch, 8 steps
     ├─ @1 → pp2 x vpp2      plain resume, same layout
-    │   └─ @2 → pp2         vpp2 → vpp1 (stages regrouped)
-    │       └─ @3 → pp1     pp2 → pp1, one process
-    │           └─ @4 → tp2         tp1 → tp2
-    │               └─ @5 → tp1     tp2 → tp1, one process
+    │   └─ @2 → pp2         vpp2 → vpp1 (stages regrouped; same world size: RNG re-seeded)
+    ├─ @1 → HSDP 2x2        4 ranks, dp 1 → 4 (replicate 2 x shard 2); saves bf16 + fp32 masters
+    │   └─ @2 → pp2 x ZeRO-1 dp2       4 ranks: pp, dp and sharding change at once; loads the masters
+    │       └─ @3 → pp1     pp2 + ZeRO-1 dp2 → one process
+    │           └─ @4 → tp2         tp1 → tp2 (K/V replicated)
+    │               └─ @5 → tp1     tp2 (K/V replicated) → tp1, one process; keeps the best
+    │                               checkpoint by reduced_train_loss (mode max) and the newest
     └─ @1 → zero1 dp2       dp1 → dp2 (data-loader state dropped, continues from consumed_samples)
         ├─ @3 → fsdp dp2    zero1 dp2 → fsdp dp2
         └─ @3 → zero1 dp2   plain ZeRO-1 resume
@@ -23,6 +27,7 @@ reference's.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -32,13 +37,25 @@ STEPS = 8
 TOL = 1e-5
 PP2 = ["distributed_strategy.pipeline_model_parallel_size=2"]
 VPP2 = [*PP2, "distributed_strategy.virtual_pipeline_model_parallel_size=2"]
+HSDP = ["distributed_strategy.sharding_strategy=HSDP", "distributed_strategy.hsdp_replicate_size=2",
+        "exp_manager.save_bf16=true", "exp_manager.checkpoint_callback_params.use_master_weights_in_ckpt=true"]
+PP2_ZERO1 = [*PP2, "distributed_strategy.zero1=true"]
+TP2 = ["distributed_strategy.tensor_model_parallel_size=2"]
+# keeps the checkpoint with the highest loss (mode max, so that an older checkpoint outranks newer
+# ones) and the newest
+TOP1_BY_LOSS = ["exp_manager.checkpoint_callback_params.monitor=reduced_train_loss",
+                "exp_manager.checkpoint_callback_params.mode=max",
+                "exp_manager.checkpoint_callback_params.save_top_k=1",
+                "exp_manager.checkpoint_callback_params.save_last=true",
+                "exp_manager.checkpoint_callback_params.filename='tiny_llama--{step}-{reduced_train_loss:.4f}'"]
 pytestmark = pytest.mark.slow
 
 
 def _args(prefix: str, log_dir: Path, devices: int, extra=()) -> list[str]:
-    return [
-        "--config-name", "tiny_llama_cpu", *TINY_OVERRIDES,
+    overrides = [
+        *TINY_OVERRIDES,
         "model.num_layers=4",  # pp2 x vpp2: four stages of one layer
+        "model.num_kv_heads=1",  # tp2 > num_kv_heads: K/V projections replicated
         f"trainer.devices={devices}", f"trainer.max_steps={STEPS}",
         "trainer.val_check_interval=4", "trainer.limit_val_batches=1",
         "model.optim.lr=1e-2", "model.optim.sched.warmup_steps=2",
@@ -49,6 +66,8 @@ def _args(prefix: str, log_dir: Path, devices: int, extra=()) -> list[str]:
         "exp_manager.checkpoint_callback_params.save_top_k=-1",
         *extra,
     ]
+    last = {o.split("=", 1)[0]: o for o in overrides}  # a later override of a key replaces the earlier one
+    return ["--config-name", "tiny_llama_cpu", *last.values()]
 
 
 def _ckpt(log_dir: Path, step: int) -> Path:
@@ -62,6 +81,7 @@ class Run:
         self.losses = read_scalars(log_dir)["reduced_train_loss"]
         log = Path(log_dir) / "nxdt_log_globalrank-0_localrank-0.txt"
         self.log = (log.read_text() if log.is_file() else "") + proc.stdout + proc.stderr
+        self.stdout = proc.stdout
 
     def ckpt(self, step: int) -> Path:
         return _ckpt(self.log_dir, step)
@@ -105,19 +125,28 @@ def pp2(kjv_prefix, tmp_path_factory, vpp_resumed) -> Run:
 
 
 @pytest.fixture(scope="module")
-def pp1(kjv_prefix, tmp_path_factory, pp2) -> Run:
-    return _train(kjv_prefix, tmp_path_factory, "pp1", 1, resume=(pp2, 3))
+def hsdp(kjv_prefix, tmp_path_factory, reference) -> Run:
+    return _train(kjv_prefix, tmp_path_factory, "hsdp", 4, HSDP, resume=(reference, 1))
+
+
+@pytest.fixture(scope="module")
+def pp2_zero1(kjv_prefix, tmp_path_factory, hsdp) -> Run:
+    return _train(kjv_prefix, tmp_path_factory, "pp2_zero1", 4, PP2_ZERO1, resume=(hsdp, 2))
+
+
+@pytest.fixture(scope="module")
+def pp1(kjv_prefix, tmp_path_factory, pp2_zero1) -> Run:
+    return _train(kjv_prefix, tmp_path_factory, "pp1", 1, resume=(pp2_zero1, 3))
 
 
 @pytest.fixture(scope="module")
 def tp2(kjv_prefix, tmp_path_factory, pp1) -> Run:
-    return _train(kjv_prefix, tmp_path_factory, "tp2", 2, ["distributed_strategy.tensor_model_parallel_size=2"],
-                  resume=(pp1, 4))
+    return _train(kjv_prefix, tmp_path_factory, "tp2", 2, TP2, resume=(pp1, 4))
 
 
 @pytest.fixture(scope="module")
 def tp1(kjv_prefix, tmp_path_factory, tp2) -> Run:
-    return _train(kjv_prefix, tmp_path_factory, "tp1", 1, resume=(tp2, 5))
+    return _train(kjv_prefix, tmp_path_factory, "tp1", 1, TOP1_BY_LOSS, resume=(tp2, 5))
 
 
 @pytest.fixture(scope="module")
@@ -161,36 +190,84 @@ def test_pp2_vpp2_resume_same_layout(reference, vpp_resumed):
 
 def test_pp2_vpp2_to_pp2(reference, pp2):
     _assert_continues(reference, pp2, 2, "pp2 x vpp2 -> pp2")
+    # same world size, another layout: one line; every rank re-seeded alike, data-loader state kept
+    assert _notes(pp2, "tensors resharded") == [
+        "note: checkpoint saved on 2 ranks (dp=1 tp=1 pp=2 vpp=2 cp=1), loading on 2 (dp=1 tp=1 pp=2 vpp=1 cp=1): "
+        "tensors resharded; per-rank RNG states are not restored (every rank re-seeded from seed 1234 and step 2); "
+        "data-loader state kept (same dp size)"]
 
 
-def test_pp2_to_pp1(reference, pp1):
-    _assert_continues(reference, pp1, 3, "pp2 -> pp1")
-    # same dp size (1): data-loader state carries over; only the RNG states are not restored
-    assert "tensors resharded; per-rank RNG states are not restored" in pp1.log
-    assert "data continues from consumed_samples" not in pp1.log
+def test_pp2_vpp2_to_hsdp_with_bf16_and_master_weights(reference, hsdp):
+    _assert_continues(reference, hsdp, 1, "pp2 x vpp2 dp1 -> HSDP 2x2")
+    notes = _notes(hsdp, "tensors resharded")
+    assert len(notes) == 1 and "(dp=1 -> dp=4): data continues from consumed_samples" in notes[0], notes
+    # save_bf16 + use_master_weights_in_ckpt: model tensors in half the bytes, the fp32 masters beside them
+    ref, saved = _tensor_bytes(reference.ckpt(2)), _tensor_bytes(hsdp.ckpt(2))
+    meta = json.loads((hsdp.ckpt(2) / "meta.json").read_text())
+    n = sum(math.prod(shape) for shape in meta["model_shapes"].values())  # 1,225,280 parameters
+    assert (saved["model."], saved["master."], ref["model."], ref["master."]) == (2 * n, 4 * n, 4 * n, 0), (ref, saved)
+    assert saved["optim0."] == ref["optim0."]  # optimizer state keeps fp32
+    assert meta["layout"]["dp"] == 4 and meta["save_bf16"] and meta["master_weights"]
+    print(f"HSDP checkpoint: model tensors {saved['model.']:,} B (bf16) vs {ref['model.']:,} B (fp32)")
+
+
+def test_hsdp_to_pp2_zero1(reference, pp2_zero1):
+    """pp, dp and sharding change at once; the fp32 master weights go into the model."""
+    _assert_continues(reference, pp2_zero1, 2, "HSDP 2x2 -> pp2 x zero1 dp2")
+    assert "(dp=4 -> dp=2)" in _notes(pp2_zero1, "tensors resharded")[0]
+    assert "not an exact resume" not in pp2_zero1.log
+
+
+def test_pp2_zero1_to_pp1(reference, pp1):
+    _assert_continues(reference, pp1, 3, "pp2 x zero1 dp2 -> pp1 dp1")
+    assert "(dp=2 -> dp=1)" in _notes(pp1, "tensors resharded")[0]
 
 
 def test_tp1_to_tp2(reference, tp2):
-    _assert_continues(reference, tp2, 4, "tp1 -> tp2")
+    _assert_continues(reference, tp2, 4, "tp1 -> tp2 (K/V replicated)")
+    # replicated K/V projections keep the model's names and shapes: one head of 16 for 4 query heads
+    shapes = json.loads((tp2.ckpt(5) / "meta.json").read_text())["model_shapes"]
+    assert shapes["model.model.layers.0.self_attn.k_proj.weight"] == [16, 64]
+    assert shapes["model.model.layers.0.self_attn.q_proj.weight"] == [64, 64]
 
 
 def test_tp2_to_tp1(reference, tp1):
-    _assert_continues(reference, tp1, 5, "tp2 -> tp1")
+    _assert_continues(reference, tp1, 5, "tp2 (K/V replicated) -> tp1")
 
 
-def test_dp1_to_zero1_dp2_drops_data_state_in_one_line(reference, zero1):
-    _assert_continues(reference, zero1, 1, "pp2 x vpp2 dp1 -> zero1 dp2")
-    lines = [line for line in zero1.log.splitlines() if "data continues from consumed_samples" in line]
-    assert len(lines) == 1 and "(dp=1 -> dp=2)" in lines[0], lines
+def test_top_k_by_monitored_metric(tp1):
+    """monitor reduced_train_loss, mode max, save_top_k 1, save_last: the run saved steps 6, 7, 8;
+    checkpoint s is scored with the loss of training step s (TensorBoard step s - 1) and named
+    with it; the highest-scoring one survives, and the newest (8) whatever its score."""
+    loss = {s: tp1.losses[s - 1] for s in (6, 7, 8)}
+    best = max(loss, key=lambda s: (loss[s], s))
+    keep = sorted({8, best})
+    assert best == 6 and keep == [6, 8], loss  # the loss falls: step 7 is neither best nor newest
+    ckpts = Path(tp1.log_dir) / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == sorted(
+        [f"tiny_llama--step={s}-reduced_train_loss={loss[s]:.4f}" for s in keep] + ["last"]), loss
+    assert (ckpts / "last").resolve().name.startswith("tiny_llama--step=8-")
+    for s in keep:
+        score = json.loads((ckpts / f"tiny_llama--step={s}-reduced_train_loss={loss[s]:.4f}" / "monitor.json").read_text())
+        assert score["monitor"] == "reduced_train_loss" and math.isclose(score["value"], loss[s], rel_tol=1e-6)
+    print(f"top-1 by reduced_train_loss (max) of steps 6-8 {loss}: kept {keep}")
 
 
-def test_zero1_dp2_to_fsdp_dp2(reference, fsdp_from_zero1):
-    _assert_continues(reference, fsdp_from_zero1, 3, "zero1 dp2 -> fsdp dp2")
+def _notes(run: Run, text: str) -> list[str]:
+    return [line for line in run.stdout.splitlines() if line.startswith("note:") and text in line]
 
 
-def test_zero1_dp2_resume(reference, zero1_from_zero1):
-    _assert_continues(reference, zero1_from_zero1, 3, "zero1 dp2 -> zero1 dp2")
-    assert "resharded" not in zero1_from_zero1.log
+def _tensor_bytes(path: Path) -> dict[str, int]:
+    """Bytes of the tensors under each key prefix, from the DCP index (numel x element size)."""
+    import torch
+    from nxdt.exp.checkpoint_state import read_dcp_metadata
+
+    out = {"model.": 0, "master.": 0, "optim0.": 0}
+    for key, md in read_dcp_metadata(path).state_dict_metadata.items():
+        prefix = key.split(".", 1)[0] + "."
+        if prefix in out and hasattr(md, "size"):
+            out[prefix] += math.prod(md.size) * torch.empty(0, dtype=md.properties.dtype).element_size()
+    return out
 
 
 def _warnings(run: Run) -> str:

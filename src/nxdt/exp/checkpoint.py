@@ -28,7 +28,6 @@ from __future__ import annotations
 import os
 import shutil
 import time
-import warnings
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 
 from nxdt.config.errors import ConfigError
+from nxdt.exp.checkpoint_dtype import flags, model_keys_for_export, weights_for_load, weights_for_save
 from nxdt.exp.checkpoint_state import (
     MARKER,
     META,
@@ -50,8 +50,10 @@ from nxdt.exp.checkpoint_state import (
     is_complete,
     layout_of,
     model_and_optimizer_state,
+    notice,
     read_dcp_metadata,
     read_json,
+    reseed_state,
     rng_state,
     set_model_and_optimizer_state,
     split_tensors,
@@ -95,6 +97,7 @@ class Checkpointer:
         self.on_complete = None
         self._pending: tuple[Future, Path, Path, int] | None = None
         self._group = None
+        self._noted: set[str] = set()  # notices already printed (once per run)
 
     @property
     def in_flight(self) -> bool:
@@ -128,6 +131,12 @@ class Checkpointer:
         state = model_and_optimizer_state(module.model, strategy.optimizers)
         tensors, scalars = split_tensors(state)
         shapes = all_tensor_shapes(tensors)  # a collective: every rank, before rank 0 writes meta.json
+        save_bf16, keep_master = flags(cfg)
+        tensors, notes = weights_for_save(tensors, save_bf16, keep_master)
+        for note in notes:
+            if rank == 0 and note not in self._noted:
+                self._noted.add(note)
+                notice(note)
         per_rank = {
             "rank": rank,
             "world_size": strategy.world_size,
@@ -149,6 +158,8 @@ class Checkpointer:
                 "lightning_version": checkpoint.get("pytorch-lightning_version"),
                 "model_source": cfg.get("model_source") if cfg is not None else None,
                 "model_shapes": shapes,
+                "save_bf16": save_bf16,
+                "master_weights": any(k.startswith("master.") for k in tensors),
             }
             write_json(tmp / META, meta)
             if cfg is not None:
@@ -240,12 +251,14 @@ def _xser_save(tensors: dict[str, torch.Tensor], tmp: Path, rank: int) -> None:
     xser.save(tensors, str(tmp / f"xser_rank_{rank:05d}.pt"), master_only=False)
 
 
-def _xser_load(tensors: dict[str, torch.Tensor], path: Path, rank: int) -> None:
+def _xser_load(tensors: dict[str, torch.Tensor], path: Path, rank: int) -> list[str]:
     import torch_xla.utils.serialization as xser
 
     loaded = xser.load(str(path / f"xser_rank_{rank:05d}.pt"))
-    for k, t in tensors.items():
+    request, notes = weights_for_load(tensors, loaded)  # master weights first, as with DCP
+    for k, t in request.items():
         t.copy_(loaded[k])
+    return notes
 
 
 # --------------------------------------------------------------------------- the reader
@@ -332,49 +345,54 @@ def load_checkpoint(strategy, path: Path, cfg=None, weights_only: bool = False) 
 
     t1 = time.perf_counter()
     if any(path.glob("xser_rank_*.pt")):
-        _xser_load(tensors, path, rank)
+        notes = _xser_load(tensors, path, rank)
     else:
         import torch.distributed.checkpoint as dcp
 
+        # fp32 master weights, where the checkpoint has them, go into the model (checkpoint_dtype)
+        request, notes = weights_for_load(tensors, read_dcp_metadata(path).state_dict_metadata)
         try:
-            dcp.load(tensors, storage_reader=SafeReader(str(path)))
+            dcp.load(request, storage_reader=SafeReader(str(path)))
         except Exception as err:
             raise ConfigError(f"checkpoint {path}: reading the tensors failed: {_one_line(err)}") from None
+    for note in notes if rank == 0 else ():
+        notice(f"{path.name}: {note}")
     state.update(tensors)
     set_model_and_optimizer_state(module.model, optimizers, state)
     t2 = time.perf_counter()
 
     trainer_state = from_json(own.get("trainer", {}))
-    trainer_state["pending_rng"] = own.get("rng") if same_layout else None
-    if not same_layout and not weights_only:
-        if same_dp:
+    trainer_state["pending_rng"] = None
+    if not weights_only:
+        # RNG states belong to a rank's place in the layout. In another layout (even with the same
+        # world size) rank r has another role, and ranks that must draw the same numbers (e.g.
+        # tensor-parallel peers, which hold replicated activations) may hold different saved
+        # states (say, two pipeline stages that consumed different amounts): taking them over
+        # could desynchronise replicas. Every rank is re-seeded alike instead (reseed_state).
+        seed, step = int(cfg.get("seed", 0) or 0) if cfg is not None else 0, int(meta.get("step", 0))
+        trainer_state["pending_rng"] = own.get("rng") if same_layout else reseed_state(seed, step)
+        if not same_layout:
+            if not same_dp:
+                _drop_data_state(trainer_state, strategy)
             if rank == 0:
-                warnings.warn(f"checkpoint saved with layout {_layout_text(saved_layout)}, loading on "
-                              f"{_layout_text(layout)}: tensors resharded; per-rank RNG states are not "
-                              "restored", stacklevel=2)
-        else:
-            _drop_data_state(trainer_state, strategy, meta, world)
+                notice(f"checkpoint saved on {meta.get('world_size')} ranks ({_layout_text(saved_layout)}), loading "
+                       f"on {world} ({_layout_text(layout)}): tensors resharded; per-rank RNG states are not "
+                       f"restored (every rank re-seeded from seed {seed} and step {step}); "
+                       + ("data-loader state kept (same dp size)" if same_dp else
+                          f"data-loader state does not carry over a change of dp size (dp={saved_layout.get('dp')}"
+                          f" -> dp={layout.get('dp')}): data continues from consumed_samples"))
     if cfg is not None and cfg.exp_manager.get("enable_recovery_time_instrumentation") and rank == 0:
         print(f"checkpoint load {path.name}: check {t1 - t0:.3f}s, tensors {t2 - t1:.3f}s", flush=True)
     return trainer_state
 
 
-def _drop_data_state(trainer_state: dict[str, Any], strategy, meta: dict[str, Any], world: int) -> None:
+def _drop_data_state(trainer_state: dict[str, Any], strategy) -> None:
     """Per-rank data-loader state belongs to the old data-parallel layout: drop it (consumed_samples stays)."""
     dm = getattr(strategy.lightning_module.trainer, "datamodule", None)
     if dm is not None:
         trainer_state.pop(type(dm).__qualname__, None)
     fit_loop = trainer_state.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
     fit_loop.pop("combined_loader", None)
-    if strategy.global_rank == 0:
-        saved = meta.get("layout") or {}
-        now = layout_of(strategy.lightning_module)
-        dp = f" (dp={saved['dp']} -> dp={now['dp']})" if "dp" in saved and "dp" in now else ""
-        warnings.warn(
-            f"checkpoint saved with {meta.get('world_size')} ranks, loading on {world}{dp}: data-loader and RNG "
-            "state do not carry over a change of layout; data continues from consumed_samples",
-            stacklevel=3,
-        )
 
 
 def _layout_text(layout: dict[str, int]) -> str:
@@ -453,18 +471,17 @@ def save_weights(model_state: dict[str, torch.Tensor], path: Path, extra_meta: d
 
 
 def load_weights(path: Path) -> dict[str, torch.Tensor]:
-    """The model tensors of a checkpoint as full tensors on CPU (one process), keyed by FQN."""
+    """The model tensors of a checkpoint as full tensors on CPU (one process), keyed by FQN: the fp32
+    master weights where the checkpoint holds them (`use_master_weights_in_ckpt`), else the weights."""
     import torch.distributed.checkpoint as dcp
 
     path = Path(path)
     validate_checkpoint(path)
-    metadata = read_dcp_metadata(path)
-    tensors = {}
-    for key, md in metadata.state_dict_metadata.items():
-        if key.startswith("model.") and hasattr(md, "size"):
-            tensors[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+    saved = read_dcp_metadata(path).state_dict_metadata
+    keys = model_keys_for_export(saved)  # the fp32 master weights where the checkpoint has them
+    tensors = {key: torch.empty(tuple(saved[key].size), dtype=saved[key].properties.dtype) for key in keys.values()}
     try:
         dcp.load(tensors, storage_reader=SafeReader(str(path)), no_dist=True)
     except Exception as err:
         raise ConfigError(f"checkpoint {path}: reading the tensors failed: {_one_line(err)}") from None
-    return {k[len("model."):]: v for k, v in tensors.items()}
+    return {fqn: tensors[key] for fqn, key in keys.items()}

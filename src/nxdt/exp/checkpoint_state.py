@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import pickle
 import random
@@ -80,6 +81,12 @@ def read_json(path: Path, key: str = "") -> Any:
         raise ConfigError(f"checkpoint file {path} is unreadable or truncated: {err}") from None
 
 
+def notice(message: str) -> None:
+    """One line for the user (the caller is rank 0): on stdout, and in this rank's log file."""
+    print(f"note: {message}", flush=True)
+    logging.getLogger("nxdt.checkpoint").info(message)
+
+
 # --------------------------------------------------------------------------- RNG
 def rng_state() -> dict[str, Any]:
     state = {
@@ -92,7 +99,22 @@ def rng_state() -> dict[str, Any]:
     return to_json(state)
 
 
+def reseed_state(seed: int, step: int) -> dict[str, Any]:
+    """What a rank applies instead of saved RNG states it cannot take over (another layout).
+
+    Every rank gets the same seed, as `seed_everything` gives at the start of a run; mixing in the
+    step keeps the resumed run from replaying the random numbers of step 0, and makes it
+    reproducible (the same checkpoint and layout give the same numbers)."""
+    return {"reseed": (int(seed) * 1000003 + int(step)) % (2**32)}
+
+
 def set_rng_state(state: dict[str, Any]) -> None:
+    if "reseed" in state:
+        seed = int(state["reseed"])
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)  # also every CUDA device
+        return
     state = from_json(state)
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
