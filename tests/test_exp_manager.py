@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 import sys
@@ -148,3 +149,148 @@ def test_xser_dispatch(tmp_path, monkeypatch):
     target = {"model.w": torch.zeros(2)}
     ck._xser_load(target, tmp_path, rank=1)
     assert torch.equal(target["model.w"], torch.ones(2))
+
+
+# --------------------------------------------------------------------------- save_top_k by a metric
+class _Trainer:
+    """What NxdtCheckpoint reads of Lightning's trainer; a save writes a small complete
+    checkpoint and calls back like the Checkpointer does on rank 0."""
+
+    def __init__(self, cb: NxdtCheckpoint) -> None:
+        self.cb, self.global_step, self.current_epoch = cb, 0, 0
+        self.is_global_zero, self.sanity_checking = True, False
+        self.callback_metrics: dict[str, torch.Tensor] = {}
+        self.lightning_module = types.SimpleNamespace(consumed_samples=0)
+        self.strategy = types.SimpleNamespace(broadcast=lambda x: x)
+
+    def save_checkpoint(self, path: str, weights_only: bool = False) -> None:
+        ck.save_weights({"w": torch.zeros(1)}, Path(path), {"step": self.global_step})
+        self.cb._on_complete(Path(path))
+
+    def step(self, val: float | None = None, **train: float) -> None:
+        """One training step (logging `train`), its save, then a validation logging val_loss."""
+        self.global_step += 1
+        self.callback_metrics.update({k: torch.tensor(v) for k, v in train.items()})
+        self.cb.save(self)
+        if val is not None:
+            self.callback_metrics["val_loss"] = torch.tensor(val)
+            self.cb.on_validation_end(self, None)
+
+
+def _steps(path: Path) -> list[int]:
+    return sorted(int(p.name.split("step=")[1].split("-")[0]) for p in path.iterdir() if not p.is_symlink())
+
+
+def test_top_k_by_val_loss_scores_the_validated_step_and_keeps_the_newest(tmp_path, capsys):
+    """val_loss, min, top 2, a save every step, validation every 2nd step (after the save, as in
+    Lightning): unvalidated checkpoints live only while newest; the newest always survives."""
+    cb = NxdtCheckpoint(tmp_path, "a--{step}-{val_loss:.2f}", save_top_k=2, save_last=True, monitor="val_loss",
+                        mode="min")
+    t = _Trainer(cb)
+    seen = []
+    for val in (None, 3.0, None, 2.5, None, 2.8):
+        t.step(val)
+        seen.append(_steps(tmp_path))
+    assert seen == [[1], [2], [2, 3], [2, 4], [2, 4, 5], [4, 6]]
+    # the name carries the val_loss known when it was written (step 4's validation runs after its save)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a--step=4-val_loss=3.00", "a--step=6-val_loss=2.50", "last"]
+    assert (tmp_path / "last").resolve().name == "a--step=6-val_loss=2.50"
+    assert json.loads((tmp_path / "a--step=4-val_loss=3.00" / "monitor.json").read_text()) == {
+        "monitor": "val_loss", "value": 2.5, "step": 4}
+    assert "was not logged" not in capsys.readouterr().out
+    # a new callback over the same directory (a resumed run) ranks the recorded scores: step 7
+    # (val 2.6) outranks step 6 (2.8), and the newest (8, unvalidated) is kept
+    cb2 = NxdtCheckpoint(tmp_path, "a--{step}-{val_loss:.2f}", save_top_k=2, monitor="val_loss", mode="min")
+    t2 = _Trainer(cb2)
+    t2.global_step, t2.callback_metrics = 6, dict(t.callback_metrics)
+    t2.step(2.6)
+    t2.step()
+    assert _steps(tmp_path) == [4, 7, 8]
+
+
+def test_top_k_by_train_metric_max_and_missing_metric(tmp_path, capsys):
+    cb = NxdtCheckpoint(tmp_path / "a", "a--{step}", save_top_k=1, monitor="reduced_train_loss", mode="max")
+    t = _Trainer(cb)
+    for loss in (5.0, 7.0, 6.0, 4.0):
+        t.step(reduced_train_loss=loss)
+    assert _steps(tmp_path / "a") == [2, 4]  # the highest (step 2) and the newest
+    # a metric that is never logged: one line, and only the newest checkpoint is kept
+    cb = NxdtCheckpoint(tmp_path / "b", "b--{step}", save_top_k=2, monitor="train_los", mode="min")
+    t = _Trainer(cb)
+    for loss in (5.0, 4.0, 3.0):
+        t.step(reduced_train_loss=loss)
+    out = [line for line in capsys.readouterr().out.splitlines() if "train_los'" in line]
+    assert out == ["note: exp_manager.checkpoint_callback_params.monitor: metric 'train_los' was not logged by step 1 "
+                   "(logged: reduced_train_loss); checkpoints without it are kept only while newest"]
+    assert _steps(tmp_path / "b") == [3]
+
+
+def test_top_k_keeps_nan_last_and_async_scores_land_in_the_tmp_dir(tmp_path):
+    from nxdt.exp.checkpoint_topk import read_score, to_keep, write_score
+
+    paths = [_weights(tmp_path, f"c--step={s}", s) for s in (1, 2, 3)]
+    for path, value in zip(paths, (float("nan"), 1.0, 2.0)):
+        write_score(path, "m", value, 0)
+    found = [(s, p) for s, p in zip((1, 2, 3), paths)]
+    assert to_keep(found, 1, "m", "min") == {paths[1], paths[2]}
+    assert to_keep(found, 2, "m", "max") == {paths[2], paths[1]}  # nan ranks last in both modes
+    assert to_keep(found, -1, "m", "min") == set(paths) and to_keep(found, 1, "step", "max") == {paths[2]}
+    tmp = tmp_path / ".tmp-c--step=4"
+    tmp.mkdir()
+    assert write_score(tmp_path / "c--step=4", "m", 0.5, 4) and read_score(tmp, "m") == 0.5
+    assert read_score(tmp, "other") is None
+
+
+def test_monitor_and_mode_config_checks():
+    from nxdt.exp.exp_manager import check_exp_keys
+
+    def cfg(**params):
+        base = {"monitor": "step", "mode": "max", "filename": "x--{step}"}
+        return OmegaConf.create({"exp_manager": {"checkpoint_callback_params": {**base, **params}}})
+
+    check_exp_keys(cfg(monitor="val_loss", mode="min", filename="x--{step}-{val_loss:.3f}"))
+    with pytest.raises(ConfigError, match="'min' with monitor 'step' would keep the oldest checkpoints"):
+        check_exp_keys(cfg(mode="min"))
+    with pytest.raises(ConfigError, match=r"filename: unknown field '\{val_loss\}'"):
+        check_exp_keys(cfg(monitor="reduced_train_loss", filename="x--{val_loss}"))
+    with pytest.raises(ConfigError, match="monitor: 'val loss' is not a metric name"):
+        check_exp_keys(cfg(monitor="val loss"))
+
+
+# --------------------------------------------------------------------------- save_bf16, master weights, RNG
+def test_save_bf16_halves_model_bytes_and_keeps_masters():
+    from nxdt.exp.checkpoint_dtype import model_keys_for_export, weights_for_load, weights_for_save
+
+    w = torch.randn(64, 32) * 1e-3 + 1.0  # values bf16 cannot hold
+    tensors = {"model.w": w, "optim0.state.w.exp_avg": torch.ones(64, 32)}
+    out, notes = weights_for_save(tensors, save_bf16=True, keep_master=True)
+    assert out["model.w"].dtype == torch.bfloat16 and out["master.w"] is w and notes == []
+    assert out["model.w"].nbytes * 2 == w.nbytes and out["optim0.state.w.exp_avg"].dtype == torch.float32
+    out, notes = weights_for_save(tensors, save_bf16=True, keep_master=False)
+    assert "master.w" not in out and len(notes) == 1 and "resuming from them is not exact" in notes[0]
+    assert weights_for_save(tensors, save_bf16=False, keep_master=True) == (tensors, [])  # fp32: they are the masters
+    lowp = {"model.w": w.to(torch.bfloat16)}
+    assert "no fp32 master weights" in weights_for_save(lowp, False, True)[1][0]
+    assert weights_for_save({**lowp, "optim0.state.w.master": w}, False, True)[1] == []  # adamw_fp32OptState's copy
+
+    # a load takes the masters where they exist: the same target tensor, exact values
+    bf16 = types.SimpleNamespace(properties=types.SimpleNamespace(dtype=torch.bfloat16), size=w.shape)
+    fp32 = types.SimpleNamespace(properties=types.SimpleNamespace(dtype=torch.float32), size=w.shape)
+    target = torch.empty(64, 32)
+    request, notes = weights_for_load({"model.w": target}, {"model.w": bf16, "master.w": fp32})
+    assert list(request) == ["master.w"] and request["master.w"] is target and notes == []
+    request, notes = weights_for_load({"model.w": target}, {"model.w": bf16})
+    assert list(request) == ["model.w"] and "1 model tensors as bfloat16 with no fp32 master weights" in notes[0]
+    assert model_keys_for_export({"model.w": bf16, "master.w": fp32, "model.v": bf16}) == {"w": "master.w",
+                                                                                          "v": "model.v"}
+
+
+def test_layout_change_reseeds_every_rank_alike():
+    a = ck_state.reseed_state(1234, 3)
+    ck_state.set_rng_state(a)
+    first = (random.random(), np.random.rand(), torch.rand(3))
+    ck_state.set_rng_state(a)
+    again = (random.random(), np.random.rand(), torch.rand(3))
+    assert first[0] == again[0] and first[1] == again[1] and torch.equal(first[2], again[2])
+    ck_state.set_rng_state(ck_state.reseed_state(1234, 0))
+    assert not torch.equal(torch.rand(3), first[2])  # another step: not step 0's numbers replayed
