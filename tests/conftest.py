@@ -78,3 +78,20 @@ def read_scalars(log_dir: Path) -> dict[str, dict[int, float]]:
         for tag in acc.Tags()["scalars"]:
             out.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
     return out
+
+
+def tensor_bytes(checkpoint: Path) -> dict[str, int]:
+    """Bytes of a checkpoint's tensors per key prefix (`model.`, `master.`, `optim0.`), from its
+    DCP index (numel x element size)."""
+    import math
+
+    import torch
+
+    from nxdt.exp.checkpoint_state import read_dcp_metadata
+
+    out = {"model.": 0, "master.": 0, "optim0.": 0}
+    for key, md in read_dcp_metadata(Path(checkpoint)).state_dict_metadata.items():
+        prefix = key.split(".", 1)[0] + "."
+        if prefix in out and hasattr(md, "size"):
+            out[prefix] += math.prod(md.size) * torch.empty(0, dtype=md.properties.dtype).element_size()
+    return out

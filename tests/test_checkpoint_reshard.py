@@ -31,7 +31,7 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import TINY_OVERRIDES, read_scalars, run_cli
+from conftest import TINY_OVERRIDES, read_scalars, run_cli, tensor_bytes
 
 STEPS = 8
 TOL = 1e-5
@@ -202,7 +202,7 @@ def test_pp2_vpp2_to_hsdp_with_bf16_and_master_weights(reference, hsdp):
     notes = _notes(hsdp, "tensors resharded")
     assert len(notes) == 1 and "(dp=1 -> dp=4): data continues from consumed_samples" in notes[0], notes
     # save_bf16 + use_master_weights_in_ckpt: model tensors in half the bytes, the fp32 masters beside them
-    ref, saved = _tensor_bytes(reference.ckpt(2)), _tensor_bytes(hsdp.ckpt(2))
+    ref, saved = tensor_bytes(reference.ckpt(2)), tensor_bytes(hsdp.ckpt(2))
     meta = json.loads((hsdp.ckpt(2) / "meta.json").read_text())
     n = sum(math.prod(shape) for shape in meta["model_shapes"].values())  # 1,225,280 parameters
     assert (saved["model."], saved["master."], ref["model."], ref["master."]) == (2 * n, 4 * n, 4 * n, 0), (ref, saved)
@@ -255,19 +255,6 @@ def test_top_k_by_monitored_metric(tp1):
 
 def _notes(run: Run, text: str) -> list[str]:
     return [line for line in run.stdout.splitlines() if line.startswith("note:") and text in line]
-
-
-def _tensor_bytes(path: Path) -> dict[str, int]:
-    """Bytes of the tensors under each key prefix, from the DCP index (numel x element size)."""
-    import torch
-    from nxdt.exp.checkpoint_state import read_dcp_metadata
-
-    out = {"model.": 0, "master.": 0, "optim0.": 0}
-    for key, md in read_dcp_metadata(path).state_dict_metadata.items():
-        prefix = key.split(".", 1)[0] + "."
-        if prefix in out and hasattr(md, "size"):
-            out[prefix] += math.prod(md.size) * torch.empty(0, dtype=md.properties.dtype).element_size()
-    return out
 
 
 def _warnings(run: Run) -> str:

@@ -1,4 +1,5 @@
-"""Exact resume after a real SIGKILL of a 2-rank torchrun run, resharding dp2 → dp1, bad checkpoints.
+"""Exact resume after a real SIGKILL of a 2-rank torchrun run, resharding dp2 → dp1, bf16
+checkpoints (with and without fp32 master weights), bad checkpoints.
 
 One uninterrupted dp=2 run (saving every 2 steps) is the reference; the killed-and-rerun runs
 must log the same reduced_train_loss at every step, bit for bit (CPU, fp32).
@@ -15,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY_OVERRIDES, TRAIN_SCRIPT, read_scalars, run_cli
+from conftest import REPO, TINY_OVERRIDES, TRAIN_SCRIPT, read_scalars, run_cli, tensor_bytes
 
 STEPS = 8
 pytestmark = pytest.mark.slow
@@ -101,9 +102,13 @@ def test_sigkill_between_saves_resumes_bit_for_bit(reference, kjv_prefix, tmp_pa
 
 def test_sigkill_during_async_save_resumes_from_previous(reference, kjv_prefix, tmp_path):
     """The step-4 async save is made slow; the run is killed while it is in flight (training
-    has gone on meanwhile); the rerun skips the unfinished save and resumes from step 2."""
-    _, expected = reference
-    args = _args(kjv_prefix, tmp_path, extra=["exp_manager.async_checkpointing=true"])
+    has gone on meanwhile); the rerun skips the unfinished save and resumes from step 2.
+
+    Both runs save with save_bf16 + use_master_weights_in_ckpt: the model tensors take half the
+    bytes and the resume from the fp32 masters beside them is still exact."""
+    ref_dir, expected = reference
+    args = _args(kjv_prefix, tmp_path, extra=["exp_manager.async_checkpointing=true", "exp_manager.save_bf16=true",
+                                              "exp_manager.checkpoint_callback_params.use_master_weights_in_ckpt=true"])
     tmp4 = _ckpt(tmp_path, 4).parent / (".tmp-" + _ckpt(tmp_path, 4).name)
     proc = _popen(args, env={"NXDT_TEST_SLOW_ASYNC_SAVE": "4:600"}, log=tmp_path / "killed.log")
     _kill_when(proc, lambda: len(list(tmp4.glob("rank_*.json"))) == 2 and (_ckpt(tmp_path, 2) / "COMPLETE").is_file())
@@ -113,18 +118,47 @@ def test_sigkill_during_async_save_resumes_from_previous(reference, kjv_prefix, 
     assert f"resuming from {_ckpt(tmp_path, 2)}" in rerun.stdout
     assert _losses(tmp_path) == expected
     assert (_ckpt(tmp_path, 8) / "COMPLETE").is_file() and (_ckpt(tmp_path, 4) / "COMPLETE").is_file()
+    fp32, bf16 = tensor_bytes(_ckpt(ref_dir, 2)), tensor_bytes(_ckpt(tmp_path, 2))
+    assert bf16["model."] * 2 == fp32["model."] == bf16["master."] > 0, (fp32, bf16)
+    files32, files16 = _file_bytes(_ckpt(ref_dir, 2), "model."), _file_bytes(_ckpt(tmp_path, 2), "model.")
+    assert files16 < 0.51 * files32, (files16, files32)  # on disk too (plus DCP's per-tensor header)
+    print(f"save_bf16 model tensors: {bf16['model.']:,} B vs {fp32['model.']:,} B fp32 ({files16:,} vs {files32:,} "
+          "on disk); resumed losses equal bit for bit")
 
 
-def test_reshard_dp2_to_dp1(reference, kjv_prefix, tmp_path):
-    """A dp=2 checkpoint continues on one process: same losses (dp2 vs dp1 sums differ in rounding only)."""
+def test_reshard_dp2_to_dp1_then_bf16_without_masters(reference, kjv_prefix, tmp_path):
+    """A dp=2 checkpoint continues on one process: same losses (dp2 vs dp1 sums differ in rounding
+    only). That run saves with save_bf16 and no master weights (one notice line); a second run
+    resuming from its step-6 checkpoint starts from bf16-rounded weights: not exact (one line),
+    the gap is measured."""
     ref_dir, expected = reference
     (tmp_path / "checkpoints").mkdir()
     shutil.copytree(_ckpt(ref_dir, 4), _ckpt(tmp_path, 4))
-    proc = run_cli(_args(kjv_prefix, tmp_path, devices=1))
+    proc = run_cli(_args(kjv_prefix, tmp_path, devices=1, extra=["exp_manager.save_bf16=true"]))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = _losses(tmp_path)
     assert sorted(got) == [4, 5, 6, 7]
     assert max(abs(got[s] - expected[s]) for s in got) < 1e-5, (got, expected)
+    assert [line for line in proc.stdout.splitlines() if "save_bf16" in line] == [
+        "note: exp_manager.save_bf16: checkpoints hold the fp32 weights rounded to bf16 and no fp32 copy "
+        "(checkpoint_callback_params.use_master_weights_in_ckpt is false): resuming from them is not exact"]
+    assert tensor_bytes(_ckpt(tmp_path, 6))["master."] == 0
+
+    again = tmp_path / "again"
+    proc = run_cli(_args(kjv_prefix, again, devices=1, extra=[f"exp_manager.resume_from_checkpoint='{_ckpt(tmp_path, 6)}'"]))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert len([line for line in proc.stdout.splitlines() if "not an exact resume" in line]) == 1
+    got = _losses(again)
+    gap = max(abs(got[s] - expected[s]) for s in got)
+    assert sorted(got) == [6, 7] and 1e-5 < gap < 1e-2, (got, expected)
+    print(f"resume from bf16 weights without masters: steps 6..7, max loss gap {gap:.2e}")
+
+
+def _file_bytes(path: Path, prefix: str) -> int:
+    """Bytes the shard files spend on the tensors under `prefix`."""
+    from nxdt.exp.checkpoint_state import read_dcp_metadata
+
+    return sum(info.length for index, info in read_dcp_metadata(path).storage_data.items() if index.fqn.startswith(prefix))
 
 
 def test_bad_checkpoints_exit_2_and_are_kept(reference, kjv_prefix, tmp_path):
