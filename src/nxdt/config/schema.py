@@ -74,18 +74,18 @@ class TrainerConfig:
 # --------------------------------------------------------------------------- exp_manager
 @dataclass
 class CheckpointCallbackParams:
-    monitor: str = doc("step", "metric that orders checkpoints (NxDT keeps 'step')")
-    save_top_k: int = doc(1, "keep the newest k checkpoints (by step); -1 = keep all")
+    monitor: str = doc("step", "what orders checkpoints for save_top_k: step (newest), or a logged metric (val_loss, reduced_train_loss)")
+    save_top_k: int = doc(1, "keep the k best checkpoints by monitor (plus always the newest); -1 = keep all")
     mode: Literal["min", "max"] = doc("max", "whether a larger or smaller monitor value is better")
     save_last: bool = doc(False, "also keep a copy named 'last'")
     filename: str = doc("${exp_manager.name}--{step}-{consumed_samples}",
-                        "checkpoint directory name; {step} and {consumed_samples} are filled in")
+                        "checkpoint directory name; {step}, {consumed_samples}, {epoch} and the monitored metric are filled in")
     model_parallel_size: Optional[int] = doc(
         "${multiply:${distributed_strategy.tensor_model_parallel_size},"
         "${distributed_strategy.pipeline_model_parallel_size}}",
         "tp x pp (informational, NxDT writes it)")
     every_n_train_steps: Optional[int] = doc(None, "save every N training steps; null = only at the end")
-    use_master_weights_in_ckpt: bool = doc(False, "save the fp32 master weights instead of the model's weights")
+    use_master_weights_in_ckpt: bool = doc(False, "with save_bf16, also save the fp32 master weights (loaded into the model: exact resume)")
 
 
 @dataclass
@@ -105,7 +105,7 @@ class ExpManagerConfig:
     enable_recovery_time_instrumentation: bool = doc(False, "log detailed timings of checkpoint recovery")
     save_xser: bool = doc(False, "save with torch-xla serialization (XLA only)", neuron=True)
     load_xser: bool = doc(False, "load with torch-xla serialization (XLA only)", neuron=True)
-    save_bf16: bool = doc(False, "save weights in bf16")
+    save_bf16: bool = doc(False, "save the model weights in bf16 (half the bytes; see use_master_weights_in_ckpt)")
     async_checkpointing: bool = doc(False, "continue training while a checkpoint is being written")
     resume_from_checkpoint: Optional[str] = doc(None, "checkpoint directory to load at start")
     ckpt_ptl_version: Optional[str] = doc(None, "Lightning version recorded in (or expected of) checkpoints")
