@@ -435,9 +435,6 @@ def check_cross(cfg: Any, world_size: int | None = None) -> None:
         raise ConfigError(f"trainer.accelerator {tr.accelerator}: only one device is supported yet "
                           f"(got trainer.devices x trainer.num_nodes = {tr.devices * tr.num_nodes})")
     ptype = cfg.precision.type
-    if cfg.precision.fp16.enabled and ds.pipeline_model_parallel_size > 1:
-        raise ConfigError("precision.fp16.enabled with pipeline_model_parallel_size > 1 is not supported yet "
-                          "(the pipeline schedule's loss is not loss-scaled)")
     if cfg.precision.fp16.enabled and ptype not in ("fp32", "autocast", "mixed_precision", "manual"):
         raise ConfigError(f"precision.fp16.enabled: cannot be combined with precision.type {ptype} "
                           "(fp16 uses fp32 master weights; use type fp32 or mixed_precision)")

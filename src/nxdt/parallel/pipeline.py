@@ -131,6 +131,8 @@ class Pipeline:
     num_stages: int
     pp_group: dist.ProcessGroup
     v_style: bool = False
+    # fp16: id(scaled loss the schedule got) -> that loss before scaling (what is reported)
+    unscaled_losses: dict[int, torch.Tensor] | None = None
 
     @property
     def has_first(self) -> bool:
@@ -145,7 +147,13 @@ class Pipeline:
         kwargs = {"position_ids": position_ids} if position_ids is not None else {}
         target = torch.stack((labels.double(), loss_mask.double()), dim=-1) if self.has_last else None
         losses: list[torch.Tensor] | None = [] if self.has_last else None
+        if self.unscaled_losses is not None:
+            self.unscaled_losses.clear()
         fn(*args, target=target, losses=losses, **kwargs)
+        if losses and self.unscaled_losses is not None:
+            # report the loss, not loss × scale (which may be inf); looked up by identity, since the
+            # schedule's metadata inference also calls the loss function, on uninitialised tensors
+            losses = [self.unscaled_losses[id(loss)] for loss in losses]
         if losses:
             local = torch.stack([loss.detach().float() for loss in losses]).sum() / len(losses)
         else:
@@ -186,10 +194,16 @@ def build_pipeline(
     device: torch.device,
     loss_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
     parallelize_fn: Callable[[nn.Module, DeviceMesh, object], nn.Module] | None = None,
+    loss_scale: Callable[[], float] | None = None,
 ) -> Pipeline:
     """Split `model` into this rank's stages, parallelize each, and build the schedule.
 
     `loss_fn(logits, labels, loss_mask)` is the per-micro-batch loss (a mean over tokens).
+    `loss_scale()` (fp16): the current loss scale, read at every micro-batch. The loss handed to
+    the schedule's backward is then `loss × scale / num_microbatches` (DeepSpeed's pipeline
+    engine does the same) and the schedule no longer divides the gradients: every stage's
+    backward runs on scaled gradients in the same range as the non-pipeline step's, and the
+    gradients come out `scale` × the true ones, for `Precision.finish_grads` to unscale.
     """
     pp, vpp = layout.pp, layout.vpp
     num_stages = pp * vpp
@@ -212,16 +226,24 @@ def build_pipeline(
         parts.append(part)
         stages.append(PipelineStage(part, stage_index=sid, num_stages=num_stages, device=device, group=pp_group))
 
-    def stage_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return loss_fn(logits, target[..., 0].long(), target[..., 1].float())
-
     n = layout.num_microbatches
+    unscaled: dict[int, torch.Tensor] | None = {} if loss_scale is not None else None
+
+    def stage_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(logits, target[..., 0].long(), target[..., 1].float())
+        if unscaled is None:
+            return loss
+        scaled = loss * (loss_scale() / n)
+        unscaled[id(scaled)] = loss.detach()
+        return scaled
+
+    scale_grads = loss_scale is None  # a scaled loss already carries the 1/num_microbatches
     if issubclass(schedule_cls, PipelineScheduleSingle):
-        schedule = schedule_cls(stages[0], n_microbatches=n, loss_fn=stage_loss, scale_grads=True)
+        schedule = schedule_cls(stages[0], n_microbatches=n, loss_fn=stage_loss, scale_grads=scale_grads)
     else:
-        schedule = schedule_cls(stages, n_microbatches=n, loss_fn=stage_loss, scale_grads=True)
+        schedule = schedule_cls(stages, n_microbatches=n, loss_fn=stage_loss, scale_grads=scale_grads)
     return Pipeline(schedule=schedule, stages=stages, parts=parts, stage_ids=stage_ids,
-                    num_stages=num_stages, pp_group=pp_group, v_style=v_style)
+                    num_stages=num_stages, pp_group=pp_group, v_style=v_style, unscaled_losses=unscaled)
 
 
 def model_of(pipeline: Pipeline) -> nn.Module:

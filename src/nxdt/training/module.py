@@ -216,8 +216,10 @@ class NxdtLightningModule(pl.LightningModule):
         """Split into this rank's stages (each parallelized like a whole model) and build the schedule."""
         from nxdt.parallel.pipeline import build_pipeline, model_of
 
+        # fp16: the schedule's loss is multiplied by the current loss scale (so is every stage's backward)
+        scale = (lambda: self.precision.loss_scale) if self.precision.scaler is not None else None
         self.pipeline = build_pipeline(model, self.device_mesh, self.cfg, self.layout, self.device,
-                                       loss_fn=masked_token_loss, parallelize_fn=parallelize_llama)
+                                       loss_fn=masked_token_loss, parallelize_fn=parallelize_llama, loss_scale=scale)
         self.model = model_of(self.pipeline)
 
     def _pipeline_training_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -26,8 +26,9 @@ Modes (what the presets mean on CPU/CUDA; on XLA the env vars of nxdt.config.env
 "master" mode swaps the parameters' storage (`p.data`): bf16 copies for forward and backward,
 the fp32 masters back for clipping, the optimizer step and checkpoints. A model wrapped by FSDP2
 (`fully_shard` / `replicate`) owns its parameter storage: there the wrapper casts
-(`fsdp_mp_policy()`: param bf16, reduce fp32, fp32 accumulation without sync) and this object
-only adds `torch.autocast` around the forward.
+(`fsdp_mp_policy()`: param bf16, reduce fp32, fp32 accumulation without sync; for
+mixed_precisionSR `nxdt.training.sr_fsdp` makes that cast stochastic) and this object only adds
+`torch.autocast` around the forward.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from torch import nn
 
 from nxdt.config.env import normalize_precision
 from nxdt.config.errors import ConfigError
+from nxdt.training.overflow import all_ranks_finite
 from nxdt.training.stochastic_rounding import round_to
 
 log = logging.getLogger(__name__)
@@ -180,6 +182,8 @@ class Precision:
         self._acc: dict[nn.Parameter, torch.Tensor] = {}
         self._hooks: list[Any] = []
         self._generators: dict[str, torch.Generator] = {}
+        self._sr_states: list = []  # nxdt.training.sr_fsdp.SRState of FSDP2-sharded SR weights
+        self._sr_step = 0
         # XLA: with on_nonfinite=stop (and no fp16), check in a step closure after the graph ran
         # instead of syncing before the update; the run then stops one update late.
         self.lazy_guard = False
@@ -268,6 +272,11 @@ class Precision:
             h.remove()
         self._hooks = []
         self.delegated = delegate or _is_fsdp_managed(model)
+        from nxdt.training.sr_fsdp import sr_states_of
+
+        self._sr_states = sr_states_of(model) if self.settings.stochastic else []
+        for state in self._sr_states:  # FSDP2's all-gather rounds with this run's seed (and rank)
+            state.seed, state.step = self.seed, self._sr_step
         if self.delegated or self.mode not in ("master", "lowp") or not self.settings.fp32_grad_acc:
             return
         for p in model.parameters():
@@ -294,6 +303,9 @@ class Precision:
     def begin_step(self, model: nn.Module) -> None:
         """Before the first micro-batch: master mode swaps in low-precision copies of the fp32 weights."""
         self._acc.clear()
+        self._sr_step += 1
+        for state in self._sr_states:  # new random bits for this step's bf16 weights under FSDP2
+            state.step = self._sr_step
         if self.mode != "master" or self.delegated:
             return
         dtype = self.settings.compute_dtype
@@ -344,14 +356,15 @@ class Precision:
 
     def _check_now(self, step: int, loss: torch.Tensor | None, grad_norm: torch.Tensor, model: nn.Module) -> bool:
         loss_ok = loss is None or bool(torch.isfinite(loss.detach()).all())
-        finite = loss_ok and bool(torch.isfinite(grad_norm.detach()))
+        local_ok = loss_ok and bool(torch.isfinite(grad_norm.detach()))
+        finite = all_ranks_finite(local_ok, _local(grad_norm).device)  # skip on all ranks or on none
         if self.scaler is not None:
             old = self.scaler.scale
             self.scaler.update(overflow=not finite)
         if finite:
             self.consecutive_skips = 0
             return True
-        where = self._where_nonfinite(loss, loss_ok, grad_norm, model)
+        where = self._where_nonfinite(loss, loss_ok, grad_norm, model) if not local_ok else "values on another rank"
         if self.scaler is None and self.on_nonfinite == "stop":
             raise NumericalInstabilityError(f"step {step}: non-finite {where}; stopping "
                                             "(precision.on_nonfinite=stop; set it to skip to skip such steps)")
@@ -443,6 +456,7 @@ class Precision:
             "skipped_steps": self.skipped_steps,
             "consecutive_skips": self.consecutive_skips,
             "sr_generators": {k: g.get_state().tolist() for k, g in self._generators.items()},  # plain ints
+            "sr_step": self._sr_step,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -450,6 +464,9 @@ class Precision:
             self.scaler.load_state_dict(state["scaler"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.consecutive_skips = int(state.get("consecutive_skips", 0))
+        self._sr_step = int(state.get("sr_step", 0))
+        for sr in self._sr_states:
+            sr.step = self._sr_step
         for key, gstate in (state.get("sr_generators") or {}).items():
             self._generator(torch.device(key)).set_state(torch.tensor(gstate, dtype=torch.uint8))
 
