@@ -79,6 +79,7 @@ LAYOUTS = {
     "cp2_fsdp": (2, [f"{CP}=2", "distributed_strategy.sharding_strategy=FSDP"], "tp=1  pp=1  cp=2"),
     "cp2_tp2_sp_selective_ac": (4, [f"{CP}=2", f"{TP}=2", SP, "model.activations_checkpoint_granularity=selective"],
                                 "dp=1  tp=2  pp=1  cp=2"),
+    "cp2_pp2": (4, [f"{CP}=2", "distributed_strategy.pipeline_model_parallel_size=2"], "dp=1  tp=1  pp=2  cp=2"),
 }
 
 

@@ -113,9 +113,9 @@ def test_bad_parallel_sizes_are_one_line_errors():
         "distributed_strategy.sharding_strategy=HSDP", "distributed_strategy.hsdp_replicate_size=3")
     assert "context_parallel_size (3) = 3 does not divide the world size 2" in error(
         "distributed_strategy.context_parallel_size=3")
-    assert "context_parallel_size > 1 with pipeline_model_parallel_size > 1 is not supported yet" in error(
-        "distributed_strategy.context_parallel_size=2", "distributed_strategy.pipeline_model_parallel_size=2",
-        "trainer.devices=4", world_size=4)
+    assert "data.seq_length (128) must be divisible by 2 x distributed_strategy.context_parallel_size (256)" in error(
+        "distributed_strategy.context_parallel_size=128", "trainer.devices=128", "data.global_batch_size=4",
+        world_size=128)
     assert "'model.checkpoint_num_layers' is not supported yet" in error("model.checkpoint_num_layers=2")
 
 

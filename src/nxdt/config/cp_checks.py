@@ -27,7 +27,6 @@ def check_context_parallel(cfg: Any, layout: Layout) -> None:
         raise ConfigError(f"data.seq_length ({seq}) must be divisible by 2 x {key} ({2 * cp}): each cp rank "
                           "holds two chunks of every sequence (head-tail load balancing)")
     refused = {
-        "pipeline_model_parallel_size > 1": layout.pp > 1,
         "data.reset_attention_mask (document masks)": bool(get(cfg, "data.reset_attention_mask")),
         "data.packing (document masks)": bool(get(cfg, "data.packing")),
         "model.attention_dropout > 0": (get(cfg, "model.attention_dropout") or 0) > 0,

@@ -14,6 +14,7 @@ same loss.
 
 from __future__ import annotations
 
+import functools
 from contextlib import nullcontext
 from typing import Any
 
@@ -124,13 +125,17 @@ class NxdtLightningModule(pl.LightningModule):
             )
         return [{k: v.chunk(n)[i] for k, v in batch.items()} for i in range(n)]
 
+    def _cp_slice(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Context parallel: this rank's slice of every sequence (the batch itself when cp == 1)."""
+        return shard_sequence(batch, self.device_mesh["cp"]) if self.layout.cp > 1 else batch
+
+    def _cp_group(self):
+        return self.device_mesh["cp"].get_group() if self.layout.cp > 1 else None
+
     def _microbatch_loss(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-        cp_group = None
-        if self.layout.cp > 1:  # this rank's slice of every sequence
-            mb = shard_sequence(mb, self.device_mesh["cp"])
-            cp_group = self.device_mesh["cp"].get_group()
+        mb = self._cp_slice(mb)
         logits = self(mb["input_ids"], mb.get("position_ids"))
-        return masked_token_loss(logits, mb["labels"], mb["loss_mask"], cp_group)
+        return masked_token_loss(logits, mb["labels"], mb["loss_mask"], self._cp_group())
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         if self.pipeline is not None:
@@ -197,6 +202,7 @@ class NxdtLightningModule(pl.LightningModule):
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         microbatches = self._microbatches(batch)
         if self.pipeline is not None:
+            batch = self._cp_slice(batch)
             with self._autocast(), self._loss_parallel():
                 loss = self.pipeline.eval(batch["input_ids"], batch["labels"], batch["loss_mask"],
                                           batch.get("position_ids"))
@@ -218,8 +224,9 @@ class NxdtLightningModule(pl.LightningModule):
 
         # fp16: the schedule's loss is multiplied by the current loss scale (so is every stage's backward)
         scale = (lambda: self.precision.loss_scale) if self.precision.scaler is not None else None
+        loss_fn = functools.partial(masked_token_loss, cp_group=self._cp_group())
         self.pipeline = build_pipeline(model, self.device_mesh, self.cfg, self.layout, self.device,
-                                       loss_fn=masked_token_loss, parallelize_fn=parallelize_llama, loss_scale=scale)
+                                       loss_fn=loss_fn, parallelize_fn=parallelize_llama, loss_scale=scale)
         self.model = model_of(self.pipeline)
 
     def _pipeline_training_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -231,10 +238,11 @@ class NxdtLightningModule(pl.LightningModule):
         optimizer.zero_grad(set_to_none=True)
         self.precision.begin_step(self.model)
         self._microbatches(batch)  # checks the batch size
+        batch = self._cp_slice(batch)
         with self._autocast(), self._loss_parallel():
             loss = self.pipeline.step(batch["input_ids"], batch["labels"], batch["loss_mask"],
                                       batch.get("position_ids"))
-        reduced = all_reduce_mean(loss, self.device_mesh, "dp")
+        reduced = all_reduce_mean(loss, self.device_mesh, "dp_cp")
         grad_norm, lr = self._clip_and_step(optimizer, scheduler, reduced)
         self.consumed_samples += self.layout.global_batch_size
         self._log_step(reduced, lr, grad_norm)
