@@ -5,7 +5,7 @@ per-step `reduced_train_loss` equals the one uninterrupted reference run within 
 (tests/test_parallel_layouts.py). The model has one K/V head for four query heads, so every
 tp2 layout replicates the K/V projections (tp > num_kv_heads). The runs form chains: each
 resume run loads a checkpoint of the previous one and writes its own checkpoints (every step)
-for the next, so ten launches (eight under torchrun, two single-process) cover these changes:
+for the next, so eleven launches (nine under torchrun, two single-process) cover these changes:
 
     reference  pp2 x vpp2, from scratch, 8 steps
     ├─ @1 → pp2 x vpp2      plain resume, same layout
@@ -251,6 +251,21 @@ def test_top_k_by_monitored_metric(tp1):
         score = json.loads((ckpts / f"tiny_llama--step={s}-reduced_train_loss={loss[s]:.4f}" / "monitor.json").read_text())
         assert score["monitor"] == "reduced_train_loss" and math.isclose(score["value"], loss[s], rel_tol=1e-6)
     print(f"top-1 by reduced_train_loss (max) of steps 6-8 {loss}: kept {keep}")
+
+
+def test_dp1_to_zero1_dp2_drops_data_state_in_one_line(reference, zero1):
+    _assert_continues(reference, zero1, 1, "pp2 x vpp2 dp1 -> zero1 dp2")
+    lines = [line for line in zero1.stdout.splitlines() if "data continues from consumed_samples" in line]
+    assert len(lines) == 1 and "(dp=1 -> dp=2)" in lines[0], lines
+
+
+def test_zero1_dp2_to_fsdp_dp2(reference, fsdp_from_zero1):
+    _assert_continues(reference, fsdp_from_zero1, 3, "zero1 dp2 -> fsdp dp2")
+
+
+def test_zero1_dp2_resume(reference, zero1_from_zero1):
+    _assert_continues(reference, zero1_from_zero1, 3, "zero1 dp2 -> zero1 dp2")
+    assert "resharded" not in zero1_from_zero1.log
 
 
 def _notes(run: Run, text: str) -> list[str]:
