@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, RichProgressBar
@@ -23,8 +24,10 @@ class ThroughputMonitor(Callback):
         if self._start is None:
             return
         step_time = time.perf_counter() - self._start
-        pl_module.log("step_time", step_time, rank_zero_only=True)
-        pl_module.log("throughput", self.tokens_per_step / step_time, prog_bar=True, rank_zero_only=True)
+        # nxdt's module logs per-step scalars through a step closure on XLA (no mid-step graph run)
+        log = getattr(pl_module, "log_step_scalar", None) or partial(pl_module.log, rank_zero_only=True)
+        log("step_time", step_time)
+        log("throughput", self.tokens_per_step / step_time, prog_bar=True)
 
 
 class StepProgressBar(RichProgressBar):

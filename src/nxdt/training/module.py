@@ -31,7 +31,7 @@ from nxdt.parallel.parallelize import parallelize_llama, set_gradient_sync
 from nxdt.parallel.tensor_parallel import clip_grads_with_norm_, is_vocab_parallel, loss_parallel, total_norm
 from nxdt.training.optimizers import build_optimizer, param_groups, resolve_optimizer
 from nxdt.training.precision import Precision
-from nxdt.training.xla import use_xla
+from nxdt.training.xla import step_logger, use_xla
 from nxdt.training.schedulers import build_scheduler
 
 
@@ -69,6 +69,8 @@ class NxdtLightningModule(pl.LightningModule):
         self.num_parameters = 0
         # precision.type / fp16 / NaN guard: dtypes, autocast, loss scale, skipped steps (checkpointed)
         self.precision = Precision.from_cfg(cfg, on_xla=use_xla(cfg))
+        # XLA: per-step scalars are read in a step closure, after the step's graph ran (else self.log)
+        self._step_logger = step_logger(cfg)
         # Samples consumed by finished optimizer steps; data modules read it to resume in place.
         self.consumed_samples = 0
 
@@ -185,18 +187,26 @@ class NxdtLightningModule(pl.LightningModule):
             scheduler.step()
         return grad_norm, lr
 
+    def log_step_scalar(self, name: str, value: Any, prog_bar: bool = False) -> None:
+        """One scalar per optimizer step: self.log, or on XLA the step-closure logger (no graph run mid-step)."""
+        if self._step_logger is not None:
+            self._step_logger.log(self.trainer, name, value, prog_bar)
+        else:
+            self.log(name, value, prog_bar=prog_bar, rank_zero_only=True)
+
     def _log_step(self, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor) -> None:
         exp = self.cfg.exp_manager
-        self.log("reduced_train_loss", loss, prog_bar=True, rank_zero_only=True)
-        self.log("lr", lr, prog_bar=False, rank_zero_only=True)
+        log = self.log_step_scalar
+        log("reduced_train_loss", loss, prog_bar=True)
+        log("lr", lr)
         if exp.log_gradient_norm:
-            self.log("gradient_norm", grad_norm, rank_zero_only=True)
+            log("gradient_norm", grad_norm)
         if exp.log_parameter_norm and self.global_step % self.trainer.log_every_n_steps == 0:
-            self.log("parameter_norm", self._parameter_norm(), rank_zero_only=True)
-        self.log("consumed_samples", float(self.consumed_samples), rank_zero_only=True)
-        self.log("global_step", float(self.global_step), rank_zero_only=True)
+            log("parameter_norm", self._parameter_norm())
+        log("consumed_samples", float(self.consumed_samples))
+        log("global_step", float(self.global_step))
         for key, value in self.precision.metrics().items():  # loss_scale, skipped_steps
-            self.log(key, value, rank_zero_only=True)
+            log(key, value)
 
     # ---- validation ----------------------------------------------------------------------------
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
