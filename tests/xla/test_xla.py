@@ -90,3 +90,17 @@ def test_examples_train_runs_on_xla(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     losses = read_scalars(tmp_path)["reduced_train_loss"]
     assert len(losses) == 4 and all(math.isfinite(v) for v in losses.values())
+
+
+@pytest.mark.parametrize("accelerator", ["xla", "auto"])
+def test_several_xla_devices_refused_in_one_line(accelerator):
+    """dp over XLA devices is not built (XLA:CPU cannot run it: see nxdt.config.validate); with torch-xla
+    installed and PJRT_DEVICE set, `auto` is XLA too and must be refused the same way, before any work."""
+    env = {**os.environ, "PJRT_DEVICE": "CPU"}
+    proc = subprocess.run([sys.executable, str(REPO / "examples" / "train.py"), "--config-name", "tiny_llama_cpu",
+                           f"trainer.accelerator={accelerator}", "trainer.devices=2"],
+                          capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: trainer.accelerator {accelerator}"), lines
+    assert "only one device is supported yet (got trainer.devices x trainer.num_nodes = 2)" in lines[0]
