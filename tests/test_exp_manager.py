@@ -294,3 +294,47 @@ def test_layout_change_reseeds_every_rank_alike():
     assert first[0] == again[0] and first[1] == again[1] and torch.equal(first[2], again[2])
     ck_state.set_rng_state(ck_state.reseed_state(1234, 0))
     assert not torch.equal(torch.rand(3), first[2])  # another step: not step 0's numbers replayed
+
+
+def test_bf16_params_with_fp32_optimizer_masters_round_trip_exactly(tmp_path):
+    """bf16 parameters + adamw_fp32OptState with save_bf16 + use_master_weights_in_ckpt: nothing is
+    cast, the optimizer's fp32 `master` is in the checkpoint, and training after the load
+    continues bit for bit (DCP in one process, through the same state functions as a run)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from nxdt.exp.checkpoint_dtype import weights_for_load, weights_for_save
+    from nxdt.training.optimizers import AdamWFP32OptState
+
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 4).to(torch.bfloat16)
+        return model, AdamWFP32OptState(model.parameters(), lr=1e-4, weight_decay=0.01)
+
+    def step(model, opt, seed):
+        g = torch.Generator().manual_seed(seed)
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=g).to(torch.bfloat16)
+        opt.step()
+
+    model, opt = make()
+    for s in range(3):
+        step(model, opt, s)
+    tensors, _ = ck_state.split_tensors(ck_state.model_and_optimizer_state(model, [opt]))
+    out, notes = weights_for_save(tensors, save_bf16=True, keep_master=True)
+    assert notes == [] and not any(k.startswith("master.") for k in out)  # the optimizer holds the masters
+    assert out["optim0.state.weight.master"].dtype == torch.float32
+    dcp.save(out, storage_writer=FileSystemWriter(str(tmp_path)), no_dist=True)
+
+    model2, opt2 = make()
+    state = ck_state.model_and_optimizer_state(model2, [opt2])
+    targets, _ = ck_state.split_tensors(state)
+    request, notes = weights_for_load(targets, ck_state.SafeReader(str(tmp_path)).read_metadata().state_dict_metadata)
+    dcp.load(request, storage_reader=ck_state.SafeReader(str(tmp_path)), no_dist=True)
+    state.update(targets)
+    ck_state.set_model_and_optimizer_state(model2, [opt2], state)
+    for s in range(3, 6):
+        step(model, opt, s)
+        step(model2, opt2, s)
+    assert notes == [] and torch.equal(model.weight, model2.weight) and torch.equal(model.bias, model2.bias)
+    assert torch.equal(opt.state[model.weight]["master"], opt2.state[model2.weight]["master"])
