@@ -164,5 +164,6 @@ def _tensor_parallel_available() -> bool:
 def test_tp2_pp2_matches_single_process(reference, kjv_prefix, tmp_path_factory):
     _, scalars = _launch(kjv_prefix, tmp_path_factory, "tp2_pp2", 4, [
         "distributed_strategy.pipeline_model_parallel_size=2", "distributed_strategy.tensor_model_parallel_size=2"])
-    # losses within 1e-5; the logged norms carry tp=2's own ~2e-4 relative gap (tp2 without pp shows it too)
-    _assert_same_run(reference, scalars, norm_rtol=1e-3)
+    # norms summed in float64 (nxdt.parallel.tensor_parallel.total_norm): was a ~2e-4 relative gap in fp32;
+    # what is left is tp × pp's own gradient differences once the weights differ (measured 5.8e-6 at step 3)
+    _assert_same_run(reference, scalars, norm_rtol=2e-5)

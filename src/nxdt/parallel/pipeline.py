@@ -254,6 +254,6 @@ def model_of(pipeline: Pipeline) -> nn.Module:
 def norm_over_stages(local_norm: torch.Tensor, pp_group: dist.ProcessGroup, norm_type: float = 2.0) -> torch.Tensor:
     """The norm of tensors spread over the pipeline stages from each rank's norm of its own:
     (sum over pp of local^p)^(1/p). Gradient clipping then uses the true global norm."""
-    total = local_norm.detach().float().pow(norm_type)
+    total = local_norm.detach().to(torch.promote_types(local_norm.dtype, torch.float32)).pow(norm_type)  # fp64 stays
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_group)
     return total.pow(1.0 / norm_type)

@@ -199,21 +199,36 @@ def is_vocab_parallel(logits: torch.Tensor) -> bool:
 def total_norm(tensors: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
     """The p-norm of all `tensors` as a plain tensor, when some are DTensors (sharded or replicated
     over tp / dp) and some plain (e.g. norm weights under tp without sequence parallel, which
-    every tp rank holds whole and identical: counted once)."""
+    every tp rank holds whole and identical: counted once).
+
+    Accumulated in float64 (where the device has it): each tensor's (local shard's) norm, their
+    combination and DTensor's reduction of the powers across ranks (`full_tensor()` of the
+    partial norm). In fp32 the result depended on how the elements were split over ranks (~1e-5
+    relative, 2.4e-4 on small late-step norms), so the logged and clipping norm of a sharded
+    layout differed from one process's; in fp64 the summation order no longer shows."""
     by_mesh: dict[object, list[DTensor]] = {}
     for t in tensors:
         if isinstance(t, DTensor):
             by_mesh.setdefault(t.device_mesh, []).append(t)
     plain = [t for t in tensors if not isinstance(t, DTensor)]
     # e.g. replicate over dp on top of tp: tp-sharded params live on the (dp, tp) mesh, the others on dp
-    parts = [torch.nn.utils.get_total_norm(group, norm_type, foreach=None).full_tensor() for group in by_mesh.values()]
+    parts = [_norm(group, norm_type).full_tensor() for group in by_mesh.values()]
     if plain:
-        parts.append(torch.nn.utils.get_total_norm(plain, norm_type, foreach=None))
+        parts.append(_norm(plain, norm_type))
     if not parts:
-        return torch.zeros(())
+        return torch.zeros((), dtype=torch.float64)
     if len(parts) == 1:
         return parts[0]
-    return torch.linalg.vector_norm(torch.stack([p.float() for p in parts]), norm_type)
+    return torch.linalg.vector_norm(torch.stack(parts), norm_type)
+
+
+def _norm(tensors: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """torch.nn.utils.get_total_norm (foreach=None) with the accumulation in float64: per-tensor
+    norms, then the norm of the stacked norms (DTensors: a partial norm, reduced by full_tensor)."""
+    # XLA (Neuron, TPU) and MPS have no fast or no float64 at all: fp32 there, as before
+    dtype = torch.float32 if tensors[0].device.type in ("xla", "mps") else torch.float64
+    norms = [torch.linalg.vector_norm(t, norm_type, dtype=dtype) for t in tensors]
+    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
 
 
 @torch.no_grad()
