@@ -49,32 +49,36 @@ def _assert_same(ref, got, label):
     assert len(a) == len(b) == STEPS, (label, a, b)
     gap = max(abs(x - y) for x, y in zip(a, b))
     assert gap < 1e-5, f"{label}: max loss gap {gap:.2e}\n{a}\n{b}"
-    # the gradient norm (clipping sees the true global norm) and validation agree too. The norm of
-    # sharded gradients is summed in another order: fp32 CPU norms of ~1M elements differ by ~1e-5
-    # relative between orders (sharded is closer to the fp64 value), up to ~2e-4 on the smaller
-    # norms of later steps; hence rel 1e-3 here (the losses above are the 1e-5 check).
-    assert _curve(got, "gradient_norm") == pytest.approx(_curve(ref, "gradient_norm"), rel=1e-3), label
+    # the gradient norm (clipping sees the true global norm) and validation agree too. The norm is
+    # summed in float64 (total_norm), so how the gradients are split over ranks no longer shows (in
+    # fp32 it did, up to 2.4e-4 relative); left: TensorBoard's fp32 values and the layouts' own
+    # few-ulp gradient differences once the weights differ (measured <= 4.9e-7 relative).
+    norms, ref_norms = _curve(got, "gradient_norm"), _curve(ref, "gradient_norm")
+    rel = max(abs(x / y - 1) for x, y in zip(norms, ref_norms))
+    assert rel < 2e-6, f"{label}: gradient norm rel gap {rel:.1e}\n{ref_norms}\n{norms}"
     assert _curve(got, "val_loss") == pytest.approx(_curve(ref, "val_loss"), abs=1e-5), label
-    print(f"{label}: max loss gap {gap:.2e}")
+    print(f"{label}: max loss gap {gap:.2e}, gradient norm rel gap {rel:.1e}")
 
 
 TP = "distributed_strategy.tensor_model_parallel_size"
 SP = "distributed_strategy.sequence_parallel=true"
+AC_CHUNK2 = ["model.activations_checkpoint_granularity=full", "model.checkpoint_num_layers=2"]
 CP = "distributed_strategy.context_parallel_size"
 LAYOUTS = {
     # name: (ranks, overrides, expected layout line)
     "tp2": (2, [f"{TP}=2"], "dp=1  tp=2"),
     "tp2_sp_selective_ac": (2, [f"{TP}=2", SP, "model.activations_checkpoint_granularity=selective",
                                 "model.activations_checkpoint_recompute_mlp=true"], "dp=1  tp=2"),
-    "zero1_dp2": (2, ["distributed_strategy.zero1=true"], "dp=2  tp=1"),
-    "fsdp_dp2_full_ac": (2, ["distributed_strategy.sharding_strategy=FSDP",
-                             "model.activations_checkpoint_granularity=full"], "dp=2  tp=1"),
-    "hsdp_2x2_cpu_offload": (4, ["distributed_strategy.sharding_strategy=HSDP",
-                                 "distributed_strategy.hsdp_replicate_size=2",
-                                 "distributed_strategy.cpu_offload=true"], "dp=4  tp=1"),
+    # checkpoint_num_layers=2: both blocks recomputed under one checkpoint, each its own dp unit
+    "zero1_dp2_ac_chunk2": (2, ["distributed_strategy.zero1=true", *AC_CHUNK2], "dp=2  tp=1"),
+    "fsdp_dp2_ac_chunk2": (2, ["distributed_strategy.sharding_strategy=FSDP", *AC_CHUNK2], "dp=2  tp=1"),
+    "hsdp_2x2_cpu_offload_full_ac": (4, ["distributed_strategy.sharding_strategy=HSDP",
+                                         "distributed_strategy.hsdp_replicate_size=2",
+                                         "distributed_strategy.cpu_offload=true",
+                                         "model.activations_checkpoint_granularity=full"], "dp=4  tp=1"),
     "tp2_dp2_zero1": (4, [f"{TP}=2", "distributed_strategy.zero1=true"], "dp=2  tp=2"),
     # 4 query heads, 2 K/V heads on 4 tp ranks: each K/V head is shared by two ranks
-    "tp4_sp_kv_replicated": (4, [f"{TP}=4", SP], "dp=1  tp=4"),
+    "tp4_sp_kv_replicated_ac_chunk2": (4, [f"{TP}=4", SP, *AC_CHUNK2], "dp=1  tp=4"),
     # context parallel (ring attention): FSDP shards parameters over the cp ranks (dp_shard × cp)
     "cp2_fsdp": (2, [f"{CP}=2", "distributed_strategy.sharding_strategy=FSDP"], "tp=1  pp=1  cp=2"),
     "cp2_tp2_sp_selective_ac": (4, [f"{CP}=2", f"{TP}=2", SP, "model.activations_checkpoint_granularity=selective"],

@@ -78,6 +78,93 @@ def test_checkpointed_block_recomputes_in_backward():
     assert len(calls) == 2  # forward + recomputation
 
 
+# GPT-NeoX checkpoint_num_layers: chunks of consecutive blocks under one checkpoint
+@pytest.mark.parametrize("n, chunks", [
+    (2, [["model.layers.0", "model.layers.1"], ["model.layers.2", "model.layers.3"]]),
+    (3, [["model.layers.0", "model.layers.1", "model.layers.2"]]),  # + layer 3 alone (NeoX: shorter last chunk)
+    (4, [[f"model.layers.{i}" for i in range(4)]]),
+])
+def test_checkpoint_chunks_same_loss_and_grads_and_names(n, chunks):
+    from nxdt.models import build_model
+    from nxdt.parallel.activation_checkpointing import apply_activation_checkpointing, checkpointed_chunks
+
+    cfg = tiny_cfg(activations_checkpoint_granularity="full", checkpoint_num_layers=n)
+    loss0, grads0, _ = _loss_and_grads(tiny_cfg(), checkpointed=False)
+    loss1, grads1, singles = _loss_and_grads(cfg, checkpointed=True)
+    assert singles == (["model.layers.3"] if n == 3 else [])
+    assert loss1 == loss0
+    for name, g in grads0.items():  # same parameter names (checkpoints stay compatible), same gradients
+        torch.testing.assert_close(grads1[name], g, rtol=0, atol=0, msg=name)
+    model = apply_activation_checkpointing(build_model(cfg, vocab_size=512), cfg)
+    assert checkpointed_chunks(model) == chunks
+    assert list(model.state_dict()) == list(build_model(cfg, vocab_size=512).state_dict())
+
+
+def test_hf_checkpoint_chunks_same_grads():
+    from nxdt.models import build_model
+    from nxdt.parallel.activation_checkpointing import apply_activation_checkpointing
+
+    grads = []
+    for keys in ({}, {"activations_checkpoint_granularity": "full", "checkpoint_num_layers": 2}):
+        cfg = tiny_cfg(**keys)
+        cfg.model_source, cfg.model.model_config, cfg.model.num_layers = "hf", "model_configs/tiny_llama", 2
+        torch.manual_seed(0)
+        model = apply_activation_checkpointing(build_model(cfg), cfg)
+        ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+        model(input_ids=ids).logits.float().pow(2).mean().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=0, atol=0, msg=name)
+
+
+class _LiveStorages(torch.utils._python_dispatch.TorchDispatchMode):
+    """Every storage an op creates, weakly: after the forward, the live ones are what autograd
+    (and checkpoints) keep for the backward, whoever holds them."""
+
+    def __init__(self):
+        super().__init__()
+        self.created = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                self.created.append((StorageWeakRef(st), st.data_ptr(), st.nbytes()))
+        return out
+
+    def live_bytes(self) -> int:
+        return sum({ptr: n for ref, ptr, n in self.created if not ref.expired()}.values())
+
+
+def test_checkpoint_chunks_keep_fewer_activations():
+    """Bytes alive between forward and backward: per-block checkpoints keep each block's input,
+    chunks of 2 only every other one; the backward still recomputes every block."""
+    from nxdt.models import build_model
+    from nxdt.parallel.activation_checkpointing import apply_activation_checkpointing
+
+    def held(**keys):
+        cfg = tiny_cfg(**keys)
+        model = apply_activation_checkpointing(build_model(cfg, vocab_size=512), cfg)
+        calls = []
+        model.model.layers[2].mlp.register_forward_pre_hook(lambda *a: calls.append(1))
+        ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(1))
+        with _LiveStorages() as mode:
+            loss = model(ids).logsumexp(-1).mean()
+        live = mode.live_bytes()
+        loss.backward()
+        return live, len(calls)
+
+    none, per_block, chunk2 = held(), held(activations_checkpoint_granularity="full"), held(
+        activations_checkpoint_granularity="full", checkpoint_num_layers=2)
+    hidden = 2 * 64 * 64 * 4  # one block input, [B, S, H] fp32
+    assert per_block[1] == chunk2[1] == 2 and none[1] == 1  # forward + recomputation
+    assert chunk2[0] < per_block[0] < none[0] / 2, (none, per_block, chunk2)
+    assert per_block[0] - chunk2[0] == 2 * hidden  # inputs of layers 1 and 3 no longer kept
+
+
 def test_selected_blocks_evenly_spaced():
     from nxdt.parallel.activation_checkpointing import selected_blocks
 
@@ -116,7 +203,16 @@ def test_bad_parallel_sizes_are_one_line_errors():
     assert "data.seq_length (128) must be divisible by 2 x distributed_strategy.context_parallel_size (256)" in error(
         "distributed_strategy.context_parallel_size=128", "trainer.devices=128", "data.global_batch_size=4",
         world_size=128)
-    assert "'model.checkpoint_num_layers' is not supported yet" in error("model.checkpoint_num_layers=2")
+
+
+def test_checkpoint_num_layers_bad_values_are_one_line_errors():
+    assert "model.checkpoint_num_layers: must be >= 1, got 0" in error("model.checkpoint_num_layers=0")
+    for keys in (["model.checkpoint_num_layers=2"],
+                 ["model.checkpoint_num_layers=2", "model.activations_checkpoint_granularity=selective"],
+                 ["model.checkpoint_num_layers=2", "model.activations_checkpoint_granularity=full",
+                  "model.selective_checkpointing=0.5"]):
+        assert error(*keys) == ("model.checkpoint_num_layers (2) needs model.activations_checkpoint_granularity="
+                                "full and no model.selective_checkpointing"), keys
 
 
 def test_parallel_keys_are_accepted():
@@ -126,6 +222,7 @@ def test_parallel_keys_are_accepted():
         load(f"distributed_strategy.sharding_strategy={strategy}", "distributed_strategy.cpu_offload=true",
              "distributed_strategy.meta_init=true", "model.activations_checkpoint_granularity=full",
              "model.selective_checkpointing=0.5")
+    load("model.activations_checkpoint_granularity=full", "model.checkpoint_num_layers=3")  # 3 does not divide 4: as NeoX
 
 
 def test_mesh_shape_for_hsdp_and_data_parallel_config():
@@ -170,6 +267,22 @@ def test_meta_init_allocates_shards_and_matches_unsharded_init(worker_results, l
     m = worker_results[f"meta_{layout}"]
     assert m["max_abs_diff"] == 0.0
     assert m["local_bytes"] < 0.6 * m["full_bytes"], m  # each rank holds about half
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, kinds", [("fsdp", ["DTensor"]), ("tp", ["DTensor", "Tensor"])])
+def test_grad_norm_of_sharded_grads_is_the_float64_norm(worker_results, layout, kinds):
+    """total_norm accumulates in float64 (per shard, then across ranks): the split over ranks no
+    longer shows (it did at ~1e-7..1e-5 relative in fp32)."""
+    n = worker_results[f"norm_{layout}"]
+    assert n["kinds"] == kinds and n["dtype"] == "torch.float64"
+    assert n["rel"] < 1e-12, n
+
+
+@pytest.mark.slow
+def test_checkpoint_chunks_under_fsdp_recompute_with_same_grads(worker_results):
+    r = worker_results["fsdp_chunk2"]
+    assert r == {"layer0_mlp_calls": 2, "max_grad_diff": 0.0}  # forward + recomputation; bitwise equal
 
 
 def _worker() -> None:  # pragma: no cover - runs under torchrun
@@ -235,6 +348,42 @@ def _worker() -> None:  # pragma: no cover - runs under torchrun
         local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * 4 for p in model.parameters())
         results[f"meta_{layout}"] = {"max_abs_diff": diff, "local_bytes": local,
                                      "full_bytes": sum(p.numel() * 4 for p in ref.parameters())}
+    # gradient norm of sharded gradients (FSDP: Shard(0) DTensors; tp: DTensors on the tp mesh mixed
+    # with plain norm weights) = the float64 norm of the same gradients gathered in one place
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from nxdt.parallel.tensor_parallel import total_norm
+
+    for layout, shape, keys in (("fsdp", MeshShape(dp_shard=2), {"sharding_strategy": "FSDP"}),
+                                ("tp", MeshShape(tp=2), {"tensor_model_parallel_size": 2})):
+        cfg = tiny_cfg()
+        cfg.distributed_strategy.update(keys)
+        torch.manual_seed(3)
+        model = parallelize_llama(build_model(cfg, V), build_mesh(shape, "cpu"), cfg)
+        ids = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(1))  # same batch on each rank
+        logits = model(ids)
+        with loss_parallel():
+            torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
+        grads = [p.grad for p in model.parameters()]
+        exact = torch.cat([full(g).double().flatten() for g in grads]).norm()
+        norm = total_norm(grads)
+        results[f"norm_{layout}"] = {"dtype": str(norm.dtype), "rel": abs(norm.item() / exact.item() - 1),
+                                     "kinds": sorted({type(g).__name__ for g in grads})}
+    # checkpoint_num_layers=2 under FSDP2: both blocks of a chunk run again in the backward, and
+    # the sharded gradients are those of the same FSDP model without checkpointing
+    chunk_grads, calls = [], []
+    for keys in ({}, {"activations_checkpoint_granularity": "full", "checkpoint_num_layers": 2}):
+        cfg = tiny_cfg(**keys)
+        cfg.distributed_strategy.sharding_strategy = "FSDP"
+        torch.manual_seed(3)
+        model = parallelize_llama(build_model(cfg, V), build_mesh(MeshShape(dp_shard=2), "cpu"), cfg)
+        calls.clear()
+        model.model.layers[0].mlp.register_forward_pre_hook(lambda *a: calls.append(1))
+        ids = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(rank))
+        torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten()).backward()
+        chunk_grads.append([p.grad.to_local() for p in model.parameters()])
+    results["fsdp_chunk2"] = {"layer0_mlp_calls": len(calls), "max_grad_diff": max(
+        (a - b).abs().max().item() for a, b in zip(*chunk_grads))}
     if rank == 0:
         Path(os.environ["NXDT_TEST_OUT"]).write_text(json.dumps(results))
     dist.destroy_process_group()

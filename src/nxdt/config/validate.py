@@ -41,8 +41,6 @@ def _gt1(v: Any) -> bool:
 NOT_SUPPORTED_YET: dict[str, Callable[[Any], bool]] = {
     "distributed_strategy.expert_model_parallel_size": _gt1,
     "model.moe.num_experts": lambda v: v is not None and v > 0,
-    # GPT-NeoX chunks of several layers per checkpoint (1 = each block, built)
-    "model.checkpoint_num_layers": _gt1,
     "model.transformer_block_type": lambda v: v != "pre_ln",
     "model_alignment_strategy": lambda v: v is not None and any(k != "sft" for k in v),  # sft is built
 }
@@ -457,6 +455,12 @@ def check_cross(cfg: Any, world_size: int | None = None) -> None:
     p = model.selective_checkpointing
     if p is not None and not 0 < p <= 1:
         raise ConfigError(f"model.selective_checkpointing: expected a fraction in (0, 1], got {p}")
+    n = model.checkpoint_num_layers
+    if n < 1:
+        raise ConfigError(f"model.checkpoint_num_layers: must be >= 1, got {n}")
+    if n > 1 and (model.activations_checkpoint_granularity != "full" or p is not None):  # chunks of whole blocks
+        raise ConfigError(f"model.checkpoint_num_layers ({n}) needs model.activations_checkpoint_granularity=full "
+                          "and no model.selective_checkpointing")
     moe = model.moe
     if moe.num_experts > 0 and not 1 <= moe.top_k <= moe.num_experts:
         raise ConfigError(f"model.moe.top_k ({moe.top_k}) must be between 1 and model.moe.num_experts ({moe.num_experts})")

@@ -216,7 +216,9 @@ def plan(cfg) -> dict[str, Any]:
     layers_here = sum(starts[s + 1] - starts[s] for s in ranks[worst])
     gran = cfg.model.activations_checkpoint_granularity
     if gran == "full":  # only block inputs kept, plus one layer's activations during its recompute
-        layer_elems = layers_here * block_input + per_layer
+        # checkpoint_num_layers N: one input per chunk of N, but N layers' activations in the recompute
+        chunk = min(max(int(cfg.model.get("checkpoint_num_layers") or 1), 1), max(layers_here, 1))
+        layer_elems = math.ceil(layers_here / chunk) * block_input + chunk * per_layer
     else:
         layer_elems = layers_here * per_layer
     act_elems = tokens * layer_elems + tokens * 2 * arch["head_dim"]  # + rotary cos/sin
