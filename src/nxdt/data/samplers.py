@@ -12,26 +12,9 @@ from __future__ import annotations
 import numpy as np
 
 
-def _check(total_samples, consumed_samples, local_batch_size, global_batch_size, dp_rank, dp_size):
-    if total_samples <= 0:
-        raise ValueError(f"no samples to draw from (total_samples={total_samples})")
-    if consumed_samples < 0:
-        raise ValueError(f"consumed_samples must be >= 0, got {consumed_samples}")
-    if dp_size < 1 or not 0 <= dp_rank < dp_size:
-        raise ValueError(f"dp_rank {dp_rank} out of range for dp_size {dp_size}")
-    if local_batch_size * dp_size != global_batch_size:
-        raise ValueError(
-            f"local batch {local_batch_size} x dp {dp_size} != global batch {global_batch_size}"
-        )
-
-
-class MegatronPretrainingBatchSampler:
-    """Sequential: global batch b is samples [b*gbs, (b+1)*gbs); rank r takes its contiguous slice.
-
-    Starts at `consumed_samples` (a multiple of global_batch_size when resuming at a step
-    boundary). With drop_last=False a final partial global batch is split the same way (ranks
-    past its end get a shorter, possibly empty, slice; empty slices are not yielded).
-    """
+class _MegatronSampler:
+    """The arguments both samplers take, checked and kept once (the cyclic sampler repeats the
+    signature only to keep `seed` in its positional place, before drop_last)."""
 
     def __init__(
         self,
@@ -43,7 +26,16 @@ class MegatronPretrainingBatchSampler:
         dp_size: int,
         drop_last: bool = True,
     ):
-        _check(total_samples, consumed_samples, local_batch_size, global_batch_size, dp_rank, dp_size)
+        if total_samples <= 0:
+            raise ValueError(f"no samples to draw from (total_samples={total_samples})")
+        if consumed_samples < 0:
+            raise ValueError(f"consumed_samples must be >= 0, got {consumed_samples}")
+        if dp_size < 1 or not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} out of range for dp_size {dp_size}")
+        if local_batch_size * dp_size != global_batch_size:
+            raise ValueError(
+                f"local batch {local_batch_size} x dp {dp_size} != global batch {global_batch_size}"
+            )
         self.total_samples = int(total_samples)
         self.consumed_samples = int(consumed_samples)
         self.local_batch_size = int(local_batch_size)
@@ -51,6 +43,16 @@ class MegatronPretrainingBatchSampler:
         self.dp_rank = int(dp_rank)
         self.dp_size = int(dp_size)
         self.drop_last = drop_last
+
+
+class MegatronPretrainingBatchSampler(_MegatronSampler):
+    """Sequential: global batch b is samples [b*gbs, (b+1)*gbs); rank r takes its contiguous slice.
+
+    Starts at `consumed_samples` (a multiple of global_batch_size when resuming at a step
+    boundary). With drop_last=False a final partial global batch is split the same way (ranks
+    past its end get a shorter, possibly empty, slice; empty slices are not yielded).
+    Takes exactly the common arguments (`_MegatronSampler.__init__`).
+    """
 
     def __len__(self) -> int:
         remaining = max(self.total_samples - self.consumed_samples, 0)
@@ -70,7 +72,7 @@ class MegatronPretrainingBatchSampler:
                 yield batch
 
 
-class MegatronPretrainingRandomBatchSampler:
+class MegatronPretrainingRandomBatchSampler(_MegatronSampler):
     """`dataloader_type: cyclic`: a seeded permutation of the samples per epoch.
 
     An epoch is `total_samples // global_batch_size` full global batches; epoch e uses
@@ -91,17 +93,12 @@ class MegatronPretrainingRandomBatchSampler:
         seed: int = 1234,
         drop_last: bool = True,
     ):
-        _check(total_samples, consumed_samples, local_batch_size, global_batch_size, dp_rank, dp_size)
+        # drop_last: partial batches never occur here, an epoch holds only full ones
+        super().__init__(total_samples, consumed_samples, local_batch_size, global_batch_size, dp_rank, dp_size,
+                         drop_last)
         if total_samples < global_batch_size:
             raise ValueError(f"total_samples {total_samples} < global batch {global_batch_size}")
-        self.total_samples = int(total_samples)
-        self.consumed_samples = int(consumed_samples)
-        self.local_batch_size = int(local_batch_size)
-        self.global_batch_size = int(global_batch_size)
-        self.dp_rank = int(dp_rank)
-        self.dp_size = int(dp_size)
         self.seed = int(seed)
-        self.drop_last = drop_last  # partial batches never occur: an epoch holds only full ones
         self.samples_per_epoch = (self.total_samples // self.global_batch_size) * self.global_batch_size
 
     def __len__(self) -> int:

@@ -25,7 +25,7 @@ starting at the LightningModule's `consumed_samples` when resuming.
 from __future__ import annotations
 
 import gzip
-import json
+import itertools
 import os
 import warnings
 
@@ -34,6 +34,7 @@ import torch
 
 from nxdt.config.errors import ConfigError
 from nxdt.data.common import NxdtDataModuleBase, cfg_get
+from nxdt.data.jsonl import iter_jsonl
 from nxdt.data.tokenizers import build_tokenizer
 
 SPLIT_KEYS = {"train": "train_dir", "validation": "val_dir", "test": "test_dir"}
@@ -63,15 +64,8 @@ def read_pairs(path: str, key: str, limit: int | None = None) -> list[tuple[str,
     if os.path.isfile(path) and path.endswith((".jsonl", ".jsonl.gz", ".json", ".json.gz")):
         opener = gzip.open if path.endswith(".gz") else open
         with opener(path, "rt", encoding="utf-8") as stream:
-            for lineno, line in enumerate(stream, start=1):
-                if limit is not None and len(pairs) >= limit:
-                    break
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise ConfigError(f"{path}:{lineno}: invalid JSON: {err.msg}") from None
+            # islice stops before reading the row after the limit (None: all rows)
+            for lineno, row in itertools.islice(iter_jsonl(stream, path), limit):
                 pairs.append(_check_row(row, f"{path}:{lineno}"))
     else:
         ds = _read_arrow(path, key)

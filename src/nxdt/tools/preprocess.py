@@ -28,6 +28,7 @@ import time
 from collections.abc import Iterator
 
 from nxdt.config.errors import ConfigError
+from nxdt.data.jsonl import iter_jsonl
 
 _CHUNK_DOCS = 64  # documents per tokenizer call / per worker task
 
@@ -81,15 +82,9 @@ def iter_documents(path: str, keys: list[str], text_mode: str = "paragraph") -> 
                 for i, row in enumerate(rows):
                     yield _row_texts(row, keys, f"{path}: item {i}")
                 return
-            for lineno, line in enumerate(stream, start=1):
-                if lineno == 1:
-                    line = first + line
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise ConfigError(f"{path}:{lineno}: invalid JSON: {err.msg}") from None
+            # the character read to tell a list from jsonl belongs to the first line
+            lines = (first + line if i == 0 else line for i, line in enumerate(stream))
+            for lineno, row in iter_jsonl(lines, path):
                 yield _row_texts(row, keys, f"{path}:{lineno}")
             return
         if text_mode == "file":
