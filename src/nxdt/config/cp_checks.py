@@ -27,7 +27,9 @@ def check_context_parallel(cfg: Any, layout: Layout) -> None:
         raise ConfigError(f"data.seq_length ({seq}) must be divisible by 2 x {key} ({2 * cp}): each cp rank "
                           "holds two chunks of every sequence (head-tail load balancing)")
     refused = {
-        "data.reset_attention_mask (document masks)": bool(get(cfg, "data.reset_attention_mask")),
+        # both restart positions at each document, which the model turns into document masks
+        "data.reset_position_ids / reset_attention_mask (document masks)":
+            bool(get(cfg, "data.reset_position_ids")) or bool(get(cfg, "data.reset_attention_mask")),
         "data.packing (document masks)": bool(get(cfg, "data.packing")),
         "model.attention_dropout > 0": (get(cfg, "model.attention_dropout") or 0) > 0,
         "model.sliding_window_size": get(cfg, "model.sliding_window_size") is not None,

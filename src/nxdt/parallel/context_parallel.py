@@ -23,7 +23,7 @@ The native Llama takes the ring through `CoreAttention.sdpa`; transformers' Llam
 attention-function registry (`AttentionInterface`, name "nxdt_ring").
 
 Limits (refused by the config validation): causal self-attention only — no document masks
-(`reset_attention_mask`, SFT packing), no attention dropout or sliding window, no pipeline.
+(`reset_position_ids` / `reset_attention_mask`, SFT packing), no attention dropout or sliding window.
 """
 
 from __future__ import annotations
