@@ -123,6 +123,8 @@ def test_not_supported_check_is_skippable():
     (["distributed_strategy.context_parallel_size=2", "data.reset_attention_mask=true"],
      "distributed_strategy.context_parallel_size > 1 with data.reset_position_ids / reset_attention_mask "
      "(document masks) is not supported yet (got distributed_strategy.context_parallel_size=2)"),
+    (["distributed_strategy.context_parallel_size=2", "+model_alignment_strategy={sft: {packing: true}}"],
+     "context_parallel_size > 1 with SFT packing (document masks) is not supported yet"),
     (["distributed_strategy.context_parallel_size=2", "data.reset_position_ids=true"],
      "context_parallel_size > 1 with data.reset_position_ids / reset_attention_mask (document masks)"),
     (["distributed_strategy.context_parallel_size=2", "model.attention_dropout=0.1"],

@@ -30,7 +30,8 @@ def check_context_parallel(cfg: Any, layout: Layout) -> None:
         # both restart positions at each document, which the model turns into document masks
         "data.reset_position_ids / reset_attention_mask (document masks)":
             bool(get(cfg, "data.reset_position_ids")) or bool(get(cfg, "data.reset_attention_mask")),
-        "data.packing (document masks)": bool(get(cfg, "data.packing")),
+        "SFT packing (document masks)": bool(get(cfg, "data.packing"))
+        or bool(get(cfg, "model_alignment_strategy.sft.packing")),
         "model.attention_dropout > 0": (get(cfg, "model.attention_dropout") or 0) > 0,
         "model.sliding_window_size": get(cfg, "model.sliding_window_size") is not None,
         "model.use_torch_compile": bool(get(cfg, "model.use_torch_compile")),
