@@ -67,6 +67,17 @@ def run_cli(args: list[str], nproc: int = 1, env: dict | None = None, timeout: i
     return subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=timeout, cwd=REPO)
 
 
+def run_worker(script: str, nproc: int, out_path: Path, out_env: str, timeout: int = 600):
+    """Run a test file's `__main__` worker under torchrun; it writes JSON results to `out_path`
+    (passed in the environment variable `out_env`). Returns the parsed results."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", out_env: str(out_path)}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc_per_node={nproc}", script], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(Path(out_path).read_text())
+
+
 def read_scalars(log_dir: Path) -> dict[str, dict[int, float]]:
     """All TensorBoard scalars under log_dir as {tag: {step: value}}."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
+from conftest import run_worker
 
 
 def _worker(out_path: str) -> None:
@@ -82,12 +79,7 @@ def _worker(out_path: str) -> None:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("cp") / "results.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "NXDT_CP_TEST_OUT": str(out)}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-                           __file__], capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    return run_worker(__file__, 4, tmp_path_factory.mktemp("cp") / "results.json", "NXDT_CP_TEST_OUT")
 
 
 @pytest.mark.slow

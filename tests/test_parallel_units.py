@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from omegaconf import OmegaConf
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
+from conftest import run_worker  # noqa: E402
 from test_config import error, load  # noqa: E402
 
 
@@ -243,12 +243,7 @@ def test_mesh_shape_for_hsdp_and_data_parallel_config():
 # ----------------------------------------------------------------------------- torchrun: ZeRO-1 bytes, meta init
 @pytest.fixture(scope="module")
 def worker_results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("worker") / "results.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "NXDT_TEST_OUT": str(out)}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           __file__], capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    return run_worker(__file__, 2, tmp_path_factory.mktemp("worker") / "results.json", "NXDT_TEST_OUT")
 
 
 @pytest.mark.slow
