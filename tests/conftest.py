@@ -78,6 +78,18 @@ def run_worker(script: str, nproc: int, out_path: Path, out_env: str, timeout: i
     return json.loads(Path(out_path).read_text())
 
 
+def train_and_read(args: list[str], log_dir: Path, nproc: int = 1):
+    """Run examples/train.py (logging to `log_dir`), require success; (process, scalars)."""
+    proc = run_cli(args, nproc=nproc)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc, read_scalars(log_dir)
+
+
+def curve(scalars: dict[str, dict[int, float]], tag: str = "reduced_train_loss") -> list[float]:
+    """One logged scalar's values in step order."""
+    return [v for _, v in sorted(scalars[tag].items())]
+
+
 def read_scalars(log_dir: Path) -> dict[str, dict[int, float]]:
     """All TensorBoard scalars under log_dir as {tag: {step: value}}."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -8,7 +8,8 @@ features that cannot change the loss ride along on a layout (activation checkpoi
 from __future__ import annotations
 
 import pytest
-from conftest import TINY_OVERRIDES, read_scalars, run_cli
+from conftest import TINY_OVERRIDES, train_and_read
+from conftest import curve as _curve
 
 STEPS = 10
 HF = ["model_source=hf", "model.model_config=${nxdt_conf:model_configs/tiny_llama/config.json}"]
@@ -25,13 +26,7 @@ def _args(prefix: str, log_dir, devices: int, extra=()) -> list[str]:
 
 def _train(prefix, tmp_path_factory, name: str, nproc: int, extra=()):
     log_dir = tmp_path_factory.mktemp(name)
-    proc = run_cli(_args(prefix, log_dir, nproc, extra), nproc=nproc)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc, read_scalars(log_dir)
-
-
-def _curve(scalars, tag="reduced_train_loss") -> list[float]:
-    return [v for _, v in sorted(scalars[tag].items())]
+    return train_and_read(_args(prefix, log_dir, nproc, extra), log_dir, nproc)
 
 
 @pytest.fixture(scope="module")
@@ -114,10 +109,9 @@ def test_cp2_dp2_zero1_checkpoint_resumes_in_one_process(reference, kjv_prefix, 
     ckpt = ["exp_manager.create_checkpoint_callback=true", "exp_manager.checkpoint_callback_params.save_top_k=-1",
             "exp_manager.checkpoint_callback_params.every_n_train_steps=5"]
     log_dir = tmp_path_factory.mktemp("cp2_dp2_zero1")
-    proc = run_cli(_args(kjv_prefix, log_dir, 4, [f"{CP}=2", "distributed_strategy.zero1=true", *ckpt]), nproc=4)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc, cp_scalars = train_and_read(_args(kjv_prefix, log_dir, 4, [f"{CP}=2", "distributed_strategy.zero1=true",
+                                                                     *ckpt]), log_dir, 4)
     assert "dp=2  tp=1  pp=1  cp=2" in proc.stdout
-    cp_scalars = read_scalars(log_dir)
     _assert_same(reference, cp_scalars, "cp2 x dp2 zero1")
 
     step5 = next((log_dir / "checkpoints").glob("*step=5-*"))

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_OVERRIDES, read_scalars, run_cli
+from conftest import TINY_OVERRIDES, run_cli, train_and_read
+from conftest import curve as _curve
 from omegaconf import OmegaConf
 
 from nxdt.config.errors import ConfigError
@@ -109,13 +110,7 @@ def _train_args(prefix: str, log_dir, devices: int, extra=()) -> list[str]:
 
 def _launch(prefix, tmp_path_factory, name, nproc, extra=()):
     log_dir = tmp_path_factory.mktemp(name)
-    proc = run_cli(_train_args(prefix, log_dir, nproc, extra), nproc=nproc)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc, read_scalars(log_dir)
-
-
-def _curve(scalars, tag="reduced_train_loss") -> list[float]:
-    return [v for _, v in sorted(scalars[tag].items())]
+    return train_and_read(_train_args(prefix, log_dir, nproc, extra), log_dir, nproc)
 
 
 def _assert_same_run(reference, run, norm_rtol=TOL):

@@ -10,6 +10,7 @@ import math
 
 import pytest
 from conftest import TINY_OVERRIDES, read_scalars, run_cli
+from conftest import curve as _curve
 
 STEPS = 6
 
@@ -44,10 +45,6 @@ def dp2_run(kjv_prefix, tmp_path_factory):
     proc = run_cli(_train_args(kjv_prefix, log_dir, devices=2), nproc=2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc, read_scalars(log_dir), log_dir
-
-
-def _curve(scalars, tag="reduced_train_loss") -> list[float]:
-    return [v for _, v in sorted(scalars[tag].items())]
 
 
 def test_single_process_trains_and_logs_every_metric(single_run):
