@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=2 python benchmarks/checkpoint.py [--hidden 512 --layers 8 --repeats 3]
 
 A native Llama with AdamW state (one optimizer step taken) is saved through
-`nxdt.exp.checkpoint.Checkpointer` — the code path training uses — in one process. "blocked" is
+`nxdt.checkpoint.checkpointer.Checkpointer` — the code path training uses — in one process. "blocked" is
 the time `save()` holds the caller: the whole write when synchronous; staging the tensors to
 CPU memory and starting the writer thread when asynchronous. "total" for async is until the
 checkpoint is complete (marker written, renamed), measured while training steps keep running.
@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from nxdt.exp.checkpoint import Checkpointer  # noqa: E402
+from nxdt.checkpoint.checkpointer import Checkpointer  # noqa: E402
 from nxdt.models.llama import LlamaArgs, NxdtLlamaForCausalLM  # noqa: E402
 
 

@@ -8,7 +8,7 @@
 It is not a test. Each preset trains the same Llama (the engineering-notes reference model:
 vocab 8192, hidden 256, 6 layers, 8/4 heads, ffn 704, seq 256, micro batch 8, 2 threads; two
 micro-batches per step so gradient accumulation is exercised) on the same random batches
-through `nxdt.training.precision.reference_step` — the call points of the Lightning step, without
+through `nxdt.precision.precision.reference_step` — the call points of the Lightning step, without
 Lightning — in its own subprocess (clean allocator and thread pool), presets interleaved and
 rotated per repeat; the medians are printed.
 
@@ -57,7 +57,7 @@ def worker(preset: str, model_args: list[str], steps: int, warmup: int) -> None:
     from nxdt.models import build_model, logits_of
     from nxdt.training.module import masked_token_loss
     from nxdt.training.optimizers import build_optimizer
-    from nxdt.training.precision import Precision, reference_step
+    from nxdt.precision.precision import Precision, reference_step
 
     cfg = load_config(["--config-name", "tiny_llama_cpu", *model_args, "trainer.devices=1", *PRESETS[preset]],
                       world_size=1, check_paths=False, quiet=True)

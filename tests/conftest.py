@@ -110,7 +110,7 @@ def tensor_bytes(checkpoint: Path) -> dict[str, int]:
 
     import torch
 
-    from nxdt.exp.checkpoint_state import read_dcp_metadata
+    from nxdt.checkpoint.state import read_dcp_metadata
 
     out = {"model.": 0, "master.": 0, "optim0.": 0}
     for key, md in read_dcp_metadata(Path(checkpoint)).state_dict_metadata.items():

@@ -156,7 +156,7 @@ def test_reshard_dp2_to_dp1_then_bf16_without_masters(reference, kjv_prefix, tmp
 
 def _file_bytes(path: Path, prefix: str) -> int:
     """Bytes the shard files spend on the tensors under `prefix`."""
-    from nxdt.exp.checkpoint_state import read_dcp_metadata
+    from nxdt.checkpoint.state import read_dcp_metadata
 
     return sum(info.length for index, info in read_dcp_metadata(path).storage_data.items() if index.fqn.startswith(prefix))
 

@@ -11,7 +11,7 @@ import torch
 from conftest import TOKENIZER_DIR
 from omegaconf import OmegaConf
 
-from nxdt.exp.checkpoint import load_weights, save_weights
+from nxdt.checkpoint.checkpointer import load_weights, save_weights
 from nxdt.models import build_model, logits_of
 from nxdt.tools.convert import hf_to_nxdt, nxdt_to_hf, parse_size
 

@@ -15,15 +15,12 @@ import torch
 from omegaconf import OmegaConf
 
 from nxdt.config.errors import ConfigError
-from nxdt.exp import checkpoint as ck
-from nxdt.exp import checkpoint_state as ck_state
-from nxdt.exp.exp_manager import (
-    NxdtCheckpoint,
-    complete_checkpoints,
-    find_resume_checkpoint,
-    format_checkpoint_name,
-    resolve_dirs,
-)
+from nxdt.checkpoint import checkpointer as ck
+from nxdt.checkpoint import state as ck_state
+from nxdt.checkpoint.callbacks import NxdtCheckpoint
+from nxdt.checkpoint.resume import find_resume_checkpoint
+from nxdt.checkpoint.retention import complete_checkpoints, format_checkpoint_name
+from nxdt.exp.exp_manager import resolve_dirs
 
 
 def _cfg(**exp):
@@ -226,7 +223,7 @@ def test_top_k_by_train_metric_max_and_missing_metric(tmp_path, capsys):
 
 
 def test_top_k_keeps_nan_last_and_async_scores_land_in_the_tmp_dir(tmp_path):
-    from nxdt.exp.checkpoint_topk import read_score, to_keep, write_score
+    from nxdt.checkpoint.retention import read_score, to_keep, write_score
 
     paths = [_weights(tmp_path, f"c--step={s}", s) for s in (1, 2, 3)]
     for path, value in zip(paths, (float("nan"), 1.0, 2.0)):
@@ -242,24 +239,24 @@ def test_top_k_keeps_nan_last_and_async_scores_land_in_the_tmp_dir(tmp_path):
 
 
 def test_monitor_and_mode_config_checks():
-    from nxdt.exp.exp_manager import check_exp_keys
+    from nxdt.checkpoint.callbacks import check_checkpoint_params
 
     def cfg(**params):
         base = {"monitor": "step", "mode": "max", "filename": "x--{step}"}
-        return OmegaConf.create({"exp_manager": {"checkpoint_callback_params": {**base, **params}}})
+        return OmegaConf.create({**base, **params})
 
-    check_exp_keys(cfg(monitor="val_loss", mode="min", filename="x--{step}-{val_loss:.3f}"))
+    check_checkpoint_params(cfg(monitor="val_loss", mode="min", filename="x--{step}-{val_loss:.3f}"))
     with pytest.raises(ConfigError, match="'min' with monitor 'step' would keep the oldest checkpoints"):
-        check_exp_keys(cfg(mode="min"))
+        check_checkpoint_params(cfg(mode="min"))
     with pytest.raises(ConfigError, match=r"filename: unknown field '\{val_loss\}'"):
-        check_exp_keys(cfg(monitor="reduced_train_loss", filename="x--{val_loss}"))
+        check_checkpoint_params(cfg(monitor="reduced_train_loss", filename="x--{val_loss}"))
     with pytest.raises(ConfigError, match="monitor: 'val loss' is not a metric name"):
-        check_exp_keys(cfg(monitor="val loss"))
+        check_checkpoint_params(cfg(monitor="val loss"))
 
 
 # --------------------------------------------------------------------------- save_bf16, master weights, RNG
 def test_save_bf16_halves_model_bytes_and_keeps_masters():
-    from nxdt.exp.checkpoint_dtype import model_keys_for_export, weights_for_load, weights_for_save
+    from nxdt.checkpoint.dtype import model_keys_for_export, weights_for_load, weights_for_save
 
     w = torch.randn(64, 32) * 1e-3 + 1.0  # values bf16 cannot hold
     tensors = {"model.w": w, "optim0.state.w.exp_avg": torch.ones(64, 32)}
@@ -303,7 +300,7 @@ def test_bf16_params_with_fp32_optimizer_masters_round_trip_exactly(tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from nxdt.exp.checkpoint_dtype import weights_for_load, weights_for_save
+    from nxdt.checkpoint.dtype import weights_for_load, weights_for_save
     from nxdt.training.optimizers import AdamWFP32OptState
 
     def make():

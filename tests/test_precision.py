@@ -1,6 +1,6 @@
 """Precision presets, stochastic rounding, fp16 loss scaling and the NaN/inf guard.
 
-The preset curves drive nxdt.training.precision's object through `reference_step` (the same
+The preset curves drive nxdt.precision.precision's object through `reference_step` (the same
 call points as NxdtLightningModule's step) on a tiny Llama in-process; one end-to-end run of
 examples/train.py proves the wiring into the Lightning module.
 """
@@ -17,9 +17,9 @@ from nxdt.config import ConfigError, apply_env, load_config
 from nxdt.models import build_model, logits_of
 from nxdt.training.module import masked_token_loss
 from nxdt.training.optimizers import build_optimizer
-from nxdt.training.precision import (DynamicLossScaler, NumericalInstabilityError, Precision, reference_step,
+from nxdt.precision.precision import (DynamicLossScaler, NumericalInstabilityError, Precision, reference_step,
                                      settings_from_cfg)
-from nxdt.training.stochastic_rounding import round_to, stochastic_round_to_bf16
+from nxdt.precision.stochastic_rounding import round_to, stochastic_round_to_bf16
 
 VOCAB = 256
 STEPS = 100
@@ -339,7 +339,7 @@ def test_xla_dispatch_and_precision_on_xla(monkeypatch):
     import sys
     import types
 
-    from nxdt.training import xla
+    from nxdt import device as xla
 
     cfg = make_cfg()
     assert xla.use_xla(make_cfg("trainer.accelerator=xla"), environ={})

@@ -23,7 +23,7 @@ from nxdt.models import build_model
 from nxdt.parallel.mesh import MeshShape, build_mesh
 from nxdt.parallel.tensor_parallel import clip_grads_with_norm_, total_norm
 from nxdt.training.optimizers import build_optimizer
-from nxdt.training.precision import Precision
+from nxdt.precision.precision import Precision
 
 # the presets' tolerance on |loss - reference loss| (test_precision.PRESETS, docs/precision.md)
 TOL = 0.05
@@ -117,7 +117,7 @@ def _sr_unit_worker(rank: int, world: int) -> dict:
     """A Linear sharded by FSDP2 whose fp32 master weights sit between two bf16 values."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from nxdt.training.sr_fsdp import SRState, StochasticRoundingShard, wrap_for_stochastic_rounding
+    from nxdt.precision.sr_fsdp import SRState, StochasticRoundingShard, wrap_for_stochastic_rounding
 
     out = {}
     for sr in (True, False):
@@ -193,7 +193,7 @@ def _fsdp_sr_curve_worker(rank: int, world: int) -> dict:
     on its own rank, the model sharded by FSDP2 through nxdt's parallelize_llama."""
     from nxdt.parallel.parallelize import parallelize_llama
     from nxdt.training.schedulers import build_scheduler
-    from nxdt.training.sr_fsdp import StochasticRoundingShard
+    from nxdt.precision.sr_fsdp import StochasticRoundingShard
 
     cfg = _cfg("precision.type=mixed_precisionSR", "distributed_strategy.sharding_strategy=FSDP", "model.optim.lr=3e-3")
     torch.manual_seed(0)

@@ -28,10 +28,10 @@ def main(ptype: str, steps: int, ckpt_dir: str | None) -> None:
     import torch
 
     from nxdt.models import build_model, logits_of
-    from nxdt.training import xla
+    from nxdt import device as xla
     from nxdt.training.module import masked_token_loss
     from nxdt.training.optimizers import build_optimizer
-    from nxdt.training.precision import Precision, reference_step
+    from nxdt.precision.precision import Precision, reference_step
 
     device = xla.xla_device()
     torch.manual_seed(0)

@@ -378,7 +378,7 @@ def _prefix_paths(value: Any, path: str) -> list[str]:
 
 
 def _runs_on_xla(cfg: Any) -> bool:
-    """The run goes through torch-xla (the same rule as nxdt.training.xla.use_xla, without importing it)."""
+    """The run goes through torch-xla (the same rule as nxdt.device.use_xla, without importing it)."""
     import importlib.util
 
     from nxdt.config.env import detect_xla

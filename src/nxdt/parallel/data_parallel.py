@@ -25,6 +25,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from nxdt.parallel.mesh import sharding_strategy_of, submesh
+from nxdt.precision.precision import fsdp_mixed_precision_policy, stochastic_master_weights
 
 SHARD = {"fsdp", "full-shard", "full_shard"}
 GRAD_SHARD = {"grad-shard", "grad_shard"}
@@ -44,7 +45,7 @@ class DataParallelConfig:
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state on the CPU (CPUOffloadPolicy)."""
     stochastic_rounding: bool = False
-    """mixed_precisionSR: the bf16 all-gather copy is stochastically rounded (nxdt.training.sr_fsdp)."""
+    """mixed_precisionSR: the bf16 all-gather copy is stochastically rounded (nxdt.precision.sr_fsdp)."""
 
 
 def data_parallel_config(cfg) -> DataParallelConfig:
@@ -54,26 +55,10 @@ def data_parallel_config(cfg) -> DataParallelConfig:
     return DataParallelConfig(
         mode="shard" if shard else "replicate",
         reshard_after_forward=not (strategy in GRAD_SHARD or strategy == "hybrid-grad-shard"),
-        mp_policy=mixed_precision_policy(cfg.precision) if shard else None,
+        mp_policy=fsdp_mixed_precision_policy(cfg.precision) if shard else None,
         cpu_offload=bool(ds.get("cpu_offload")),
-        stochastic_rounding=shard and _stochastic_master(cfg.precision),
+        stochastic_rounding=shard and stochastic_master_weights(cfg.precision),
     )
-
-
-def mixed_precision_policy(precision_cfg):
-    """FSDP2 MixedPrecisionPolicy for `cfg.precision` (the Precision object's, so fp16 all-gathers
-    fp16): bf16/fp16 compute copies with fp32 gradient reduction for the master-weight presets,
-    fp32 reduction for bf16SR; None for fp32 / autocast."""
-    from nxdt.training.precision import Precision, settings_from_cfg
-
-    return Precision(settings_from_cfg(precision_cfg)).fsdp_mp_policy()
-
-
-def _stochastic_master(precision_cfg) -> bool:
-    from nxdt.training.precision import settings_from_cfg
-
-    s = settings_from_cfg(precision_cfg)
-    return s.mode == "master" and s.stochastic
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
@@ -122,7 +107,7 @@ def _fully_shard(model: nn.Module, mesh: DeviceMesh, dp_cfg: DataParallelConfig)
         offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if dp_cfg.cpu_offload else OffloadPolicy(),
     )
     if dp_cfg.stochastic_rounding:  # before fully_shard: FSDP shards (and keeps) the subclass
-        from nxdt.training.sr_fsdp import SRState, wrap_for_stochastic_rounding
+        from nxdt.precision.sr_fsdp import SRState, wrap_for_stochastic_rounding
 
         wrap_for_stochastic_rounding(model, SRState())  # Precision.attach seeds and steps it
     blocks = transformer_blocks(model)

@@ -73,7 +73,7 @@ def copy_tokenizer(src: Path | None, dst: Path) -> list[str]:
 
 
 def hf_to_nxdt(input_dir: Path, output: Path) -> None:
-    from nxdt.exp.checkpoint import save_weights
+    from nxdt.checkpoint.checkpointer import save_weights
 
     config_file = input_dir / "config.json"
     if not config_file.is_file():
@@ -90,7 +90,7 @@ def hf_to_nxdt(input_dir: Path, output: Path) -> None:
 
 # --------------------------------------------------------------------------- nxdt checkpoint
 def hf_config_for(ckpt: Path, tensors: dict[str, Any]) -> dict[str, Any]:
-    from nxdt.exp.checkpoint_state import META, read_json
+    from nxdt.checkpoint.state import META, read_json
 
     meta = read_json(ckpt / META)
     if meta.get("hf_config"):
@@ -154,7 +154,7 @@ def write_safetensors(tensors: dict[str, Any], output: Path, max_shard_bytes: in
 def nxdt_to_hf(ckpt: Path, output: Path, max_shard_bytes: int, dtype: str | None = None) -> None:
     import torch
 
-    from nxdt.exp.checkpoint import load_weights
+    from nxdt.checkpoint.checkpointer import load_weights
 
     tensors = load_weights(ckpt)
     config = hf_config_for(ckpt, tensors)

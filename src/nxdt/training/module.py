@@ -30,8 +30,9 @@ from nxdt.parallel.context_parallel import global_token_count, shard_sequence
 from nxdt.parallel.parallelize import parallelize_llama, set_gradient_sync
 from nxdt.parallel.tensor_parallel import clip_grads_with_norm_, is_vocab_parallel, loss_parallel, total_norm
 from nxdt.training.optimizers import build_optimizer, param_groups, resolve_optimizer
-from nxdt.training.precision import Precision
-from nxdt.training.xla import step_logger, use_xla
+from nxdt.precision.precision import Precision
+from nxdt.device import use_xla
+from nxdt.training.xla import step_logger
 from nxdt.training.schedulers import build_scheduler
 
 
@@ -169,7 +170,7 @@ class NxdtLightningModule(pl.LightningModule):
         """Clip by the global gradient norm, step optimizer and scheduler; returns (grad norm, lr used).
 
         A non-finite loss or gradient norm (or an fp16 overflow) skips the update and the
-        scheduler step, or stops the run (precision.on_nonfinite); see nxdt.training.precision.
+        scheduler step, or stops the run (precision.on_nonfinite); see nxdt.precision.precision.
         """
         self.precision.finish_grads(self.model)  # fp32 master weights and fp32, unscaled grads
         params = [p for p in self.model.parameters() if p.grad is not None]

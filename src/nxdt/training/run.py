@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     inert = apply_env(cfg)
     if inert and _global_rank() == 0:
         print(f"note: Neuron-only keys have no effect on this device: {', '.join(inert)}", file=sys.stderr)
-    from nxdt.training.precision import NumericalInstabilityError
+    from nxdt.precision.precision import NumericalInstabilityError
 
     try:
         train(cfg)
@@ -112,7 +112,8 @@ def train(cfg):
     import lightning.pytorch as pl
 
     from nxdt.config.layout import compute_layout
-    from nxdt.exp.exp_manager import setup_exp_manager
+    from nxdt.checkpoint.resume import setup_checkpointing
+    from nxdt.exp.exp_manager import resolve_dirs, setup_exp_manager
     from nxdt.parallel.mesh import mesh_shape_from_layout, sharding_strategy_of
     from nxdt.training.callbacks import RunSummary, StepProgressBar, ThroughputMonitor
     from nxdt.training.module import NxdtLightningModule
@@ -126,15 +127,17 @@ def train(cfg):
     )
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
 
-    dirs, loggers, callbacks = setup_exp_manager(cfg, _global_rank())
+    dirs = resolve_dirs(cfg)
+    resume, callbacks = setup_checkpointing(cfg, dirs)  # may refuse: before anything is written
+    loggers = setup_exp_manager(cfg, dirs, _global_rank())
     callbacks += [ThroughputMonitor(layout.tokens_per_step), RunSummary(cfg, layout, str(dirs.log_dir))]
     if cfg.trainer.get("enable_progress_bar", True):
         callbacks.append(StepProgressBar())
     trainer = build_trainer(cfg, layout, mesh_shape, loggers, callbacks)
     datamodule = build_datamodule(cfg, trainer)
     module = NxdtLightningModule(cfg, layout, vocab_size=datamodule.vocab_size)
-    resume = None if dirs.weights_only else dirs.resume_path  # weights only: ResumeHelper loads them
-    trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume) if resume else None)
+    ckpt_path = resume.full_resume  # weights only: ResumeHelper loads them
+    trainer.fit(module, datamodule=datamodule, ckpt_path=str(ckpt_path) if ckpt_path else None)
     if trainer.is_global_zero:
         final = {k: float(v) for k, v in trainer.callback_metrics.items() if k in ("reduced_train_loss", "val_loss")}
         if final:

@@ -57,11 +57,11 @@ class NxdtStrategy(ModelParallelStrategy):
     def dp_size(self) -> int:
         return dp_rank_and_size(self.device_mesh)[1]
 
-    # ---- checkpoints: written and read by nxdt.exp.checkpoint (sharded DCP, atomic, maybe async) ----
+    # ---- checkpoints: written and read by nxdt.checkpoint.checkpointer (sharded DCP, atomic, maybe async) ----
     @property
     def checkpointer(self):
         if getattr(self, "_checkpointer", None) is None:
-            from nxdt.exp.checkpoint import Checkpointer, use_xser
+            from nxdt.checkpoint.checkpointer import Checkpointer, use_xser
 
             exp = self.lightning_module.cfg.exp_manager
             self._checkpointer = Checkpointer(bool(exp.async_checkpointing),
@@ -69,7 +69,7 @@ class NxdtStrategy(ModelParallelStrategy):
         return self._checkpointer
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return {}  # model and optimizer tensors are collected by nxdt.exp.checkpoint
+        return {}  # model and optimizer tensors are collected by nxdt.checkpoint.checkpointer
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         return {}
@@ -78,7 +78,7 @@ class NxdtStrategy(ModelParallelStrategy):
         self.checkpointer.save(self, checkpoint, Path(filepath), self.lightning_module.cfg)
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        from nxdt.exp.checkpoint import batches_done_in_epoch, load_checkpoint
+        from nxdt.checkpoint.checkpointer import batches_done_in_epoch, load_checkpoint
 
         path = Path(self.broadcast(str(checkpoint_path)))
         state = load_checkpoint(self, path, self.lightning_module.cfg)
@@ -90,7 +90,7 @@ class NxdtStrategy(ModelParallelStrategy):
         # counts the epoch's batches from its start: make the two agree (see ResumedLoader).
         skip = getattr(self, "_resume_skip", 0)
         if skip and not self.lightning_module.trainer.sanity_checking:
-            from nxdt.exp.checkpoint import ResumedLoader
+            from nxdt.checkpoint.checkpointer import ResumedLoader
 
             self._resume_skip = 0
             return ResumedLoader(dataloader, skip)

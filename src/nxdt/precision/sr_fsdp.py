@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from nxdt.training.stochastic_rounding import stochastic_round_to_bf16
+from nxdt.precision.stochastic_rounding import stochastic_round_to_bf16
 
 
 @dataclass

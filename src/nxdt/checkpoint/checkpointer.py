@@ -37,8 +37,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 
 from nxdt.config.errors import ConfigError
-from nxdt.exp.checkpoint_dtype import flags, model_keys_for_export, weights_for_load, weights_for_save
-from nxdt.exp.checkpoint_state import (
+from nxdt.checkpoint.dtype import flags, model_keys_for_export, weights_for_load, weights_for_save
+from nxdt.checkpoint.state import (
     MARKER,
     META,
     SafeReader,

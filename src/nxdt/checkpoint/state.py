@@ -1,7 +1,7 @@
 """What a checkpoint holds, and reading it without unpickling: JSON for non-tensor state, RNG
 states, the layout-independent model + optimizer state (pipeline stages merged by original
 names, ZeRO-1 shards keyed like a plain optimizer), and DCP's `.metadata` through a restricted
-unpickler. `nxdt.exp.checkpoint` writes and reads checkpoint directories with these.
+unpickler. `nxdt.checkpoint.checkpointer` writes and reads checkpoint directories with these.
 """
 
 from __future__ import annotations

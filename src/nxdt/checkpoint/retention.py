@@ -21,11 +21,16 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import warnings
 from pathlib import Path
+from typing import Any
 
-from nxdt.exp.checkpoint_state import write_json
+from nxdt.checkpoint.state import write_json
+from nxdt.config.errors import ConfigError
 
 SCORE = "monitor.json"
+LAST = "last"
 
 
 def is_validation_metric(name: str) -> bool:
@@ -35,7 +40,7 @@ def is_validation_metric(name: str) -> bool:
 def write_score(path: Path, monitor: str, value: float, step: int) -> bool:
     """Record `value` for the checkpoint at `path` (or its `.tmp-` directory while an async save
     is in flight: the file then moves with the rename). False when neither exists any more."""
-    from nxdt.exp.checkpoint import TMP_PREFIX
+    from nxdt.checkpoint.checkpointer import TMP_PREFIX
 
     for target in (path, path.parent / f"{TMP_PREFIX}{path.name}"):
         if target.is_dir():
@@ -72,3 +77,53 @@ def to_keep(found: list[tuple[int, Path]], save_top_k: int, monitor: str | None,
             scored.append(((bad, value if mode == "min" else -value, -step) if not bad else (bad, 0.0, -step), path))
     best = [p for _, p in sorted(scored, key=lambda sp: sp[0])[:save_top_k]]
     return {newest, *best}
+
+
+# --------------------------------------------------------------------------- names and listing
+_FIELD = re.compile(r"\{(\w+)(:[^}]*)?\}")
+
+
+def format_checkpoint_name(template: str, **values: Any) -> str:
+    """`megatron_llama--{step}-{consumed_samples}` → `megatron_llama--step=200-consumed_samples=204800.0`."""
+
+    def fill(match: re.Match) -> str:
+        key, spec = match.group(1), match.group(2) or ""
+        if key not in values:
+            raise ConfigError(
+                f"exp_manager.checkpoint_callback_params.filename: unknown field '{{{key}}}' "
+                f"(known: {', '.join('{' + k + '}' for k in values)})"
+            )
+        return f"{key}=" + format(values[key], spec[1:])
+
+    name = _FIELD.sub(fill, template)
+    if "/" in name or name.startswith(".") or name == LAST:
+        raise ConfigError(f"exp_manager.checkpoint_callback_params.filename: '{template}' gives an invalid name '{name}'")
+    return name
+
+
+def list_checkpoints(checkpoint_dir: Path) -> list[Path]:
+    """Checkpoint directories (complete or not), without temporaries and the `last` link."""
+    if not checkpoint_dir.is_dir():
+        return []
+    return sorted(p for p in checkpoint_dir.iterdir()
+                  if p.is_dir() and not p.is_symlink() and not p.name.startswith("."))
+
+
+def complete_checkpoints(checkpoint_dir: Path, warn: bool = True) -> list[tuple[int, Path]]:
+    """(step, path) of every complete, readable checkpoint, oldest first. Others are skipped with
+    a warning and left in place."""
+    from nxdt.checkpoint.checkpointer import TMP_PREFIX, validate_checkpoint
+
+    found = []
+    for path in list_checkpoints(checkpoint_dir):
+        try:
+            meta = validate_checkpoint(path)
+        except ConfigError as err:
+            if warn:
+                warnings.warn(f"skipping checkpoint {path.name}: {err}", stacklevel=2)
+            continue
+        found.append((int(meta.get("step", 0)), path))
+    if warn and checkpoint_dir.is_dir():
+        for tmp in checkpoint_dir.glob(f"{TMP_PREFIX}*"):
+            warnings.warn(f"skipping {tmp.name}: a save that did not finish (left in place)", stacklevel=2)
+    return sorted(found, key=lambda sp: (sp[0], sp[1].stat().st_mtime))

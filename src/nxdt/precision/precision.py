@@ -27,7 +27,7 @@ Modes (what the presets mean on CPU/CUDA; on XLA the env vars of nxdt.config.env
 the fp32 masters back for clipping, the optimizer step and checkpoints. A model wrapped by FSDP2
 (`fully_shard` / `replicate`) owns its parameter storage: there the wrapper casts
 (`fsdp_mp_policy()`: param bf16, reduce fp32, fp32 accumulation without sync; for
-mixed_precisionSR `nxdt.training.sr_fsdp` makes that cast stochastic) and this object only adds
+mixed_precisionSR `nxdt.precision.sr_fsdp` makes that cast stochastic) and this object only adds
 `torch.autocast` around the forward.
 """
 
@@ -45,8 +45,8 @@ from torch import nn
 
 from nxdt.config.env import normalize_precision
 from nxdt.config.errors import ConfigError
-from nxdt.training.overflow import all_ranks_finite
-from nxdt.training.stochastic_rounding import round_to
+from nxdt.precision.overflow import all_ranks_finite
+from nxdt.precision.stochastic_rounding import round_to
 
 log = logging.getLogger(__name__)
 
@@ -148,9 +148,17 @@ def settings_from_cfg(pcfg: Any) -> PrecisionSettings:
     raise ConfigError(f"precision.type: unknown preset '{ptype}'")
 
 
-def fsdp_mp_policy(cfg: Any):
-    """The FSDP2 MixedPrecisionPolicy for `cfg.precision` (None: leave dtypes alone). See Precision.fsdp_mp_policy."""
-    return Precision.from_cfg(cfg).fsdp_mp_policy()
+def fsdp_mixed_precision_policy(precision_cfg: Any):
+    """The FSDP2 MixedPrecisionPolicy for `cfg.precision` (the Precision object's, so fp16 all-gathers
+    fp16): bf16/fp16 compute copies with fp32 gradient reduction for the master-weight presets,
+    fp32 reduction for bf16SR; None for fp32 / autocast."""
+    return Precision(settings_from_cfg(precision_cfg)).fsdp_mp_policy()
+
+
+def stochastic_master_weights(precision_cfg: Any) -> bool:
+    """mixed_precisionSR (or manual with master weights and SR): the bf16 copies are rounded stochastically."""
+    s = settings_from_cfg(precision_cfg)
+    return s.mode == "master" and s.stochastic
 
 
 # --------------------------------------------------------------------------- the object
@@ -182,7 +190,7 @@ class Precision:
         self._acc: dict[nn.Parameter, torch.Tensor] = {}
         self._hooks: list[Any] = []
         self._generators: dict[str, torch.Generator] = {}
-        self._sr_states: list = []  # nxdt.training.sr_fsdp.SRState of FSDP2-sharded SR weights
+        self._sr_states: list = []  # nxdt.precision.sr_fsdp.SRState of FSDP2-sharded SR weights
         self._sr_step = 0
         # XLA: with on_nonfinite=stop (and no fp16), check in a step closure after the graph ran
         # instead of syncing before the update; the run then stops one update late.
@@ -272,7 +280,7 @@ class Precision:
             h.remove()
         self._hooks = []
         self.delegated = delegate or _is_fsdp_managed(model)
-        from nxdt.training.sr_fsdp import sr_states_of
+        from nxdt.precision.sr_fsdp import sr_states_of
 
         self._sr_states = sr_states_of(model) if self.settings.stochastic else []
         for state in self._sr_states:  # FSDP2's all-gather rounds with this run's seed (and rank)
@@ -346,7 +354,7 @@ class Precision:
         Call after finish_grads and before clipping, once per optimizer step.
         """
         if self.lazy_guard and self.scaler is None and self.on_nonfinite == "stop":
-            from nxdt.training.xla import in_step_closure
+            from nxdt.device import in_step_closure
 
             args = (loss.detach(),) if loss is not None else ()
             in_step_closure(lambda *a: self._check_now(step, a[0] if a else None, grad_norm.detach(), model),

@@ -1,0 +1,9 @@
+"""Checkpoints: the one package that writes, reads, keeps and resumes them.
+
+    checkpointer  Checkpointer (sharded DCP write, atomic rename, async), load_checkpoint, export weights
+    state         the state codec: model/optimizer tensors (ZeRO-1, pipeline stages), JSON, RNG, safe reading
+    dtype         save_bf16 / fp32 master weights in checkpoints
+    retention     checkpoint names, listing, completeness, save_top_k by step or by a metric
+    callbacks     NxdtCheckpoint (Lightning callback: when to save, what to prune)
+    resume        which checkpoint a run starts from; ResumeHelper (weights-only start, RNG states)
+"""

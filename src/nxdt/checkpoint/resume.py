@@ -1,0 +1,114 @@
+"""Which checkpoint a run starts from, and what is restored just before its first step.
+
+`exp_manager.resume_from_checkpoint` (an explicit path: it must be whole), else with
+`resume_if_exists` the newest complete checkpoint in the run's checkpoint dir (incomplete ones are
+skipped with a warning, never deleted); `model.weight_init_only` loads weights only. The load
+itself is `nxdt.checkpoint.checkpointer.load_checkpoint`, called by the strategy (full resume) or
+by `ResumeHelper` (weights only).
+
+`setup_checkpointing(cfg, dirs)` is the one entry the run calls, before anything is written.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch.callbacks import Callback
+
+from nxdt.checkpoint.callbacks import NxdtCheckpoint, check_checkpoint_params
+from nxdt.checkpoint.retention import complete_checkpoints
+from nxdt.config.errors import ConfigError
+
+if TYPE_CHECKING:
+    from nxdt.exp.exp_manager import ExpDirs
+
+
+@dataclass
+class ResumePlan:
+    path: Path | None = None  # checkpoint to resume (or to take weights from)
+    weights_only: bool = False  # model.weight_init_only: load weights, start training fresh
+
+    @property
+    def full_resume(self) -> Path | None:
+        """What Lightning's `fit(ckpt_path=...)` loads (weights-only starts are ResumeHelper's)."""
+        return None if self.weights_only else self.path
+
+
+def setup_checkpointing(cfg, dirs) -> tuple[ResumePlan, list]:
+    """Check the checkpoint keys, choose the checkpoint to start from, build the callbacks.
+    Raises ConfigError (nothing written yet) when the resume asked for cannot happen."""
+    check_checkpoint_params(cfg.exp_manager.checkpoint_callback_params)
+    plan = ResumePlan(*find_resume_checkpoint(cfg, dirs))
+    callbacks: list = [ResumeHelper(plan)]
+    exp = cfg.exp_manager
+    if exp.create_checkpoint_callback:
+        params = exp.checkpoint_callback_params
+        callbacks.append(NxdtCheckpoint(
+            dirpath=dirs.checkpoint_dir, filename=params.filename, save_top_k=params.save_top_k,
+            save_last=params.save_last, every_n_train_steps=params.every_n_train_steps,
+            monitor=params.monitor, mode=params.mode))
+    return plan, callbacks
+
+
+def find_resume_checkpoint(cfg, dirs: ExpDirs) -> tuple[Path | None, bool]:
+    """(checkpoint to load, weights_only) from resume_from_checkpoint / resume_if_exists."""
+    exp = cfg.exp_manager
+    weights_only = bool(cfg.model.get("weight_init_only", False))
+    if exp.resume_from_checkpoint:
+        from nxdt.checkpoint.checkpointer import validate_checkpoint
+
+        path = Path(exp.resume_from_checkpoint).absolute()
+        validate_checkpoint(path)  # an explicit path must be good: ConfigError otherwise
+        return path, weights_only
+    if weights_only:
+        raise ConfigError("model.weight_init_only: needs exp_manager.resume_from_checkpoint (the weights to load)")
+    if not exp.resume_if_exists:
+        return None, False
+    found = complete_checkpoints(dirs.checkpoint_dir)
+    if found:
+        return found[-1][1], False
+    if exp.resume_ignore_no_checkpoint:
+        if _global_rank() == 0:
+            print(f"note: no complete checkpoint in {dirs.checkpoint_dir}; starting from scratch", flush=True)
+        return None, False
+    raise ConfigError(
+        f"exp_manager.resume_if_exists: no complete checkpoint in {dirs.checkpoint_dir} "
+        "(set exp_manager.resume_ignore_no_checkpoint: true to start from scratch)"
+    )
+
+
+def _global_rank() -> int:
+    return int(os.environ.get("RANK", os.environ.get("GLOBAL_RANK", "0")))
+
+
+class ResumeHelper(Callback):
+    """Weights-only start (model.weight_init_only) and the saved RNG states, applied just before
+    the first training step after a resume."""
+
+    def __init__(self, plan: ResumePlan) -> None:
+        self.plan = plan
+        self._rng: dict | None = None
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if self.plan.path is not None and self.plan.weights_only:
+            from nxdt.checkpoint.checkpointer import load_checkpoint
+
+            load_checkpoint(trainer.strategy, self.plan.path, pl_module.cfg, weights_only=True)
+            if trainer.is_global_zero:
+                print(f"loaded weights from {self.plan.path}", flush=True)
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
+        self._rng = checkpoint.pop("pending_rng", None)
+        if trainer.is_global_zero:
+            print(f"resuming from {self.plan.path} (step {checkpoint.get('global_step')}, "
+                  f"consumed_samples {checkpoint.get('consumed_samples')})", flush=True)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._rng is not None:
+            from nxdt.checkpoint.state import set_rng_state
+
+            set_rng_state(self._rng)
+            self._rng = None
