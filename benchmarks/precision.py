@@ -55,7 +55,7 @@ def worker(preset: str, model_args: list[str], steps: int, warmup: int) -> None:
 
     from nxdt.config.load import load_config
     from nxdt.models import build_model, logits_of
-    from nxdt.training.module import masked_token_loss
+    from nxdt.training.loss import masked_token_loss
     from nxdt.training.optimizers import build_optimizer
     from nxdt.precision.precision import Precision, reference_step
 

@@ -15,7 +15,7 @@ from conftest import TINY_OVERRIDES, read_scalars, run_cli
 
 from nxdt.config import ConfigError, apply_env, load_config
 from nxdt.models import build_model, logits_of
-from nxdt.training.module import masked_token_loss
+from nxdt.training.loss import masked_token_loss
 from nxdt.training.optimizers import build_optimizer
 from nxdt.precision.precision import (DynamicLossScaler, NumericalInstabilityError, Precision, reference_step,
                                      settings_from_cfg)

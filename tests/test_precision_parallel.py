@@ -53,7 +53,7 @@ def _spawn(worker, tmp_path, nprocs: int = 2) -> list:
 def _pp_fp16_worker(rank: int, world: int) -> dict:
     from nxdt.config.layout import compute_layout
     from nxdt.parallel.pipeline import build_pipeline, model_of
-    from nxdt.training.module import masked_token_loss
+    from nxdt.training.loss import masked_token_loss
 
     cfg = _cfg("model.num_layers=2", "distributed_strategy.pipeline_model_parallel_size=2",
                "data.micro_batch_size=1", "data.global_batch_size=4", "precision.fp16.enabled=true",

@@ -29,7 +29,7 @@ def main(ptype: str, steps: int, ckpt_dir: str | None) -> None:
 
     from nxdt.models import build_model, logits_of
     from nxdt import device as xla
-    from nxdt.training.module import masked_token_loss
+    from nxdt.training.loss import masked_token_loss
     from nxdt.training.optimizers import build_optimizer
     from nxdt.precision.precision import Precision, reference_step
 

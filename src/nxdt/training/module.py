@@ -7,7 +7,7 @@ the scheduler. Optimization is manual on purpose: it is the only place that need
 micro-batches, gradient sync, clipping and (later) pipeline schedules and loss scaling, and
 Lightning's automatic loop would hide all four.
 
-The loss follows Megatron/NxDT: per micro-batch the mean over unmasked tokens, then the mean
+The loss follows Megatron/NxDT (nxdt.training.loss.masked_token_loss): per micro-batch the mean over unmasked tokens, then the mean
 over the micro-batches of the global batch, so every layout of the same global batch gives the
 same loss.
 """
@@ -20,42 +20,20 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.nn.functional as F
 
 from nxdt.models import build_model, count_parameters, logits_of
 from nxdt.parallel.mesh import all_reduce_mean
 from nxdt.parallel.data_parallel import wants_meta_init, zero1_optimizer
 from nxdt.parallel.mesh import submesh
-from nxdt.parallel.context_parallel import global_token_count, shard_sequence
+from nxdt.parallel.context_parallel import shard_sequence
 from nxdt.parallel.parallelize import parallelize_llama, set_gradient_sync
-from nxdt.parallel.tensor_parallel import clip_grads_with_norm_, is_vocab_parallel, loss_parallel, total_norm
+from nxdt.parallel.tensor_parallel import clip_grads_with_norm_, loss_parallel, total_norm
 from nxdt.training.optimizers import build_optimizer, param_groups, resolve_optimizer
 from nxdt.precision.precision import Precision
 from nxdt.device import use_xla
 from nxdt.training.xla import step_logger
 from nxdt.training.schedulers import build_scheduler
-
-
-def masked_token_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
-                      cp_group=None) -> torch.Tensor:
-    """Mean cross entropy over the tokens whose loss_mask is 1 (fp32 for the softmax).
-
-    Vocabulary-sharded logits (tensor parallel: a Shard(-1) DTensor) need the caller to run this
-    and the backward under `loss_parallel()`: the softmax is then computed across the shards.
-
-    With context parallelism (`cp_group`) the tokens are one slice of each sequence: the sum is
-    divided by the whole sequence's token count / cp, so the mean over the cp ranks (which the
-    dp × cp gradient and metric reductions take) is the whole sequence's mean."""
-    per_token = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
-    if is_vocab_parallel(logits):
-        per_token = per_token.full_tensor()  # replicated per-token losses as a plain tensor
-    mask = loss_mask.flatten().to(per_token.dtype)
-    count = mask.sum()
-    if cp_group is not None:
-        count = global_token_count(count, cp_group).clamp(min=1.0) / cp_group.size()
-    else:
-        count = count.clamp(min=1.0)
-    return (per_token * mask).sum() / count
+from nxdt.training.loss import masked_token_loss
 
 
 class NxdtLightningModule(pl.LightningModule):
