@@ -8,7 +8,7 @@
 It is not a test. Each preset trains the same Llama (the engineering-notes reference model:
 vocab 8192, hidden 256, 6 layers, 8/4 heads, ffn 704, seq 256, micro batch 8, 2 threads; two
 micro-batches per step so gradient accumulation is exercised) on the same random batches
-through `nxdt.precision.precision.reference_step` — the call points of the Lightning step, without
+through `nxdt.training.step.train_step` — the step NxdtLightningModule runs, without
 Lightning — in its own subprocess (clean allocator and thread pool), presets interleaved and
 rotated per repeat; the medians are printed.
 
@@ -54,35 +54,26 @@ def worker(preset: str, model_args: list[str], steps: int, warmup: int) -> None:
     import torch
 
     from nxdt.config.load import load_config
-    from nxdt.models import build_model, logits_of
-    from nxdt.training.module import masked_token_loss
-    from nxdt.training.optimizers import build_optimizer
-    from nxdt.precision.precision import Precision, reference_step
+    from nxdt.training.harness import build_harness
+    from nxdt.training.step import microbatch_forward_backward, train_step
 
     cfg = load_config(["--config-name", "tiny_llama_cpu", *model_args, "trainer.devices=1", *PRESETS[preset]],
                       world_size=1, check_paths=False, quiet=True)
     mbs, seq = cfg.data.micro_batch_size, cfg.data.seq_length
-    torch.manual_seed(0)
-    model = build_model(cfg, VOCAB)
-    prec = Precision.from_cfg(cfg, rank=0)
-    model = prec.convert_model(model)
-    prec.attach(model)
-    opt = build_optimizer(model, cfg.model.optim)
+    h = build_harness(cfg, VOCAB)
+    fwd_bwd = microbatch_forward_backward(h.model, h.precision, 2)  # two micro-batches: accumulation
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, VOCAB, (2 * mbs, seq + 1), generator=g) for _ in range(4)]
-
-    def loss_fn(m, mb):
-        x, y = mb
-        return masked_token_loss(logits_of(m(input_ids=x)), y, torch.ones_like(y, dtype=torch.float32))
+    loss_mask = torch.ones(2 * mbs, seq)
 
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     times, losses = [], []
     for step in range(warmup + steps):
         b = batches[step % len(batches)]
         t0 = time.perf_counter()
-        loss, _, _ = reference_step(prec, model, opt, [(b[:mbs, :-1], b[:mbs, 1:]), (b[mbs:, :-1], b[mbs:, 1:])],
-                                    loss_fn, step, clip=1.0)
-        losses.append(float(loss))
+        m = train_step(h.model, h.optimizer, None, h.precision, fwd_bwd,
+                       {"input_ids": b[:, :-1], "labels": b[:, 1:], "loss_mask": loss_mask}, step=step, clip=1.0)
+        losses.append(float(m.loss))
         if step >= warmup:
             times.append(time.perf_counter() - t0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -23,7 +23,7 @@ def _worker(out_path: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from nxdt.parallel.context_parallel import RingSDPA, shard_sequence
-    from nxdt.training.module import masked_token_loss
+    from nxdt.training.loss import masked_token_loss
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

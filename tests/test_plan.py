@@ -93,7 +93,7 @@ def test_memory_estimate_matches_measured_tensor_bytes(capsys):
 
     from nxdt.config.load import load_config
     from nxdt.models import build_model
-    from nxdt.training.module import masked_token_loss
+    from nxdt.training.loss import masked_token_loss
 
     overrides = ["trainer.devices=1", "model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=176",
                  "model.num_attention_heads=4", "model.num_kv_heads=2", "model.encoder_seq_length=128",

@@ -1,8 +1,8 @@
 """Precision presets, stochastic rounding, fp16 loss scaling and the NaN/inf guard.
 
-The preset curves drive nxdt.precision.precision's object through `reference_step` (the same
-call points as NxdtLightningModule's step) on a tiny Llama in-process; one end-to-end run of
-examples/train.py proves the wiring into the Lightning module.
+The preset curves drive nxdt.precision.precision's object through nxdt.training.step.train_step
+(the step NxdtLightningModule runs, without Lightning) on a tiny Llama in-process; one end-to-end
+run of examples/train.py proves the wiring into the Lightning module.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import torch
 from conftest import TINY_OVERRIDES, read_scalars, run_cli
 
 from nxdt.config import ConfigError, apply_env, load_config
-from nxdt.models import build_model, logits_of
-from nxdt.training.module import masked_token_loss
-from nxdt.training.optimizers import build_optimizer
-from nxdt.precision.precision import (DynamicLossScaler, NumericalInstabilityError, Precision, reference_step,
-                                     settings_from_cfg)
+from nxdt.models import build_model
+from nxdt.precision.precision import DynamicLossScaler, NumericalInstabilityError, Precision, settings_from_cfg
+from nxdt.training.harness import build_harness
+from nxdt.training.loss import masked_token_loss
+from nxdt.training.step import microbatch_forward_backward, train_step
 from nxdt.precision.stochastic_rounding import round_to, stochastic_round_to_bf16
 
 VOCAB = 256
@@ -43,9 +43,15 @@ def _data(steps: int = 20) -> torch.Tensor:
     return torch.where(noise, torch.randint(0, VOCAB, data.shape, generator=g), data)
 
 
-def _loss_fn(model, mb):
-    inputs, labels = mb
-    return masked_token_loss(logits_of(model(input_ids=inputs)), labels, torch.ones_like(labels, dtype=torch.float32))
+def _as_batch(b: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Rows of _data as a training batch: next-token labels, every token counted."""
+    return {"input_ids": b[:, :-1], "labels": b[:, 1:], "loss_mask": torch.ones(b.shape[0], b.shape[1] - 1)}
+
+
+def _step(h, batch, step: int, microbatches: int = 1, loss_fn=masked_token_loss, clip: float | None = None):
+    """One train_step of the harness `h` on `batch`, `microbatches` of gradient accumulation."""
+    fwd_bwd = microbatch_forward_backward(h.model, h.precision, microbatches, loss_fn=loss_fn)
+    return train_step(h.model, h.optimizer, h.scheduler, h.precision, fwd_bwd, batch, step=step, clip=clip)
 
 
 def train_curve(*overrides: str, steps: int = STEPS, lr: float = 3e-3, sched: bool = True) -> tuple[list[float], Precision]:
@@ -60,25 +66,13 @@ def train_curve(*overrides: str, steps: int = STEPS, lr: float = 3e-3, sched: bo
 
 
 def _train_curve(*overrides: str, steps: int, lr: float, sched: bool) -> tuple[list[float], Precision]:
-    cfg = make_cfg(f"model.optim.lr={lr}", *overrides)
-    torch.manual_seed(0)
-    model = build_model(cfg, VOCAB)
-    prec = Precision.from_cfg(cfg, rank=0)
-    model = prec.convert_model(model)
-    prec.attach(model)
-    opt = build_optimizer(model, cfg.model.optim)
-    if sched:
-        from nxdt.training.schedulers import build_scheduler
-        scheduler = build_scheduler(opt, cfg.model.optim.get("sched"), steps)
+    h = build_harness(make_cfg(f"model.optim.lr={lr}", *overrides), VOCAB, max_steps=steps if sched else None)
     data, losses = _data(), []
     for step in range(steps):
-        b = data[step % len(data)]
-        mbs = [(b[:2, :-1], b[:2, 1:]), (b[2:, :-1], b[2:, 1:])]  # two micro-batches: accumulation
-        loss, _, ok = reference_step(prec, model, opt, mbs, _loss_fn, step, clip=1.0)
-        if ok and sched:
-            scheduler.step()
-        losses.append(float(loss))
-    return losses, prec
+        # two micro-batches of 2 rows: accumulation
+        m = _step(h, _as_batch(data[step % len(data)]), step, microbatches=2, clip=1.0)
+        losses.append(float(m.loss))
+    return losses, h.precision
 
 
 # ----------------------------------------------------------------------------- stochastic rounding
@@ -144,35 +138,29 @@ def test_static_scale_never_changes():
     assert s.scale == 128.0
 
 
-def _tiny_model_and_precision(*overrides):
-    cfg = make_cfg(*overrides)
-    torch.manual_seed(0)
-    model = build_model(cfg, VOCAB)
-    prec = Precision.from_cfg(cfg, rank=0)
-    model = prec.convert_model(model)
-    prec.attach(model)
-    return cfg, model, prec, build_optimizer(model, cfg.model.optim)
+def _tiny_harness(*overrides):
+    return build_harness(make_cfg(*overrides), VOCAB)
 
 
 def _batch():
-    b = _data(1)[0]
-    return [(b[:, :-1], b[:, 1:])]
+    return _as_batch(_data(1)[0])
 
 
 def test_fp16_overflow_skips_scales_down_and_stops_after_too_many():
-    cfg, model, prec, opt = _tiny_model_and_precision(
+    h = _tiny_harness(
         "precision.fp16.enabled=true", "precision.fp16.initial_scale_power=200", "precision.fp16.hysteresis=1",
         "precision.fp16.max_consecutive_skips=3")
+    model, prec = h.model, h.precision
     before = [p.detach().clone() for p in model.parameters()]
     scale0 = prec.loss_scale
-    _, _, ok = reference_step(prec, model, opt, _batch(), _loss_fn, step=7)
+    ok = _step(h, _batch(), step=7).applied
     assert not ok and prec.skipped_steps == 1 and prec.loss_scale == scale0 / 2
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # no update, fp32 masters back
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert prec.metrics() == {"loss_scale": scale0 / 2, "skipped_steps": 1.0}
-    reference_step(prec, model, opt, _batch(), _loss_fn, step=8)
+    _step(h, _batch(), step=8)
     with pytest.raises(NumericalInstabilityError, match=r"^step 9: 3 steps in a row skipped .*loss scale "):
-        reference_step(prec, model, opt, _batch(), _loss_fn, step=9)
+        _step(h, _batch(), step=9)
 
 
 def test_fp16_trains_with_a_sane_scale():
@@ -187,24 +175,25 @@ def test_fp16_trains_with_a_sane_scale():
 
 # ----------------------------------------------------------------------------- NaN / inf guard
 def test_nonfinite_gradient_stops_naming_the_step_and_parameter():
-    cfg, model, prec, opt = _tiny_model_and_precision()
-    model.model.layers[0].mlp.up_proj.weight.register_hook(lambda g: g * math.nan)
+    h = _tiny_harness()
+    h.model.model.layers[0].mlp.up_proj.weight.register_hook(lambda g: g * math.nan)
     with pytest.raises(NumericalInstabilityError,
                        match=r"^step 5: non-finite gradient of model\.layers\.0\.mlp\.up_proj\.weight"):
-        reference_step(prec, model, opt, _batch(), _loss_fn, step=5)
+        _step(h, _batch(), step=5)
 
 
 def test_nonfinite_loss_is_skipped_with_on_nonfinite_skip():
-    cfg, model, prec, opt = _tiny_model_and_precision("precision.on_nonfinite=skip", "precision.type=mixed_precision")
+    h = _tiny_harness("precision.on_nonfinite=skip", "precision.type=mixed_precision")
+    model, prec = h.model, h.precision
     before = [p.detach().clone() for p in model.parameters()]
 
-    def nan_loss(m, mb):
-        return _loss_fn(m, mb) * math.nan
+    def nan_loss(logits, labels, loss_mask):
+        return masked_token_loss(logits, labels, loss_mask) * math.nan
 
-    _, _, ok = reference_step(prec, model, opt, _batch(), nan_loss, step=3)
+    ok = _step(h, _batch(), step=3, loss_fn=nan_loss).applied
     assert not ok and prec.skipped_steps == 1 and prec.metrics() == {"skipped_steps": 1.0}
     assert all(torch.equal(a, p) and p.dtype == torch.float32 for a, p in zip(before, model.parameters()))
-    _, _, ok = reference_step(prec, model, opt, _batch(), _loss_fn, step=4)
+    ok = _step(h, _batch(), step=4).applied
     assert ok and prec.consecutive_skips == 0
     assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     with pytest.raises(NumericalInstabilityError, match=r"^step 1: non-finite loss \(nan\)"):
@@ -259,15 +248,15 @@ def test_preset_settings_and_dtypes():
                                    "precision.neuron_rt_stochastic_rounding_en=1").precision)
     assert (s.mode, s.stochastic, s.fp32_grad_acc) == ("lowp", True, False)
     # bf16SR keeps bf16 parameters and bf16 optimizer state; mixed precision keeps fp32 masters
-    _, model, prec, opt = _tiny_model_and_precision("precision.type=bf16SR", "model.optim.name=adamw")
-    reference_step(prec, model, opt, _batch(), _loss_fn, step=0)
-    assert all(p.dtype == bf16 for p in model.parameters())
-    states = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
+    h = _tiny_harness("precision.type=bf16SR", "model.optim.name=adamw")
+    _step(h, _batch(), step=0)
+    assert all(p.dtype == bf16 for p in h.model.parameters())
+    states = [v for st in h.optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
     assert states and all(v.dtype == bf16 for v in states)
-    _, model, prec, opt = _tiny_model_and_precision("precision.type=mixed_precision")
-    reference_step(prec, model, opt, _batch(), _loss_fn, step=0)
-    assert all(p.dtype == fp32 for p in model.parameters())
-    policy = prec.fsdp_mp_policy()
+    h = _tiny_harness("precision.type=mixed_precision")
+    _step(h, _batch(), step=0)
+    assert all(p.dtype == fp32 for p in h.model.parameters())
+    policy = h.precision.fsdp_mp_policy()
     assert policy.param_dtype == bf16 and policy.reduce_dtype == fp32
 
 

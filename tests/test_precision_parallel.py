@@ -16,14 +16,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import TINY_OVERRIDES, read_scalars, run_cli
-from test_precision import MODEL, VOCAB, _data, _loss_fn, train_curve
+from test_precision import MODEL, VOCAB, _as_batch, _data, train_curve
 
 from nxdt.config import load_config
 from nxdt.models import build_model
 from nxdt.parallel.mesh import MeshShape, build_mesh
-from nxdt.parallel.tensor_parallel import clip_grads_with_norm_, total_norm
-from nxdt.training.optimizers import build_optimizer
 from nxdt.precision.precision import Precision
+from nxdt.training.optimizers import build_optimizer
+from nxdt.training.step import microbatch_forward_backward, pipeline_forward_backward, train_step
 
 # the presets' tolerance on |loss - reference loss| (test_precision.PRESETS, docs/precision.md)
 TOL = 0.05
@@ -53,7 +53,7 @@ def _spawn(worker, tmp_path, nprocs: int = 2) -> list:
 def _pp_fp16_worker(rank: int, world: int) -> dict:
     from nxdt.config.layout import compute_layout
     from nxdt.parallel.pipeline import build_pipeline, model_of
-    from nxdt.training.module import masked_token_loss
+    from nxdt.training.loss import masked_token_loss
 
     cfg = _cfg("model.num_layers=2", "distributed_strategy.pipeline_model_parallel_size=2",
                "data.micro_batch_size=1", "data.global_batch_size=4", "precision.fp16.enabled=true",
@@ -68,21 +68,11 @@ def _pp_fp16_worker(rank: int, world: int) -> dict:
     prec.attach(model, delegate=True)
     opt = build_optimizer(model, cfg.model.optim)
     records = []
-    for step, b in enumerate(_data(12)):  # the module's _pipeline_training_step, without Lightning
-        opt.zero_grad(set_to_none=True)
-        prec.begin_step(model)
-        with prec.autocast("cpu"):
-            loss = pipe.step(b[:, :-1], b[:, 1:], torch.ones(4, 16))
-        prec.finish_grads(model)
-        params = [p for p in model.parameters() if p.grad is not None]
-        norm = pipe.norm_over_stages(total_norm([p.grad for p in params]))
-        ok = prec.check_step(step, loss, norm, model)
-        if ok:
-            clip_grads_with_norm_(params, 1.0, norm)
-            prec.optimizer_step(opt)
-        else:
-            prec.skip_step(opt, model)
-        records.append([ok, prec.loss_scale, float(loss)])
+    fwd_bwd = pipeline_forward_backward(pipe, prec)  # the module's pipeline step, without Lightning
+    for step, b in enumerate(_data(12)):
+        m = train_step(model, opt, None, prec, fwd_bwd, _as_batch(b), step=step, clip=1.0,
+                       norm_over_stages=pipe.norm_over_stages)
+        records.append([m.applied, prec.loss_scale, float(m.loss)])
 
     # the verdict is all ranks' together: an overflow seen by rank 1 alone skips the step on both
     agree = Precision.from_cfg(_cfg("precision.fp16.enabled=true", "precision.fp16.hysteresis=1"), rank=rank)
@@ -192,37 +182,30 @@ def _fsdp_sr_curve_worker(rank: int, world: int) -> dict:
     """test_precision.train_curve's run (same init, data, 100 steps) with each of its two micro-batches
     on its own rank, the model sharded by FSDP2 through nxdt's parallelize_llama."""
     from nxdt.parallel.parallelize import parallelize_llama
-    from nxdt.training.schedulers import build_scheduler
     from nxdt.precision.sr_fsdp import StochasticRoundingShard
+    from nxdt.training.harness import build_harness
 
     cfg = _cfg("precision.type=mixed_precisionSR", "distributed_strategy.sharding_strategy=FSDP", "model.optim.lr=3e-3")
-    torch.manual_seed(0)
-    prec = Precision.from_cfg(cfg, rank=rank)
-    model = parallelize_llama(prec.convert_model(build_model(cfg, VOCAB)), build_mesh(MeshShape(dp_shard=2), "cpu"), cfg)
-    prec.attach(model)
-    opt = build_optimizer(model, cfg.model.optim)
-    scheduler = build_scheduler(opt, cfg.model.optim.get("sched"), 100)
+    mesh = build_mesh(MeshShape(dp_shard=2), "cpu")
+    h = build_harness(cfg, VOCAB, rank=rank, parallelize=lambda m: parallelize_llama(m, mesh, cfg), max_steps=100)
+    model = h.model
+    fwd_bwd = microbatch_forward_backward(model, h.precision, 1)
+
+    def mean_over_ranks(loss: torch.Tensor) -> torch.Tensor:
+        reduced = loss.detach().clone()
+        dist.all_reduce(reduced)
+        return reduced / world
+
     data, losses = _data(), []
     for step in range(100):  # the module's training_step, without Lightning
         b = data[step % len(data)][2 * rank: 2 * rank + 2]
-        opt.zero_grad(set_to_none=True)
-        prec.begin_step(model)
-        with prec.autocast("cpu"):
-            loss = _loss_fn(model, (b[:, :-1], b[:, 1:]))
-        prec.scale_loss(loss).backward()
-        prec.finish_grads(model)
-        reduced = loss.detach().clone()
-        dist.all_reduce(reduced)
-        params = [p for p in model.parameters() if p.grad is not None]
-        norm = total_norm([p.grad for p in params])
-        assert prec.check_step(step, reduced / world, norm, model)
-        clip_grads_with_norm_(params, 1.0, norm)
-        prec.optimizer_step(opt)
-        scheduler.step()
-        losses.append(float(reduced) / world)
+        m = train_step(model, h.optimizer, h.scheduler, h.precision, fwd_bwd, _as_batch(b), step=step, clip=1.0,
+                       reduce_loss=mean_over_ranks)
+        assert m.applied
+        losses.append(float(m.loss))
     with torch.no_grad():
         kinds = {type(p.to_local()).__name__ for p in model.parameters()}
-        grads = {str(p.grad.dtype) for p in params}
+        grads = {str(p.grad.dtype) for p in model.parameters() if p.grad is not None}
     return {"losses": losses, "kinds": sorted(kinds), "grads": sorted(grads),
             "sr": all(isinstance(p.to_local(), StochasticRoundingShard) for p in model.parameters())}
 

@@ -29,17 +29,15 @@ def main(ptype: str, steps: int, ckpt_dir: str | None) -> None:
 
     from nxdt.models import build_model, logits_of
     from nxdt import device as xla
-    from nxdt.training.module import masked_token_loss
+    from nxdt.training.harness import build_harness
+    from nxdt.training.loss import masked_token_loss
     from nxdt.training.optimizers import build_optimizer
-    from nxdt.precision.precision import Precision, reference_step
+    from nxdt.training.step import microbatch_forward_backward, train_step
 
     device = xla.xla_device()
-    torch.manual_seed(0)
-    model = build_model(cfg, 256)
-    prec = Precision.from_cfg(cfg, rank=0, on_xla=True)
-    model = prec.convert_model(model).to(device)
-    prec.attach(model)
-    opt = build_optimizer(model, cfg.model.optim)
+    h = build_harness(cfg, 256, on_xla=True, device=device)
+    model, prec, opt = h.model, h.precision, h.optimizer
+    fwd_bwd = microbatch_forward_backward(model, prec, 2, device_type="xla")  # two micro-batches: accumulation
     g = torch.Generator().manual_seed(0)
     data = torch.randint(0, 256, (4, 4, 17), generator=g)
     for t in range(1, 17):
@@ -50,11 +48,12 @@ def main(ptype: str, steps: int, ckpt_dir: str | None) -> None:
         return masked_token_loss(logits_of(m(input_ids=inputs)), labels, torch.ones_like(labels, dtype=torch.float32))
 
     losses: list[float] = []
+    loss_mask = torch.ones(4, 16, device=device)
     for step in range(steps):
         b = data[step % len(data)].to(device)
-        mbs = [(b[:2, :-1], b[:2, 1:]), (b[2:, :-1], b[2:, 1:])]
-        loss, _, _ = reference_step(prec, model, opt, mbs, loss_fn, step, clip=1.0, device_type="xla")
-        xla.in_step_closure(lambda v: losses.append(float(v)), loss)  # logged after the graph ran
+        batch = {"input_ids": b[:, :-1], "labels": b[:, 1:], "loss_mask": loss_mask}
+        m = train_step(model, opt, None, prec, fwd_bwd, batch, step=step, clip=1.0)
+        xla.in_step_closure(lambda v: losses.append(float(v)), m.loss)  # logged after the graph ran
         xla.mark_step()
     out = {"ptype": ptype, "losses": losses, "env": set_vars, "param_dtype": str(next(model.parameters()).dtype),
            "device": str(device)}

@@ -167,7 +167,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     """Shard `model` over `tp_mesh` in place (no-op when tp == 1). Returns the model.
 
     Afterwards the model's logits are a DTensor sharded on the vocabulary (Shard(-1)): compute
-    the cross entropy under `loss_parallel()` (see nxdt.training.module.masked_token_loss).
+    the cross entropy under `loss_parallel()` (see nxdt.training.loss.masked_token_loss).
     """
     tp = tp_mesh.size()
     if tp == 1:

@@ -2,10 +2,11 @@
 
     configure_model:  model = p.convert_model(model)   before parallelize (dtype of the parameters)
                       p.attach(model)                  after parallelize (fp32 grad accumulation hooks)
-    training_step:    p.begin_step(model)              before the first micro-batch
+    each step (nxdt.training.step.train_step):
+                      p.begin_step(model)              before the first micro-batch
                       with p.autocast(device_type): forward
-                      manual_backward(p.scale_loss(loss))
-    _clip_and_step:   p.finish_grads(model)            fp32 master weights + fp32 grads back in place, unscaled
+                      backward(p.scale_loss(loss))
+                      p.finish_grads(model)            fp32 master weights + fp32 grads back in place, unscaled
                       ok = p.check_step(step, loss, grad_norm, model)   NaN/inf guard, fp16 overflow → skip
                       p.optimizer_step(optimizer) if ok else p.skip_step(optimizer, model)
     checkpoints:      p.state_dict() / p.load_state_dict(d)   (loss scaler, skip counters, SR generator)
@@ -34,7 +35,6 @@ mixed_precisionSR `nxdt.precision.sr_fsdp` makes that cast stochastic) and this 
 from __future__ import annotations
 
 import logging
-import math
 import os
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
@@ -478,28 +478,3 @@ class Precision:
         for key, gstate in (state.get("sr_generators") or {}).items():
             self._generator(torch.device(key)).set_state(torch.tensor(gstate, dtype=torch.uint8))
 
-
-def reference_step(precision: Precision, model: nn.Module, optimizer, microbatches, loss_fn, step: int,
-                   clip: float | None = None, device_type: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """One optimizer step in plain PyTorch, at the same call points as NxdtLightningModule's step
-    (no Lightning, no data parallelism). `loss_fn(model, microbatch) -> scalar loss`.
-
-    Tests, benchmarks and the XLA runner use it. Returns (mean loss, gradient norm, applied).
-    """
-    optimizer.zero_grad(set_to_none=True)
-    precision.begin_step(model)
-    total = None
-    for mb in microbatches:
-        with precision.autocast(device_type):
-            loss = loss_fn(model, mb) / len(microbatches)
-        precision.scale_loss(loss).backward()
-        total = loss.detach() if total is None else total + loss.detach()
-    precision.finish_grads(model)
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params])  # foreach where the device has it
-    if not precision.check_step(step, total, norm, model):
-        precision.skip_step(optimizer, model)
-        return total, norm, False
-    torch.nn.utils.clip_grads_with_norm_(params, clip if clip and clip > 0 else math.inf, norm)
-    precision.optimizer_step(optimizer)
-    return total, norm, True

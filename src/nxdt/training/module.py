@@ -1,61 +1,40 @@
 """NxdtLightningModule: one optimizer step per batch.
 
 A batch is this data-parallel rank's share of one global batch (B = micro_batch_size ×
-num_microbatches). `training_step` cuts it into micro-batches, accumulates gradients with the
-dp reduction switched off until the last one, clips by the global norm, steps the optimizer and
-the scheduler. Optimization is manual on purpose: it is the only place that needs to know about
-micro-batches, gradient sync, clipping and (later) pipeline schedules and loss scaling, and
-Lightning's automatic loop would hide all four.
+num_microbatches). `training_step` runs nxdt.training.step.train_step: micro-batches with the
+dp reduction switched off until the last one (or the pipeline schedule), clipping by the global
+norm, the optimizer and the scheduler. Optimization is manual on purpose: the step is the only
+place that needs to know about micro-batches, gradient sync, clipping, pipeline schedules and
+loss scaling, and Lightning's automatic loop would hide all of them.
 
-The loss follows Megatron/NxDT: per micro-batch the mean over unmasked tokens, then the mean
-over the micro-batches of the global batch, so every layout of the same global batch gives the
-same loss.
+The loss follows Megatron/NxDT (nxdt.training.loss.masked_token_loss): per micro-batch the mean
+over unmasked tokens, then the mean over the micro-batches of the global batch, so every layout
+of the same global batch gives the same loss.
 """
 
 from __future__ import annotations
 
 import functools
-from contextlib import nullcontext
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.nn.functional as F
 
 from nxdt.models import build_model, count_parameters, logits_of
 from nxdt.parallel.mesh import all_reduce_mean
 from nxdt.parallel.data_parallel import wants_meta_init, zero1_optimizer
 from nxdt.parallel.mesh import submesh
-from nxdt.parallel.context_parallel import global_token_count, shard_sequence
-from nxdt.parallel.parallelize import parallelize_llama, set_gradient_sync
-from nxdt.parallel.tensor_parallel import clip_grads_with_norm_, is_vocab_parallel, loss_parallel, total_norm
+from nxdt.parallel.context_parallel import shard_sequence
+from nxdt.parallel.parallelize import parallelize_llama
+from nxdt.parallel.tensor_parallel import total_norm
 from nxdt.training.optimizers import build_optimizer, param_groups, resolve_optimizer
 from nxdt.precision.precision import Precision
 from nxdt.device import use_xla
 from nxdt.training.xla import step_logger
 from nxdt.training.schedulers import build_scheduler
-
-
-def masked_token_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
-                      cp_group=None) -> torch.Tensor:
-    """Mean cross entropy over the tokens whose loss_mask is 1 (fp32 for the softmax).
-
-    Vocabulary-sharded logits (tensor parallel: a Shard(-1) DTensor) need the caller to run this
-    and the backward under `loss_parallel()`: the softmax is then computed across the shards.
-
-    With context parallelism (`cp_group`) the tokens are one slice of each sequence: the sum is
-    divided by the whole sequence's token count / cp, so the mean over the cp ranks (which the
-    dp × cp gradient and metric reductions take) is the whole sequence's mean."""
-    per_token = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
-    if is_vocab_parallel(logits):
-        per_token = per_token.full_tensor()  # replicated per-token losses as a plain tensor
-    mask = loss_mask.flatten().to(per_token.dtype)
-    count = mask.sum()
-    if cp_group is not None:
-        count = global_token_count(count, cp_group).clamp(min=1.0) / cp_group.size()
-    else:
-        count = count.clamp(min=1.0)
-    return (per_token * mask).sum() / count
+from nxdt.training.loss import masked_token_loss
+from nxdt.training.step import (loss_parallel_context, microbatch_forward_backward, microbatch_loss,
+                                pipeline_forward_backward, split_microbatches, train_step)
 
 
 class NxdtLightningModule(pl.LightningModule):
@@ -99,8 +78,7 @@ class NxdtLightningModule(pl.LightningModule):
         return self.precision.autocast(self.device.type)
 
     def _loss_parallel(self):
-        """tp > 1: logits are vocabulary shards; the cross entropy (forward and backward) runs under this."""
-        return loss_parallel() if self.layout.tp > 1 else nullcontext()
+        return loss_parallel_context(self.layout.tp)
 
     # ---- optimization --------------------------------------------------------------------------
     def configure_optimizers(self) -> Any:
@@ -119,74 +97,48 @@ class NxdtLightningModule(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def _microbatches(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        n = self.layout.num_microbatches
-        size = batch["input_ids"].shape[0]
-        if size != self.layout.local_batch_size:
-            raise RuntimeError(
-                f"batch of {size} samples, expected micro_batch_size × num_microbatches = "
-                f"{self.layout.local_batch_size} per data-parallel rank"
-            )
-        return [{k: v.chunk(n)[i] for k, v in batch.items()} for i in range(n)]
+        return split_microbatches(batch, self.layout.num_microbatches, self.layout.local_batch_size)
+
+    def _cp_mesh(self):
+        """Context parallel: the cp axis, which slices every sequence (None when cp == 1)."""
+        return self.device_mesh["cp"] if self.layout.cp > 1 else None
 
     def _cp_slice(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Context parallel: this rank's slice of every sequence (the batch itself when cp == 1)."""
-        return shard_sequence(batch, self.device_mesh["cp"]) if self.layout.cp > 1 else batch
+        cp_mesh = self._cp_mesh()
+        return shard_sequence(batch, cp_mesh) if cp_mesh is not None else batch
 
     def _cp_group(self):
-        return self.device_mesh["cp"].get_group() if self.layout.cp > 1 else None
+        cp_mesh = self._cp_mesh()
+        return cp_mesh.get_group() if cp_mesh is not None else None
+
+    def _loss_fn(self):
+        """The per-micro-batch loss (logits, labels, loss_mask) of both paths."""
+        return functools.partial(masked_token_loss, cp_group=self._cp_group())
 
     def _microbatch_loss(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-        mb = self._cp_slice(mb)
-        logits = self(mb["input_ids"], mb.get("position_ids"))
-        return masked_token_loss(logits, mb["labels"], mb["loss_mask"], self._cp_group())
+        return microbatch_loss(self.model, mb, self.precision, loss_fn=self._loss_fn(),
+                               device_type=self.device.type, cp_mesh=self._cp_mesh())
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        if self.pipeline is not None:
-            return self._pipeline_training_step(batch)
-        optimizer = self.optimizers()
-        scheduler = self.lr_schedulers()
-        optimizer.zero_grad(set_to_none=True)
-        self.precision.begin_step(self.model)
-        loss = self._forward_backward(batch)
-        reduced = all_reduce_mean(loss, self.device_mesh, "dp_cp")  # before the step: the NaN guard reads it
-        grad_norm, lr = self._clip_and_step(optimizer, scheduler, reduced)
+        # the LightningOptimizer: its step() is what Lightning counts (global_step), skipped steps too
+        metrics = train_step(self.model, self.optimizers(), self.lr_schedulers(), self.precision,
+                             self._forward_backward(), batch, step=self.global_step,
+                             clip=self.cfg.trainer.gradient_clip_val,
+                             reduce_loss=functools.partial(all_reduce_mean, mesh=self.device_mesh, axis="dp_cp"),
+                             norm_over_stages=self.pipeline.norm_over_stages if self.pipeline is not None else None)
         self.consumed_samples += self.layout.global_batch_size
-        self._log_step(reduced, lr, grad_norm)
-        return reduced
+        self._log_step(metrics.loss, metrics.lr, metrics.grad_norm)
+        return metrics.loss
 
-    def _forward_backward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Accumulate the gradients of one global step's share; returns the (unreduced) loss."""
-        microbatches = self._microbatches(batch)
-        total = torch.zeros((), device=self.device)
-        for i, mb in enumerate(microbatches):
-            set_gradient_sync(self.model, i == len(microbatches) - 1)
-            with self._loss_parallel():
-                loss = self._microbatch_loss(mb) / len(microbatches)
-                self.manual_backward(self.precision.scale_loss(loss))
-            total += loss.detach()
-        return total
-
-    def _clip_and_step(self, optimizer, scheduler, loss: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
-        """Clip by the global gradient norm, step optimizer and scheduler; returns (grad norm, lr used).
-
-        A non-finite loss or gradient norm (or an fp16 overflow) skips the update and the
-        scheduler step, or stops the run (precision.on_nonfinite); see nxdt.precision.precision.
-        """
-        self.precision.finish_grads(self.model)  # fp32 master weights and fp32, unscaled grads
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        clip = self.cfg.trainer.gradient_clip_val
-        grad_norm = total_norm([p.grad for p in params]).detach()  # DTensor and plain grads mixed under tp
-        if self.pipeline is not None:  # each pp rank holds some stages: the norm of all of them
-            grad_norm = self.pipeline.norm_over_stages(grad_norm)
-        lr = optimizer.param_groups[0]["lr"]
-        if not self.precision.check_step(self.global_step, loss, grad_norm, self.model):
-            self.precision.skip_step(optimizer, self.model)
-            return grad_norm, lr
-        clip_grads_with_norm_(params, clip, grad_norm)
-        self.precision.optimizer_step(optimizer)
-        if scheduler is not None:
-            scheduler.step()
-        return grad_norm, lr
+    def _forward_backward(self):
+        """The step's forward/backward: the pipeline schedule, or gradient accumulation over micro-batches."""
+        common = dict(device_type=self.device.type, tp=self.layout.tp, cp_mesh=self._cp_mesh(),
+                      batch_size=self.layout.local_batch_size)
+        if self.pipeline is not None:
+            return pipeline_forward_backward(self.pipeline, self.precision, **common)
+        return microbatch_forward_backward(self.model, self.precision, self.layout.num_microbatches,
+                                           loss_fn=self._loss_fn(), backward=self.manual_backward, **common)
 
     def log_step_scalar(self, name: str, value: Any, prog_bar: bool = False) -> None:
         """One scalar per optimizer step: self.log, or on XLA the step-closure logger (no graph run mid-step)."""
@@ -235,29 +187,9 @@ class NxdtLightningModule(pl.LightningModule):
 
         # fp16: the schedule's loss is multiplied by the current loss scale (so is every stage's backward)
         scale = (lambda: self.precision.loss_scale) if self.precision.scaler is not None else None
-        loss_fn = functools.partial(masked_token_loss, cp_group=self._cp_group())
         self.pipeline = build_pipeline(model, self.device_mesh, self.cfg, self.layout, self.device,
-                                       loss_fn=loss_fn, parallelize_fn=parallelize_llama, loss_scale=scale)
+                                       loss_fn=self._loss_fn(), parallelize_fn=parallelize_llama, loss_scale=scale)
         self.model = model_of(self.pipeline)
-
-    def _pipeline_training_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """One optimizer step through the pipeline schedule: every pp rank of a dp index gets the same
-        batch; the first stage reads input_ids, the last stage labels and loss_mask. Clipping and the
-        update are the non-pipeline ones, with the gradient norm taken over all stages."""
-        optimizer = self.optimizers()
-        scheduler = self.lr_schedulers()
-        optimizer.zero_grad(set_to_none=True)
-        self.precision.begin_step(self.model)
-        self._microbatches(batch)  # checks the batch size
-        batch = self._cp_slice(batch)
-        with self._autocast(), self._loss_parallel():
-            loss = self.pipeline.step(batch["input_ids"], batch["labels"], batch["loss_mask"],
-                                      batch.get("position_ids"))
-        reduced = all_reduce_mean(loss, self.device_mesh, "dp_cp")
-        grad_norm, lr = self._clip_and_step(optimizer, scheduler, reduced)
-        self.consumed_samples += self.layout.global_batch_size
-        self._log_step(reduced, lr, grad_norm)
-        return reduced
 
     # ---- state carried in checkpoints ----------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
