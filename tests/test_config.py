@@ -138,6 +138,11 @@ def test_not_supported_check_is_skippable():
     (["precision.fp16.enabled=true", "precision.type=bf16SR"],
      "precision.fp16.enabled: cannot be combined with precision.type bf16SR"),
     (["data.data_prefix=[1.0]"], "data.data_prefix: expected [weight, path, weight, path, ...]"),
+    (["data.data_prefix=[0,a]"], "data.data_prefix: the weights sum to zero"),
+    (["data.data_prefix={validation: a}"], "data.data_prefix.train: the dict form needs a train entry"),
+    (["data.data_prefix={train: a, tset: b}"], "unknown key 'data.data_prefix.tset' (did you mean 'data.data_prefix.test'?)"),
+    (["data.datasets=[a,b]", "data.weights=[1]"], "data.weights has 1 entries but data.datasets has 2"),
+    (["data.datasets=[a]", "data.weights=[-1]"], "data.weights: [-1] must be non-negative with a positive sum"),
     (["data.splits_string=90-10"], "data.splits_string: expected three comma-separated numbers"),
     (["model.optim.name=adamx"], "model.optim.name: unknown optimizer 'adamx'"),
     (["trainer.max_steps=${nope}"], "cannot resolve interpolation at 'trainer.max_steps'"),
@@ -149,6 +154,30 @@ def test_not_supported_check_is_skippable():
 ])
 def test_error_messages(overrides, expected):
     assert expected in error(*overrides)
+
+
+def test_one_parser_per_concept():
+    """data_prefix split aliases, fms-fsdp sharding spellings and the precision rules: validation
+    and the run read the same table (nxdt.config.blend / sharding / precision_settings)."""
+    from nxdt.config.blend import data_blend
+    from nxdt.config.precision_settings import precision_settings
+    from nxdt.config.sharding import SHARDING_MODES, sharding_mode, sharding_mode_of
+
+    cfg = load("data.data_prefix={train: a, val: b}")
+    assert data_blend(cfg.data).pairs("validation") == ((1.0, "b"),)
+    for name, (shard, reshard, hybrid) in {"FSDP": (1, 1, 0), "fsdp": (1, 1, 0), "full_shard": (1, 1, 0),
+                                           "grad-shard": (1, 0, 0), "HSDP": (1, 1, 1), "hybrid_shard": (1, 1, 1),
+                                           "hybrid-grad-shard": (1, 0, 1), "DDP": (0, 1, 0), "no_shard": (0, 1, 0),
+                                           }.items():
+        mode = sharding_mode(name)
+        assert (mode.shard, mode.reshard_after_forward, mode.hybrid) == (shard, reshard, hybrid), name
+    assert sharding_mode_of(load("distributed_strategy.fsdp=true").distributed_strategy).shard
+    assert sharding_mode_of(load("distributed_strategy.sharding_strategy=hsdp").distributed_strategy).hybrid
+    assert not sharding_mode_of(load().distributed_strategy).shard
+    assert list(SHARDING_MODES)[:2] == ["FSDP", "HSDP"]
+    s = precision_settings(load("precision.fp16.enabled=true").precision)
+    assert (s.mode, s.compute_dtype, s.fp16) == ("master", "fp16", True)
+    assert precision_settings(load("precision.type=mixed_precision_SR").precision).stochastic
 
 
 def test_world_size_mismatch():

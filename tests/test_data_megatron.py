@@ -9,13 +9,13 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from nxdt.config.blend import parse_data_prefix, parse_datasets
 from nxdt.config.errors import ConfigError
 from nxdt.data.gpt_dataset import (
     BlendedDataset,
     GPTDataset,
     build_blending_indices,
     get_train_valid_test_split_,
-    parse_data_prefix,
 )
 from nxdt.data.indexed import IndexedDataset, IndexedDatasetBuilder
 from nxdt.data.megatron_module import MegatronDataModule
@@ -55,15 +55,31 @@ def test_splits_string_ranges():
 
 
 def test_parse_data_prefix():
-    assert parse_data_prefix("/d/x").blend == [(1.0, "/d/x")]
-    assert parse_data_prefix(["/d/x"]).blend == [(1.0, "/d/x")]
-    assert parse_data_prefix([0.3, "/a", 0.7, "/b"]).blend == [(0.3, "/a"), (0.7, "/b")]
-    assert parse_data_prefix(OmegaConf.create({"p": [1, "/a", "2", "/b"]}).p).blend == [(1.0, "/a"), (2.0, "/b")]
+    assert parse_data_prefix("/d/x").blend == ((1.0, "/d/x"),)
+    assert parse_data_prefix(["/d/x"]).blend == ((1.0, "/d/x"),)
+    assert parse_data_prefix([0.3, "/a", 0.7, "/b"]).blend == ((0.3, "/a"), (0.7, "/b"))
+    assert parse_data_prefix(OmegaConf.create({"p": [1, "/a", "2", "/b"]}).p).blend == ((1.0, "/a"), (2.0, "/b"))
     split = parse_data_prefix(OmegaConf.create({"train": [1, "/a"], "validation": ["/v"], "test": "/t"}))
-    assert split.split_blends == {"train": [(1.0, "/a")], "validation": [(1.0, "/v")], "test": [(1.0, "/t")]}
-    for bad in ([0.5, "/a", 0.5], ["/a", "/b"], ["x", "/a"], [], {"training": ["/a"]}, None):
+    assert split.split_blends == {"train": ((1.0, "/a"),), "validation": ((1.0, "/v"),), "test": ((1.0, "/t"),)}
+    assert split.paths == ["/a", "/v", "/t"] and split.pairs("test") == ((1.0, "/t"),)
+    # the data side's split aliases are accepted by the one parser (validation included)
+    assert parse_data_prefix({"train": "/a", "val": "/v"}).pairs("validation") == ((1.0, "/v"),)
+    assert parse_data_prefix({"train": "/a", "valid": "/v"}).pairs("validation") == ((1.0, "/v"),)
+    for bad in ([0.5, "/a", 0.5], ["/a", "/b"], ["x", "/a"], [], {"training": ["/a"]}, None, [0, "/a"],
+                {"validation": "/v"}, [float("nan"), "/a"]):
         with pytest.raises(ConfigError, match="data.data_prefix"):
             parse_data_prefix(bad)
+
+
+def test_parse_datasets():
+    assert parse_datasets(["/a", "/b"], None).blend == ((1.0, "/a"), (1.0, "/b"))
+    assert parse_datasets(["/a", "/b"], [3, 1]).pairs("train") == ((3.0, "/a"), (1.0, "/b"))
+    with pytest.raises(ConfigError, match="data.weights has 1 entries but data.datasets has 2"):
+        parse_datasets(["/a", "/b"], [1])
+    with pytest.raises(ConfigError, match="must be non-negative with a positive sum"):
+        parse_datasets(["/a"], [-1])
+    with pytest.raises(ConfigError, match="data.datasets: give at least one dataset"):
+        parse_datasets([], None)
 
 
 # ----------------------------------------------------------------------------- GPT dataset

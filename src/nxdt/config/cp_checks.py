@@ -10,8 +10,7 @@ from typing import Any
 
 from nxdt.config.errors import ConfigError
 from nxdt.config.layout import Layout, get
-
-_HYBRID = {"hsdp", "hybrid-full-shard", "hybrid_shard", "hybrid-grad-shard"}
+from nxdt.config.sharding import sharding_mode
 
 
 def check_context_parallel(cfg: Any, layout: Layout) -> None:
@@ -35,8 +34,8 @@ def check_context_parallel(cfg: Any, layout: Layout) -> None:
         "model.attention_dropout > 0": (get(cfg, "model.attention_dropout") or 0) > 0,
         "model.sliding_window_size": get(cfg, "model.sliding_window_size") is not None,
         "model.use_torch_compile": bool(get(cfg, "model.use_torch_compile")),
-        "HSDP (sharding_strategy hybrid)": str(get(cfg, "distributed_strategy.sharding_strategy") or "").lower()
-        in _HYBRID or (get(cfg, "distributed_strategy.hsdp_replicate_size") or 1) > 1,
+        "HSDP (sharding_strategy hybrid)": sharding_mode(get(cfg, "distributed_strategy.sharding_strategy")).hybrid
+        or (get(cfg, "distributed_strategy.hsdp_replicate_size") or 1) > 1,
         f"trainer.accelerator {get(cfg, 'trainer.accelerator')}": str(get(cfg, "trainer.accelerator"))
         in ("xla", "neuron", "tpu", "gpu", "cuda", "mps"),  # ring kernels are wired for CPU only
     }

@@ -23,6 +23,7 @@ from omegaconf import open_dict
 
 from nxdt.config import schema
 from nxdt.config.layout import get
+from nxdt.config.precision_settings import normalize_precision
 
 MIXED_FLAGS = ["--enable-mixed-precision-accumulation"]
 
@@ -48,11 +49,6 @@ KNOB_ENV = {
     "neuron_rt_exec_timeout": "NEURON_RT_EXEC_TIMEOUT",
     "neuron_experimental_compress_rg": "NEURON_EXPERIMENTAL_COMPRESS_RG",
 }
-
-
-def normalize_precision(ptype: str) -> str:
-    """`mixed_precision_SR` is accepted as another spelling of `mixed_precisionSR`."""
-    return "mixed_precisionSR" if ptype == "mixed_precision_SR" else ptype
 
 
 def precision_env(cfg: Any) -> tuple[dict[str, str], list[str]]:

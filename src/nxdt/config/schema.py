@@ -12,13 +12,15 @@ Conventions:
 - `neuron=True` marks a key that only acts on Neuron/XLA (reported as inert elsewhere).
 - A string default `"${...}"` is an OmegaConf interpolation, resolved after the merge.
 
-This module imports only the standard library.
+This module imports only the standard library (and nxdt.config.sharding's table).
 """
 
 import copy
 import dataclasses
 from dataclasses import dataclass, field, is_dataclass
 from typing import Any, Dict, List, Literal, Optional, Union, get_args, get_origin, get_type_hints
+
+from nxdt.config.sharding import SHARDING_MODES
 
 
 def doc(default: Any, help: str, **meta: Any) -> Any:
@@ -37,9 +39,8 @@ PRECISION_TYPES = (
 PIPELINE_SCHEDULES = (
     "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV",
 )
-SHARDING_STRATEGIES = (
-    "FSDP", "HSDP", "full-shard", "hybrid-full-shard", "grad-shard", "hybrid-grad-shard", "no-shard", "DDP",
-)
+# every spelling of nxdt.config.sharding.SHARDING_MODES (the one table of what each builds)
+SHARDING_STRATEGIES = tuple(SHARDING_MODES)
 ALIGNMENT_STRATEGIES = ("sft", "dpo", "orpo", "peft")
 
 ZeroOne = Literal["0", "1"]

@@ -26,10 +26,12 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from nxdt.config import schema
+from nxdt.config.blend import parse_data_prefix, parse_datasets
 from nxdt.config.errors import ConfigError
 from nxdt.config.layout import compute_layout, get
 from nxdt.config.cp_checks import check_context_parallel
 from nxdt.config.pipeline_checks import check_pipeline
+from nxdt.config.precision_settings import precision_settings
 
 
 def _gt1(v: Any) -> bool:
@@ -346,37 +348,6 @@ def _effective_model(cfg: Any) -> dict:
     }
 
 
-def _prefix_paths(value: Any, path: str) -> list[str]:
-    """Paths in a data_prefix value ([w, p, w, p, ...], [p], p, or {train, validation, test})."""
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, dict):
-        out = []
-        for key, sub in value.items():
-            if key not in ("train", "validation", "test"):
-                raise ConfigError(f"unknown key '{path}.{key}'{_did_you_mean(str(key), ('train', 'validation', 'test'), path + '.')}")
-            out += _prefix_paths(sub, f"{path}.{key}")
-        return out
-    if isinstance(value, list):
-        if len(value) == 1 and isinstance(value[0], str):
-            return [value[0]]
-        ok = len(value) >= 2 and len(value) % 2 == 0
-        for i in range(0, len(value) - 1, 2) if ok else ():
-            w, p = value[i], value[i + 1]
-            try:
-                weight = float(w) if not isinstance(w, bool) else -1.0
-            except (TypeError, ValueError):
-                weight = -1.0
-            if weight < 0 or not isinstance(p, str):
-                ok = False
-        if ok:
-            return [value[i] for i in range(1, len(value), 2)]
-    raise ConfigError(f"{path}: expected [weight, path, weight, path, ...], a path, or "
-                      f"{{train, validation, test}}, got {_one_line(value)}")
-
-
 def _runs_on_xla(cfg: Any) -> bool:
     """The run goes through torch-xla (the same rule as nxdt.device.use_xla, without importing it)."""
     import importlib.util
@@ -448,10 +419,7 @@ def check_cross(cfg: Any, world_size: int | None = None) -> None:
         raise ConfigError(f"trainer.accelerator {on}: only one device is supported yet "
                           f"(got trainer.devices x trainer.num_nodes = {tr.devices * tr.num_nodes}); "
                           "data parallel over XLA devices is not built")
-    ptype = cfg.precision.type
-    if cfg.precision.fp16.enabled and ptype not in ("fp32", "autocast", "mixed_precision", "manual"):
-        raise ConfigError(f"precision.fp16.enabled: cannot be combined with precision.type {ptype} "
-                          "(fp16 uses fp32 master weights; use type fp32 or mixed_precision)")
+    precision_settings(cfg.precision)  # the fp16 / preset combination rules
     p = model.selective_checkpointing
     if p is not None and not 0 < p <= 1:
         raise ConfigError(f"model.selective_checkpointing: expected a fraction in (0, 1], got {p}")
@@ -467,20 +435,16 @@ def check_cross(cfg: Any, world_size: int | None = None) -> None:
     if not re.fullmatch(r"\s*\d+(\.\d+)?\s*(,\s*\d+(\.\d+)?\s*){2}", data.splits_string):
         raise ConfigError(f"data.splits_string: expected three comma-separated numbers like '980,10,10', "
                           f"got '{data.splits_string}'")
-    if data.datasets is not None and data.weights is not None and len(data.datasets) != len(data.weights):
-        raise ConfigError(f"data.weights has {len(data.weights)} entries but data.datasets has {len(data.datasets)}")
-    if data.weights is not None and (any(w < 0 for w in data.weights) or sum(data.weights) <= 0):
-        raise ConfigError(f"data.weights: {list(data.weights)} must be non-negative with a positive sum")
+    if data.datasets is not None or data.weights is not None:
+        parse_datasets(data.datasets, data.weights)
     if data.logical_shards is not None and data.logical_shards < 1:
         raise ConfigError(f"data.logical_shards: must be >= 1, got {data.logical_shards}")
     if data.packing and "sft" not in (cfg.get("model_alignment_strategy") or {}):
         raise ConfigError("data.packing: packing applies to SFT data only (set model_alignment_strategy.sft)")
     if data.data_module is not None and not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+", data.data_module):
         raise ConfigError(f"data.data_module: expected 'package.module.ClassName', got '{data.data_module}'")
-    prefix = data.data_prefix
-    if data.data_module is None:
-        _prefix_paths(OmegaConf.to_container(prefix) if isinstance(prefix, (DictConfig, ListConfig)) else prefix,
-                      "data.data_prefix")
+    if data.data_module is None and data.data_prefix is not None:
+        parse_data_prefix(data.data_prefix)
 
 
 # --------------------------------------------------------------------------- activation checkpointing
@@ -523,9 +487,7 @@ def check_files(cfg: Any) -> None:
             raise ConfigError("data.train_dir is required for model_source hf "
                               "(or set data.data_prefix, data.use_dummy_dataset or data.data_module)")
         if data.data_prefix is not None and not data.use_dummy_dataset:
-            prefix = data.data_prefix
-            plain = OmegaConf.to_container(prefix) if isinstance(prefix, (DictConfig, ListConfig)) else prefix
-            for p in _prefix_paths(plain, "data.data_prefix"):
+            for p in parse_data_prefix(data.data_prefix).paths:
                 for ext in (".bin", ".idx"):
                     _need(str(p) + ext, "data.data_prefix", "indexed dataset file", "file")
         for key in ("train_dir", "val_dir", "test_dir"):

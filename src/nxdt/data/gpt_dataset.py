@@ -27,16 +27,15 @@ import math
 import os
 import tempfile
 import warnings
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
+from nxdt.config.blend import SPLIT_NAMES  # noqa: F401 - the split order, re-exported
 from nxdt.config.errors import ConfigError
 from nxdt.data.indexed import IndexedDataset
 
-SPLIT_NAMES = ("train", "validation", "test")
 _MAPPING_VERSION = 1
 
 
@@ -69,72 +68,6 @@ def get_train_valid_test_split_(splits_string: str | None, size: int) -> list[in
         index[i] -= diff
     assert len(index) == 4 and index[-1] == size
     return index
-
-
-# ----------------------------------------------------------------------------- data_prefix
-
-
-@dataclass
-class DataBlend:
-    """`blend`: (weight, prefix) pairs split by splits_string; or `split_blends` per split name."""
-
-    blend: list[tuple[float, str]] | None = None
-    split_blends: dict[str, list[tuple[float, str]]] | None = None
-
-
-def _parse_blend(value, key: str) -> list[tuple[float, str]]:
-    if isinstance(value, (str, os.PathLike)):
-        return [(1.0, str(value))]
-    if not isinstance(value, Sequence) or len(value) == 0:
-        raise ConfigError(f"{key}: expected a path or a list [weight, path, ...], got {value!r}")
-    items = list(value)
-    if len(items) == 1:
-        if not isinstance(items[0], (str, os.PathLike)):
-            raise ConfigError(f"{key}: a one-entry list must hold a path, got {items[0]!r}")
-        return [(1.0, str(items[0]))]
-    if len(items) % 2:
-        raise ConfigError(f"{key}: expected pairs [weight, path, weight, path, ...], got {len(items)} entries")
-    pairs = []
-    for i in range(0, len(items), 2):
-        weight, path = items[i], items[i + 1]
-        try:
-            if isinstance(weight, bool):
-                raise ValueError
-            weight = float(weight)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{key}[{i}]: weight {weight!r} is not a number (entries alternate weight, path)") from None
-        if not math.isfinite(weight) or weight < 0:
-            raise ConfigError(f"{key}[{i}]: weight {weight} must be a non-negative number")
-        if not isinstance(path, (str, os.PathLike)):
-            raise ConfigError(f"{key}[{i + 1}]: expected a path prefix, got {path!r}")
-        pairs.append((weight, str(path)))
-    if sum(w for w, _ in pairs) <= 0:
-        raise ConfigError(f"{key}: the weights sum to zero")
-    return pairs
-
-
-def parse_data_prefix(data_prefix) -> DataBlend:
-    """Parse `data.data_prefix`: `[w1, p1, w2, p2, ...]`, a path, `[path]`, or a dict by split.
-
-    The dict form `{train: [...], validation: [...], test: [...]}` gives each split its own blend
-    (whole datasets, splits_string unused); a missing split has no data.
-    """
-    key = "data.data_prefix"
-    if data_prefix is None:
-        raise ConfigError(f"{key}: required for the megatron data module (paths without .bin/.idx)")
-    if isinstance(data_prefix, Mapping):
-        aliases = {"train": "train", "validation": "validation", "valid": "validation", "val": "validation",
-                   "test": "test"}
-        split_blends = {}
-        for name, value in data_prefix.items():
-            if name not in aliases:
-                raise ConfigError(f"{key}.{name}: unknown split (expected train, validation, test)")
-            if value is not None:
-                split_blends[aliases[name]] = _parse_blend(value, f"{key}.{name}")
-        if "train" not in split_blends:
-            raise ConfigError(f"{key}.train: the dict form needs a train entry")
-        return DataBlend(split_blends=split_blends)
-    return DataBlend(blend=_parse_blend(data_prefix, key))
 
 
 # ----------------------------------------------------------------------------- GPT dataset

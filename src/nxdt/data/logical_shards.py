@@ -30,6 +30,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from nxdt.config.blend import DataBlend, parse_datasets
 from nxdt.config.errors import ConfigError
 from nxdt.data.common import cfg_get
 from nxdt.data.indexed import IndexedDataset
@@ -176,22 +177,16 @@ class LogicalShardDataModule(MegatronDataModule):
     def __init__(self, cfg, trainer=None):
         super().__init__(cfg, trainer)
         data = cfg.data
-        names = [str(p) for p in cfg_get(data, "datasets", [])]
-        if not names:
-            raise ConfigError("data.datasets: give at least one dataset (Megatron prefixes without .bin/.idx)")
-        weights = cfg_get(data, "weights")
-        weights = [1.0] * len(names) if weights is None else [float(w) for w in weights]
-        if len(weights) != len(names):
-            raise ConfigError(f"data.weights has {len(weights)} entries but data.datasets has {len(names)}")
-        if any(not np.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
-            raise ConfigError(f"data.weights: {weights} must be non-negative numbers with a positive sum")
-        self.names, self.weights = names, weights
-        self.data_cfg["data_prefix"] = [x for pair in zip(weights, names) for x in pair]
+        self.blend = parse_datasets(cfg_get(data, "datasets", []), cfg_get(data, "weights"))
+        self.names, self.weights = [p for _, p in self.blend.blend], [w for w, _ in self.blend.blend]
         self.logical_shards = cfg_get(data, "logical_shards")
         self.streams: ShardedStreams | None = None
         self.sampler: LogicalShardSampler | None = None
         self._loaded: dict | None = None
         self._start_consumed = 0
+
+    def data_blend(self) -> DataBlend:
+        return self.blend
 
     def build_split(self, k: int, n: int):
         if k != 0:

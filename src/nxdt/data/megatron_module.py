@@ -24,14 +24,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from nxdt.config.blend import SPLIT_NAMES, DataBlend, parse_data_prefix
 from nxdt.config.errors import ConfigError
 from nxdt.data.gpt_dataset import (
-    SPLIT_NAMES,
     BlendedDataset,
     GPTDataset,
     blended_samples_per_dataset,
     get_train_valid_test_split_,
-    parse_data_prefix,
 )
 from nxdt.data.common import NxdtDataModuleBase, cfg_get, limit_batches
 from nxdt.data.indexed import IndexedDataset
@@ -111,19 +110,21 @@ class MegatronDataModule(NxdtDataModuleBase):
             self._opened[prefix] = IndexedDataset(prefix, skip_warmup=bool(self.data_cfg["skip_warmup"]))
         return self._opened[prefix]
 
+    def data_blend(self) -> DataBlend:
+        """The parsed data.data_prefix (nxdt.config.blend, the parser validation uses)."""
+        return parse_data_prefix(self.data_cfg["data_prefix"])
+
     def split_parts(self, k: int) -> list[tuple[float, tuple[IndexedDataset, np.ndarray]]]:
         """(weight, (indexed dataset, document ids)) of split k (0 train, 1 validation, 2 test)."""
-        blend = parse_data_prefix(self.data_cfg["data_prefix"])
-        split = SPLIT_NAMES[k]
-        if blend.blend is not None:
-            pairs = blend.blend
+        blend = self.data_blend()
+        pairs = blend.pairs(SPLIT_NAMES[k])
+        if blend.blend is not None:  # one blend, each dataset cut into splits by splits_string
             parts = []
             for _, prefix in pairs:
                 ix = self._open(prefix)
                 bounds = get_train_valid_test_split_(self.data_cfg["splits_string"], len(ix))
                 parts.append((ix, np.arange(bounds[k], bounds[k + 1], dtype=np.int64)))
-        else:
-            pairs = blend.split_blends.get(split, [])
+        else:  # a blend per split: whole datasets
             parts = [(self._open(p), np.arange(len(self._open(p)), dtype=np.int64)) for _, p in pairs]
         return [(w, part) for (w, _), part in zip(pairs, parts) if len(part[1]) > 0 and w > 0]
 

@@ -224,11 +224,8 @@ def apply_activation_checkpointing(model: nn.Module, cfg) -> nn.Module:
     chunk = int(cfg.model.get("checkpoint_num_layers") or 1)
     if chunk > 1:
         # GPT-NeoX: consecutive blocks of this model (or pipeline stage) in chunks of `chunk`; the
-        # last chunk is shorter when it does not divide (as NeoX). validate.py allows it only with
-        # full granularity and no fraction.
-        if classes != ["LlamaDecoderLayer"] or fraction is not None:
-            raise ConfigError("model.checkpoint_num_layers > 1 needs activations_checkpoint_granularity full "
-                              "and no selective_checkpointing")
+        # last chunk is shorter when it does not divide (as NeoX). Validation (check_cross) allows
+        # it only with full granularity and no fraction, so `classes` is whole blocks here.
         for start in range(0, len(blocks), chunk):
             checkpoint_chunk(blocks[start:start + chunk])
         return model

@@ -2,12 +2,12 @@
 
 The dp part of the mesh is (dp_replicate, dp_shard) (see nxdt.parallel.mesh):
 
-    sharding_strategy          mesh used                         FSDP2 call
-    no-shard / DDP (default)   flattened dp                      replicate (gradients all-reduced)
-    FSDP / full-shard          dp_shard                          fully_shard(reshard_after_forward=True)
-    grad-shard                 dp_shard                          fully_shard(reshard_after_forward=False)
-    HSDP / hybrid-*            (dp_replicate, dp_shard)          fully_shard on the 2-D mesh
-    distributed_strategy.fsdp: true with no strategy → FSDP.
+    mode (nxdt.config.sharding)   mesh used                         FSDP2 call
+    replicate (no-shard, DDP)     flattened dp                      replicate (gradients all-reduced)
+    shard (FSDP, full-shard)      dp_shard                          fully_shard(reshard_after_forward=True)
+    grad-shard                    dp_shard                          fully_shard(reshard_after_forward=False)
+    hybrid (HSDP, hybrid-*)       (dp_replicate, dp_shard)          fully_shard on the 2-D mesh
+    Every spelling of distributed_strategy.sharding_strategy is in nxdt.config.sharding.SHARDING_MODES.
 With context parallelism (cp > 1) replicate runs over dp × cp and FSDP shards over dp_shard × cp:
 cp ranks hold the same parameters and sum their slices' gradients like dp ranks.
 
@@ -24,12 +24,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from nxdt.parallel.mesh import sharding_strategy_of, submesh
+from nxdt.config.sharding import sharding_mode_of
+from nxdt.parallel.mesh import submesh
 from nxdt.precision.precision import fsdp_mixed_precision_policy, stochastic_master_weights
-
-SHARD = {"fsdp", "full-shard", "full_shard"}
-GRAD_SHARD = {"grad-shard", "grad_shard"}
-HYBRID = {"hsdp", "hybrid-full-shard", "hybrid_shard", "hybrid-grad-shard"}
 
 
 @dataclass(frozen=True)
@@ -50,11 +47,11 @@ class DataParallelConfig:
 
 def data_parallel_config(cfg) -> DataParallelConfig:
     ds = cfg.distributed_strategy
-    strategy = sharding_strategy_of(ds).lower()
-    shard = strategy in SHARD | GRAD_SHARD | HYBRID
+    sharding = sharding_mode_of(ds)
+    shard = sharding.shard
     return DataParallelConfig(
         mode="shard" if shard else "replicate",
-        reshard_after_forward=not (strategy in GRAD_SHARD or strategy == "hybrid-grad-shard"),
+        reshard_after_forward=sharding.reshard_after_forward,
         mp_policy=fsdp_mixed_precision_policy(cfg.precision) if shard else None,
         cpu_offload=bool(ds.get("cpu_offload")),
         stochastic_rounding=shard and stochastic_master_weights(cfg.precision),

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from nxdt.config.sharding import ShardingMode, sharding_mode
+
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
@@ -39,27 +41,21 @@ class MeshShape:
         return tuple(getattr(self, axis) for axis in MESH_AXES)
 
 
-def sharding_strategy_of(ds) -> str:
-    """The effective FSDP sharding strategy of `distributed_strategy`: `sharding_strategy`, else
-    FSDP when fms-fsdp's `fsdp: true` is set, else no-shard."""
-    return ds.get("sharding_strategy") or ("FSDP" if ds.get("fsdp") else "no-shard")
+def mesh_shape_from_layout(layout, sharding: ShardingMode | str | None = None, num_nodes: int = 1) -> MeshShape:
+    """Split dp into replicate × shard by the sharding mode (or a `sharding_strategy` spelling).
 
-
-def mesh_shape_from_layout(layout, sharding_strategy: str | None = None, num_nodes: int = 1) -> MeshShape:
-    """Split dp into replicate × shard by the FSDP sharding strategy.
-
-    no-shard / DDP / ZeRO-1: all dp ranks replicate; FSDP / grad-shard: all shard;
-    HSDP: shard within a node, replicate across nodes.
+    replicate (no-shard / DDP / ZeRO-1): all dp ranks replicate; FSDP / grad-shard: all shard;
+    hybrid (HSDP): shard within a node, replicate across nodes.
     """
-    strategy = (sharding_strategy or "no-shard").lower()
+    mode = sharding if isinstance(sharding, ShardingMode) else sharding_mode(sharding)
     dp = layout.dp
-    if strategy in ("fsdp", "full-shard", "full_shard", "grad-shard", "grad_shard"):
-        replicate, shard = 1, dp
-    elif strategy in ("hsdp", "hybrid-full-shard", "hybrid-grad-shard", "hybrid_shard"):
+    if mode.hybrid:
         replicate = max(1, min(num_nodes, dp))
         if dp % replicate:
             replicate = 1
         shard = dp // replicate
+    elif mode.shard:
+        replicate, shard = 1, dp
     else:
         replicate, shard = dp, 1
     return MeshShape(pp=layout.pp, dp_replicate=replicate, dp_shard=shard, cp=layout.cp, tp=layout.tp)

@@ -43,8 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nxdt.config.env import normalize_precision
-from nxdt.config.errors import ConfigError
+from nxdt.config.precision_settings import precision_settings
 from nxdt.precision.overflow import all_ranks_finite
 from nxdt.precision.stochastic_rounding import round_to
 
@@ -118,34 +117,15 @@ class PrecisionSettings:
     fp16: bool
 
 
+# nxdt.config.precision_settings names the compute dtype; this is the torch side of the name.
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def settings_from_cfg(pcfg: Any) -> PrecisionSettings:
-    """`cfg.precision` → PrecisionSettings; ConfigError on combinations that mean nothing."""
-    ptype = normalize_precision(str(pcfg.get("type", "fp32")))
-    fp16 = pcfg.get("fp16") or {}
-    if fp16.get("enabled", False):
-        if ptype not in ("fp32", "autocast", "mixed_precision", "manual"):
-            raise ConfigError(f"precision.fp16.enabled: cannot be combined with precision.type {ptype} "
-                              "(fp16 uses fp32 master weights; use type fp32 or mixed_precision)")
-        return PrecisionSettings(ptype, "master", torch.float16, False, True, True)
-    bf16 = torch.bfloat16
-    if ptype == "fp32":
-        return PrecisionSettings(ptype, "fp32", torch.float32, False, True, False)
-    if ptype == "autocast":
-        return PrecisionSettings(ptype, "autocast", bf16, False, True, False)
-    if ptype == "mixed_precision":
-        return PrecisionSettings(ptype, "master", bf16, False, True, False)
-    if ptype == "mixed_precisionSR":
-        return PrecisionSettings(ptype, "master", bf16, True, True, False)
-    if ptype == "bf16SR":
-        return PrecisionSettings(ptype, "lowp", bf16, True, True, False)
-    if ptype == "manual":
-        low = str(pcfg.get("xla_use_bf16", "0")) == "1" or str(pcfg.get("xla_downcast_bf16", "0")) == "1"
-        if not low:
-            return PrecisionSettings(ptype, "fp32", torch.float32, False, True, False)
-        sr = str(pcfg.get("neuron_rt_stochastic_rounding_en", "0")) == "1"
-        mode = "master" if pcfg.get("master_weights", False) else "lowp"
-        return PrecisionSettings(ptype, mode, bf16, sr, bool(pcfg.get("fp32_grad_acc", False)), False)
-    raise ConfigError(f"precision.type: unknown preset '{ptype}'")
+    """`cfg.precision` → PrecisionSettings (the rules and their ConfigErrors are in
+    nxdt.config.precision_settings, which validation runs too)."""
+    s = precision_settings(pcfg)
+    return PrecisionSettings(s.ptype, s.mode, TORCH_DTYPES[s.compute_dtype], s.stochastic, s.fp32_grad_acc, s.fp16)
 
 
 def fsdp_mixed_precision_policy(precision_cfg: Any):

@@ -159,14 +159,15 @@ def plan(cfg) -> dict[str, Any]:
     from nxdt.config.layout import compute_layout
     from nxdt.config.pipeline_checks import default_pipeline_schedule, pipeline_stage_starts
     from nxdt.models import build_model
-    from nxdt.parallel.mesh import mesh_shape_from_layout, sharding_strategy_of
+    from nxdt.config.sharding import sharding_mode_of
+    from nxdt.parallel.mesh import mesh_shape_from_layout
 
     world = cfg.trainer.devices * cfg.trainer.num_nodes
     layout = compute_layout(cfg, world)
     ds = cfg.distributed_strategy
-    strategy = sharding_strategy_of(ds)
-    shape = mesh_shape_from_layout(layout, strategy, ds.get("hsdp_replicate_size") or cfg.trainer.num_nodes)
-    fsdp = strategy.lower() not in ("no-shard", "ddp")
+    sharding = sharding_mode_of(ds)
+    shape = mesh_shape_from_layout(layout, sharding, ds.get("hsdp_replicate_size") or cfg.trainer.num_nodes)
+    fsdp = sharding.shard
     dp_shard = shape.dp_shard
     shard_ways = dp_shard * layout.cp if fsdp else dp_shard  # FSDP shards over dp_shard × cp
 

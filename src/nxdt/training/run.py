@@ -114,7 +114,8 @@ def train(cfg):
     from nxdt.config.layout import compute_layout
     from nxdt.checkpoint.resume import setup_checkpointing
     from nxdt.exp.exp_manager import resolve_dirs, setup_exp_manager
-    from nxdt.parallel.mesh import mesh_shape_from_layout, sharding_strategy_of
+    from nxdt.config.sharding import sharding_mode_of
+    from nxdt.parallel.mesh import mesh_shape_from_layout
     from nxdt.training.callbacks import RunSummary, StepProgressBar, ThroughputMonitor
     from nxdt.training.module import NxdtLightningModule
 
@@ -122,7 +123,7 @@ def train(cfg):
     world_size = cfg.trainer.devices * cfg.trainer.num_nodes
     layout = compute_layout(cfg, world_size)
     mesh_shape = mesh_shape_from_layout(
-        layout, sharding_strategy_of(cfg.distributed_strategy),
+        layout, sharding_mode_of(cfg.distributed_strategy),
         cfg.distributed_strategy.get("hsdp_replicate_size") or cfg.trainer.num_nodes
     )
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
