@@ -56,13 +56,6 @@ def print_help(section: str | None = None) -> None:
     print(describe(section))
 
 
-def build_datamodule(cfg, trainer):
-    """custom (data.data_module) > SFT > dummy > data.datasets > HF (train_dir) > Megatron: see nxdt.data.select."""
-    from nxdt.data.select import build_datamodule as select_and_build
-
-    return select_and_build(cfg, trainer)
-
-
 def build_trainer(cfg, layout, mesh_shape, loggers, callbacks):
     import lightning.pytorch as pl
 
@@ -92,7 +85,8 @@ def build_trainer(cfg, layout, mesh_shape, loggers, callbacks):
         use_distributed_sampler=False,
         logger=loggers or False,
         callbacks=callbacks,
-        enable_checkpointing=any(type(c).__name__ == "ModelCheckpoint" for c in callbacks),
+        # checkpoints are nxdt.checkpoint's NxdtCheckpoint callback, never Lightning's ModelCheckpoint
+        enable_checkpointing=False,
         enable_progress_bar=t.get("enable_progress_bar", True),
         enable_model_summary=False,
     )
@@ -113,6 +107,7 @@ def train(cfg):
 
     from nxdt.config.layout import compute_layout
     from nxdt.checkpoint.resume import setup_checkpointing
+    from nxdt.data.select import build_datamodule
     from nxdt.exp.exp_manager import resolve_dirs, setup_exp_manager
     from nxdt.config.sharding import sharding_mode_of
     from nxdt.parallel.mesh import mesh_shape_from_layout
@@ -135,6 +130,7 @@ def train(cfg):
     if cfg.trainer.get("enable_progress_bar", True):
         callbacks.append(StepProgressBar())
     trainer = build_trainer(cfg, layout, mesh_shape, loggers, callbacks)
+    # custom (data.data_module) > SFT > dummy > data.datasets > HF (train_dir) > Megatron
     datamodule = build_datamodule(cfg, trainer)
     module = NxdtLightningModule(cfg, layout, vocab_size=datamodule.vocab_size)
     ckpt_path = resume.full_resume  # weights only: ResumeHelper loads them
