@@ -41,6 +41,16 @@ class PrecisionSettings:
     """GPT-NeoX fp16 with a (dynamic) loss scale."""
 
 
+# preset -> (mode, compute dtype, stochastic rounding); gradients accumulate in fp32 for all of them
+PRESETS = {
+    "fp32": ("fp32", "fp32", False),
+    "autocast": ("autocast", "bf16", False),
+    "mixed_precision": ("master", "bf16", False),
+    "mixed_precisionSR": ("master", "bf16", True),
+    "bf16SR": ("lowp", "bf16", True),
+}
+
+
 def precision_settings(pcfg: Any) -> PrecisionSettings:
     """`cfg.precision` -> PrecisionSettings; ConfigError on combinations that mean nothing."""
     ptype = normalize_precision(str(pcfg.type))
@@ -49,16 +59,9 @@ def precision_settings(pcfg: Any) -> PrecisionSettings:
             raise ConfigError(f"precision.fp16.enabled: cannot be combined with precision.type {ptype} "
                               "(fp16 uses fp32 master weights; use type fp32 or mixed_precision)")
         return PrecisionSettings(ptype, "master", "fp16", False, True, True)
-    if ptype == "fp32":
-        return PrecisionSettings(ptype, "fp32", "fp32", False, True, False)
-    if ptype == "autocast":
-        return PrecisionSettings(ptype, "autocast", "bf16", False, True, False)
-    if ptype == "mixed_precision":
-        return PrecisionSettings(ptype, "master", "bf16", False, True, False)
-    if ptype == "mixed_precisionSR":
-        return PrecisionSettings(ptype, "master", "bf16", True, True, False)
-    if ptype == "bf16SR":
-        return PrecisionSettings(ptype, "lowp", "bf16", True, True, False)
+    if ptype in PRESETS:
+        mode, dtype, stochastic = PRESETS[ptype]
+        return PrecisionSettings(ptype, mode, dtype, stochastic, True, False)
     if ptype == "manual":
         low = str(pcfg.xla_use_bf16) == "1" or str(pcfg.xla_downcast_bf16) == "1"
         if not low:
