@@ -7,7 +7,7 @@ PYTHONPATH=examples, or run from the folder that holds it: the working directory
 
 The contract nxdt relies on:
 1. a `lightning.pytorch.LightningDataModule` built as `Cls(cfg, trainer)`: `cfg` is the whole
-   validated config, `trainer` the Lightning Trainer (its strategy knows the data-parallel layout);
+   validated config (typed: `nxdt.config.schema.NxdtConfig`, read `cfg.data.global_batch_size`), `trainer` the Lightning Trainer (its strategy knows the data-parallel layout);
 2. a `vocab_size` attribute (the model's embedding is sized from it), or `model.vocab_size` set;
 3. `train_dataloader()` yields dicts: `input_ids`, `labels` LongTensor[B, S] (labels are the next
    tokens: already shifted), `loss_mask` FloatTensor[B, S], optional `position_ids` LongTensor[B, S]
@@ -17,7 +17,8 @@ The contract nxdt relies on:
    which Lightning calls after restoring a checkpoint), or keep the position in
    `state_dict()` / `load_state_dict()`, which Lightning stores in the checkpoint;
 5. optional `val_dataloader()` / `test_dataloader()`, same batches (whole global batches only).
-Keys under `data:` that nxdt does not know are free for the module (here `data.chapters`).
+Keys under `data:` that nxdt does not know are free for the module (here `data.chapters`): they
+arrive in the plain dict `cfg.data.custom` (and are written back under `data:` in the saved config.yaml).
 
 This one tokenizes the first `data.chapters` chapters of the bundled King James Bible, cuts the
 token stream into blocks of seq_length + 1, and reuses nxdt's Megatron batch sampler for the
@@ -57,7 +58,8 @@ class KJVBlocksDataModule(pl.LightningDataModule):
         self.cfg, self.trainer = cfg, trainer
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
         self.vocab_size = len(self.tokenizer)  # contract point 2
-        self.chapters = int(cfg.data.get("chapters", 50))  # a key of our own under data:
+        # a key of our own under data: (nxdt does not know it, so it is in data.custom; our default)
+        self.chapters = int(cfg.data.custom.get("chapters", 50))
 
     def setup(self, stage: str | None = None) -> None:
         if hasattr(self, "train_tokens"):

@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from nxdt.config import ConfigError, apply_env, compose, compute_layout, describe, load_config, main_guard, validate
 from nxdt.config import env as nenv
 from nxdt.config import resolvers
+from nxdt.config.schema import NxdtConfig
 from nxdt.config.validate import NOT_SUPPORTED_YET
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,10 +51,11 @@ def test_shipped_configs_compose_and_validate(name):
     cfg = load(name=name, world_size=None, check_supported=False)
     world = cfg.trainer.devices * cfg.trainer.num_nodes
     validate(cfg, world_size=world, check_paths=False, check_supported=False)
-    assert cfg.model.optim.sched.max_steps == cfg.trainer.max_steps
+    assert cfg.model.optim["sched"]["max_steps"] == cfg.trainer.max_steps  # model.optim: an open dict
     assert cfg.distributed_strategy.virtual_pipeline_model_parallel_size == 1
-    # every schema key exists; NxDT's interpolations resolved
-    assert "aync_exec_max_inflight_requests" in cfg and "fp16" in cfg.precision
+    # the typed config (every schema key an attribute); NxDT's interpolations resolved
+    assert isinstance(cfg, NxdtConfig) and hasattr(cfg, "aync_exec_max_inflight_requests")
+    assert cfg.precision.fp16.enabled is False
     mps = cfg.distributed_strategy.tensor_model_parallel_size * cfg.distributed_strategy.pipeline_model_parallel_size
     assert cfg.exp_manager.checkpoint_callback_params.model_parallel_size == mps
     if cfg.model_source == "hf":
@@ -64,10 +66,10 @@ def test_shipped_configs_compose_and_validate(name):
 def test_shipped_values():
     cfg = load(name="megatron_llama_7B_config", world_size=None, check_supported=False)
     assert cfg.model.max_position_embeddings == 4096 and cfg.data.seq_length == 4096
-    assert cfg.model.optim.lr == pytest.approx(3e-4) and cfg.model.optim.sched.name == "CosineAnnealing"
+    assert cfg.model.optim["lr"] == pytest.approx(3e-4) and cfg.model.optim["sched"]["name"] == "CosineAnnealing"
     assert list(cfg.data.data_prefix)[0] == 1.0
     sft = load(name="hf_llama3_8B_SFT_config", world_size=None, check_supported=False)
-    assert sft.model_alignment_strategy.sft.packing is True and sft.model.weight_init_only is True
+    assert sft.model_alignment_strategy["sft"]["packing"] is True and sft.model.weight_init_only is True
     assert sft.model.model_config == str(CONF / "model_configs" / "llama3_8B" / "config.json")
 
 
@@ -250,7 +252,7 @@ def test_numbers_as_strings_and_ints_for_floats():
     cfg = load("trainer.gradient_clip_val='0.5'", "model.optim.lr='3e-4'", "model.init_method_std=1",
                "model.layernorm_epsilon='1e-6'")
     assert cfg.trainer.gradient_clip_val == 0.5 and isinstance(cfg.model.init_method_std, float)
-    assert cfg.model.optim.lr == pytest.approx(3e-4) and isinstance(cfg.model.optim.lr, float)
+    assert cfg.model.optim["lr"] == pytest.approx(3e-4) and isinstance(cfg.model.optim["lr"], float)
     assert cfg.model.layernorm_epsilon == pytest.approx(1e-6)
 
 
@@ -259,7 +261,7 @@ def test_yaml_string_numbers(tmp_path):
     text = (CONF / "tiny_llama_cpu.yaml").read_text().replace("lr: 1e-3", "lr: '3e-4'")
     (tmp_path / "t.yaml").write_text(text)
     cfg = load(name="t", config_dir=tmp_path)
-    assert cfg.model.optim.lr == pytest.approx(3e-4)
+    assert cfg.model.optim["lr"] == pytest.approx(3e-4)
 
 
 def test_both_sr_spellings_and_normalisation():
@@ -279,36 +281,47 @@ def test_schema_defaults_overrides_and_struct():
     assert cfg.model.rope_theta == 500000.0 and cfg.model.init_method_std == 0.02  # ~key -> default
     assert cfg.model.sliding_window_size == 64 and cfg.model.vocab_size is None
     assert cfg.exp_manager.version is None and cfg.trainer.accelerator == "auto"
-    with pytest.raises(Exception):
-        cfg.model.not_a_key  # noqa: B018 - struct mode: unknown reads fail
+    with pytest.raises(AttributeError):
+        cfg.model.not_a_key  # noqa: B018 - typed config: unknown reads fail
     # open mappings are replaced as a whole, not merged with the default optimizer
-    tiny_sched = load().model.optim.sched
+    tiny_sched = load().model.optim["sched"]
     assert set(tiny_sched) == {"name", "warmup_steps", "constant_steps", "min_lr", "max_steps"}
     optim = load("model.optim={name: sgd, lr: 0.1}").model.optim
-    assert optim.name == "sgd" and "betas" not in optim and "sched" not in optim
-    assert load("model.optim.lr=0.5").model.optim.betas == [0.9, 0.95]  # a leaf override keeps the rest
+    assert optim["name"] == "sgd" and "betas" not in optim and "sched" not in optim
+    assert load("model.optim.lr=0.5").model.optim["betas"] == [0.9, 0.95]  # a leaf override keeps the rest
 
 
 def test_free_form_sections():
     assert "unknown key 'data.my_key'" in error("+data.my_key=1")
     cfg = load("data.data_module=my_pkg.data.MyModule", "+data.my_key=1", "+data.nested.x=[1,2]",
                check_supported=False)
-    assert cfg.data.my_key == 1
+    assert cfg.data.custom == {"my_key": 1, "nested": {"x": [1, 2]}}  # the keys nxdt does not know
+    assert "unknown key 'data.custom'" in error("+data.custom={a: 1}")  # filled by nxdt, not a YAML key
     assert "data.data_module: expected 'package.module.ClassName'" in error("data.data_module=oops",
                                                                                check_supported=False)
     cfg = load("model.rope_scaling={rope_type: llama3, factor: 8.0}")
-    assert cfg.model.rope_scaling.rope_type == "llama3"
+    assert cfg.model.rope_scaling["rope_type"] == "llama3"
+
+
+def test_saved_yaml_round_trips(tmp_path):
+    """to_yaml (the saved config.yaml) loads back to the same typed config, custom data keys
+    back under data: (and into data.custom again)."""
+    from nxdt.config import to_yaml
+
+    cfg = load("data.data_module=my_pkg.data.MyModule", "+data.chapters=7", check_supported=False)
+    (tmp_path / "config.yaml").write_text(to_yaml(cfg))
+    assert "  chapters: 7" in (tmp_path / "config.yaml").read_text()
+    again = load(name="config", config_dir=tmp_path, check_supported=False)
+    assert again == cfg and again.data.custom == {"chapters": 7}
 
 
 def test_not_supported_table_is_consistent():
-    from nxdt.config.layout import get
-    from nxdt.config.schema import defaults
+    from nxdt.config.schema import NxdtConfig
+    from nxdt.config.typed import select
 
-    d = defaults()
+    d = NxdtConfig()
     for key, predicate in NOT_SUPPORTED_YET.items():
-        top = key.split(".")[0]
-        assert top in d, key
-        assert not predicate(get(d, key)), f"schema default of {key} would be rejected"
+        assert not predicate(select(d, key)), f"schema default of {key} would be rejected"  # a typo raises
 
 
 # ----------------------------------------------------------------------------- resolvers
@@ -407,7 +420,11 @@ def test_compile_smoke_mode():
 
 # ----------------------------------------------------------------------------- layout
 def test_layout_numbers():
-    cfg = OmegaConf.create({
+    from dataclasses import replace
+
+    from nxdt.config.typed import to_typed
+
+    cfg = to_typed({
         "trainer": {"devices": 8, "num_nodes": 1},
         "distributed_strategy": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
         "data": {"micro_batch_size": 2, "global_batch_size": 32, "seq_length": 128},
@@ -418,7 +435,7 @@ def test_layout_numbers():
     assert compute_layout(cfg).world_size == 8
     with pytest.raises(ConfigError, match=r"data.global_batch_size \(32\) is not divisible by "
                                           r"data.micro_batch_size \(3\) x data-parallel size \(2\) = 6"):
-        compute_layout(OmegaConf.merge(cfg, {"data": {"micro_batch_size": 3}}), 8)
+        compute_layout(replace(cfg, data=replace(cfg.data, micro_batch_size=3)), 8)
 
 
 # ----------------------------------------------------------------------------- entry helpers

@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 from conftest import TOKENIZER_DIR
-from omegaconf import OmegaConf
 
 from nxdt.checkpoint.checkpointer import load_weights, save_weights
+from nxdt.config import config_from_dict, to_yaml
 from nxdt.models import build_model, logits_of
 from nxdt.tools.convert import hf_to_nxdt, nxdt_to_hf, parse_size
 
@@ -39,7 +39,7 @@ save_file(out, sys.argv[1])
 def _cfg(source: str):
     model = dict(TINY) if source == "megatron" else {"model_config": "model_configs/tiny_llama", "num_layers": 2,
                                                      "hidden_size": 64}
-    return OmegaConf.create({
+    return config_from_dict({
         "model_source": source, "model": model,
         "distributed_strategy": {"tensor_model_parallel_size": 1},
         "data": {"tokenizer": {"library": "huggingface", "type": str(TOKENIZER_DIR)}},
@@ -52,7 +52,7 @@ def _nxdt_checkpoint(tmp_path, source: str):
     model = build_model(cfg, vocab_size=8192).eval()
     ckpt = tmp_path / f"ckpt_{source}"
     save_weights(model.state_dict(), ckpt)
-    OmegaConf.save(cfg, ckpt / "config.yaml")
+    (ckpt / "config.yaml").write_text(to_yaml(cfg))
     return model, ckpt
 
 

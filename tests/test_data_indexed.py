@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from nxdt.config.errors import ConfigError
+from nxdt.config.schema import TokenizerConfig
 from nxdt.data.assets import bundled_corpus_path, bundled_tokenizer_dir
 from nxdt.data.indexed import IndexedDataset, IndexedDatasetBuilder, best_fitting_dtype
 from nxdt.data.tokenizers import build_tokenizer, eod_id
@@ -134,7 +135,7 @@ def test_bad_files_raise_config_error_naming_the_file(tmp_path, how, message):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return build_tokenizer({"library": "huggingface", "type": str(bundled_tokenizer_dir())})
+    return build_tokenizer(TokenizerConfig(library="huggingface", type=str(bundled_tokenizer_dir())))
 
 
 def test_bundled_tokenizer_loads_offline_and_roundtrips(monkeypatch):
@@ -156,22 +157,22 @@ def test_bundled_tokenizer_loads_offline_and_roundtrips(monkeypatch):
 def test_build_tokenizer_errors(tmp_path):
     missing = str(tmp_path / "nope")
     with pytest.raises(ConfigError, match="data.tokenizer.type") as info:
-        build_tokenizer({"library": "huggingface", "type": missing})
+        build_tokenizer(TokenizerConfig(library="huggingface", type=missing))
     assert missing in str(info.value)
     with pytest.raises(ConfigError, match="data.tokenizer.vocab_file"):
-        build_tokenizer({"library": "megatron", "type": "GPT2BPETokenizer", "vocab_file": missing, "merge_file": missing})
+        build_tokenizer(TokenizerConfig(library="megatron", type="GPT2BPETokenizer", vocab_file=missing, merge_file=missing))
     with pytest.raises(ConfigError, match="data.tokenizer.model"):
-        build_tokenizer({"library": "sentencepiece", "model": missing})
+        build_tokenizer(TokenizerConfig(library="sentencepiece", model=missing))
     with pytest.raises(ConfigError, match="data.tokenizer.library"):
-        build_tokenizer({"library": "bogus"})
+        build_tokenizer(TokenizerConfig(library="bogus"))
 
 
 def test_megatron_gpt2_bpe_from_vocab_and_merges(tmp_path):
     vocab = {"<|endoftext|>": 0, "a": 1, "b": 2, "ab": 3, "Ġ": 4, "Ġa": 5}
     (tmp_path / "vocab.json").write_text(json.dumps(vocab))
     (tmp_path / "merges.txt").write_text("#version: 0.2\na b\nĠ a\n")
-    tok = build_tokenizer({"library": "megatron", "type": "GPT2BPETokenizer",
-                           "vocab_file": str(tmp_path / "vocab.json"), "merge_file": str(tmp_path / "merges.txt")})
+    tok = build_tokenizer(TokenizerConfig(library="megatron", type="GPT2BPETokenizer",
+                           vocab_file=str(tmp_path / "vocab.json"), merge_file=str(tmp_path / "merges.txt")))
     assert tok("ab a", add_special_tokens=False)["input_ids"] == [3, 5]
     assert eod_id(tok) == 0
 

@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 
 from nxdt.config.blend import parse_data_prefix, parse_datasets
 from nxdt.config.errors import ConfigError
+from nxdt.config.load import config_from_dict
 from nxdt.data.gpt_dataset import (
     BlendedDataset,
     GPTDataset,
@@ -278,7 +279,7 @@ def _cfg(prefix, **data):
         "eod_mask_loss": True, "reset_position_ids": True, "num_workers": 0,
     }
     base.update(data)
-    return OmegaConf.create({
+    return config_from_dict({
         "seed": 1234, "data": base,
         "trainer": {"max_steps": 6, "val_check_interval": 3, "limit_val_batches": 2, "limit_test_batches": 1.0},
     })

@@ -7,9 +7,9 @@ import types
 import numpy as np
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from nxdt.config.errors import ConfigError
+from nxdt.config.load import config_from_dict
 from nxdt.data.hf_module import HFDataModule
 from nxdt.data.select import build_datamodule, datamodule_kind
 
@@ -17,11 +17,11 @@ S = 16
 
 
 def base_cfg(**data):
-    return OmegaConf.create({
+    return config_from_dict({
         "seed": 7, "model_source": "megatron", "model": {"vocab_size": None},
         "trainer": {"max_steps": 4, "val_check_interval": 2, "limit_val_batches": 1, "limit_test_batches": 1},
         "data": {"seq_length": S, "micro_batch_size": 2, "global_batch_size": 4, "num_workers": 0,
-                 "splits_string": "980,10,10", "tokenizer": None, **data},
+                 "splits_string": "980,10,10", **data},
     })
 
 
@@ -114,7 +114,7 @@ class Tiny(pl.LightningDataModule):
     def __init__(self, cfg, trainer):
         super().__init__()
         self.vocab_size = 11
-        self.extra = cfg.data.my_rows
+        self.extra = cfg.data.custom["my_rows"]
 
     def train_dataloader(self):
         ids = torch.zeros(self.extra, 4, dtype=torch.long)
@@ -165,8 +165,9 @@ def test_selection_order():
     assert datamodule_kind(cfg) == "custom"
     with pytest.raises(ConfigError, match="data: no data source"):
         datamodule_kind(base_cfg())
-    with pytest.raises(ConfigError, match="data.packing: packing applies to SFT data only"):
-        build_datamodule(base_cfg(use_dummy_dataset=True, packing=True), None)
+    with pytest.raises(ConfigError, match="data.packing: packing applies to SFT data only"):  # validation's rule
+        config_from_dict({"model": {"num_layers": 2, "hidden_size": 8, "ffn_hidden_size": 16, "num_attention_heads": 2},
+                          "data": {"use_dummy_dataset": True, "packing": True}}, world_size=1, check=True)
 
 
 # ----------------------------------------------------------------------------- logical shards

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from omegaconf import OmegaConf
 
 from nxdt.config.errors import ConfigError
+from nxdt.config.load import config_from_dict
 from nxdt.data.sft import SFTDataModule, SFTRows, pack_examples, read_pairs, tokenize_pairs
 from nxdt.data.tokenizers import build_tokenizer
 
@@ -37,11 +38,11 @@ def sft_cfg(train, packing=False, seq=32, template=None, **data):
     sft = {"packing": packing}
     if template is not None:
         sft["prompt_template"] = template
-    return OmegaConf.create({
+    return config_from_dict({
         "seed": 1, "trainer": {"max_steps": 3, "limit_val_batches": 1, "limit_test_batches": 1},
         "model_alignment_strategy": {"sft": sft},
         "data": {"train_dir": train, "seq_length": seq, "micro_batch_size": 2, "global_batch_size": 2,
-                 "num_workers": 0, "tokenizer": None, **data},
+                 "num_workers": 0, **data},
     })
 
 
@@ -176,7 +177,7 @@ def test_sft_module_loaders_and_resume(tmp_path):
     val = list(dm.val_dataloader())
     assert len(val) == 2
     with pytest.raises(ConfigError, match="unknown key 'model_alignment_strategy.sft.pack'"):
-        SFTDataModule(OmegaConf.merge(cfg, {"model_alignment_strategy": {"sft": {"pack": True}}}), None)
+        SFTDataModule(replace(cfg, model_alignment_strategy={"sft": {"pack": True}}), None)
 
 
 def test_packing_from_data_key(tmp_path):

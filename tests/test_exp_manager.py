@@ -12,9 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from nxdt.config.errors import ConfigError
+from nxdt.config.load import config_from_dict
+from nxdt.config.schema import CheckpointCallbackParams
+from nxdt.config.typed import to_typed
 from nxdt.checkpoint import checkpointer as ck
 from nxdt.checkpoint import state as ck_state
 from nxdt.checkpoint.callbacks import NxdtCheckpoint
@@ -26,7 +28,7 @@ from nxdt.exp.exp_manager import resolve_dirs
 def _cfg(**exp):
     base = {"explicit_log_dir": None, "exp_dir": None, "name": "run", "version": None, "resume_if_exists": False,
             "resume_ignore_no_checkpoint": False, "resume_from_checkpoint": None}
-    return OmegaConf.create({"name": "run", "model": {"weight_init_only": False}, "exp_manager": {**base, **exp}})
+    return config_from_dict({"name": "run", "model": {"weight_init_only": False}, "exp_manager": {**base, **exp}})
 
 
 def _weights(tmp: Path, name: str, step: int) -> Path:
@@ -243,7 +245,7 @@ def test_monitor_and_mode_config_checks():
 
     def cfg(**params):
         base = {"monitor": "step", "mode": "max", "filename": "x--{step}"}
-        return OmegaConf.create({**base, **params})
+        return to_typed({**base, **params}, CheckpointCallbackParams)
 
     check_checkpoint_params(cfg(monitor="val_loss", mode="min", filename="x--{step}-{val_loss:.3f}"))
     with pytest.raises(ConfigError, match="'min' with monitor 'step' would keep the oldest checkpoints"):

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import math
 from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
+from nxdt.config.load import config_from_dict
 from nxdt.models import (
     LlamaArgs,
     NxdtLlamaForCausalLM,
@@ -148,7 +149,7 @@ MEGATRON_SIZES = {
 @pytest.mark.parametrize("name", list(MEGATRON_SIZES))
 def test_parameter_counts_on_meta(name):
     model_kw, vocab, expected = MEGATRON_SIZES[name]
-    cfg = OmegaConf.create(
+    cfg = config_from_dict(
         {
             "model_source": "megatron",
             "model": {**model_kw, "make_vocab_size_divisible_by": 128, "max_position_embeddings": 4096},
@@ -159,7 +160,7 @@ def test_parameter_counts_on_meta(name):
     assert all(p.is_meta for p in model.parameters())
     assert count_parameters(model) == expected
 
-    hf_cfg = OmegaConf.create({"model_source": "hf", "model": {"model_config": f"conf/model_configs/{name}/config.json"}})
+    hf_cfg = config_from_dict({"model_source": "hf", "model": {"model_config": f"conf/model_configs/{name}/config.json"}})
     hf = build_model(hf_cfg, device="meta")
     assert count_parameters(hf) == expected
     assert list(hf.state_dict()) == list(model.state_dict())
@@ -167,7 +168,7 @@ def test_parameter_counts_on_meta(name):
 
 def test_shipped_configs_are_the_published_ones():
     llama31 = build_model(
-        OmegaConf.create({"model_source": "hf", "model": {"model_config": "model_configs/llama3.1_8B"}}), device="meta"
+        config_from_dict({"model_source": "hf", "model": {"model_config": "model_configs/llama3.1_8B"}}), device="meta"
     )
     assert count_parameters(llama31) == 8_030_261_248
     assert llama31.config.max_position_embeddings == 131072
@@ -176,12 +177,12 @@ def test_shipped_configs_are_the_published_ones():
     # Null overrides (the schema's defaults) keep the json's values.
     nulls = {"num_layers": None, "hidden_size": None, "rope_theta": None, "max_position_embeddings": None}
     llama3 = build_model(
-        OmegaConf.create({"model_source": "hf", "model": {"model_config": "model_configs/llama3_8B", **nulls}}),
+        config_from_dict({"model_source": "hf", "model": {"model_config": "model_configs/llama3_8B", **nulls}}),
         device="meta",
     )
     assert llama3.config.rope_parameters["rope_theta"] == 500000.0
     assert (llama3.config.num_hidden_layers, llama3.config.max_position_embeddings) == (32, 8192)
-    tiny_llama = build_model(OmegaConf.create({"model_source": "hf", "model": {"model_config": "model_configs/tiny_llama"}}))
+    tiny_llama = build_model(config_from_dict({"model_source": "hf", "model": {"model_config": "model_configs/tiny_llama"}}))
     c = tiny_llama.config
     assert (c.vocab_size, c.hidden_size, c.intermediate_size, c.num_hidden_layers) == (8192, 256, 704, 4)
     assert (c.num_attention_heads, c.num_key_value_heads, c.max_position_embeddings) == (8, 4, 1024)
@@ -197,7 +198,7 @@ def test_vocab_padding():
     assert padded_vocab_size(50257, 128, 1) == 50304
     assert padded_vocab_size(32000, 128, 1) == 32000
     assert padded_vocab_size(50257, 128, 2) == 50432
-    cfg = OmegaConf.create(
+    cfg = config_from_dict(
         {
             "model_source": "megatron",
             "model": {**{k: v for k, v in TINY.items() if k != "vocab_size"}, "make_vocab_size_divisible_by": 128},
@@ -210,10 +211,10 @@ def test_vocab_padding():
 
 
 def test_partial_config_and_vocab_from_cfg():
-    cfg = OmegaConf.create(
+    cfg = config_from_dict(
         {
             "model_source": "megatron",
-            "model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+            "model": {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 256, "num_attention_heads": 4,
                       "vocab_size": 1000, "make_vocab_size_divisible_by": 64,
                       "rope_scaling": LLAMA3_SCALING},
         }
@@ -225,24 +226,27 @@ def test_partial_config_and_vocab_from_cfg():
     out = model(torch.randint(0, 1000, (1, 8)))
     assert out.shape == (1, 8, 1024)
     assert model.args.ffn_hidden_size == 4 * 64 and model.args.rope_theta == 10000.0
-    # Schema nulls mean "default", not None.
-    nulls = OmegaConf.create({"model_source": "megatron", "model": {**TINY, "rope_theta": None, "ffn_hidden_size": None,
-                                                                      "num_kv_heads": None, "vocab_size": None}})
+    # Schema nulls mean what the schema documents, not None.
+    nulls = config_from_dict({"model_source": "megatron", "model": {**TINY, "rope_theta": None, "num_kv_heads": None,
+                                                                      "vocab_size": None}})
     args = build_model(nulls, 97, device="meta").args
-    assert (args.rope_theta, args.ffn_hidden_size, args.num_kv_heads) == (10000.0, 256, 4)
+    assert (args.rope_theta, args.num_kv_heads) == (10000.0, 4)
+    assert args.vocab_size == 104  # the schema's make_vocab_size_divisible_by (8), not a builder default
+    with pytest.raises(ValueError, match="model.ffn_hidden_size"):
+        build_model(config_from_dict({"model_source": "megatron", "model": {**TINY, "ffn_hidden_size": None}}), 8)
     with pytest.raises(ValueError, match="vocabulary size"):
-        build_model(OmegaConf.create({"model_source": "megatron", "model": {**TINY, "vocab_size": None}}))
+        build_model(config_from_dict({"model_source": "megatron", "model": {**TINY, "vocab_size": None}}))
     with pytest.raises(ValueError, match="model.hidden_size"):
-        build_model(OmegaConf.create({"model_source": "megatron", "model": {"num_layers": 1, "num_attention_heads": 2}}), 8)
+        build_model(config_from_dict({"model_source": "megatron", "model": {"num_layers": 1, "num_attention_heads": 2}}), 8)
     with pytest.raises(ValueError, match="model_source"):
-        build_model(OmegaConf.create({"model_source": "nope", "model": {}}), 10)
+        build_model(replace(config_from_dict({}), model_source="nope"), 10)  # validation refuses it first
 
 
 def test_hf_overrides(tmp_path):
     base = json.loads((REPO / "conf/model_configs/tiny_llama/config.json").read_text())
     base["head_dim"] = 32  # explicit head_dim must follow an overridden hidden size
     (tmp_path / "config.json").write_text(json.dumps(base))
-    cfg = OmegaConf.create(
+    cfg = config_from_dict(
         {
             "model_source": "hf",
             "model": {"model_config": str(tmp_path), "num_layers": 2, "hidden_size": 128, "rope_theta": 1234.0,
@@ -259,7 +263,7 @@ def test_hf_overrides(tmp_path):
     assert model.model.layers[0].self_attn.q_proj.weight.shape == (128, 128)
     assert logits_of(model(input_ids=torch.randint(0, 8192, (1, 5)))).shape == (1, 5, 8192)
     with pytest.raises(FileNotFoundError):
-        build_model(OmegaConf.create({"model_source": "hf", "model": {"model_config": str(tmp_path / "none")}}))
+        build_model(config_from_dict({"model_source": "hf", "model": {"model_config": str(tmp_path / "none")}}))
 
 
 # --------------------------------------------------------------------------- weights
@@ -271,7 +275,7 @@ def test_tied_embeddings_counted_once_and_shared():
     assert count_parameters(untied) - count_parameters(tied) == TINY["vocab_size"] * TINY["hidden_size"]
     assert tied.lm_head.weight is tied.model.embed_tokens.weight
     # Still one tensor after a meta build and materialisation.
-    cfg = OmegaConf.create(
+    cfg = config_from_dict(
         {"model_source": "megatron",
          "model": {**TINY, "share_embeddings_and_output_weights": True, "make_vocab_size_divisible_by": 1}}
     )
@@ -311,7 +315,7 @@ def test_init_std(scaled):
 
 
 def test_build_on_real_device_uses_megatron_init():
-    cfg = OmegaConf.create({"model_source": "megatron", "model": {**TINY, "init_method_std": 0.5}})
+    cfg = config_from_dict({"model_source": "megatron", "model": {**TINY, "init_method_std": 0.5}})
     model = build_model(cfg)
     assert model.model.embed_tokens.weight.std().item() == pytest.approx(0.5, rel=0.1)
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
+
+from nxdt.config.load import config_from_dict
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
@@ -18,8 +19,13 @@ from conftest import run_worker  # noqa: E402
 from test_config import error, load  # noqa: E402
 
 
+def _dp_sections(cfg):
+    """data_parallel_config takes the distributed_strategy and precision sections."""
+    return cfg.distributed_strategy, cfg.precision
+
+
 def tiny_cfg(**model):
-    return OmegaConf.create({
+    return config_from_dict({
         "model_source": "megatron",
         "model": {"num_layers": 4, "hidden_size": 64, "ffn_hidden_size": 176, "num_attention_heads": 4,
                   "num_kv_heads": 2, "make_vocab_size_divisible_by": 8, "activations_checkpoint_granularity": None,
@@ -39,7 +45,7 @@ def _loss_and_grads(cfg, checkpointed: bool):
 
     torch.manual_seed(0)
     model = build_model(cfg, vocab_size=512)
-    names = checkpointed_modules(apply_activation_checkpointing(model, cfg)) if checkpointed else []
+    names = checkpointed_modules(apply_activation_checkpointing(model, cfg.model)) if checkpointed else []
     ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
     loss = torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
     loss.backward()
@@ -71,7 +77,7 @@ def test_checkpointed_block_recomputes_in_backward():
     from nxdt.parallel.activation_checkpointing import apply_activation_checkpointing
 
     cfg = tiny_cfg(activations_checkpoint_granularity="full")
-    model = apply_activation_checkpointing(build_model(cfg, vocab_size=512), cfg)
+    model = apply_activation_checkpointing(build_model(cfg, vocab_size=512), cfg.model)
     calls = []
     model.model.layers[1].mlp.register_forward_pre_hook(lambda *a: calls.append(1))
     model(torch.randint(0, 512, (1, 8))).sum().backward()
@@ -95,7 +101,7 @@ def test_checkpoint_chunks_same_loss_and_grads_and_names(n, chunks):
     assert loss1 == loss0
     for name, g in grads0.items():  # same parameter names (checkpoints stay compatible), same gradients
         torch.testing.assert_close(grads1[name], g, rtol=0, atol=0, msg=name)
-    model = apply_activation_checkpointing(build_model(cfg, vocab_size=512), cfg)
+    model = apply_activation_checkpointing(build_model(cfg, vocab_size=512), cfg.model)
     assert checkpointed_chunks(model) == chunks
     assert list(model.state_dict()) == list(build_model(cfg, vocab_size=512).state_dict())
 
@@ -109,7 +115,7 @@ def test_hf_checkpoint_chunks_same_grads():
         cfg = tiny_cfg(**keys)
         cfg.model_source, cfg.model.model_config, cfg.model.num_layers = "hf", "model_configs/tiny_llama", 2
         torch.manual_seed(0)
-        model = apply_activation_checkpointing(build_model(cfg), cfg)
+        model = apply_activation_checkpointing(build_model(cfg), cfg.model)
         ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
         model(input_ids=ids).logits.float().pow(2).mean().backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})
@@ -147,7 +153,7 @@ def test_checkpoint_chunks_keep_fewer_activations():
 
     def held(**keys):
         cfg = tiny_cfg(**keys)
-        model = apply_activation_checkpointing(build_model(cfg, vocab_size=512), cfg)
+        model = apply_activation_checkpointing(build_model(cfg, vocab_size=512), cfg.model)
         calls = []
         model.model.layers[2].mlp.register_forward_pre_hook(lambda *a: calls.append(1))
         ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(1))
@@ -181,7 +187,7 @@ def test_hf_selective_maps_core_attention_to_llama_attention():
     cfg.model_source = "hf"
     cfg.model.model_config = "model_configs/tiny_llama"
     cfg.model.num_layers = 2
-    names = checkpointed_modules(apply_activation_checkpointing(build_model(cfg), cfg))
+    names = checkpointed_modules(apply_activation_checkpointing(build_model(cfg), cfg.model))
     assert names == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
 
 
@@ -233,11 +239,11 @@ def test_mesh_shape_for_hsdp_and_data_parallel_config():
     cfg = load("distributed_strategy.sharding_strategy=HSDP", "trainer.devices=4", world_size=4)
     shape = mesh_shape_from_layout(compute_layout(cfg, 4), "HSDP", num_nodes=2)
     assert (shape.dp_replicate, shape.dp_shard) == (2, 2)
-    assert data_parallel_config(cfg).mode == "shard"
-    grad = data_parallel_config(load("distributed_strategy.sharding_strategy=grad-shard"))
+    assert data_parallel_config(cfg.distributed_strategy, cfg.precision).mode == "shard"
+    grad = data_parallel_config(*_dp_sections(load("distributed_strategy.sharding_strategy=grad-shard")))
     assert grad.mode == "shard" and not grad.reshard_after_forward
-    assert data_parallel_config(load("distributed_strategy.fsdp=true")).mode == "shard"
-    assert data_parallel_config(load()).mode == "replicate"
+    assert data_parallel_config(*_dp_sections(load("distributed_strategy.fsdp=true"))).mode == "shard"
+    assert data_parallel_config(*_dp_sections(load())).mode == "replicate"
 
 
 # ----------------------------------------------------------------------------- torchrun: ZeRO-1 bytes, meta init
@@ -390,12 +396,10 @@ if __name__ == "__main__":
 
 def test_use_torch_compile_compiles_each_block_and_only_blocks():
     """model.use_torch_compile: every decoder block gets torch.compile'd (not run here: cold compile is slow)."""
-    from omegaconf import OmegaConf
-
     from nxdt.models import build_model
     from nxdt.parallel.parallelize import apply_compile
 
-    cfg = OmegaConf.create({"model_source": "megatron", "model": {
+    cfg = config_from_dict({"model_source": "megatron", "model": {
         "num_layers": 2, "hidden_size": 32, "ffn_hidden_size": 64, "num_attention_heads": 4}})
     model = build_model(cfg, 64)
     apply_compile(model)

@@ -11,9 +11,9 @@ import pytest
 import torch
 from conftest import TINY_OVERRIDES, run_cli, train_and_read
 from conftest import curve as _curve
-from omegaconf import OmegaConf
 
 from nxdt.config.errors import ConfigError
+from nxdt.config.load import config_from_dict
 from nxdt.config.pipeline_checks import pipeline_stage_starts
 
 STEPS = 10
@@ -44,10 +44,10 @@ def test_stages_chained_equal_the_whole_model_and_keep_names(source):
 
     torch.manual_seed(0)
     if source == "megatron":
-        cfg = OmegaConf.create({"model_source": "megatron", "model": {
+        cfg = config_from_dict({"model_source": "megatron", "model": {
             "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "num_kv_heads": 2, "ffn_hidden_size": 176}})
     else:
-        cfg = OmegaConf.create({"model_source": "hf", "model": {"model_config": "model_configs/tiny_llama",
+        cfg = config_from_dict({"model_source": "hf", "model": {"model_config": "model_configs/tiny_llama",
                                                                 "num_layers": 4, "hidden_size": 64}})
     model = build_model(cfg, 512)
     ids = torch.randint(0, 500, (2, 12))

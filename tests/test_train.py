@@ -92,6 +92,18 @@ def test_data_parallel_matches_single_process(single_run, dp2_run):
     assert "dp=2" in dp2_run[0].stdout
 
 
+def test_rerun_from_the_saved_config_reproduces_the_run(single_run, tmp_path):
+    """The log dir's config.yaml (the typed config written back as resolved YAML) is a config a
+    user can rerun as is: the same losses come out."""
+    _, scalars, log_dir = single_run
+    saved = (log_dir / "config.yaml").read_text()
+    assert "custom:" not in saved and "data_prefix:" in saved  # data.custom is not a YAML key
+    proc = run_cli(["--config-path", str(log_dir), "--config-name", "config",
+                    f"exp_manager.explicit_log_dir={tmp_path}"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert _curve(read_scalars(tmp_path)) == _curve(scalars)
+
+
 def test_hf_model_source_trains(kjv_prefix, tmp_path):
     """model_source: hf builds transformers' LlamaForCausalLM from a local config.json and trains it."""
     args = _train_args(kjv_prefix, tmp_path, devices=1, extra=[

@@ -23,10 +23,9 @@ def use_xla(cfg: Any, environ: MutableMapping[str, str] | None = None) -> bool:
     """This run goes through torch-xla: trainer.accelerator xla/neuron/tpu, or (auto) torch_xla is
     installed and PJRT_DEVICE / Neuron hints are present (nxdt.config.env.detect_xla)."""
     from nxdt.config.env import detect_xla
-    from nxdt.config.layout import get
 
     environ = os.environ if environ is None else environ
-    if str(get(cfg, "trainer.accelerator", "auto")) in ("xla", "neuron", "tpu"):
+    if cfg.trainer.accelerator in ("xla", "neuron", "tpu"):
         return True
     return detect_xla(cfg, environ) and xla_available()
 

@@ -156,16 +156,16 @@ class Checkpointer:
                 "consumed_samples": int(checkpoint.get("consumed_samples", 0)),
                 "torch_version": torch.__version__,
                 "lightning_version": checkpoint.get("pytorch-lightning_version"),
-                "model_source": cfg.get("model_source") if cfg is not None else None,
+                "model_source": cfg.model_source if cfg is not None else None,
                 "model_shapes": shapes,
                 "save_bf16": save_bf16,
                 "master_weights": any(k.startswith("master.") for k in tensors),
             }
             write_json(tmp / META, meta)
-            if cfg is not None:
-                from omegaconf import OmegaConf
+            if cfg is not None:  # the resolved YAML: rerunnable with --config-path/--config-name
+                from nxdt.config.typed import to_yaml
 
-                OmegaConf.save(cfg, tmp / CONFIG, resolve=True)
+                (tmp / CONFIG).write_text(to_yaml(cfg), encoding="utf-8")
 
         if self.use_xser:
             _xser_save(tensors, tmp, rank)
@@ -369,7 +369,7 @@ def load_checkpoint(strategy, path: Path, cfg=None, weights_only: bool = False) 
         # tensor-parallel peers, which hold replicated activations) may hold different saved
         # states (say, two pipeline stages that consumed different amounts): taking them over
         # could desynchronise replicas. Every rank is re-seeded alike instead (reseed_state).
-        seed, step = int(cfg.get("seed", 0) or 0) if cfg is not None else 0, int(meta.get("step", 0))
+        seed, step = cfg.seed if cfg is not None else 0, int(meta.get("step", 0))
         trainer_state["pending_rng"] = own.get("rng") if same_layout else reseed_state(seed, step)
         if not same_layout:
             if not same_dp:
@@ -381,7 +381,7 @@ def load_checkpoint(strategy, path: Path, cfg=None, weights_only: bool = False) 
                        + ("data-loader state kept (same dp size)" if same_dp else
                           f"data-loader state does not carry over a change of dp size (dp={saved_layout.get('dp')}"
                           f" -> dp={layout.get('dp')}): data continues from consumed_samples"))
-    if cfg is not None and cfg.exp_manager.get("enable_recovery_time_instrumentation") and rank == 0:
+    if cfg is not None and cfg.exp_manager.enable_recovery_time_instrumentation and rank == 0:
         print(f"checkpoint load {path.name}: check {t1 - t0:.3f}s, tensors {t2 - t1:.3f}s", flush=True)
     return trainer_state
 

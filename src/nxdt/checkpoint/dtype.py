@@ -31,9 +31,8 @@ def flags(cfg) -> tuple[bool, bool]:
     """(save_bf16, use_master_weights_in_ckpt) from the config (both False without one)."""
     if cfg is None:
         return False, False
-    exp = cfg.get("exp_manager") or {}
-    params = exp.get("checkpoint_callback_params") or {}
-    return bool(exp.get("save_bf16", False)), bool(params.get("use_master_weights_in_ckpt", False))
+    exp = cfg.exp_manager
+    return exp.save_bf16, exp.checkpoint_callback_params.use_master_weights_in_ckpt
 
 
 def weights_for_save(tensors: dict[str, torch.Tensor], save_bf16: bool, keep_master: bool) -> tuple[dict, list[str]]:

@@ -56,7 +56,7 @@ def setup_checkpointing(cfg, dirs) -> tuple[ResumePlan, list]:
 def find_resume_checkpoint(cfg, dirs: ExpDirs) -> tuple[Path | None, bool]:
     """(checkpoint to load, weights_only) from resume_from_checkpoint / resume_if_exists."""
     exp = cfg.exp_manager
-    weights_only = bool(cfg.model.get("weight_init_only", False))
+    weights_only = cfg.model.weight_init_only
     if exp.resume_from_checkpoint:
         from nxdt.checkpoint.checkpointer import validate_checkpoint
 

@@ -9,7 +9,7 @@ report them once, in one line (`format_inert`).
 `COMPILE=1` in the environment (NxDT's graph pre-compilation run) is kept everywhere as a
 smoke mode: trainer.max_steps = 10, no TensorBoard, no checkpoints.
 
-Only the standard library and omegaconf are imported here.
+`cfg` is the typed config (`nxdt.config.schema.NxdtConfig`). Only the standard library is imported here.
 """
 
 from __future__ import annotations
@@ -19,10 +19,8 @@ import shlex
 from collections.abc import MutableMapping
 from typing import Any
 
-from omegaconf import open_dict
-
 from nxdt.config import schema
-from nxdt.config.layout import get
+from nxdt.config.typed import select
 from nxdt.config.precision_settings import normalize_precision
 
 MIXED_FLAGS = ["--enable-mixed-precision-accumulation"]
@@ -53,12 +51,13 @@ KNOB_ENV = {
 
 def precision_env(cfg: Any) -> tuple[dict[str, str], list[str]]:
     """(env vars, NEURON_CC_FLAGS tokens) of cfg.precision on XLA."""
-    ptype = normalize_precision(str(get(cfg, "precision.type", "fp32")))
+    p = cfg.precision
+    ptype = normalize_precision(p.type)
     if ptype == "manual":
         env = {
-            "XLA_USE_BF16": str(get(cfg, "precision.xla_use_bf16", "0")),
-            "XLA_DOWNCAST_BF16": str(get(cfg, "precision.xla_downcast_bf16", "0")),
-            "NEURON_RT_STOCHASTIC_ROUNDING_EN": str(get(cfg, "precision.neuron_rt_stochastic_rounding_en", "0")),
+            "XLA_USE_BF16": str(p.xla_use_bf16),
+            "XLA_DOWNCAST_BF16": str(p.xla_downcast_bf16),
+            "NEURON_RT_STOCHASTIC_ROUNDING_EN": str(p.neuron_rt_stochastic_rounding_en),
         }
         return env, []
     env, flags = PRECISION_PRESETS[ptype]
@@ -101,7 +100,7 @@ def merge_cc_flags(existing: str, extra: list[str]) -> str:
 def detect_xla(cfg: Any, environ: MutableMapping[str, str] | None = None) -> bool:
     """True when this run uses torch-xla: trainer.accelerator xla/neuron/tpu, or (auto) XLA/Neuron hints."""
     environ = os.environ if environ is None else environ
-    acc = str(get(cfg, "trainer.accelerator", "auto"))
+    acc = cfg.trainer.accelerator
     if acc in ("xla", "neuron", "tpu"):
         return True
     if acc != "auto":
@@ -119,10 +118,10 @@ def inert_keys(cfg: Any) -> list[str]:
     for key, _tname, default, _help, meta in schema.iter_fields():
         if not meta.get("neuron"):
             continue
-        value = get(cfg, key)
+        value = select(cfg, key)
         if value is None or value is False or value == default:
             continue
-        if key.startswith("precision.") and get(cfg, "precision.type") != "manual":
+        if key.startswith("precision.") and cfg.precision.type != "manual":
             continue
         out.append(key)
     return out
@@ -137,10 +136,9 @@ def apply_smoke_mode(cfg: Any, environ: MutableMapping[str, str] | None = None) 
     environ = os.environ if environ is None else environ
     if environ.get("COMPILE") != "1":
         return False
-    with open_dict(cfg):
-        cfg.trainer.max_steps = 10
-        cfg.exp_manager.create_tensorboard_logger = False
-        cfg.exp_manager.create_checkpoint_callback = False
+    cfg.trainer.max_steps = 10
+    cfg.exp_manager.create_tensorboard_logger = False
+    cfg.exp_manager.create_checkpoint_callback = False
     return True
 
 
@@ -159,10 +157,10 @@ def apply_env(cfg: Any, environ: MutableMapping[str, str] | None = None, is_xla:
 
     wanted: dict[str, str] = {}
     for key, var in KNOB_ENV.items():
-        value = get(cfg, key)
+        value = getattr(cfg, key)
         if value is not None:
             wanted[var] = _env_value(value)
-    if get(cfg, "model.fusions.softmax") is True:
+    if cfg.model.fusions.softmax is True:
         wanted["NEURON_FUSE_SOFTMAX"] = "1"
     penv, pflags = precision_env(cfg)
     wanted.update(penv)
@@ -170,7 +168,7 @@ def apply_env(cfg: Any, environ: MutableMapping[str, str] | None = None, is_xla:
         if var not in environ:
             environ[var] = value
 
-    flags = shlex.split(str(get(cfg, "compiler_flags", "") or "")) + pflags
+    flags = shlex.split(cfg.compiler_flags or "") + pflags
     if flags:
         merged = merge_cc_flags(environ.get("NEURON_CC_FLAGS", ""), flags)
         if merged:

@@ -10,7 +10,6 @@ Each division must be exact; otherwise `compute_layout` raises ConfigError namin
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,32 +37,17 @@ class Layout:
         return self.tp * self.pp * self.cp
 
 
-def get(cfg: Any, dotted: str, default: Any = None) -> Any:
-    """Read `a.b.c` from a DictConfig or a plain mapping; `default` when a part is missing or null."""
-    node = cfg
-    for part in dotted.split("."):
-        if node is None:
-            return default
-        if isinstance(node, Mapping) or hasattr(node, "keys"):
-            try:
-                node = node[part] if part in node else None
-            except Exception:  # noqa: BLE001 - an unresolvable interpolation reads as missing here
-                return default
-        else:
-            return default
-    return default if node is None else node
-
-
 def compute_layout(cfg: Any, world_size: int | None = None) -> Layout:
-    """Layout of `cfg` on `world_size` ranks (default: trainer.devices x trainer.num_nodes)."""
+    """Layout of `cfg` (an NxdtConfig) on `world_size` ranks (default: trainer.devices x trainer.num_nodes)."""
     if world_size is None:
-        world_size = int(get(cfg, "trainer.devices", 1)) * int(get(cfg, "trainer.num_nodes", 1))
+        world_size = int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
     ds = "distributed_strategy"
-    tp = int(get(cfg, f"{ds}.tensor_model_parallel_size", 1))
-    pp = int(get(cfg, f"{ds}.pipeline_model_parallel_size", 1))
-    cp = int(get(cfg, f"{ds}.context_parallel_size", 1))
-    ep = int(get(cfg, f"{ds}.expert_model_parallel_size", 1))
-    vpp = int(get(cfg, f"{ds}.virtual_pipeline_model_parallel_size", 1))
+    d = cfg.distributed_strategy
+    tp = int(d.tensor_model_parallel_size)
+    pp = int(d.pipeline_model_parallel_size)
+    cp = int(d.context_parallel_size)
+    ep = int(d.expert_model_parallel_size)
+    vpp = int(d.virtual_pipeline_model_parallel_size or 1)  # null = 1 (schema)
     for name, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
                         ("context_parallel_size", cp), ("expert_model_parallel_size", ep),
                         ("virtual_pipeline_model_parallel_size", vpp)):
@@ -81,8 +65,8 @@ def compute_layout(cfg: Any, world_size: int | None = None) -> Layout:
         raise ConfigError(
             f"{ds}.expert_model_parallel_size ({ep}) does not divide the data-parallel size {dp} "
             f"(= world {world_size} / (tp x pp x cp = {mp}))")
-    mbs = int(get(cfg, "data.micro_batch_size", 1))
-    gbs = int(get(cfg, "data.global_batch_size", 1))
+    mbs = int(cfg.data.micro_batch_size)
+    gbs = int(cfg.data.global_batch_size)
     if mbs < 1 or gbs < 1:
         raise ConfigError(f"data.micro_batch_size ({mbs}) and data.global_batch_size ({gbs}) must be >= 1")
     if gbs % (mbs * dp):
@@ -90,7 +74,7 @@ def compute_layout(cfg: Any, world_size: int | None = None) -> Layout:
             f"data.global_batch_size ({gbs}) is not divisible by data.micro_batch_size ({mbs}) x "
             f"data-parallel size ({dp}) = {mbs * dp}")
     nmb = gbs // (mbs * dp)
-    seq = get(cfg, "data.seq_length")
+    seq = cfg.data.seq_length
     seq = int(seq) if isinstance(seq, (int, float)) and not isinstance(seq, bool) else None
     return Layout(
         world_size=world_size, tp=tp, pp=pp, cp=cp, ep=ep, dp=dp, vpp=vpp,

@@ -10,7 +10,8 @@ so any schema key can be set without `+` and a typo is reported by the validator
 did-you-mean. `~key` on a schema key resets it to its default.
 
 The composed config is resolved, validated by `check_schema` and put in struct mode (reading a
-key that is not in the schema raises). `load_config` adds the full `validate`.
+key that is not in the schema raises). `load_config` adds the full `validate` and returns the
+config typed: an `nxdt.config.schema.NxdtConfig` (see nxdt.config.typed).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from nxdt.config import resolvers, schema
 from nxdt.config.errors import ConfigError
+from nxdt.config.typed import to_typed
 from nxdt.config.validate import check_schema, validate
 
 # Mappings that a config gives as a whole: the user's value replaces the default (no key merge).
@@ -244,15 +246,44 @@ def report(message: str, stream: Any = None) -> None:
 
 def load_config(argv: list[str], world_size: int | None = None, check_paths: bool = True,
                 check_supported: bool = True, default_config_dir: str | os.PathLike | None = None,
-                default_config_name: str | None = None, quiet: bool = False) -> DictConfig:
-    """compose + full validate; prints the notices once (rank 0) unless quiet."""
+                default_config_name: str | None = None, quiet: bool = False) -> schema.NxdtConfig:
+    """compose + full validate -> the typed config; prints the notices once (rank 0) unless quiet."""
     notices: list[str] = []
     cfg = compose(argv, default_config_dir, default_config_name, notices=notices)
-    notices += validate(cfg, world_size=world_size, check_paths=check_paths, check_supported=check_supported)
+    typed = validate(cfg, world_size=world_size, check_paths=check_paths, check_supported=check_supported,
+                     notices=notices)
     if not quiet:
         for n in dict.fromkeys(notices):
             report(n)
-    return cfg
+    return typed
+
+
+def config_from_dict(values: dict, world_size: int | None = None, check: bool = False,
+                     check_paths: bool = False) -> schema.NxdtConfig:
+    """A typed config from a (partial) mapping, as from a YAML without Hydra: merged over the
+    schema defaults, resolved and schema-checked; with `check` also cross-checked (`validate`).
+
+    For tools reading a saved config.yaml and for tests building small configs."""
+    resolvers.register()
+    base = schema.defaults()
+    cfg = OmegaConf.create(_merge(base, OmegaConf.to_container(OmegaConf.create(values), resolve=False)))
+    check_schema(cfg)
+    if check:
+        return validate(cfg, world_size=world_size, check_paths=check_paths)
+    return to_typed(OmegaConf.to_container(cfg, resolve=True))
+
+
+def load_saved_config(path: str | os.PathLike) -> schema.NxdtConfig:
+    """The typed config of a saved config.yaml (a run's or a checkpoint's): schema-checked, not
+    cross-checked (the files it names may have moved)."""
+    path = Path(path)
+    _check_yaml(path)
+    resolvers.register()
+    try:
+        values = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"{_show(path)}: {_one_line(str(err).splitlines()[0])}") from None
+    return config_from_dict(values or {})
 
 
 def full_error_requested(environ: Any = None) -> bool:

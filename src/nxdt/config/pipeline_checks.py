@@ -9,7 +9,6 @@ import re
 from typing import Any
 
 from nxdt.config.errors import ConfigError
-from nxdt.config.layout import get
 
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
@@ -58,17 +57,17 @@ def check_pipeline(cfg: Any, layout: Any, num_layers: int | None) -> None:
     pp, vpp, nmb = layout.pp, layout.vpp, layout.num_microbatches
     if vpp > 1 and pp == 1:
         raise ConfigError(f"{ds}.virtual_pipeline_model_parallel_size > 1 needs pipeline_model_parallel_size > 1")
-    cuts = get(cfg, "model.pipeline_cuts")
+    cuts = cfg.model.pipeline_cuts
     if pp == 1 and not cuts:
         return
-    if pp > 1 and get(cfg, "model.share_embeddings_and_output_weights"):
+    if pp > 1 and cfg.model.share_embeddings_and_output_weights:
         raise ConfigError("model.share_embeddings_and_output_weights with pipeline_model_parallel_size > 1 is not "
                           "supported (the embedding and the output layer live on different stages)")
     if num_layers is not None:
         pipeline_stage_starts(int(num_layers), pp * vpp, list(cuts) if cuts else None)
     if pp == 1:
         return
-    name = get(cfg, f"{ds}.schedule") or default_pipeline_schedule(vpp)
+    name = cfg.distributed_strategy.schedule or default_pipeline_schedule(vpp)
     where = f"{ds}.schedule {name}"
     if name in SINGLE_STAGE_SCHEDULES and vpp != 1:
         raise ConfigError(f"{where} runs one stage per rank: it needs virtual_pipeline_model_parallel_size 1, "

@@ -11,6 +11,18 @@ Conventions:
   checked here (`model.optim` is checked by `nxdt.config.optim_keys`).
 - `neuron=True` marks a key that only acts on Neuron/XLA (reported as inert elsewhere).
 - A string default `"${...}"` is an OmegaConf interpolation, resolved after the merge.
+- `internal=True` marks a field filled by nxdt, not a YAML key (`DataConfig.custom`).
+
+At run time the config is an `NxdtConfig` instance (`nxdt.config.typed.to_typed`, called by
+validation): code reads typed attributes, and the defaults above are the only ones. Open
+sections stay plain dicts by design, because their keys depend on another setting:
+- `model.optim` (with `model.optim.sched`): keys depend on the optimizer / scheduler name
+  (checked by `nxdt.config.optim_keys`);
+- `model.rope_scaling`: keys depend on `rope_type` (transformers' format);
+- `model_alignment_strategy`: `{sft: {...}}` and friends;
+- `DataConfig.custom`: the keys a custom data module (`data.data_module`) adds under `data:`,
+  which nxdt does not know; allowed only with `data.data_module` set, written back under
+  `data:` when the config is saved.
 
 This module imports only the standard library (and nxdt.config.sharding's table).
 """
@@ -180,6 +192,8 @@ class DataConfig:
     datasets: Optional[List[str]] = doc(None, "fms-fsdp: dataset sub-folders to blend")
     weights: Optional[List[float]] = doc(None, "fms-fsdp: blend weight of each entry of datasets")
     logical_shards: Optional[int] = doc(None, "fms-fsdp: logical shards (resumable across rank counts)")
+    custom: Dict[str, Any] = doc(
+        {}, "not a YAML key: the data.* keys nxdt does not know, read by the custom data.data_module", internal=True)
 
 
 # --------------------------------------------------------------------------- model
@@ -322,8 +336,22 @@ class NxdtConfig:
 
 # --------------------------------------------------------------------------- helpers
 def defaults() -> dict:
-    """The default config as a plain dict (interpolation strings unresolved)."""
-    return dataclasses.asdict(NxdtConfig())
+    """The default config as a plain dict (interpolation strings unresolved; no internal fields)."""
+    return _drop_internal(dataclasses.asdict(NxdtConfig()), NxdtConfig)
+
+
+def is_internal(f: dataclasses.Field) -> bool:
+    """A field nxdt fills itself (not a YAML key)."""
+    return bool(f.metadata.get("internal"))
+
+
+def _drop_internal(values: dict, cls: type) -> dict:
+    for f in dataclasses.fields(cls):
+        if is_internal(f):
+            values.pop(f.name, None)
+        elif (sub := section_class(hints(cls)[f.name])) is not None and isinstance(values.get(f.name), dict):
+            _drop_internal(values[f.name], sub)
+    return values
 
 
 def section_class(hint: Any) -> Optional[type]:
@@ -371,6 +399,8 @@ def iter_fields(cls: type = NxdtConfig, prefix: str = ""):
     """Yield (dotted_key, type_name, default, help, metadata) for every leaf key of the schema."""
     inst = cls()
     for f in dataclasses.fields(cls):
+        if is_internal(f):
+            continue
         key = f"{prefix}{f.name}"
         sub = section_class(hints(cls)[f.name])
         if sub is not None:

@@ -8,7 +8,8 @@ Stages (in this order):
 3. Cross-checks: world size, parallel layout and batch sizes, attention heads, sequence length.
 4. Paths named by the config exist (`check_paths`).
 
-`validate` returns the notices (one line each) the caller should print once.
+`validate` returns the config as an `NxdtConfig` (stages 2-4 read typed attributes) and appends
+the notices (one line each) the caller should print once to its `notices` list.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import difflib
 import json
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
@@ -28,10 +29,11 @@ from omegaconf.errors import OmegaConfBaseException
 from nxdt.config import schema
 from nxdt.config.blend import parse_data_prefix, parse_datasets
 from nxdt.config.errors import ConfigError
-from nxdt.config.layout import compute_layout, get
+from nxdt.config.layout import compute_layout
 from nxdt.config.cp_checks import check_context_parallel
 from nxdt.config.pipeline_checks import check_pipeline
 from nxdt.config.precision_settings import precision_settings
+from nxdt.config.typed import select, to_typed
 
 
 def _gt1(v: Any) -> bool:
@@ -154,7 +156,7 @@ def _check_value(value: Any, hint: Any, path: str) -> Any:
 
 
 def _walk(node: DictConfig, cls: type, path: str, free_extra: bool = False) -> None:
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls) if not schema.is_internal(f)}
     hints = schema.hints(cls)
     prefix = f"{path}." if path else ""
     for key in list(node.keys()):
@@ -305,9 +307,7 @@ def _check_optim(optim: Any) -> None:
 def check_not_supported(cfg: Any) -> None:
     """Raise `'<key>' is not supported yet` for the first NOT_SUPPORTED_YET entry that matches."""
     for key, predicate in NOT_SUPPORTED_YET.items():
-        value = get(cfg, key)
-        if isinstance(value, (DictConfig, ListConfig)):
-            value = OmegaConf.to_container(value, resolve=True)
+        value = select(cfg, key)
         if predicate(value):
             shown = value if not isinstance(value, (dict, list)) else _one_line(value)
             raise ConfigError(f"'{key}' is not supported yet (got {shown})")
@@ -315,8 +315,8 @@ def check_not_supported(cfg: Any) -> None:
 
 # --------------------------------------------------------------------------- cross-checks
 def _hf_json(cfg: Any) -> dict:
-    path = get(cfg, "model.model_config")
-    if get(cfg, "model_source") != "hf" or not path or not os.path.isfile(str(path)):
+    path = cfg.model.model_config
+    if cfg.model_source != "hf" or not path or not os.path.isfile(str(path)):
         return {}
     try:
         with open(str(path), encoding="utf-8") as f:
@@ -332,7 +332,7 @@ def _effective_model(cfg: Any) -> dict:
     m = cfg.model
 
     def pick(key: str, json_key: str):
-        v = m.get(key)
+        v = getattr(m, key)
         return v if v is not None else hf.get(json_key)
 
     heads = pick("num_attention_heads", "num_attention_heads")
@@ -354,7 +354,7 @@ def _runs_on_xla(cfg: Any) -> bool:
 
     from nxdt.config.env import detect_xla
 
-    if str(cfg.trainer.get("accelerator", "auto")) in ("xla", "neuron", "tpu"):
+    if cfg.trainer.accelerator in ("xla", "neuron", "tpu"):
         return True
     return detect_xla(cfg) and importlib.util.find_spec("torch_xla") is not None
 
@@ -366,8 +366,8 @@ def check_cross(cfg: Any, world_size: int | None = None) -> None:
             f"trainer.accumulate_grad_batches: {tr.accumulate_grad_batches} is not allowed: gradient accumulation "
             f"is derived from data.global_batch_size / (data.micro_batch_size x data-parallel size); set those instead")
     for key in ("devices", "num_nodes"):
-        if tr[key] < 1:
-            raise ConfigError(f"trainer.{key}: must be >= 1, got {tr[key]}")
+        if getattr(tr, key) < 1:
+            raise ConfigError(f"trainer.{key}: must be >= 1, got {getattr(tr, key)}")
     if world_size is not None and tr.devices * tr.num_nodes != world_size:
         raise ConfigError(
             f"trainer.devices ({tr.devices}) x trainer.num_nodes ({tr.num_nodes}) = {tr.devices * tr.num_nodes} "
@@ -376,7 +376,7 @@ def check_cross(cfg: Any, world_size: int | None = None) -> None:
 
     if cfg.model_source == "megatron":
         for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads"):
-            if model[key] is None:
+            if getattr(model, key) is None:
                 raise ConfigError(f"model.{key} is required for model_source megatron")
     elif model.model_config is None:
         raise ConfigError("model.model_config (a transformers config.json) is required for model_source hf")
@@ -407,7 +407,7 @@ def check_cross(cfg: Any, world_size: int | None = None) -> None:
     if seq is not None and maxpos is not None and seq > maxpos:
         raise ConfigError(f"data.seq_length ({seq}) exceeds model.max_position_embeddings ({maxpos})")
     check_recompute_classes(cfg)
-    rep = ds.get("hsdp_replicate_size")
+    rep = ds.hsdp_replicate_size
     if rep is not None and (rep < 1 or layout.dp % rep):
         raise ConfigError(f"distributed_strategy.hsdp_replicate_size ({rep}) does not divide the data-parallel "
                           f"size {layout.dp}")
@@ -439,7 +439,7 @@ def check_cross(cfg: Any, world_size: int | None = None) -> None:
         parse_datasets(data.datasets, data.weights)
     if data.logical_shards is not None and data.logical_shards < 1:
         raise ConfigError(f"data.logical_shards: must be >= 1, got {data.logical_shards}")
-    if data.packing and "sft" not in (cfg.get("model_alignment_strategy") or {}):
+    if data.packing and "sft" not in (cfg.model_alignment_strategy or {}):
         raise ConfigError("data.packing: packing applies to SFT data only (set model_alignment_strategy.sft)")
     if data.data_module is not None and not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+", data.data_module):
         raise ConfigError(f"data.data_module: expected 'package.module.ClassName', got '{data.data_module}'")
@@ -457,10 +457,10 @@ RECOMPUTE_CLASSES = ("CoreAttention", "LlamaAttention", "LlamaDecoderLayer", "Ll
 def check_recompute_classes(cfg: Any) -> None:
     """Unknown class names in activations_checkpoint_recompute (Llama models; other transformers
     architectures are checked against their modules when the model is built)."""
-    names = get(cfg, "model.activations_checkpoint_recompute")
+    names = cfg.model.activations_checkpoint_recompute
     if not names:
         return
-    if get(cfg, "model_source") == "hf" and _hf_json(cfg).get("model_type", "llama") != "llama":
+    if cfg.model_source == "hf" and _hf_json(cfg).get("model_type", "llama") != "llama":
         return
     for name in names:
         if name not in RECOMPUTE_CLASSES:
@@ -491,8 +491,8 @@ def check_files(cfg: Any) -> None:
                 for ext in (".bin", ".idx"):
                     _need(str(p) + ext, "data.data_prefix", "indexed dataset file", "file")
         for key in ("train_dir", "val_dir", "test_dir"):
-            if data[key] is not None:
-                _need(data[key], f"data.{key}", "data path")
+            if getattr(data, key) is not None:
+                _need(getattr(data, key), f"data.{key}", "data path")
         if data.datasets is not None and not data.use_dummy_dataset:
             for i, p in enumerate(data.datasets):
                 for ext in (".bin", ".idx"):
@@ -501,8 +501,8 @@ def check_files(cfg: Any) -> None:
     if tok.library == "huggingface" and tok.type is not None:
         _need(tok.type, "data.tokenizer.type", "tokenizer directory", "dir")
     for key in ("model", "vocab_file", "merge_file"):
-        if tok[key] is not None:
-            _need(tok[key], f"data.tokenizer.{key}", "tokenizer file", "file")
+        if getattr(tok, key) is not None:
+            _need(getattr(tok, key), f"data.tokenizer.{key}", "tokenizer file", "file")
     if cfg.model_source == "hf" and model.model_config is not None:
         _need(model.model_config, "model.model_config", "transformers config.json", "file")
     if cfg.exp_manager.resume_from_checkpoint is not None:
@@ -510,18 +510,27 @@ def check_files(cfg: Any) -> None:
 
 
 # --------------------------------------------------------------------------- entry
-def validate(cfg: DictConfig, world_size: int | None = None, check_paths: bool = True,
-             check_supported: bool = True) -> list[str]:
-    """Validate (and coerce/normalise in place) a composed config; raise ConfigError on the first problem.
+def validate(cfg: DictConfig | schema.NxdtConfig, world_size: int | None = None, check_paths: bool = True,
+             check_supported: bool = True, notices: list[str] | None = None) -> schema.NxdtConfig:
+    """Validate a composed config; raise ConfigError on the first problem; return it typed.
 
-    Returns notices (one line each) for the caller to print once, e.g. sequence_parallel turned off.
+    A DictConfig is schema-checked (coerced/normalised in place) and converted to an
+    `NxdtConfig` (nxdt.config.typed), on which the other checks run; an `NxdtConfig` is
+    re-checked as is. `notices`: if given, one-line notices (e.g. sequence_parallel turned
+    off) are appended to it, for the caller to print once.
     """
-    if isinstance(cfg, Mapping) and not isinstance(cfg, DictConfig):
+    if isinstance(cfg, schema.NxdtConfig):
+        typed = cfg
+    elif isinstance(cfg, DictConfig):
+        found = check_schema(cfg)
+        if notices is not None:
+            notices.extend(found)
+        typed = to_typed(OmegaConf.to_container(cfg, resolve=True))
+    else:
         raise ConfigError("validate() expects an OmegaConf DictConfig")
-    notices = check_schema(cfg)
     if check_supported:
-        check_not_supported(cfg)
-    check_cross(cfg, world_size)
+        check_not_supported(typed)
+    check_cross(typed, world_size)
     if check_paths:
-        check_files(cfg)
-    return notices
+        check_files(typed)
+    return typed

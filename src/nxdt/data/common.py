@@ -15,23 +15,12 @@ A float limit (a fraction, ≤ 1.0) counts as one batch; 0 turns the split off.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 import lightning.pytorch as pl
 import numpy as np
 import torch
 
 from nxdt.config.errors import ConfigError
 from nxdt.data.samplers import MegatronPretrainingBatchSampler, MegatronPretrainingRandomBatchSampler
-
-
-def cfg_get(node: Any, key: str, default=None):
-    """`node.key` for a DictConfig, dict or object; None (or missing) reads as `default`."""
-    if node is None:
-        return default
-    value = node.get(key, default) if isinstance(node, Mapping) or hasattr(node, "get") else getattr(node, key, default)
-    return default if value is None else value
 
 
 def limit_batches(limit, key: str) -> int:
@@ -88,14 +77,13 @@ class NxdtDataModuleBase(pl.LightningDataModule):
         self.cfg = cfg
         self.trainer = trainer
         data = cfg.data
-        seq = cfg_get(data, "seq_length")
-        if seq is None:
+        if data.seq_length is None:
             raise ConfigError("data.seq_length: required (tokens per training sample)")
-        self.seq_length = int(seq)
-        self.micro_batch_size = int(cfg_get(data, "micro_batch_size", 1))
-        self.global_batch_size = int(cfg_get(data, "global_batch_size", 1))
-        self.num_workers = int(cfg_get(data, "num_workers", 0))
-        self.seed = int(cfg_get(cfg, "seed", 1234))
+        self.seq_length = int(data.seq_length)
+        self.micro_batch_size = data.micro_batch_size
+        self.global_batch_size = data.global_batch_size
+        self.num_workers = data.num_workers
+        self.seed = cfg.seed
 
     # -- layout
 
@@ -133,15 +121,16 @@ class NxdtDataModuleBase(pl.LightningDataModule):
     def num_samples(self) -> dict[str, int]:
         tr = self.cfg.trainer
         gbs = self.global_batch_size
-        max_steps = int(cfg_get(tr, "max_steps", -1))
+        max_steps = tr.max_steps
         if max_steps <= 0:
             raise ConfigError(f"trainer.max_steps: must be > 0 for nxdt data modules (got {max_steps})")
-        vci = cfg_get(tr, "val_check_interval", 1.0)
+        # null is Lightning's default: validate once per epoch, i.e. a fraction 1.0
+        vci = 1.0 if tr.val_check_interval is None else tr.val_check_interval
         if isinstance(vci, float) and vci <= 1.0:
             vci = max(1, int(vci * max_steps))
         vci = max(1, int(vci))
-        val_batches = limit_batches(cfg_get(tr, "limit_val_batches", 1.0), "trainer.limit_val_batches")
-        test_batches = limit_batches(cfg_get(tr, "limit_test_batches", 1.0), "trainer.limit_test_batches")
+        val_batches = limit_batches(tr.limit_val_batches, "trainer.limit_val_batches")
+        test_batches = limit_batches(tr.limit_test_batches, "trainer.limit_test_batches")
         return {
             "train": max_steps * gbs,
             "validation": (max_steps // vci + 1) * val_batches * gbs,

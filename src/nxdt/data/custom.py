@@ -7,7 +7,8 @@ The contract (see docs/data.md and examples/custom_data_module.py):
   FloatTensor[B, S], optional `position_ids`, with B = global_batch_size // dp size (one global
   step's share for this rank: `trainer.strategy.dp_rank` / `dp_size`); it resumes at
   `trainer.lightning_module.consumed_samples` (or keeps its position in `state_dict()`);
-- keys under `data:` that nxdt does not know are free for it to read.
+- keys under `data:` that nxdt does not know are free for it to read: they arrive as the plain
+  dict `cfg.data.custom` (the rest of `cfg` is the typed `nxdt.config.schema.NxdtConfig`).
 
 The module is imported from `sys.path`, with the working directory added at the end.
 """
@@ -52,7 +53,7 @@ def build_custom_datamodule(cfg, trainer):
         raise ConfigError(f"data.data_module: '{path}' is not a lightning.pytorch.LightningDataModule subclass")
     module = cls(cfg, trainer)
     if getattr(module, "vocab_size", None) is None:
-        vocab = cfg.model.get("vocab_size")
+        vocab = cfg.model.vocab_size
         if vocab is None:
             raise ConfigError(f"data.data_module: '{path}' has no vocab_size attribute; set it in the module "
                               "or set model.vocab_size")

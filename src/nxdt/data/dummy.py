@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from nxdt.data.common import NxdtDataModuleBase, cfg_get
+from nxdt.data.common import NxdtDataModuleBase
 
 
 class RandomTokens(torch.utils.data.Dataset):
@@ -42,11 +42,11 @@ class RandomTokens(torch.utils.data.Dataset):
 class DummyDataModule(NxdtDataModuleBase):
     def __init__(self, cfg, trainer=None):
         super().__init__(cfg, trainer)
-        vocab = cfg_get(cfg.model, "vocab_size") if cfg_get(cfg, "model") is not None else None
+        vocab = cfg.model.vocab_size
         if vocab is None:
             from nxdt.data.tokenizers import build_tokenizer
 
-            self.tokenizer = build_tokenizer(cfg_get(cfg.data, "tokenizer"))
+            self.tokenizer = build_tokenizer(cfg.data.tokenizer)
             vocab = len(self.tokenizer)
         self.vocab_size = int(vocab)
         self.datasets: dict[str, RandomTokens] = {}

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from nxdt.config.errors import ConfigError
-from nxdt.data.common import NxdtDataModuleBase, cfg_get
+from nxdt.data.common import NxdtDataModuleBase
 from nxdt.data.tokenizers import build_tokenizer
 
 SPLIT_KEYS = {"train": "train_dir", "validation": "val_dir", "test": "test_dir"}
@@ -112,9 +112,9 @@ class HFDataModule(NxdtDataModuleBase):
     def __init__(self, cfg, trainer=None):
         super().__init__(cfg, trainer)
         data = cfg.data
-        if cfg_get(data, "train_dir") is None:
+        if data.train_dir is None:
             raise ConfigError("data.train_dir: required for the HF data module (a datasets.save_to_disk directory)")
-        self.tokenizer = build_tokenizer(cfg_get(data, "tokenizer"))
+        self.tokenizer = build_tokenizer(data.tokenizer)
         self.vocab_size = len(self.tokenizer)
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else (self.tokenizer.eos_token_id or 0))
@@ -125,9 +125,9 @@ class HFDataModule(NxdtDataModuleBase):
             return
         data = self.cfg.data
         for split, key in SPLIT_KEYS.items():
-            path = cfg_get(data, key)
+            path = getattr(data, key)
             if path is None:
                 self.datasets[split] = None
                 continue
-            ds = choose_samples(load_hf_dataset(path, key, split), cfg_get(data, "dev_choose_samples"))
+            ds = choose_samples(load_hf_dataset(path, key, split), data.dev_choose_samples)
             self.datasets[split] = TokenBlocks(ds, self.seq_length, self.pad_id, f"data.{key}: {path}")

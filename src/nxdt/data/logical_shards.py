@@ -30,9 +30,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from nxdt.config.blend import DataBlend, parse_datasets
+from nxdt.config.blend import DataBlend, data_blend
 from nxdt.config.errors import ConfigError
-from nxdt.data.common import cfg_get
 from nxdt.data.indexed import IndexedDataset
 from nxdt.data.megatron_module import MegatronDataModule
 
@@ -177,9 +176,9 @@ class LogicalShardDataModule(MegatronDataModule):
     def __init__(self, cfg, trainer=None):
         super().__init__(cfg, trainer)
         data = cfg.data
-        self.blend = parse_datasets(cfg_get(data, "datasets", []), cfg_get(data, "weights"))
+        self.blend = data_blend(data)  # data.datasets + data.weights
         self.names, self.weights = [p for _, p in self.blend.blend], [w for w, _ in self.blend.blend]
-        self.logical_shards = cfg_get(data, "logical_shards")
+        self.logical_shards = data.logical_shards
         self.streams: ShardedStreams | None = None
         self.sampler: LogicalShardSampler | None = None
         self._loaded: dict | None = None
@@ -196,7 +195,7 @@ class LogicalShardDataModule(MegatronDataModule):
             ix = self._open(name)
             from nxdt.data.gpt_dataset import get_train_valid_test_split_
 
-            bounds = get_train_valid_test_split_(self.data_cfg["splits_string"], len(ix))
+            bounds = get_train_valid_test_split_(self.data.splits_string, len(ix))
             parts.append((ix, np.arange(bounds[0], bounds[1], dtype=np.int64)))
         L = int(self.logical_shards) if self.logical_shards is not None else self.dp_size
         self.streams = ShardedStreams(parts, L, self.seq_length, self.seed, self.names)

@@ -19,12 +19,11 @@ null (no cache when that directory is not writable).
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import numpy as np
 import torch
 
-from nxdt.config.blend import SPLIT_NAMES, DataBlend, parse_data_prefix
+from nxdt.config.blend import SPLIT_NAMES, DataBlend, data_blend
 from nxdt.config.errors import ConfigError
 from nxdt.data.gpt_dataset import (
     BlendedDataset,
@@ -32,67 +31,36 @@ from nxdt.data.gpt_dataset import (
     blended_samples_per_dataset,
     get_train_valid_test_split_,
 )
-from nxdt.data.common import NxdtDataModuleBase, cfg_get, limit_batches
+from nxdt.data.common import NxdtDataModuleBase
 from nxdt.data.indexed import IndexedDataset
 from nxdt.data.tokenizers import build_tokenizer, eod_id
-
-# data.* keys this module reads, with the defaults used when a key is absent.
-DATA_DEFAULTS: dict[str, Any] = {
-    "data_prefix": None,
-    "seq_length": None,
-    "micro_batch_size": 1,
-    "global_batch_size": 1,
-    "splits_string": "980,10,10",
-    "index_mapping_dir": None,
-    "data_impl": "mmap",
-    "num_workers": 1,
-    "dataloader_type": "single",
-    "reset_position_ids": False,
-    "reset_attention_mask": False,
-    "eod_mask_loss": False,
-    "validation_drop_last": True,
-    "skip_warmup": True,
-    "no_seqlen_plus_one_input_tokens": False,
-}
-
-# kept for callers of the old private names
-_get = cfg_get
-_batches = limit_batches
-
 
 class MegatronDataModule(NxdtDataModuleBase):
     """Megatron GPT data (`model_source: megatron`), see the module docstring."""
 
     def __init__(self, cfg, trainer=None):
         super().__init__(cfg, trainer)
-        data = cfg.data
-        self.data_cfg = {key: cfg_get(data, key, default) for key, default in DATA_DEFAULTS.items()}
-        self.num_workers = int(self.data_cfg["num_workers"])
-        if str(self.data_cfg["data_impl"]) != "mmap":
-            raise ConfigError(f"data.data_impl: only 'mmap' is supported, got '{self.data_cfg['data_impl']}'")
-        if self.data_cfg["dataloader_type"] not in ("single", "cyclic"):
-            raise ConfigError(
-                f"data.dataloader_type: expected single or cyclic, got '{self.data_cfg['dataloader_type']}'"
-            )
-        self.tokenizer = build_tokenizer(cfg_get(data, "tokenizer"))
+        # data.data_impl (only mmap) and data.dataloader_type (single | cyclic) are schema Literals
+        self.data = data = cfg.data
+        self.tokenizer = build_tokenizer(data.tokenizer)
         self.vocab_size = len(self.tokenizer)
         self.eod_id = eod_id(self.tokenizer)
         self.datasets: dict[str, torch.utils.data.Dataset | None] = {}
         # The batch carries document boundaries only through position_ids, and the model blocks
         # attention wherever positions restart: the two Megatron switches act together here.
-        self.reset_documents = bool(self.data_cfg["reset_position_ids"] or self.data_cfg["reset_attention_mask"])
+        self.reset_documents = data.reset_position_ids or data.reset_attention_mask
 
     # -- datasets
 
     def _gpt(self, indexed: IndexedDataset, doc_ids: np.ndarray, n: int, split: str) -> GPTDataset:
-        d = self.data_cfg
+        d = self.data
         # index_mapping_dir null: cache next to the data (skipped if that directory is read-only).
-        cache_dir = d["index_mapping_dir"] or os.path.dirname(os.path.abspath(indexed.prefix))
+        cache_dir = d.index_mapping_dir or os.path.dirname(os.path.abspath(indexed.prefix))
         return GPTDataset(
             indexed, doc_ids, n, self.seq_length, self.seed,
-            eod_id=self.eod_id, name=split, eod_mask_loss=bool(d["eod_mask_loss"]),
+            eod_id=self.eod_id, name=split, eod_mask_loss=d.eod_mask_loss,
             reset_position_ids=self.reset_documents,
-            add_extra_token=not bool(d["no_seqlen_plus_one_input_tokens"]),
+            add_extra_token=not d.no_seqlen_plus_one_input_tokens,
             index_mapping_dir=cache_dir,
         )
 
@@ -107,12 +75,12 @@ class MegatronDataModule(NxdtDataModuleBase):
         if not hasattr(self, "_opened"):
             self._opened: dict[str, IndexedDataset] = {}
         if prefix not in self._opened:
-            self._opened[prefix] = IndexedDataset(prefix, skip_warmup=bool(self.data_cfg["skip_warmup"]))
+            self._opened[prefix] = IndexedDataset(prefix, skip_warmup=self.data.skip_warmup)
         return self._opened[prefix]
 
     def data_blend(self) -> DataBlend:
         """The parsed data.data_prefix (nxdt.config.blend, the parser validation uses)."""
-        return parse_data_prefix(self.data_cfg["data_prefix"])
+        return data_blend(self.data)
 
     def split_parts(self, k: int) -> list[tuple[float, tuple[IndexedDataset, np.ndarray]]]:
         """(weight, (indexed dataset, document ids)) of split k (0 train, 1 validation, 2 test)."""
@@ -122,7 +90,7 @@ class MegatronDataModule(NxdtDataModuleBase):
             parts = []
             for _, prefix in pairs:
                 ix = self._open(prefix)
-                bounds = get_train_valid_test_split_(self.data_cfg["splits_string"], len(ix))
+                bounds = get_train_valid_test_split_(self.data.splits_string, len(ix))
                 parts.append((ix, np.arange(bounds[k], bounds[k + 1], dtype=np.int64)))
         else:  # a blend per split: whole datasets
             parts = [(self._open(p), np.arange(len(self._open(p)), dtype=np.int64)) for _, p in pairs]
@@ -136,7 +104,7 @@ class MegatronDataModule(NxdtDataModuleBase):
             if split == "train":
                 raise ConfigError(
                     "data.splits_string: the train split has no documents "
-                    f"('{self.data_cfg['splits_string']}' over data.data_prefix)"
+                    f"('{self.data.splits_string}' over data.data_prefix)"
                 )
             return None
         return self._blend([p for _, p in keep], [w for w, _ in keep], n, split)
@@ -152,7 +120,7 @@ class MegatronDataModule(NxdtDataModuleBase):
 
     def train_dataloader(self):
         self.setup("fit")
-        cyclic = self.data_cfg["dataloader_type"] == "cyclic"
+        cyclic = self.data.dataloader_type == "cyclic"
         return self._loader(self.datasets["train"], self._consumed_samples(), True, cyclic)
 
     def _eval(self, split: str):
@@ -160,7 +128,7 @@ class MegatronDataModule(NxdtDataModuleBase):
         ds = self.datasets.get(split)
         if ds is None:
             return []
-        return self._loader(ds, 0, bool(self.data_cfg["validation_drop_last"]), False)
+        return self._loader(ds, 0, self.data.validation_drop_last, False)
 
     def val_dataloader(self):
         return self._eval("validation")

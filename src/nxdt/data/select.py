@@ -12,24 +12,23 @@
 from __future__ import annotations
 
 from nxdt.config.errors import ConfigError
-from nxdt.data.common import cfg_get
 
 
 def datamodule_kind(cfg) -> str:
     """'custom' | 'sft' | 'dummy' | 'logical_shards' | 'hf' | 'megatron' for `cfg` (see the module doc)."""
     data = cfg.data
-    mas = cfg_get(cfg, "model_alignment_strategy")
-    if cfg_get(data, "data_module") is not None:
+    mas = cfg.model_alignment_strategy
+    if data.data_module is not None:
         return "custom"
     if mas is not None and "sft" in mas:
         return "sft"
-    if cfg_get(data, "use_dummy_dataset", False):
+    if data.use_dummy_dataset:
         return "dummy"
-    if cfg_get(data, "datasets") is not None:
+    if data.datasets is not None:
         return "logical_shards"
-    has_prefix = bool(cfg_get(data, "data_prefix"))
-    if cfg_get(data, "train_dir") is not None and (
-            cfg_get(cfg, "model_source") == "hf" or cfg_get(data, "use_sft_style_data_module", False) or not has_prefix):
+    has_prefix = bool(data.data_prefix)
+    if data.train_dir is not None and (
+            cfg.model_source == "hf" or data.use_sft_style_data_module or not has_prefix):
         return "hf"
     if has_prefix:
         return "megatron"
@@ -39,9 +38,7 @@ def datamodule_kind(cfg) -> str:
 
 def build_datamodule(cfg, trainer):
     """The LightningDataModule for `cfg`, built as Cls(cfg, trainer)."""
-    kind = datamodule_kind(cfg)
-    if cfg_get(cfg.data, "packing", False) and kind != "sft":
-        raise ConfigError("data.packing: packing applies to SFT data only (set model_alignment_strategy.sft)")
+    kind = datamodule_kind(cfg)  # data.packing without sft is refused by validation (check_cross)
     if kind == "custom":
         from nxdt.data.custom import build_custom_datamodule
 

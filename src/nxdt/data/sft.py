@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from nxdt.config.errors import ConfigError
-from nxdt.data.common import NxdtDataModuleBase, cfg_get
+from nxdt.data.common import NxdtDataModuleBase
 from nxdt.data.jsonl import iter_jsonl
 from nxdt.data.tokenizers import build_tokenizer
 
@@ -190,14 +190,13 @@ class SFTRows(torch.utils.data.Dataset):
 
 def sft_options(cfg) -> dict:
     """model_alignment_strategy.sft as a dict (packing also from data.packing)."""
-    mas = cfg_get(cfg, "model_alignment_strategy")
-    sft = cfg_get(mas, "sft", {}) if mas is not None else {}
-    sft = dict(sft) if sft else {}
+    # model_alignment_strategy is an open section (a plain dict): its sft keys are checked here
+    sft = dict((cfg.model_alignment_strategy or {}).get("sft") or {})
     unknown = [k for k in sft if k not in SFT_KEYS]
     if unknown:
         raise ConfigError(f"unknown key 'model_alignment_strategy.sft.{unknown[0]}' (known: {list(SFT_KEYS)})")
     return {
-        "packing": bool(sft.get("packing") or cfg_get(cfg.data, "packing", False)),
+        "packing": bool(sft.get("packing") or cfg.data.packing),
         "prompt_template": sft.get("prompt_template"),
     }
 
@@ -208,19 +207,19 @@ class SFTDataModule(NxdtDataModuleBase):
     def __init__(self, cfg, trainer=None):
         super().__init__(cfg, trainer)
         data = cfg.data
-        if cfg_get(data, "train_dir") is None:
+        if data.train_dir is None:
             raise ConfigError("data.train_dir: required for SFT (jsonl, arrow or save_to_disk rows of input/output)")
         opts = sft_options(cfg)
         self.packing = opts["packing"]
         self.prompt_template = opts["prompt_template"]
-        self.tokenizer = build_tokenizer(cfg_get(data, "tokenizer"))
+        self.tokenizer = build_tokenizer(data.tokenizer)
         self.vocab_size = len(self.tokenizer)
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
         self.datasets: dict[str, SFTRows | None] = {}
 
     def build(self, path: str, key: str) -> SFTRows:
-        limit = cfg_get(self.cfg.data, "dev_choose_samples")
+        limit = self.cfg.data.dev_choose_samples
         if limit is not None and limit < 1:
             raise ConfigError(f"data.dev_choose_samples: must be >= 1, got {limit}")
         pairs = read_pairs(path, key, limit)
@@ -239,5 +238,5 @@ class SFTDataModule(NxdtDataModuleBase):
         if self.datasets:
             return
         for split, key in SPLIT_KEYS.items():
-            path = cfg_get(self.cfg.data, key)
+            path = getattr(self.cfg.data, key)
             self.datasets[split] = None if path is None else self.build(path, key)

@@ -11,20 +11,10 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from typing import Any
 
 from nxdt.config.errors import ConfigError
-
-
-def _get(cfg: Any, key: str, default=None):
-    if cfg is None:
-        return default
-    if isinstance(cfg, Mapping) or hasattr(cfg, "get"):
-        value = cfg.get(key, default)
-    else:
-        value = getattr(cfg, key, default)
-    return default if value is None else value
+from nxdt.config.schema import TokenizerConfig
 
 
 def _require_file(path: str | None, key: str, what: str) -> str:
@@ -36,12 +26,14 @@ def _require_file(path: str | None, key: str, what: str) -> str:
     return path
 
 
-def build_tokenizer(tok_cfg: Any):
-    """Return a `transformers.PreTrainedTokenizerBase` for the `data.tokenizer` config node.
+def build_tokenizer(tok_cfg: TokenizerConfig | None = None):
+    """Return a `transformers.PreTrainedTokenizerBase` for `cfg.data.tokenizer` (a TokenizerConfig;
+    None = the schema default, the bundled tokenizer).
 
     A missing directory or file raises `ConfigError` naming the key and the path.
     """
-    library = str(_get(tok_cfg, "library", "huggingface")).lower()
+    tok_cfg = TokenizerConfig() if tok_cfg is None else tok_cfg
+    library = tok_cfg.library.lower()
     if library in ("huggingface", "hf"):
         return _huggingface(tok_cfg)
     if library == "megatron":
@@ -56,7 +48,7 @@ def build_tokenizer(tok_cfg: Any):
 def _huggingface(tok_cfg: Any):
     from nxdt.data.assets import bundled_tokenizer_dir
 
-    path = _get(tok_cfg, "type")
+    path = tok_cfg.type
     path = str(bundled_tokenizer_dir()) if path is None else os.path.expanduser(str(path))
     if not os.path.isdir(path):
         raise ConfigError(
@@ -66,17 +58,17 @@ def _huggingface(tok_cfg: Any):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True, use_fast=bool(_get(tok_cfg, "use_fast", True)))
+        return AutoTokenizer.from_pretrained(path, local_files_only=True, use_fast=tok_cfg.use_fast)
     except (OSError, ValueError) as err:
         raise ConfigError(f"data.tokenizer.type: cannot load a tokenizer from {path}: {err}") from err
 
 
 def _megatron_gpt2(tok_cfg: Any):
-    tok_type = str(_get(tok_cfg, "type", "GPT2BPETokenizer"))
+    tok_type = tok_cfg.type or "GPT2BPETokenizer"  # null: Megatron's GPT-2 BPE
     if tok_type not in ("GPT2BPETokenizer", "GPT2BPE", "gpt2"):
         raise ConfigError(f"data.tokenizer.type: megatron library supports GPT2BPETokenizer, got '{tok_type}'")
-    vocab = _require_file(_get(tok_cfg, "vocab_file"), "vocab_file", "the megatron GPT2BPE tokenizer")
-    merges = _require_file(_get(tok_cfg, "merge_file"), "merge_file", "the megatron GPT2BPE tokenizer")
+    vocab = _require_file(tok_cfg.vocab_file, "vocab_file", "the megatron GPT2BPE tokenizer")
+    merges = _require_file(tok_cfg.merge_file, "merge_file", "the megatron GPT2BPE tokenizer")
     # Built from `tokenizers` directly: the transformers GPT-2 class changed its arguments in v5.
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -93,7 +85,7 @@ def _megatron_gpt2(tok_cfg: Any):
 
 
 def _sentencepiece(tok_cfg: Any):
-    model = _require_file(_get(tok_cfg, "model"), "model", "the sentencepiece tokenizer")
+    model = _require_file(tok_cfg.model, "model", "the sentencepiece tokenizer")
     try:
         import sentencepiece  # noqa: F401
     except ImportError as err:
@@ -109,7 +101,7 @@ def _sentencepiece(tok_cfg: Any):
         os.symlink(os.path.abspath(model), os.path.join(tmp, "tokenizer.model"))
         try:
             tok = LlamaTokenizer.from_pretrained(
-                tmp, local_files_only=True, legacy=bool(_get(tok_cfg, "sentencepiece_legacy", False))
+                tmp, local_files_only=True, legacy=tok_cfg.sentencepiece_legacy
             )
         except Exception as err:  # noqa: BLE001 - the converters raise many kinds
             raise ConfigError(f"data.tokenizer.model: cannot load sentencepiece model {model}: {err}") from err

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import OmegaConf
+from nxdt.config.typed import to_yaml
 
 
 VERSION_ENV = "NXDT_RUN_VERSION"
@@ -47,7 +47,7 @@ def resolve_dirs(cfg) -> ExpDirs:
         log_dir = Path(exp.explicit_log_dir)
     else:
         base = Path(exp.exp_dir or "nxdt_experiments") / (exp.name or cfg.name)
-        version = exp.get("version") or (None if exp.resume_if_exists else run_version())
+        version = exp.version or (None if exp.resume_if_exists else run_version())
         log_dir = base / version if version else base
     return ExpDirs(log_dir=log_dir.absolute(), checkpoint_dir=(log_dir / "checkpoints").absolute())
 
@@ -87,7 +87,8 @@ def setup_exp_manager(cfg, dirs: ExpDirs, global_rank: int) -> list:
     exp = cfg.exp_manager
     if global_rank == 0:
         dirs.log_dir.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(cfg, dirs.log_dir / "config.yaml", resolve=True)
+        # the resolved YAML, rerunnable with --config-path <log_dir> --config-name config
+        (dirs.log_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")
     setup_rank_log_file(dirs.log_dir, bool(exp.log_local_rank_0_only))
 
     loggers = []

@@ -5,7 +5,7 @@
   vocabulary padded Megatron-style;
 - 'hf'       → a `transformers` model from the local `cfg.model.model_config` json.
 
-Keys are read by full path with defaults, so a partial config (e.g. in a test) also works.
+`cfg` is the typed config (`nxdt.config.schema.NxdtConfig`); defaults live in the schema only.
 """
 
 from __future__ import annotations
@@ -38,79 +38,70 @@ def logits_of(output: Any) -> torch.Tensor:
 
 
 def llama_args_from_cfg(cfg: Any, vocab_size: int | None = None) -> LlamaArgs:
-    """LlamaArgs from `cfg.model.*` (megatron source), with the vocabulary padded.
+    """LlamaArgs from the typed config's `model` section (megatron source), with the vocabulary
+    padded (make_vocab_size_divisible_by x tensor_model_parallel_size).
 
-    A key that is absent or null takes the default below; num_layers, hidden_size and
-    num_attention_heads have none (a silent default size would be a surprise).
+    Defaults are the schema's; a null below has the meaning the schema documents for it.
     """
     m = cfg.model
-
-    def get(key: str, default: Any = None) -> Any:
-        value = m.get(key, None)
-        return default if value is None else value
-
-    missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads") if get(k) is None]
+    missing = [k for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads")
+               if getattr(m, k) is None]
     if missing:
         raise ValueError(f"model_source megatron needs model.{', model.'.join(missing)}")
     if vocab_size is None:
-        vocab_size = get("vocab_size")
+        vocab_size = m.vocab_size
     if vocab_size is None:
         raise ValueError("model_source megatron needs a vocabulary size (from the tokenizer, or model.vocab_size)")
-    block = get("transformer_block_type", "pre_ln")
-    if block != "pre_ln":
-        raise NotImplementedError(f"model.transformer_block_type {block!r}: only 'pre_ln' is implemented")
-    rope_scaling = get("rope_scaling")
-    if rope_scaling is not None and not isinstance(rope_scaling, dict):
-        from omegaconf import OmegaConf
-
-        rope_scaling = OmegaConf.to_container(rope_scaling, resolve=True)
-    tp = _get(cfg, "distributed_strategy", "tensor_model_parallel_size", 1)
-    hidden, heads = get("hidden_size"), get("num_attention_heads")
+    if m.transformer_block_type != "pre_ln":  # `nxdt plan` skips the not-supported-yet check
+        raise NotImplementedError(f"model.transformer_block_type {m.transformer_block_type!r}: "
+                                  "only 'pre_ln' is implemented")
+    tp = cfg.distributed_strategy.tensor_model_parallel_size
     return LlamaArgs(
-        vocab_size=padded_vocab_size(vocab_size, get("make_vocab_size_divisible_by", 128), tp),
-        hidden_size=hidden,
-        num_layers=get("num_layers"),
-        num_attention_heads=heads,
-        num_kv_heads=get("num_kv_heads", heads),
-        ffn_hidden_size=get("ffn_hidden_size", 4 * hidden),  # Megatron's default width
-        kv_channels=get("kv_channels"),
-        max_position_embeddings=get("max_position_embeddings", get("encoder_seq_length", 4096)),
-        normalization=get("normalization", "rmsnorm"),
-        layernorm_epsilon=get("layernorm_epsilon", 1e-5),
-        activation=get("activation", "swiglu"),
-        has_bias=bool(get("has_bias", False)),
-        share_embeddings_and_output_weights=bool(get("share_embeddings_and_output_weights", False)),
-        position_embedding_type=get("position_embedding_type", "rope"),
-        rotary_percentage=get("rotary_percentage", 1.0),
-        rope_theta=get("rope_theta", 10000.0),
-        rope_scaling=rope_scaling,
-        sliding_window_size=get("sliding_window_size"),
-        hidden_dropout=get("hidden_dropout", 0.0),
-        attention_dropout=get("attention_dropout", 0.0),
-        ffn_dropout=get("ffn_dropout", 0.0),
-        init_method_std=get("init_method_std", 0.02),
-        use_scaled_init_method=bool(get("use_scaled_init_method", True)),
-        apply_query_key_layer_scaling=bool(get("apply_query_key_layer_scaling", False)),
+        vocab_size=padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, tp),
+        hidden_size=m.hidden_size,
+        num_layers=m.num_layers,
+        num_attention_heads=m.num_attention_heads,
+        num_kv_heads=m.num_kv_heads,  # null = num_attention_heads (LlamaArgs)
+        ffn_hidden_size=m.ffn_hidden_size,
+        kv_channels=m.kv_channels,  # null = hidden_size / num_attention_heads (LlamaArgs)
+        # null = encoder_seq_length (validation sets it so for megatron; a hand-made config may not)
+        max_position_embeddings=m.max_position_embeddings or m.encoder_seq_length,
+        normalization=m.normalization,
+        layernorm_epsilon=m.layernorm_epsilon,
+        activation=m.activation,
+        has_bias=m.has_bias,
+        share_embeddings_and_output_weights=m.share_embeddings_and_output_weights,
+        position_embedding_type=m.position_embedding_type,
+        rotary_percentage=m.rotary_percentage,
+        rope_theta=10000.0 if m.rope_theta is None else m.rope_theta,  # null = 10000 for megatron (schema)
+        rope_scaling=m.rope_scaling,  # an open section: a plain dict
+        sliding_window_size=m.sliding_window_size,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+        ffn_dropout=m.ffn_dropout,
+        init_method_std=m.init_method_std,
+        use_scaled_init_method=m.use_scaled_init_method,
+        apply_query_key_layer_scaling=m.apply_query_key_layer_scaling,
     )
 
 
 def build_model(cfg: Any, vocab_size: int | None = None, device: str | torch.device | None = None) -> nn.Module:
-    """The model for `cfg` (see module docstring), fp32.
+    """The model for the typed config `cfg` (see module docstring), fp32.
 
     device='meta' builds the structure without allocating memory (for models larger than
     host memory, or to count parameters); materialise later with `init_model_weights`.
     On a real device the weights are initialised here.
     """
-    source = cfg.get("model_source", "megatron")
+    source = cfg.model_source
     ctx = torch.device(device) if device is not None else contextlib.nullcontext()
     with ctx:
         if source == "megatron":
             model = NxdtLlamaForCausalLM(llama_args_from_cfg(cfg, vocab_size))
         elif source == "hf":
-            model_config = cfg.model.get("model_config")
+            model_config = cfg.model.model_config
             if not model_config:
                 raise ValueError("model_source hf needs model.model_config (path to a config.json)")
-            overrides = {k: cfg.model.get(k) for k in HF_OVERRIDES}
+            overrides = {k: getattr(cfg.model, k) for k in HF_OVERRIDES}
             model = build_hf_model(model_config, overrides)
         else:
             raise ValueError(f"model_source must be 'megatron' or 'hf', got {source!r}")
@@ -138,11 +129,3 @@ def init_model_weights(model: nn.Module, device: str | torch.device | None = Non
 
 def _is_meta(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
-
-
-def _get(cfg: Any, section: str, key: str, default: Any) -> Any:
-    sec = cfg.get(section)
-    if sec is None:
-        return default
-    value = sec.get(key, default)
-    return default if value is None else value

@@ -189,39 +189,39 @@ def selected_blocks(num_blocks: int, fraction: float | None) -> list[int]:
     return [i for i in range(num_blocks) if math.floor((i + 1) * fraction + 0.5) > math.floor(i * fraction + 0.5)]
 
 
-def recompute_classes(cfg) -> list[str] | None:
-    """Class names to recompute for the config, or None when nothing is checkpointed.
+def recompute_classes(m) -> list[str] | None:
+    """Class names to recompute for the `model` config section, or None when nothing is checkpointed.
 
     ["LlamaDecoderLayer"] means whole blocks (full granularity)."""
-    m = cfg.model
-    granularity = m.get("activations_checkpoint_granularity")
-    fraction = m.get("selective_checkpointing")
+    granularity = m.activations_checkpoint_granularity
+    fraction = m.selective_checkpointing
     if granularity is None and fraction is None:
         return None
     if granularity == "selective":
-        names = m.get("activations_checkpoint_recompute")
+        names = m.activations_checkpoint_recompute
         if names:
             return [str(n) for n in names]
-        return ["CoreAttention", "LlamaMLP"] if m.get("activations_checkpoint_recompute_mlp") else ["CoreAttention"]
+        return ["CoreAttention", "LlamaMLP"] if m.activations_checkpoint_recompute_mlp else ["CoreAttention"]
     return ["LlamaDecoderLayer"]
 
 
-def apply_activation_checkpointing(model: nn.Module, cfg) -> nn.Module:
-    """Checkpoint the modules the config asks for, in the blocks of `model.model.layers` it selects."""
-    classes = recompute_classes(cfg)
+def apply_activation_checkpointing(model: nn.Module, model_cfg) -> nn.Module:
+    """Checkpoint the modules the `model` config section asks for, in the blocks of
+    `model.model.layers` it selects."""
+    classes = recompute_classes(model_cfg)
     if not classes:
         return model
     blocks = list(model.model.layers)
     # A pipeline stage holds a subset: select by the block's global index when it has one.
-    fraction = cfg.model.get("selective_checkpointing")
-    total = cfg.model.get("num_layers") or len(blocks)
+    fraction = model_cfg.selective_checkpointing
+    total = model_cfg.num_layers or len(blocks)  # hf: null (the count is in config.json)
     chosen = set(selected_blocks(max(total, len(blocks)), fraction))
     valid = sorted({type(m).__name__ for b in blocks for m in b.modules()} | set(HF_ALIASES))
     unknown = [c for c in classes if c not in valid]
     if unknown:
         raise ConfigError(f"model.activations_checkpoint_recompute: unknown module class {unknown[0]!r}; "
                           f"valid: {', '.join(valid)}")
-    chunk = int(cfg.model.get("checkpoint_num_layers") or 1)
+    chunk = model_cfg.checkpoint_num_layers
     if chunk > 1:
         # GPT-NeoX: consecutive blocks of this model (or pipeline stage) in chunks of `chunk`; the
         # last chunk is shorter when it does not divide (as NeoX). Validation (check_cross) allows

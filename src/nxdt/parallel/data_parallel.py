@@ -45,16 +45,16 @@ class DataParallelConfig:
     """mixed_precisionSR: the bf16 all-gather copy is stochastically rounded (nxdt.precision.sr_fsdp)."""
 
 
-def data_parallel_config(cfg) -> DataParallelConfig:
-    ds = cfg.distributed_strategy
+def data_parallel_config(ds, precision) -> DataParallelConfig:
+    """From the `distributed_strategy` and `precision` config sections."""
     sharding = sharding_mode_of(ds)
     shard = sharding.shard
     return DataParallelConfig(
         mode="shard" if shard else "replicate",
         reshard_after_forward=sharding.reshard_after_forward,
-        mp_policy=fsdp_mixed_precision_policy(cfg.precision) if shard else None,
-        cpu_offload=bool(ds.get("cpu_offload")),
-        stochastic_rounding=shard and stochastic_master_weights(cfg.precision),
+        mp_policy=fsdp_mixed_precision_policy(precision) if shard else None,
+        cpu_offload=ds.cpu_offload,
+        stochastic_rounding=shard and stochastic_master_weights(precision),
     )
 
 
@@ -126,9 +126,9 @@ def wants_meta_init(cfg, device_type: str) -> bool:
     """Build on the meta device and materialise only this rank's shards: `low_cpu_fsdp` /
     `meta_init`, or `model.use_cpu_initialization: false` on an accelerator."""
     ds = cfg.distributed_strategy
-    if ds.get("low_cpu_fsdp") or ds.get("meta_init"):
+    if ds.low_cpu_fsdp or ds.meta_init:
         return True
-    return not cfg.model.get("use_cpu_initialization", True) and device_type != "cpu"
+    return not cfg.model.use_cpu_initialization and device_type != "cpu"
 
 
 def is_meta(model: nn.Module) -> bool:

@@ -34,17 +34,17 @@ __all__ = ["parallelize_llama", "apply_data_parallel", "set_gradient_sync", "tra
 def parallelize_llama(model: nn.Module, mesh: DeviceMesh, cfg, device: torch.device | str | None = None) -> nn.Module:
     ds = cfg.distributed_strategy
     # 1. tensor (+ sequence) parallel over the tp axis
-    apply_tensor_parallel(model, mesh["tp"], bool(ds.get("sequence_parallel")))
+    apply_tensor_parallel(model, mesh["tp"], ds.sequence_parallel)
     # 1b. context parallel: attention becomes ring attention over the cp axis
     apply_context_parallel(model, mesh["cp"])
     # 2. activation checkpointing (model.activations_checkpoint_*, model.selective_checkpointing)
-    apply_activation_checkpointing(model, cfg)
+    apply_activation_checkpointing(model, cfg.model)
     # 3. torch.compile each block, after AC and before FSDP (per-block compile keeps FSDP's
     #    per-block hooks outside the compiled graphs, and identical blocks share one graph)
-    if cfg.model.get("use_torch_compile"):
+    if cfg.model.use_torch_compile:
         apply_compile(model)
     # 4. data parallel over (dp_replicate, dp_shard): replicate / FSDP2 / HSDP
-    apply_data_parallel(model, mesh, data_parallel_config(cfg))
+    apply_data_parallel(model, mesh, data_parallel_config(ds, cfg.precision))
     # 5. a model built on the meta device gets its local shards allocated and initialised now
     if is_meta(model):
         materialize(model, device if device is not None else mesh.device_type)

@@ -207,13 +207,13 @@ def build_pipeline(
     """
     pp, vpp = layout.pp, layout.vpp
     num_stages = pp * vpp
-    name = cfg.distributed_strategy.get("schedule") or default_pipeline_schedule(vpp)
+    name = cfg.distributed_strategy.schedule or default_pipeline_schedule(vpp)
     schedule_cls = get_schedule_class(name)
     pp_mesh = mesh["pp"]
     pp_rank, pp_group = pp_mesh.get_local_rank(), pp_mesh.get_group()
 
     num_layers = len(model.model.layers)
-    cuts = cfg.model.get("pipeline_cuts")
+    cuts = cfg.model.pipeline_cuts
     starts = pipeline_stage_starts(num_layers, num_stages, list(cuts) if cuts else None)
     v_style = name in V_SCHEDULES
     stage_ids = stage_ids_of_rank(pp_rank, pp, vpp, "v" if v_style else "loop")

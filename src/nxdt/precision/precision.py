@@ -190,15 +190,13 @@ class Precision:
         settings = settings_from_cfg(pcfg)
         if on_xla and settings.mode in ("master", "lowp") and not settings.fp16:
             settings = replace(settings, mode="fp32", compute_dtype=torch.float32, stochastic=False)
-        f = pcfg.get("fp16") or {}
+        f = pcfg.fp16
         scaler = None
         if settings.fp16:
-            scaler = DynamicLossScaler(f.get("loss_scale", 0.0), f.get("initial_scale_power", 16),
-                                       f.get("loss_scale_window", 1000), f.get("hysteresis", 2),
-                                       f.get("min_loss_scale", 1.0))
-        out = cls(settings, on_nonfinite=str(pcfg.get("on_nonfinite", "stop")),
-                  max_consecutive_skips=f.get("max_consecutive_skips", 50), scaler=scaler,
-                  seed=int(cfg.get("seed", 0) or 0) * 1000003 + rank)
+            scaler = DynamicLossScaler(f.loss_scale, f.initial_scale_power, f.loss_scale_window, f.hysteresis,
+                                       f.min_loss_scale)
+        out = cls(settings, on_nonfinite=pcfg.on_nonfinite, max_consecutive_skips=f.max_consecutive_skips,
+                  scaler=scaler, seed=cfg.seed * 1000003 + rank)
         out.lazy_guard = on_xla
         return out
 

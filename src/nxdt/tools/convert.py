@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from nxdt.config.errors import ConfigError
+from nxdt.config.load import load_saved_config
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json")
@@ -98,13 +99,11 @@ def hf_config_for(ckpt: Path, tensors: dict[str, Any]) -> dict[str, Any]:
     cfg_file = ckpt / "config.yaml"
     if not cfg_file.is_file():
         raise ConfigError(f"{cfg_file} is missing: cannot tell the model's architecture")
-    from omegaconf import OmegaConf
-
-    cfg = OmegaConf.load(cfg_file)
-    if cfg.get("model_source") == "hf":
+    cfg = load_saved_config(cfg_file)
+    if cfg.model_source == "hf":
         from nxdt.models.hf import HF_OVERRIDES, load_config_dict
 
-        d = load_config_dict(cfg.model.model_config, {k: cfg.model.get(k) for k in HF_OVERRIDES})
+        d = load_config_dict(cfg.model.model_config, {k: getattr(cfg.model, k) for k in HF_OVERRIDES})
         d.setdefault("model_type", "llama")
         return d
     from nxdt.models.builder import llama_args_from_cfg
@@ -118,11 +117,9 @@ def tokenizer_dir_for(ckpt: Path) -> Path | None:
         return ckpt / "tokenizer"
     cfg_file = ckpt / "config.yaml"
     if cfg_file.is_file():
-        from omegaconf import OmegaConf
-
-        tok = OmegaConf.load(cfg_file).get("data", {}).get("tokenizer", {}) or {}
-        if tok.get("library", "huggingface") == "huggingface" and tok.get("type"):
-            return Path(str(tok.get("type")))
+        tok = load_saved_config(cfg_file).data.tokenizer
+        if tok.library == "huggingface" and tok.type:
+            return Path(tok.type)
     return None
 
 

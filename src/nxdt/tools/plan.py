@@ -77,7 +77,7 @@ def precision_bytes(cfg, optimizer: str) -> Bytes:
 def _vocab(cfg) -> tuple[int | None, str]:
     if cfg.model_source == "hf":
         return None, "from model_config"
-    if cfg.model.get("vocab_size"):
+    if cfg.model.vocab_size:
         return int(cfg.model.vocab_size), "model.vocab_size"
     tok = cfg.data.tokenizer
     if tok.library == "huggingface" and tok.type and Path(str(tok.type)).is_dir():
@@ -166,7 +166,7 @@ def plan(cfg) -> dict[str, Any]:
     layout = compute_layout(cfg, world)
     ds = cfg.distributed_strategy
     sharding = sharding_mode_of(ds)
-    shape = mesh_shape_from_layout(layout, sharding, ds.get("hsdp_replicate_size") or cfg.trainer.num_nodes)
+    shape = mesh_shape_from_layout(layout, sharding, ds.hsdp_replicate_size or cfg.trainer.num_nodes)
     fsdp = sharding.shard
     dp_shard = shape.dp_shard
     shard_ways = dp_shard * layout.cp if fsdp else dp_shard  # FSDP shards over dp_shard × cp
@@ -176,7 +176,7 @@ def plan(cfg) -> dict[str, Any]:
     arch = _architecture(model, cfg)
     tp, pp, vpp = layout.tp, layout.pp, layout.vpp
     num_stages = pp * vpp
-    cuts = cfg.model.get("pipeline_cuts")
+    cuts = cfg.model.pipeline_cuts
     starts = pipeline_stage_starts(arch["layers"], num_stages, list(cuts) if cuts else None)
 
     def stage_of(name: str) -> int:
@@ -193,15 +193,16 @@ def plan(cfg) -> dict[str, Any]:
         s = stage_of(name)
         per_stage[s] += p.numel()
         per_stage_rank[s] += math.ceil(_shard_numel(name, p.numel(), tp, arch["kv_heads"]) / shard_ways)
-    schedule = (ds.get("schedule") or default_pipeline_schedule(vpp)) if pp > 1 else None
+    schedule = (ds.schedule or default_pipeline_schedule(vpp)) if pp > 1 else None
     v_style = schedule in ("ZBVZeroBubble", "DualPipeV")
     ranks = [[r, 2 * pp - 1 - r] if v_style else [r + k * pp for k in range(vpp)] for r in range(pp)]
     per_rank = [sum(per_stage_rank[s] for s in stages) for stages in ranks]
     worst = max(range(pp), key=lambda r: per_rank[r])
 
-    optim_name = cfg.model.optim.get("name", "adamw")
+    optim = cfg.model.optim  # an open section (plain dict); optim_keys requires its name
+    optim_name = optim["name"]
     states = OPTIMIZER_STATES.get(optim_name, 2)
-    if optim_name == "sgd" and cfg.model.optim.get("momentum"):
+    if optim_name == "sgd" and optim.get("momentum"):  # optional key, null/absent = no momentum
         states = 1
     b = precision_bytes(cfg, optim_name)
     n = per_rank[worst]
@@ -218,7 +219,7 @@ def plan(cfg) -> dict[str, Any]:
     gran = cfg.model.activations_checkpoint_granularity
     if gran == "full":  # only block inputs kept, plus one layer's activations during its recompute
         # checkpoint_num_layers N: one input per chunk of N, but N layers' activations in the recompute
-        chunk = min(max(int(cfg.model.get("checkpoint_num_layers") or 1), 1), max(layers_here, 1))
+        chunk = min(cfg.model.checkpoint_num_layers, max(layers_here, 1))  # validation: >= 1
         layer_elems = math.ceil(layers_here / chunk) * block_input + chunk * per_layer
     else:
         layer_elems = layers_here * per_layer

@@ -28,6 +28,7 @@ import time
 from collections.abc import Iterator
 
 from nxdt.config.errors import ConfigError
+from nxdt.config.schema import TokenizerConfig
 from nxdt.data.jsonl import iter_jsonl
 
 _CHUNK_DOCS = 64  # documents per tokenizer call / per worker task
@@ -119,7 +120,7 @@ _WORKER: dict = {}
 def _init_worker(tokenizer_dir: str, eod: int | None) -> None:
     from nxdt.data.tokenizers import build_tokenizer
 
-    _WORKER["tok"] = build_tokenizer({"library": "huggingface", "type": tokenizer_dir})
+    _WORKER["tok"] = build_tokenizer(TokenizerConfig(library="huggingface", type=tokenizer_dir))
     _WORKER["eod"] = eod
 
 
@@ -201,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                     raise ConfigError(f"{path}: output exists; pass --overwrite to replace it")
 
     tokenizer_dir = str(args.tokenizer or bundled_tokenizer_dir())
-    tokenizer = build_tokenizer({"library": "huggingface", "type": tokenizer_dir})
+    tokenizer = build_tokenizer(TokenizerConfig(library="huggingface", type=tokenizer_dir))
     eod = eod_id(tokenizer) if args.append_eod else None
     dtype = best_fitting_dtype(len(tokenizer))
 

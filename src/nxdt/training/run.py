@@ -66,7 +66,7 @@ def build_trainer(cfg, layout, mesh_shape, loggers, callbacks):
     t = cfg.trainer
     on_xla = xla.use_xla(cfg)  # torch-xla: Lightning's XLA accelerator with nxdt's bookkeeping (xla.py)
     return pl.Trainer(
-        accelerator=xla.lightning_accelerator(cfg) if on_xla else t.get("accelerator", "auto"),
+        accelerator=xla.lightning_accelerator(cfg) if on_xla else t.accelerator,
         strategy=xla.build_xla_strategy(mesh_shape) if on_xla else NxdtStrategy(mesh_shape),
         devices=t.devices,
         num_nodes=t.num_nodes,
@@ -87,7 +87,7 @@ def build_trainer(cfg, layout, mesh_shape, loggers, callbacks):
         callbacks=callbacks,
         # checkpoints are nxdt.checkpoint's NxdtCheckpoint callback, never Lightning's ModelCheckpoint
         enable_checkpointing=False,
-        enable_progress_bar=t.get("enable_progress_bar", True),
+        enable_progress_bar=t.enable_progress_bar,
         enable_model_summary=False,
     )
 
@@ -119,7 +119,7 @@ def train(cfg):
     layout = compute_layout(cfg, world_size)
     mesh_shape = mesh_shape_from_layout(
         layout, sharding_mode_of(cfg.distributed_strategy),
-        cfg.distributed_strategy.get("hsdp_replicate_size") or cfg.trainer.num_nodes
+        cfg.distributed_strategy.hsdp_replicate_size or cfg.trainer.num_nodes  # null: shard within a node
     )
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
 
@@ -127,7 +127,7 @@ def train(cfg):
     resume, callbacks = setup_checkpointing(cfg, dirs)  # may refuse: before anything is written
     loggers = setup_exp_manager(cfg, dirs, _global_rank())
     callbacks += [ThroughputMonitor(layout.tokens_per_step), RunSummary(cfg, layout, str(dirs.log_dir))]
-    if cfg.trainer.get("enable_progress_bar", True):
+    if cfg.trainer.enable_progress_bar:
         callbacks.append(StepProgressBar())
     trainer = build_trainer(cfg, layout, mesh_shape, loggers, callbacks)
     # custom (data.data_module) > SFT > dummy > data.datasets > HF (train_dir) > Megatron
