@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from omegaconf import OmegaConf  # noqa: E402
+from nxdt.config import config_from_dict  # noqa: E402
 
 SEQ, GBS, MBS = 128, 16, 4
 
@@ -55,12 +55,14 @@ def bench_preprocess(src: Path, root: Path, workers: int) -> float:
     return int(IndexedDataset(str(prefix)).sizes.sum()) / elapsed
 
 
-def cfg_for(steps: int, **data):
-    return OmegaConf.create({
+def cfg_for(steps: int, alignment: dict | None = None, **data):
+    """A typed config (schema defaults for everything not given)."""
+    return config_from_dict({
         "seed": 1, "model_source": "megatron", "model": {"vocab_size": None},
         "trainer": {"max_steps": steps, "val_check_interval": steps, "limit_val_batches": 1, "limit_test_batches": 1},
         "data": {"seq_length": SEQ, "micro_batch_size": MBS, "global_batch_size": GBS, "num_workers": 0,
-                 "splits_string": "980,10,10", "tokenizer": None, **data},
+                 "splits_string": "980,10,10", **data},
+        "model_alignment_strategy": alignment,
     })
 
 
@@ -137,8 +139,8 @@ def main(argv=None) -> int:
             ("megatron (cyclic)", cfg_for(s, data_prefix=[1.0, prefix], dataloader_type="cyclic")),
             ("megatron, blend of 2", cfg_for(s, data_prefix=[0.7, prefix, 0.3, str(root / "kjv_w2")])),
             ("hf (save_to_disk)", cfg_for(s, train_dir=str(root / "hf"))),
-            ("sft (unpacked)", OmegaConf.merge(cfg_for(s, **sft), {"model_alignment_strategy": {"sft": {}}})),
-            ("sft (packed)", OmegaConf.merge(cfg_for(s, **sft), {"model_alignment_strategy": {"sft": {"packing": True}}})),
+            ("sft (unpacked)", cfg_for(s, alignment={"sft": {}}, **sft)),
+            ("sft (packed)", cfg_for(s, alignment={"sft": {"packing": True}}, **sft)),
             ("dummy", cfg_for(s, use_dummy_dataset=True)),
             ("logical shards (2 datasets)", cfg_for(s, datasets=[prefix, str(root / "kjv_w2")], weights=[3, 1],
                                                     logical_shards=8)),

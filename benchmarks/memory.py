@@ -16,11 +16,11 @@ import os
 
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
+from nxdt.config import config_from_dict
 
 
 def cfg_for(args, sharding: str | None, zero1: bool, ac: bool):
-    return OmegaConf.create({
+    return config_from_dict({
         "model_source": "megatron",
         "model": {"num_layers": args.layers, "hidden_size": args.hidden, "ffn_hidden_size": args.hidden * 11 // 4,
                   "num_attention_heads": 8, "num_kv_heads": 4, "make_vocab_size_divisible_by": 8,

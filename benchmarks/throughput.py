@@ -180,7 +180,7 @@ def worker_plain(args, stamps: _Stamps, compile_blocks: bool) -> dict:
     if compile_blocks:
         _compile_blocks(model)
     o = cfg.model.optim
-    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+    opt = torch.optim.AdamW(model.parameters(), lr=o["lr"], betas=tuple(o["betas"]), weight_decay=o["weight_decay"])
     model.train()
     losses = []
     for batch in batches:
@@ -244,7 +244,7 @@ def worker_hf(args, stamps: _Stamps, bf16: bool) -> dict:
         output_dir=os.path.join(args.exp_dir, "hf"),
         per_device_train_batch_size=MICRO_BATCH, max_steps=total, report_to=[], save_strategy="no",
         logging_strategy="no", dataloader_num_workers=0, use_cpu=True, bf16=bf16,
-        learning_rate=o.lr, weight_decay=o.weight_decay, adam_beta1=o.betas[0], adam_beta2=o.betas[1],
+        learning_rate=o["lr"], weight_decay=o["weight_decay"], adam_beta1=o["betas"][0], adam_beta2=o["betas"][1],
         seed=cfg.seed, disable_tqdm=True,
     )
     trainer = InOrder(model=model, args=targs, train_dataset=Samples(), callbacks=[StepTimer()])
