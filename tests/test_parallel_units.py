@@ -338,7 +338,8 @@ def _worker() -> None:  # pragma: no cover - runs under torchrun
                                 ("tp", MeshShape(tp=2), {"tensor_model_parallel_size": 2})):
         cfg = tiny_cfg()
         cfg.distributed_strategy.meta_init = True
-        cfg.distributed_strategy.update(keys)
+        for key, value in keys.items():  # a typed config: set attributes
+            setattr(cfg.distributed_strategy, key, value)
         mesh = build_mesh(shape, "cpu")
         torch.manual_seed(3)
         model = parallelize_llama(build_model(cfg, V, device="meta"), mesh, cfg)
@@ -358,7 +359,8 @@ def _worker() -> None:  # pragma: no cover - runs under torchrun
     for layout, shape, keys in (("fsdp", MeshShape(dp_shard=2), {"sharding_strategy": "FSDP"}),
                                 ("tp", MeshShape(tp=2), {"tensor_model_parallel_size": 2})):
         cfg = tiny_cfg()
-        cfg.distributed_strategy.update(keys)
+        for key, value in keys.items():  # a typed config: set attributes
+            setattr(cfg.distributed_strategy, key, value)
         torch.manual_seed(3)
         model = parallelize_llama(build_model(cfg, V), build_mesh(shape, "cpu"), cfg)
         ids = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(1))  # same batch on each rank
