@@ -83,6 +83,35 @@ def run_worker(script: str, nproc: int, out_path: Path, out_env: str, timeout: i
     return json.loads(Path(out_path).read_text())
 
 
+def run_pool(runs: dict[str, list[str]], nproc: int, out_dir: Path, timeout: int = 900
+             ) -> dict[str, subprocess.CompletedProcess]:
+    """Run several examples/train.py command lines (name -> argv) of one world size in one launch,
+    in order, in-process on each rank (tests/run_pool.py); all must succeed. Returns, per name,
+    what `run_cli` would: the exit status and every rank's stdout and stderr (rank order)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spec = out_dir / "jobs.json"
+    spec.write_text(json.dumps({"out": str(out_dir), "jobs": [{"name": k, "argv": v} for k, v in runs.items()]}))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "NXDT_POOL_JOBS": str(spec)}
+    env.pop("NXDT_RUN_VERSION", None)
+    pool = str(REPO / "tests" / "run_pool.py")
+    cmd = ([sys.executable, pool] if nproc == 1 else
+           [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", pool])
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
+    results = {}
+    for name in runs:
+        run_dir = out_dir / name
+        rcs = [int(p.read_text()) for p in sorted(run_dir.glob("rank*.rc"))] if run_dir.is_dir() else []
+        text = {kind: "".join(p.read_text() for p in sorted(run_dir.glob(f"rank*.{kind}"))) if run_dir.is_dir() else ""
+                for kind in ("out", "err")}
+        results[name] = subprocess.CompletedProcess(name, max(rcs) if len(rcs) == nproc else -1,
+                                                    text["out"], text["err"])
+        assert results[name].returncode == 0, (
+            f"run '{name}' failed\n{text['out'][-3000:]}\n{text['err'][-5000:]}\n{proc.stderr[-3000:]}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return results
+
+
 def train_and_read(args: list[str], log_dir: Path, nproc: int = 1):
     """Run examples/train.py (logging to `log_dir`), require success; (process, scalars)."""
     proc = run_cli(args, nproc=nproc)

@@ -5,7 +5,7 @@ per-step `reduced_train_loss` equals the one uninterrupted reference run within 
 (tests/test_parallel_layouts.py). The model has one K/V head for four query heads, so every
 tp2 layout replicates the K/V projections (tp > num_kv_heads). The runs form chains: each
 resume run loads a checkpoint of the previous one and writes its own checkpoints (every step)
-for the next, so eleven launches (nine under torchrun, two single-process) cover these changes:
+for the next; eleven runs cover these changes:
 
     reference  pp2 x vpp2, from scratch, 8 steps
     ├─ @1 → pp2 x vpp2      plain resume, same layout
@@ -13,13 +13,15 @@ for the next, so eleven launches (nine under torchrun, two single-process) cover
     ├─ @1 → HSDP 2x2        4 ranks, dp 1 → 4 (replicate 2 x shard 2); saves bf16 + fp32 masters
     │   └─ @2 → pp2 x ZeRO-1 dp2       4 ranks: pp, dp and sharding change at once; loads the masters
     │       └─ @3 → pp1     pp2 + ZeRO-1 dp2 → one process
-    │           └─ @4 → tp2         tp1 → tp2 (K/V replicated)
-    │               └─ @5 → tp1     tp2 (K/V replicated) → tp1, one process; keeps the best
-    │                               checkpoint by reduced_train_loss (mode max) and the newest
     └─ @1 → zero1 dp2       dp1 → dp2 (data-loader state dropped, continues from consumed_samples)
         ├─ @3 → fsdp dp2    zero1 dp2 → fsdp dp2
-        └─ @3 → zero1 dp2   plain ZeRO-1 resume
+        ├─ @3 → zero1 dp2   plain ZeRO-1 resume
+        └─ @3 → tp2         tp1 dp2 → tp2 dp1 (K/V replicated)
+            └─ @5 → tp1     tp2 (K/V replicated) → tp1, one process; keeps the best
+                            checkpoint by reduced_train_loss (mode max) and the newest
 
+Runs of one world size share one launch (conftest.run_pool: imports paid once), so the eleven
+runs take three launches: the 2-rank runs, then the 4-rank runs, then the single-process ones.
 Each resumed run's losses (steps after the checkpoint, to step 8) are compared with the
 reference's.
 """
@@ -31,7 +33,7 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import TINY_OVERRIDES, read_scalars, run_cli, tensor_bytes
+from conftest import TINY_OVERRIDES, read_scalars, run_pool, tensor_bytes
 
 STEPS = 8
 TOL = 1e-5
@@ -87,20 +89,6 @@ class Run:
         return _ckpt(self.log_dir, step)
 
 
-def _train(prefix, tmp_path_factory, name: str, devices: int, extra=(), resume: tuple[Run, int] | None = None) -> Run:
-    log_dir = tmp_path_factory.mktemp(name)
-    if resume is not None:
-        source, step = resume
-        # quoted: the checkpoint's name contains '=' (step=..., consumed_samples=...)
-        extra = [*extra, f"exp_manager.resume_from_checkpoint='{source.ckpt(step)}'"]
-    proc = run_cli(_args(prefix, log_dir, devices, extra), nproc=devices)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    run = Run(log_dir, proc)
-    if resume is not None:
-        assert f"resuming from {source.ckpt(step)} (step {step}" in proc.stdout
-    return run
-
-
 def _assert_continues(reference: Run, run: Run, from_step: int, label: str) -> None:
     assert sorted(run.losses) == list(range(from_step, STEPS)), (label, run.losses)
     gap = max(abs(run.losses[s] - reference.losses[s]) for s in run.losses)
@@ -109,62 +97,46 @@ def _assert_continues(reference: Run, run: Run, from_step: int, label: str) -> N
 
 
 # ----------------------------------------------------------------------------- the runs (chained)
-@pytest.fixture(scope="module")
-def reference(kjv_prefix, tmp_path_factory) -> Run:
-    return _train(kjv_prefix, tmp_path_factory, "ref_pp2_vpp2", 2, VPP2)
+# name: (ranks, overrides, resumes from (run, step) or None). Runs of one world size share a launch
+# (conftest.run_pool), in this order: every run's source is in an earlier launch or earlier in its own.
+RUNS = {
+    "reference": (2, VPP2, None),
+    "vpp_resumed": (2, VPP2, ("reference", 1)),
+    "pp2": (2, PP2, ("vpp_resumed", 2)),
+    "zero1": (2, ["distributed_strategy.zero1=true"], ("reference", 1)),
+    "fsdp_from_zero1": (2, ["distributed_strategy.sharding_strategy=FSDP"], ("zero1", 3)),
+    "zero1_from_zero1": (2, ["distributed_strategy.zero1=true"], ("zero1", 3)),
+    "tp2": (2, TP2, ("zero1", 3)),
+    "hsdp": (4, HSDP, ("reference", 1)),
+    "pp2_zero1": (4, PP2_ZERO1, ("hsdp", 2)),
+    "pp1": (1, [], ("pp2_zero1", 3)),
+    "tp1": (1, TOP1_BY_LOSS, ("tp2", 5)),
+}
 
 
 @pytest.fixture(scope="module")
-def vpp_resumed(kjv_prefix, tmp_path_factory, reference) -> Run:
-    return _train(kjv_prefix, tmp_path_factory, "pp2_vpp2", 2, VPP2, resume=(reference, 1))
+def runs(kjv_prefix, tmp_path_factory) -> dict[str, Run]:
+    root = tmp_path_factory.mktemp("reshard")
+    out: dict[str, Run] = {}
+    for nproc in (2, 4, 1):
+        argvs = {}
+        for name, (ranks, extra, resume) in RUNS.items():
+            if ranks == nproc:
+                if resume is not None:
+                    # quoted: the checkpoint's name contains '=' (step=..., consumed_samples=...)
+                    extra = [*extra, f"exp_manager.resume_from_checkpoint='{_ckpt(root / resume[0], resume[1])}'"]
+                argvs[name] = _args(kjv_prefix, root / name, nproc, extra)
+        for name, proc in run_pool(argvs, nproc, root / f"pool{nproc}").items():
+            out[name] = Run(root / name, proc)
+            if RUNS[name][2] is not None:
+                source, step = RUNS[name][2]
+                assert f"resuming from {_ckpt(root / source, step)} (step {step}" in proc.stdout, name
+    return out
 
 
 @pytest.fixture(scope="module")
-def pp2(kjv_prefix, tmp_path_factory, vpp_resumed) -> Run:
-    return _train(kjv_prefix, tmp_path_factory, "pp2", 2, PP2, resume=(vpp_resumed, 2))
-
-
-@pytest.fixture(scope="module")
-def hsdp(kjv_prefix, tmp_path_factory, reference) -> Run:
-    return _train(kjv_prefix, tmp_path_factory, "hsdp", 4, HSDP, resume=(reference, 1))
-
-
-@pytest.fixture(scope="module")
-def pp2_zero1(kjv_prefix, tmp_path_factory, hsdp) -> Run:
-    return _train(kjv_prefix, tmp_path_factory, "pp2_zero1", 4, PP2_ZERO1, resume=(hsdp, 2))
-
-
-@pytest.fixture(scope="module")
-def pp1(kjv_prefix, tmp_path_factory, pp2_zero1) -> Run:
-    return _train(kjv_prefix, tmp_path_factory, "pp1", 1, resume=(pp2_zero1, 3))
-
-
-@pytest.fixture(scope="module")
-def tp2(kjv_prefix, tmp_path_factory, pp1) -> Run:
-    return _train(kjv_prefix, tmp_path_factory, "tp2", 2, TP2, resume=(pp1, 4))
-
-
-@pytest.fixture(scope="module")
-def tp1(kjv_prefix, tmp_path_factory, tp2) -> Run:
-    return _train(kjv_prefix, tmp_path_factory, "tp1", 1, TOP1_BY_LOSS, resume=(tp2, 5))
-
-
-@pytest.fixture(scope="module")
-def zero1(kjv_prefix, tmp_path_factory, reference) -> Run:
-    return _train(kjv_prefix, tmp_path_factory, "zero1", 2, ["distributed_strategy.zero1=true"],
-                  resume=(reference, 1))
-
-
-@pytest.fixture(scope="module")
-def fsdp_from_zero1(kjv_prefix, tmp_path_factory, zero1) -> Run:
-    return _train(kjv_prefix, tmp_path_factory, "fsdp", 2, ["distributed_strategy.sharding_strategy=FSDP"],
-                  resume=(zero1, 3))
-
-
-@pytest.fixture(scope="module")
-def zero1_from_zero1(kjv_prefix, tmp_path_factory, zero1) -> Run:
-    return _train(kjv_prefix, tmp_path_factory, "zero1_again", 2, ["distributed_strategy.zero1=true"],
-                  resume=(zero1, 3))
+def reference(runs) -> Run:
+    return runs["reference"]
 
 
 # ----------------------------------------------------------------------------- the cases
@@ -183,12 +155,14 @@ def test_pipeline_checkpoint_names_the_whole_model(reference):
     assert "optim0.param_groups.model.layers.3.mlp.up_proj.weight.lr" in scalars
 
 
-def test_pp2_vpp2_resume_same_layout(reference, vpp_resumed):
+def test_pp2_vpp2_resume_same_layout(reference, runs):
+    vpp_resumed = runs["vpp_resumed"]
     _assert_continues(reference, vpp_resumed, 1, "pp2 x vpp2 -> pp2 x vpp2")
     assert "resharded" not in vpp_resumed.log and "consumed_samples" not in _warnings(vpp_resumed)
 
 
-def test_pp2_vpp2_to_pp2(reference, pp2):
+def test_pp2_vpp2_to_pp2(reference, runs):
+    pp2 = runs["pp2"]
     _assert_continues(reference, pp2, 2, "pp2 x vpp2 -> pp2")
     # same world size, another layout: one line; every rank re-seeded alike, data-loader state kept
     assert _notes(pp2, "tensors resharded") == [
@@ -197,7 +171,8 @@ def test_pp2_vpp2_to_pp2(reference, pp2):
         "data-loader state kept (same dp size)"]
 
 
-def test_pp2_vpp2_to_hsdp_with_bf16_and_master_weights(reference, hsdp):
+def test_pp2_vpp2_to_hsdp_with_bf16_and_master_weights(reference, runs):
+    hsdp = runs["hsdp"]
     _assert_continues(reference, hsdp, 1, "pp2 x vpp2 dp1 -> HSDP 2x2")
     notes = _notes(hsdp, "tensors resharded")
     assert len(notes) == 1 and "(dp=1 -> dp=4): data continues from consumed_samples" in notes[0], notes
@@ -211,34 +186,40 @@ def test_pp2_vpp2_to_hsdp_with_bf16_and_master_weights(reference, hsdp):
     print(f"HSDP checkpoint: model tensors {saved['model.']:,} B (bf16) vs {ref['model.']:,} B (fp32)")
 
 
-def test_hsdp_to_pp2_zero1(reference, pp2_zero1):
+def test_hsdp_to_pp2_zero1(reference, runs):
     """pp, dp and sharding change at once; the fp32 master weights go into the model."""
+    pp2_zero1 = runs["pp2_zero1"]
     _assert_continues(reference, pp2_zero1, 2, "HSDP 2x2 -> pp2 x zero1 dp2")
     assert "(dp=4 -> dp=2)" in _notes(pp2_zero1, "tensors resharded")[0]
     assert "not an exact resume" not in pp2_zero1.log
 
 
-def test_pp2_zero1_to_pp1(reference, pp1):
+def test_pp2_zero1_to_pp1(reference, runs):
+    pp1 = runs["pp1"]
     _assert_continues(reference, pp1, 3, "pp2 x zero1 dp2 -> pp1 dp1")
     assert "(dp=2 -> dp=1)" in _notes(pp1, "tensors resharded")[0]
 
 
-def test_tp1_to_tp2(reference, tp2):
-    _assert_continues(reference, tp2, 4, "tp1 -> tp2 (K/V replicated)")
+def test_tp1_to_tp2(reference, runs):
+    tp2 = runs["tp2"]
+    _assert_continues(reference, tp2, 3, "zero1 tp1 dp2 -> tp2 dp1 (K/V replicated)")
+    assert "(dp=2 -> dp=1)" in _notes(tp2, "tensors resharded")[0]
     # replicated K/V projections keep the model's names and shapes: one head of 16 for 4 query heads
     shapes = json.loads((tp2.ckpt(5) / "meta.json").read_text())["model_shapes"]
     assert shapes["model.model.layers.0.self_attn.k_proj.weight"] == [16, 64]
     assert shapes["model.model.layers.0.self_attn.q_proj.weight"] == [64, 64]
 
 
-def test_tp2_to_tp1(reference, tp1):
+def test_tp2_to_tp1(reference, runs):
+    tp1 = runs["tp1"]
     _assert_continues(reference, tp1, 5, "tp2 (K/V replicated) -> tp1")
 
 
-def test_top_k_by_monitored_metric(tp1):
+def test_top_k_by_monitored_metric(runs):
     """monitor reduced_train_loss, mode max, save_top_k 1, save_last: the run saved steps 6, 7, 8;
     checkpoint s is scored with the loss of training step s (TensorBoard step s - 1) and named
     with it; the highest-scoring one survives, and the newest (8) whatever its score."""
+    tp1 = runs["tp1"]
     loss = {s: tp1.losses[s - 1] for s in (6, 7, 8)}
     best = max(loss, key=lambda s: (loss[s], s))
     keep = sorted({8, best})
@@ -253,17 +234,20 @@ def test_top_k_by_monitored_metric(tp1):
     print(f"top-1 by reduced_train_loss (max) of steps 6-8 {loss}: kept {keep}")
 
 
-def test_dp1_to_zero1_dp2_drops_data_state_in_one_line(reference, zero1):
+def test_dp1_to_zero1_dp2_drops_data_state_in_one_line(reference, runs):
+    zero1 = runs["zero1"]
     _assert_continues(reference, zero1, 1, "pp2 x vpp2 dp1 -> zero1 dp2")
     lines = [line for line in zero1.stdout.splitlines() if "data continues from consumed_samples" in line]
     assert len(lines) == 1 and "(dp=1 -> dp=2)" in lines[0], lines
 
 
-def test_zero1_dp2_to_fsdp_dp2(reference, fsdp_from_zero1):
+def test_zero1_dp2_to_fsdp_dp2(reference, runs):
+    fsdp_from_zero1 = runs["fsdp_from_zero1"]
     _assert_continues(reference, fsdp_from_zero1, 3, "zero1 dp2 -> fsdp dp2")
 
 
-def test_zero1_dp2_resume(reference, zero1_from_zero1):
+def test_zero1_dp2_resume(reference, runs):
+    zero1_from_zero1 = runs["zero1_from_zero1"]
     _assert_continues(reference, zero1_from_zero1, 3, "zero1 dp2 -> zero1 dp2")
     assert "resharded" not in zero1_from_zero1.log
 

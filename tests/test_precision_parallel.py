@@ -1,9 +1,9 @@
 """Precision across ranks: fp16 loss scaling with pipeline stages, the one overflow verdict for all
 ranks, and stochastic rounding of FSDP2's bf16 all-gather (mixed_precisionSR + FSDP).
 
-The 2-rank checks of the pieces run in forked processes (gloo, no re-import: 2-10 s each);
-the end-to-end proof that examples/train.py wires them is one torchrun pp2 launch against one
-single-process run. All are multi-process, so marked slow.
+The 2-rank checks of the pieces run in forked processes (gloo, no re-import: 2-10 s each); the
+end-to-end proof that examples/train.py wires fp16 through pipeline stages is the fp16_pp2 layout
+of tests/test_parallel_layouts.py. All are multi-process, so marked slow.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import TINY_OVERRIDES, read_scalars, run_cli
 from test_precision import MODEL, VOCAB, _as_batch, _data, train_curve
 
 from nxdt.config import load_config
@@ -222,40 +221,3 @@ def test_fsdp_mixed_precisionSR_tracks_one_rank_and_fp32(tmp_path):
           f"max |loss - fp32| = {gap_fp32:.4f} (tolerance {TOL}); final {r0['losses'][-1]:.4f} vs fp32 {fp32[-1]:.4f}")
     assert fp32[-1] < fp32[0] - 1.0
     assert gap_sr < TOL and gap_fp32 < TOL
-
-
-# ----------------------------------------------------------------------------- end to end: torchrun pp2
-def _fp16_args(prefix: str, log_dir, devices: int, *extra: str) -> list[str]:
-    return ["--config-name", "tiny_llama_cpu", *TINY_OVERRIDES, f"trainer.devices={devices}", "trainer.max_steps=10",
-            "trainer.val_check_interval=10", "trainer.limit_val_batches=1", "model.optim.lr=1e-2",
-            "model.optim.sched.warmup_steps=2", "precision.type=mixed_precision", "precision.fp16.enabled=true",
-            f"data.data_prefix=[1.0,{prefix}]", f"exp_manager.explicit_log_dir={log_dir}", *extra]
-
-
-@pytest.mark.slow
-def test_train_cli_fp16_pp2_matches_one_process(kjv_prefix, tmp_path):
-    """examples/train.py: fp16 with two pipeline stages (torchrun) against one process. One process
-    computes on an fp16 copy of the weights, the stages under torch.autocast(fp16): the curves agree
-    within the presets' tolerance, not bit for bit."""
-    one = run_cli(_fp16_args(kjv_prefix, tmp_path / "pp1", 1))
-    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
-    two = run_cli(_fp16_args(kjv_prefix, tmp_path / "pp2", 2, "distributed_strategy.pipeline_model_parallel_size=2",
-                             "exp_manager.create_checkpoint_callback=true",
-                             "exp_manager.checkpoint_callback_params.every_n_train_steps=10"), nproc=2)
-    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-5000:]
-    ref, got = read_scalars(tmp_path / "pp1"), read_scalars(tmp_path / "pp2")
-    curve = {tag: ([v for _, v in sorted(ref[tag].items())], [v for _, v in sorted(got[tag].items())])
-             for tag in ("reduced_train_loss", "val_loss", "loss_scale", "skipped_steps")}
-    a, b = curve["reduced_train_loss"]
-    gap = max(abs(x - y) for x, y in zip(a, b))
-    print(f"\nfp16 pp2 vs pp1 over {len(a)} steps: max |loss gap| = {gap:.5f} (tolerance {TOL}); "
-          f"val_loss {curve['val_loss'][1][-1]:.4f} vs {curve['val_loss'][0][-1]:.4f}")
-    assert len(a) == len(b) == 10 and gap < TOL and a[-1] < a[0] - 1.0
-    assert abs(curve["val_loss"][0][-1] - curve["val_loss"][1][-1]) < TOL
-    assert curve["loss_scale"][0] == curve["loss_scale"][1] == [2.0**16] * 10
-    assert curve["skipped_steps"][1] == [0.0] * 10
-    # each rank checkpoints its own copy of the scaler: identical
-    ckpt = next((tmp_path / "pp2" / "checkpoints").glob("*step=10*"))
-    states = [json.loads(f.read_text())["trainer"]["precision"] for f in sorted(ckpt.glob("rank_*.json"))]
-    assert len(states) == 2 and states[0] == states[1]
-    assert states[0]["scaler"] == {"scale": 2.0**16, "cur_hysteresis": 2, "cur_iter": 10, "last_overflow_iter": -1}

@@ -61,16 +61,29 @@ def _local_rank() -> int:
 
 
 # --------------------------------------------------------------------------- setup
+_LOGGED = ("nxdt", "lightning.pytorch", "lightning.fabric", "py.warnings")
+_rank_log_handler: logging.Handler | None = None
+
+
 def setup_rank_log_file(log_dir: Path, log_local_rank_0_only: bool) -> Path | None:
-    """Python logging and warnings of this rank → `<log_dir>/nxdt_log_globalrank-G_localrank-L.txt`."""
+    """Python logging and warnings of this rank → `<log_dir>/nxdt_log_globalrank-G_localrank-L.txt`.
+
+    A second run in the same process (a sweep, a notebook) replaces the first run's file: its
+    lines do not also land in the earlier run's log."""
+    global _rank_log_handler
+    if _rank_log_handler is not None:
+        for name in _LOGGED:
+            logging.getLogger(name).removeHandler(_rank_log_handler)
+        _rank_log_handler.close()
+        _rank_log_handler = None
     if log_local_rank_0_only and _local_rank() != 0:
         return None
     log_dir.mkdir(parents=True, exist_ok=True)
     path = log_dir / f"nxdt_log_globalrank-{_global_rank()}_localrank-{_local_rank()}.txt"
-    handler = logging.FileHandler(path, encoding="utf-8")
+    handler = _rank_log_handler = logging.FileHandler(path, encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.captureWarnings(True)
-    for name in ("nxdt", "lightning.pytorch", "lightning.fabric", "py.warnings"):
+    for name in _LOGGED:
         logger = logging.getLogger(name)
         logger.addHandler(handler)
         if logger.level == logging.NOTSET or logger.level > logging.INFO:

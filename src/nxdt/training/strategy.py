@@ -29,6 +29,11 @@ class NxdtStrategy(ModelParallelStrategy):
         self.mesh_shape = mesh_shape
 
     def setup_environment(self) -> None:
+        import torch.distributed as dist
+
+        # A process group the caller started (a notebook, a sweep driving several runs in one
+        # process) is the caller's to end; one Lightning starts for this run is ours.
+        self._owns_process_group = not dist.is_initialized()
         super().setup_environment()  # process group + Lightning's 2-D mesh
         self._device_mesh = build_mesh(self.mesh_shape, self.root_device.type)
         assert self.lightning_module is not None
@@ -41,7 +46,7 @@ class NxdtStrategy(ModelParallelStrategy):
         # ("terminate called without an active exception") after a successful run.
         import torch.distributed as dist
 
-        if dist.is_initialized():
+        if dist.is_initialized() and getattr(self, "_owns_process_group", True):
             dist.destroy_process_group()
 
     @property

@@ -1,0 +1,91 @@
+"""Many examples/train.py command lines in one launch: imports are paid once, not per run.
+
+A torchrun launch of a tiny model here is mostly imports (torch, Lightning, transformers: ~4 s per
+process, 10-20 s for 2-4 ranks on 2 cores); the training itself takes a few seconds. So the
+parity tests give one launch a list of runs of the same world size, and each rank runs them one
+after another in-process through the product's own entry (`nxdt.training.run.main` under
+`main_guard`, exactly what examples/train.py calls). The launch starts the process group once;
+each run's NxdtStrategy finds it started, builds its own mesh on it and leaves it for the next.
+
+Each run's stdout and stderr (file descriptors 1 and 2, so C++ and logging output too) go to
+`<out>/<name>/rank<R>.{out,err}`, and its exit status to `rank<R>.rc`. A run that fails on any
+rank ends the launch (the other ranks would wait in a collective for it): torchrun then stops
+them and `run_pool` names the run.
+
+Used by `conftest.run_pool`; run as `torchrun ... tests/run_pool.py` with NXDT_POOL_JOBS naming
+a JSON file {"jobs": [{"name": ..., "argv": [...]}, ...], "out": dir}.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def _captured(out: Path, err: Path):
+    """Point file descriptors 1 and 2 (and so sys.stdout/err, logging, C++ prints) at files."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with out.open("w") as o, err.open("w") as e:
+        os.dup2(o.fileno(), 1)
+        os.dup2(e.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+
+
+def _run_one(argv: list[str]) -> int:
+    from nxdt.config.load import main_guard
+    from nxdt.training.run import main
+
+    environ = dict(os.environ)  # a run's config may set environment variables (apply_env)
+    try:
+        return int(main_guard(main)(argv) or 0)
+    except SystemExit as stop:
+        return stop.code if isinstance(stop.code, int) else 1
+    except BaseException:  # noqa: BLE001 - reported in the run's stderr file
+        traceback.print_exc()
+        return 1
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+
+
+def main() -> None:
+    spec = json.loads(Path(os.environ["NXDT_POOL_JOBS"]).read_text())
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    import torch.distributed as dist
+
+    if world > 1:
+        dist.init_process_group("gloo")
+    for job in spec["jobs"]:
+        run_dir = Path(spec["out"]) / job["name"]
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with _captured(run_dir / f"rank{rank}.out", run_dir / f"rank{rank}.err"):
+            rc = _run_one(job["argv"])
+        (run_dir / f"rank{rank}.rc").write_text(str(rc))
+        if rc != 0:
+            sys.stderr.write(f"run_pool: run '{job['name']}' exited {rc} on rank {rank}\n")
+            sys.stderr.flush()
+            os._exit(1)  # the other ranks may be waiting in a collective: torchrun ends them
+        if world > 1:
+            dist.barrier()
+    if world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
