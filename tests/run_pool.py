@@ -8,12 +8,12 @@ after another in-process through the product's own entry (`nxdt.training.run.mai
 each run's NxdtStrategy finds it started, builds its own mesh on it and leaves it for the next.
 
 Each run's stdout and stderr (file descriptors 1 and 2, so C++ and logging output too) go to
-`<out>/<name>/rank<R>.{out,err}`, and its exit status to `rank<R>.rc`. A run that fails on any
-rank ends the launch (the other ranks would wait in a collective for it): torchrun then stops
-them and `run_pool` names the run.
+`<out>/<name>/rank<R>.{out,err}`, and its exit status to `rank<R>.rc`. A run that exits other
+than expected (0 unless the job says, e.g. 2 for bad input) ends the launch: the other ranks
+would wait in a collective for it; torchrun then stops them and `run_pool` names the run.
 
 Used by `conftest.run_pool`; run as `torchrun ... tests/run_pool.py` with NXDT_POOL_JOBS naming
-a JSON file {"jobs": [{"name": ..., "argv": [...]}, ...], "out": dir}.
+a JSON file {"jobs": [{"name": ..., "argv": [...], "expect": 0}, ...], "out": dir}.
 """
 
 from __future__ import annotations
@@ -64,6 +64,9 @@ def _run_one(argv: list[str]) -> int:
 
 
 def main() -> None:
+    # as under `python examples/train.py`: the script's directory comes first on sys.path (the
+    # custom-data-module example is imported from there)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     spec = json.loads(Path(os.environ["NXDT_POOL_JOBS"]).read_text())
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -77,7 +80,7 @@ def main() -> None:
         with _captured(run_dir / f"rank{rank}.out", run_dir / f"rank{rank}.err"):
             rc = _run_one(job["argv"])
         (run_dir / f"rank{rank}.rc").write_text(str(rc))
-        if rc != 0:
+        if rc != job.get("expect", 0):
             sys.stderr.write(f"run_pool: run '{job['name']}' exited {rc} on rank {rank}\n")
             sys.stderr.flush()
             os._exit(1)  # the other ranks may be waiting in a collective: torchrun ends them

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY_OVERRIDES, TRAIN_SCRIPT, read_scalars, run_cli, tensor_bytes
+from conftest import REPO, TINY_OVERRIDES, TRAIN_SCRIPT, read_scalars, run_cli, run_pool, tensor_bytes
 
 STEPS = 8
 pytestmark = pytest.mark.slow
@@ -126,27 +126,49 @@ def test_sigkill_during_async_save_resumes_from_previous(reference, kjv_prefix, 
           "on disk); resumed losses equal bit for bit")
 
 
-def test_reshard_dp2_to_dp1_then_bf16_without_masters(reference, kjv_prefix, tmp_path):
+@pytest.fixture(scope="module")
+def one_process(reference, kjv_prefix, tmp_path_factory):
+    """The single-process runs from the reference's checkpoints, in one launch (conftest.run_pool):
+    dp2 → dp1 saving bf16 without masters, a resume from that, and two bad checkpoints (a
+    truncated shard; a model of another shape), which must exit 2 and stay as they were."""
+    ref_dir, _ = reference
+    root = tmp_path_factory.mktemp("one_process")
+    dp1, again = root / "dp1", root / "again"
+    (dp1 / "checkpoints").mkdir(parents=True)
+    shutil.copytree(_ckpt(ref_dir, 4), _ckpt(dp1, 4))
+    truncated, good = root / "truncated", root / "good"
+    shutil.copytree(_ckpt(ref_dir, 4), truncated)
+    shard = next(truncated.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:1000])
+    shutil.copytree(_ckpt(ref_dir, 4), good)
+    argv = {
+        "dp1": _args(kjv_prefix, dp1, devices=1, extra=["exp_manager.save_bf16=true"]),
+        "again": _args(kjv_prefix, again, devices=1, extra=[f"exp_manager.resume_from_checkpoint='{_ckpt(dp1, 6)}'"]),
+        "truncated": _args(kjv_prefix, root / "a", devices=1, extra=[f"exp_manager.resume_from_checkpoint={truncated}"]),
+        "other_shape": _args(kjv_prefix, root / "b", devices=1,
+                             extra=[f"exp_manager.resume_from_checkpoint={good}", "model.ffn_hidden_size=160"]),
+    }
+    procs = run_pool(argv, 1, root / "pool", expect={"truncated": 2, "other_shape": 2})
+    return {"dirs": {"dp1": dp1, "again": again, "truncated": truncated, "good": good, "shard": shard}, **procs}
+
+
+def test_reshard_dp2_to_dp1_then_bf16_without_masters(reference, one_process):
     """A dp=2 checkpoint continues on one process: same losses (dp2 vs dp1 sums differ in rounding
     only). That run saves with save_bf16 and no master weights (one notice line); a second run
     resuming from its step-6 checkpoint starts from bf16-rounded weights: not exact (one line),
     the gap is measured."""
-    ref_dir, expected = reference
-    (tmp_path / "checkpoints").mkdir()
-    shutil.copytree(_ckpt(ref_dir, 4), _ckpt(tmp_path, 4))
-    proc = run_cli(_args(kjv_prefix, tmp_path, devices=1, extra=["exp_manager.save_bf16=true"]))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    got = _losses(tmp_path)
+    _, expected = reference
+    dp1, again = one_process["dirs"]["dp1"], one_process["dirs"]["again"]
+    proc = one_process["dp1"]
+    got = _losses(dp1)
     assert sorted(got) == [4, 5, 6, 7]
     assert max(abs(got[s] - expected[s]) for s in got) < 1e-5, (got, expected)
     assert [line for line in proc.stdout.splitlines() if "save_bf16" in line] == [
         "note: exp_manager.save_bf16: checkpoints hold the fp32 weights rounded to bf16 and no fp32 copy "
         "(checkpoint_callback_params.use_master_weights_in_ckpt is false): resuming from them is not exact"]
-    assert tensor_bytes(_ckpt(tmp_path, 6))["master."] == 0
+    assert tensor_bytes(_ckpt(dp1, 6))["master."] == 0
 
-    again = tmp_path / "again"
-    proc = run_cli(_args(kjv_prefix, again, devices=1, extra=[f"exp_manager.resume_from_checkpoint='{_ckpt(tmp_path, 6)}'"]))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = one_process["again"]
     assert len([line for line in proc.stdout.splitlines() if "not an exact resume" in line]) == 1
     got = _losses(again)
     gap = max(abs(got[s] - expected[s]) for s in got)
@@ -161,22 +183,13 @@ def _file_bytes(path: Path, prefix: str) -> int:
     return sum(info.length for index, info in read_dcp_metadata(path).storage_data.items() if index.fqn.startswith(prefix))
 
 
-def test_bad_checkpoints_exit_2_and_are_kept(reference, kjv_prefix, tmp_path):
-    ref_dir, _ = reference
-    # truncated shard, named with its file and key
-    bad = tmp_path / "truncated"
-    shutil.copytree(_ckpt(ref_dir, 4), bad)
-    shard = next(bad.glob("*.distcp"))
-    shard.write_bytes(shard.read_bytes()[:1000])
-    proc = run_cli(_args(kjv_prefix, tmp_path / "a", devices=1, extra=[f"exp_manager.resume_from_checkpoint={bad}"]))
-    assert proc.returncode == 2, proc.stderr[-2000:]
+def test_bad_checkpoints_exit_2_and_are_kept(one_process):
+    dirs = one_process["dirs"]
+    # truncated shard, named with its file and key (exit 2: run_pool checked)
+    proc, shard = one_process["truncated"], dirs["shard"]
     assert f"checkpoint file {shard} is truncated: key '" in proc.stderr
-    assert shard.is_file() and (bad / "COMPLETE").is_file()
+    assert shard.is_file() and (dirs["truncated"] / "COMPLETE").is_file()
     # a model whose shape does not match the checkpoint
-    good = tmp_path / "good"
-    shutil.copytree(_ckpt(ref_dir, 4), good)
-    proc = run_cli(_args(kjv_prefix, tmp_path / "b", devices=1,
-                         extra=[f"exp_manager.resume_from_checkpoint={good}", "model.ffn_hidden_size=160"]))
-    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    proc = one_process["other_shape"]
     assert "key 'model.layers.0.mlp.gate_proj.weight' has shape [176, 64] in the checkpoint but [160, 64]" in proc.stderr
-    assert (good / "COMPLETE").is_file()
+    assert (dirs["good"] / "COMPLETE").is_file()

@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from conftest import TINY_OVERRIDES, read_scalars, run_cli
+from conftest import TINY_OVERRIDES, read_scalars, run_pool
 
 from nxdt.config import ConfigError, apply_env, load_config
 from nxdt.models import build_model
@@ -302,23 +302,32 @@ def test_env_keeps_the_users_variables(ptype):
 
 
 # ----------------------------------------------------------------------------- end to end
-def test_train_cli_mixed_precision(kjv_prefix, tmp_path):
-    proc = run_cli(["--config-name", "tiny_llama_cpu", *TINY_OVERRIDES, "trainer.devices=1", "trainer.max_steps=4",
-                    "precision.type=mixed_precision", "model.optim.lr=1e-2", "model.optim.sched.warmup_steps=1",
-                    "trainer.val_check_interval=4", "trainer.limit_val_batches=1",
-                    f"data.data_prefix=[1.0,{kjv_prefix}]", f"exp_manager.explicit_log_dir={tmp_path}"])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    losses = [v for _, v in sorted(read_scalars(tmp_path)["reduced_train_loss"].items())]
+@pytest.fixture(scope="module")
+def cli_runs(kjv_prefix, tmp_path_factory):
+    """Two runs of examples/train.py's entry in one single-process launch (conftest.run_pool):
+    mixed precision trains; a learning rate of 1e30 makes the loss non-finite: exit 3."""
+    root = tmp_path_factory.mktemp("precision_cli")
+    common = ["--config-name", "tiny_llama_cpu", *TINY_OVERRIDES, "trainer.devices=1", "trainer.max_steps=4",
+              "trainer.val_check_interval=4", f"data.data_prefix=[1.0,{kjv_prefix}]"]
+    argv = {
+        "mixed_precision": [*common, "precision.type=mixed_precision", "model.optim.lr=1e-2",
+                            "model.optim.sched.warmup_steps=1", "trainer.limit_val_batches=1",
+                            f"exp_manager.explicit_log_dir={root / 'mixed_precision'}"],
+        "nan": [*common, "model.optim.lr=1e30", "trainer.gradient_clip_val=0", "model.optim.sched.warmup_steps=0",
+                "exp_manager.create_checkpoint_callback=false", f"exp_manager.explicit_log_dir={root / 'nan'}"],
+    }
+    return root, run_pool(argv, 1, root / "pool", expect={"nan": 3})
+
+
+def test_train_cli_mixed_precision(cli_runs):
+    root, _ = cli_runs
+    losses = [v for _, v in sorted(read_scalars(root / "mixed_precision")["reduced_train_loss"].items())]
     assert len(losses) == 4 and all(math.isfinite(v) for v in losses)
     assert losses[-1] < losses[0] - 0.3
 
 
-def test_train_cli_stops_on_nan_with_one_line(kjv_prefix, tmp_path):
-    proc = run_cli(["--config-name", "tiny_llama_cpu", *TINY_OVERRIDES, "trainer.devices=1", "trainer.max_steps=4",
-                    "model.optim.lr=1e30", "trainer.gradient_clip_val=0", "model.optim.sched.warmup_steps=0",
-                    "trainer.val_check_interval=4", "exp_manager.create_checkpoint_callback=false",
-                    f"data.data_prefix=[1.0,{kjv_prefix}]", f"exp_manager.explicit_log_dir={tmp_path}"])
-    assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
+def test_train_cli_stops_on_nan_with_one_line(cli_runs):
+    proc = cli_runs[1]["nan"]  # exit 3: run_pool checked
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "non-finite" in errors[0] and "step " in errors[0], proc.stderr[-3000:]
 

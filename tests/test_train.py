@@ -1,7 +1,8 @@
 """End to end: examples/train.py trains, logs, and data parallelism matches one process.
 
 One single-process run and one 2-rank torchrun run of the same config (same init, same global
-batches) are shared by several tests: each launch costs ~20 s of imports on this machine.
+batches), both true command-line launches, are shared by several tests; the two runs that follow
+from them share one more launch (conftest.run_pool).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from conftest import TINY_OVERRIDES, read_scalars, run_cli
+from conftest import TINY_OVERRIDES, read_scalars, run_cli, run_pool
 from conftest import curve as _curve
 
 STEPS = 6
@@ -92,25 +93,33 @@ def test_data_parallel_matches_single_process(single_run, dp2_run):
     assert "dp=2" in dp2_run[0].stdout
 
 
-def test_rerun_from_the_saved_config_reproduces_the_run(single_run, tmp_path):
+@pytest.fixture(scope="module")
+def more_runs(single_run, kjv_prefix, tmp_path_factory):
+    """A rerun from the single run's saved config.yaml and an HF-model run, in one single-process
+    launch (conftest.run_pool) through the entry examples/train.py calls."""
+    root = tmp_path_factory.mktemp("more")
+    args = _train_args(kjv_prefix, root / "hf", devices=1, extra=[
+        "model_source=hf", "model.model_config=${nxdt_conf:model_configs/tiny_llama/config.json}",
+    ])
+    argv = {"rerun": ["--config-path", str(single_run[2]), "--config-name", "config",
+                      f"exp_manager.explicit_log_dir={root / 'rerun'}"],
+            "hf": [a for a in args if not a.startswith("trainer.max_steps")] + ["trainer.max_steps=4"]}
+    procs = run_pool(argv, 1, root / "pool")
+    return {name: (proc, read_scalars(root / name)) for name, proc in procs.items()}
+
+
+def test_rerun_from_the_saved_config_reproduces_the_run(single_run, more_runs):
     """The log dir's config.yaml (the typed config written back as resolved YAML) is a config a
     user can rerun as is: the same losses come out."""
     _, scalars, log_dir = single_run
     saved = (log_dir / "config.yaml").read_text()
     assert "custom:" not in saved and "data_prefix:" in saved  # data.custom is not a YAML key
-    proc = run_cli(["--config-path", str(log_dir), "--config-name", "config",
-                    f"exp_manager.explicit_log_dir={tmp_path}"])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert _curve(read_scalars(tmp_path)) == _curve(scalars)
+    assert _curve(more_runs["rerun"][1]) == _curve(scalars)
 
 
-def test_hf_model_source_trains(kjv_prefix, tmp_path):
+def test_hf_model_source_trains(more_runs):
     """model_source: hf builds transformers' LlamaForCausalLM from a local config.json and trains it."""
-    args = _train_args(kjv_prefix, tmp_path, devices=1, extra=[
-        "model_source=hf", "model.model_config=${nxdt_conf:model_configs/tiny_llama/config.json}",
-    ])
-    proc = run_cli([a for a in args if not a.startswith("trainer.max_steps")] + ["trainer.max_steps=4"])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc, scalars = more_runs["hf"]
     assert "model_source=hf" in proc.stdout
-    losses = _curve(read_scalars(tmp_path))
+    losses = _curve(scalars)
     assert len(losses) == 4 and losses[-1] < losses[0]
