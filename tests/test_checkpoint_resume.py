@@ -2,7 +2,9 @@
 checkpoints (with and without fp32 master weights), bad checkpoints.
 
 One uninterrupted dp=2 run (saving every 2 steps) is the reference; the killed-and-rerun runs
-must log the same reduced_train_loss at every step, bit for bit (CPU, fp32).
+must log the same reduced_train_loss at every step, bit for bit (CPU, fp32). The runs that are
+killed are real torchrun launches; the runs that finish share launches (conftest.run_pool: one of
+2 ranks, one single-process), each through the entry examples/train.py calls.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY_OVERRIDES, TRAIN_SCRIPT, read_scalars, run_cli, run_pool, tensor_bytes
+from conftest import REPO, TINY_OVERRIDES, TRAIN_SCRIPT, read_scalars, run_pool, tensor_bytes
 
 STEPS = 8
 pytestmark = pytest.mark.slow
@@ -68,12 +70,45 @@ def _ckpt(log_dir, step: int) -> Path:
     return Path(log_dir) / "checkpoints" / f"tiny_llama--step={step}-consumed_samples={8.0 * step}"
 
 
+ASYNC_BF16 = ["exp_manager.async_checkpointing=true", "exp_manager.save_bf16=true",
+              "exp_manager.checkpoint_callback_params.use_master_weights_in_ckpt=true"]
+
+
 @pytest.fixture(scope="module")
-def reference(kjv_prefix, tmp_path_factory):
+def killed(kjv_prefix, tmp_path_factory):
+    """Two real 2-rank torchrun launches, each SIGKILLed (torchrun and both ranks) mid-run:
+    - between saves: once the step-4 checkpoint is complete;
+    - during an async save: the step-4 save is made slow and the run killed while it is in flight
+      (training has gone on meanwhile), once step 2's checkpoint is complete. This run saves with
+      save_bf16 + use_master_weights_in_ckpt.
+    What the kill left on disk is recorded before anything reruns."""
+    between, during = tmp_path_factory.mktemp("killed_between_saves"), tmp_path_factory.mktemp("killed_during_save")
+    proc = _popen(_args(kjv_prefix, between), log=between / "killed.log")
+    _kill_when(proc, lambda: (_ckpt(between, 4) / "COMPLETE").is_file())
+    left = {"between": {"step8_exists": _ckpt(between, 8).exists()}}
+
+    tmp4 = _ckpt(during, 4).parent / (".tmp-" + _ckpt(during, 4).name)
+    proc = _popen(_args(kjv_prefix, during, extra=ASYNC_BF16), env={"NXDT_TEST_SLOW_ASYNC_SAVE": "4:600"},
+                  log=during / "killed.log")
+    _kill_when(proc, lambda: len(list(tmp4.glob("rank_*.json"))) == 2 and (_ckpt(during, 2) / "COMPLETE").is_file())
+    left["during"] = {"step4_exists": _ckpt(during, 4).exists(), "tmp4_is_dir": tmp4.is_dir()}
+    return {"between": between, "during": during, "left": left}
+
+
+@pytest.fixture(scope="module")
+def runs(killed, kjv_prefix, tmp_path_factory):
+    """One 2-rank launch (conftest.run_pool): the uninterrupted reference (dp=2, a checkpoint every
+    2 steps), then the reruns of the two killed runs, which resume from what the kill left."""
     log_dir = tmp_path_factory.mktemp("reference")
-    proc = run_cli(_args(kjv_prefix, log_dir), nproc=2)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return log_dir, _losses(log_dir)
+    argv = {"reference": _args(kjv_prefix, log_dir),
+            "rerun_between": _args(kjv_prefix, killed["between"]),
+            "rerun_during": _args(kjv_prefix, killed["during"], extra=ASYNC_BF16)}
+    return {"reference_dir": log_dir, **run_pool(argv, 2, tmp_path_factory.mktemp("pool"))}
+
+
+@pytest.fixture(scope="module")
+def reference(runs):
+    return runs["reference_dir"], _losses(runs["reference_dir"])
 
 
 def test_reference_writes_complete_checkpoints(reference):
@@ -87,40 +122,27 @@ def test_reference_writes_complete_checkpoints(reference):
     assert not list((Path(log_dir) / "checkpoints").glob(".tmp-*"))
 
 
-def test_sigkill_between_saves_resumes_bit_for_bit(reference, kjv_prefix, tmp_path):
+def test_sigkill_between_saves_resumes_bit_for_bit(reference, killed, runs):
     _, expected = reference
-    args = _args(kjv_prefix, tmp_path)
-    proc = _popen(args, log=tmp_path / "killed.log")
-    _kill_when(proc, lambda: (_ckpt(tmp_path, 4) / "COMPLETE").is_file())
-    assert not (_ckpt(tmp_path, 8)).exists()
-    rerun = run_cli(args, nproc=2)
-    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
-    assert "resuming from" in rerun.stdout
-    got = _losses(tmp_path)
+    assert not killed["left"]["between"]["step8_exists"]
+    assert "resuming from" in runs["rerun_between"].stdout
+    got = _losses(killed["between"])
     assert got == expected  # every step, exactly
 
 
-def test_sigkill_during_async_save_resumes_from_previous(reference, kjv_prefix, tmp_path):
-    """The step-4 async save is made slow; the run is killed while it is in flight (training
-    has gone on meanwhile); the rerun skips the unfinished save and resumes from step 2.
-
-    Both runs save with save_bf16 + use_master_weights_in_ckpt: the model tensors take half the
-    bytes and the resume from the fp32 masters beside them is still exact."""
+def test_sigkill_during_async_save_resumes_from_previous(reference, killed, runs):
+    """The rerun skips the unfinished step-4 save and resumes from step 2, bit for bit. With
+    save_bf16 + use_master_weights_in_ckpt the model tensors take half the bytes and the resume
+    from the fp32 masters beside them is still exact."""
     ref_dir, expected = reference
-    args = _args(kjv_prefix, tmp_path, extra=["exp_manager.async_checkpointing=true", "exp_manager.save_bf16=true",
-                                              "exp_manager.checkpoint_callback_params.use_master_weights_in_ckpt=true"])
-    tmp4 = _ckpt(tmp_path, 4).parent / (".tmp-" + _ckpt(tmp_path, 4).name)
-    proc = _popen(args, env={"NXDT_TEST_SLOW_ASYNC_SAVE": "4:600"}, log=tmp_path / "killed.log")
-    _kill_when(proc, lambda: len(list(tmp4.glob("rank_*.json"))) == 2 and (_ckpt(tmp_path, 2) / "COMPLETE").is_file())
-    assert not _ckpt(tmp_path, 4).exists() and tmp4.is_dir()
-    rerun = run_cli(args, nproc=2)
-    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
-    assert f"resuming from {_ckpt(tmp_path, 2)}" in rerun.stdout
-    assert _losses(tmp_path) == expected
-    assert (_ckpt(tmp_path, 8) / "COMPLETE").is_file() and (_ckpt(tmp_path, 4) / "COMPLETE").is_file()
-    fp32, bf16 = tensor_bytes(_ckpt(ref_dir, 2)), tensor_bytes(_ckpt(tmp_path, 2))
+    run_dir = killed["during"]
+    assert killed["left"]["during"] == {"step4_exists": False, "tmp4_is_dir": True}
+    assert f"resuming from {_ckpt(run_dir, 2)}" in runs["rerun_during"].stdout
+    assert _losses(run_dir) == expected
+    assert (_ckpt(run_dir, 8) / "COMPLETE").is_file() and (_ckpt(run_dir, 4) / "COMPLETE").is_file()
+    fp32, bf16 = tensor_bytes(_ckpt(ref_dir, 2)), tensor_bytes(_ckpt(run_dir, 2))
     assert bf16["model."] * 2 == fp32["model."] == bf16["master."] > 0, (fp32, bf16)
-    files32, files16 = _file_bytes(_ckpt(ref_dir, 2), "model."), _file_bytes(_ckpt(tmp_path, 2), "model.")
+    files32, files16 = _file_bytes(_ckpt(ref_dir, 2), "model."), _file_bytes(_ckpt(run_dir, 2), "model.")
     assert files16 < 0.51 * files32, (files16, files32)  # on disk too (plus DCP's per-tensor header)
     print(f"save_bf16 model tensors: {bf16['model.']:,} B vs {fp32['model.']:,} B fp32 ({files16:,} vs {files32:,} "
           "on disk); resumed losses equal bit for bit")
