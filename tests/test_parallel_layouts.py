@@ -43,6 +43,7 @@ CP = "distributed_strategy.context_parallel_size"
 PP2 = "distributed_strategy.pipeline_model_parallel_size=2"
 VPP2 = "distributed_strategy.virtual_pipeline_model_parallel_size=2"
 AC_CHUNK2 = ["model.activations_checkpoint_granularity=full", "model.checkpoint_num_layers=2"]
+MBS4 = "data.micro_batch_size=4"  # the same global batch of 8 in two micro-batches, not four
 CKPT_EVERY_5 = ["exp_manager.create_checkpoint_callback=true", "exp_manager.checkpoint_callback_params.save_top_k=-1",
                 "exp_manager.checkpoint_callback_params.every_n_train_steps=5"]
 # name: (model, ranks, overrides, the layout line the run prints)
@@ -58,11 +59,12 @@ LAYOUTS = {
                                                    "distributed_strategy.cpu_offload=true",
                                                    "model.activations_checkpoint_granularity=full"], "dp=4  tp=1"),
     "tp2_dp2_zero1": ("native", 4, [f"{TP}=2", "distributed_strategy.zero1=true"], "dp=2  tp=2"),
-    # 4 query heads, 2 K/V heads on 4 tp ranks: each K/V head is shared by two ranks
-    "tp4_sp_kv_replicated_ac_chunk2": ("native", 4, [f"{TP}=4", SP, *AC_CHUNK2], "dp=1  tp=4"),
+    # 4 query heads, 2 K/V heads on 4 tp ranks: each K/V head is shared by two ranks. Micro-batches
+    # of 4 (two per step): every tp4 collective waits for 4 ranks on this machine's 2 cores
+    "tp4_sp_kv_replicated_ac_chunk2": ("native", 4, [f"{TP}=4", SP, *AC_CHUNK2, MBS4], "dp=1  tp=4"),
     # context parallel (ring attention): FSDP shards parameters over the cp ranks (dp_shard × cp)
     "cp2_fsdp": ("native", 2, [f"{CP}=2", "distributed_strategy.sharding_strategy=FSDP"], "tp=1  pp=1  cp=2"),
-    "cp2_tp2_sp_selective_ac": ("native", 4, [f"{CP}=2", f"{TP}=2", SP,
+    "cp2_tp2_sp_selective_ac": ("native", 4, [f"{CP}=2", f"{TP}=2", SP, MBS4,
                                               "model.activations_checkpoint_granularity=selective"],
                                 "dp=1  tp=2  pp=1  cp=2"),
     "cp2_pp2": ("native", 4, [f"{CP}=2", PP2], "dp=1  tp=1  pp=2  cp=2"),
