@@ -51,6 +51,25 @@ def test_log_dir_layout(tmp_path, monkeypatch):
     assert resolve_dirs(_cfg(exp_dir=str(tmp_path), resume_if_exists=True)).log_dir == tmp_path / "run"
 
 
+def test_a_second_run_in_one_process_logs_to_its_own_file_only(tmp_path):
+    """Two runs in one process (a sweep, tests/run_pool.py): the second run's lines go to its own
+    rank log file, not also to the first run's."""
+    import logging
+
+    from nxdt.exp.exp_manager import close_rank_log_file, setup_rank_log_file
+
+    try:
+        first = setup_rank_log_file(tmp_path / "first", log_local_rank_0_only=False)
+        logging.getLogger("nxdt").info("line of the first run")
+        second = setup_rank_log_file(tmp_path / "second", log_local_rank_0_only=False)
+        logging.getLogger("nxdt").info("line of the second run")
+    finally:
+        close_rank_log_file()
+        logging.captureWarnings(False)
+    assert "line of the first run" in first.read_text() and "second run" not in first.read_text()
+    assert "line of the second run" in second.read_text() and "first run" not in second.read_text()
+
+
 def test_resume_picks_newest_complete_and_keeps_the_rest(tmp_path):
     dirs = resolve_dirs(_cfg(explicit_log_dir=str(tmp_path), resume_if_exists=True))
     ckpts = dirs.checkpoint_dir

@@ -65,17 +65,23 @@ _LOGGED = ("nxdt", "lightning.pytorch", "lightning.fabric", "py.warnings")
 _rank_log_handler: logging.Handler | None = None
 
 
-def setup_rank_log_file(log_dir: Path, log_local_rank_0_only: bool) -> Path | None:
-    """Python logging and warnings of this rank → `<log_dir>/nxdt_log_globalrank-G_localrank-L.txt`.
-
-    A second run in the same process (a sweep, a notebook) replaces the first run's file: its
-    lines do not also land in the earlier run's log."""
+def close_rank_log_file() -> None:
+    """Detach and close the rank log file a run of this process set up (if any)."""
     global _rank_log_handler
     if _rank_log_handler is not None:
         for name in _LOGGED:
             logging.getLogger(name).removeHandler(_rank_log_handler)
         _rank_log_handler.close()
         _rank_log_handler = None
+
+
+def setup_rank_log_file(log_dir: Path, log_local_rank_0_only: bool) -> Path | None:
+    """Python logging and warnings of this rank → `<log_dir>/nxdt_log_globalrank-G_localrank-L.txt`.
+
+    A second run in the same process (a sweep, a notebook) replaces the first run's file: its
+    lines do not also land in the earlier run's log."""
+    global _rank_log_handler
+    close_rank_log_file()
     if log_local_rank_0_only and _local_rank() != 0:
         return None
     log_dir.mkdir(parents=True, exist_ok=True)
