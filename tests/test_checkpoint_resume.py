@@ -9,6 +9,7 @@ killed are real torchrun launches; the runs that finish share launches (conftest
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -51,15 +52,47 @@ def _popen(args: list[str], nproc: int = 2, env: dict | None = None, log: Path |
                             start_new_session=True)
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (from /proc): torchrun starts each rank in a session of
+    its own, so killing torchrun's process group would leave the ranks running."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
 def _kill_when(proc: subprocess.Popen, ready, timeout: float = 300) -> None:
-    """SIGKILL the whole process group (torchrun and both ranks) once ready() is true."""
+    """SIGKILL torchrun and both ranks at once, as a lost node would, once ready() is true; return
+    when all of them are gone (nothing of the run writes after this)."""
     deadline = time.time() + timeout
     while not ready():
         assert proc.poll() is None, "the run ended before the kill point"
         assert time.time() < deadline, "kill point never reached"
         time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
+    victims = [*_descendants(proc.pid), proc.pid]
+    assert len(victims) >= 3, victims  # torchrun and its two ranks
+    for pid in victims:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     proc.wait()
+    while any(Path(f"/proc/{pid}").exists() and "Z" not in _state(pid) for pid in victims):
+        time.sleep(0.05)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
 
 
 def _losses(log_dir) -> dict[int, float]:
