@@ -37,10 +37,13 @@ save_file(out, sys.argv[1])
 
 
 def _cfg(source: str):
-    model = dict(TINY) if source == "megatron" else {"model_config": "model_configs/tiny_llama", "num_layers": 2,
-                                                     "hidden_size": 64}
+    """megatron, hf, or moe: the megatron source with Mixtral-style experts (4, top-2)."""
+    model = dict(TINY) if source in ("megatron", "moe") else {"model_config": "model_configs/tiny_llama",
+                                                              "num_layers": 2, "hidden_size": 64}
+    if source == "moe":
+        model["moe"] = {"num_experts": 4, "top_k": 2, "output_router_logits": True}
     return config_from_dict({
-        "model_source": source, "model": model,
+        "model_source": "megatron" if source == "moe" else source, "model": model,
         "distributed_strategy": {"tensor_model_parallel_size": 1},
         "data": {"tokenizer": {"library": "huggingface", "type": str(TOKENIZER_DIR)}},
     })
@@ -63,7 +66,7 @@ def test_parse_size():
 def test_export_loads_in_plain_transformers_with_equal_logits(tmp_path):
     ids = torch.arange(24).reshape(2, 12) * 37 % 8192
     folders, expected = [], []
-    for source in ("megatron", "hf"):
+    for source in ("megatron", "hf", "moe"):  # moe: exported as a MixtralForCausalLM
         model, ckpt = _nxdt_checkpoint(tmp_path, source)
         out = tmp_path / f"hf_{source}"
         nxdt_to_hf(ckpt, out, max_shard_bytes=600_000)
@@ -87,8 +90,9 @@ def test_export_loads_in_plain_transformers_with_equal_logits(tmp_path):
         assert (got[f"logits{i}"] - want).abs().max().item() < 1e-5
 
 
-def test_round_trip_hf_to_nxdt_is_a_copy(tmp_path):
-    model, ckpt = _nxdt_checkpoint(tmp_path, "megatron")
+@pytest.mark.parametrize("source", ["megatron", "moe"])
+def test_round_trip_hf_to_nxdt_is_a_copy(tmp_path, source):
+    model, ckpt = _nxdt_checkpoint(tmp_path, source)
     hf = tmp_path / "hf"
     nxdt_to_hf(ckpt, hf, max_shard_bytes=10**9)
     assert (hf / "model.safetensors").is_file()  # one shard: no index
@@ -117,10 +121,13 @@ def test_cli_errors_exit_2_with_the_path(tmp_path, capsys):
     assert "only safetensors" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("source", ["megatron"])
+@pytest.mark.parametrize("source", ["megatron", "moe"])
 def test_exported_config_matches_model(tmp_path, source):
     _, ckpt = _nxdt_checkpoint(tmp_path, source)
     out = tmp_path / "hf"
     nxdt_to_hf(ckpt, out, max_shard_bytes=10**9)
     config = json.loads((out / "config.json").read_text())
     assert config["num_hidden_layers"] == 2 and config["num_key_value_heads"] == 2 and config["vocab_size"] == 8192
+    if source == "moe":
+        assert (config["model_type"], config["num_local_experts"], config["num_experts_per_tok"]) == ("mixtral", 4, 2)
+        assert config["intermediate_size"] == 176 and config["output_router_logits"] is True

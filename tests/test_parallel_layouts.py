@@ -35,6 +35,10 @@ MODELS = {
     # fp16 with dynamic loss scaling: one process computes on an fp16 copy of the weights, the
     # pipeline stages under torch.autocast(fp16), so the curves agree within the presets' 0.05
     "fp16": ["precision.type=mixed_precision", "precision.fp16.enabled=true"],
+    # Mixtral-style MoE: 4 experts, 2 per token, the load-balancing loss in the training loss;
+    # an expert takes at most 1.5 x its share of a micro-batch's assignments (some are dropped)
+    "moe": ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.output_router_logits=true",
+            "model.moe.router_aux_loss_coef=0.1", "model.moe.capacity_factor=1.5"],
 }
 
 TP = "distributed_strategy.tensor_model_parallel_size"
@@ -82,6 +86,11 @@ LAYOUTS = {
     # uneven cuts (1 | 3 layers), each stage replicated over dp=2
     "pp2_dp2_cuts": ("four_layers", 4, [PP2, "model.pipeline_cuts=[model.layers.0]"], "dp=2  tp=1  pp=2"),
     "tp2_pp2": ("four_layers", 4, [PP2, f"{TP}=2"], "dp=1  tp=2  pp=2"),
+    # MoE under data parallelism: each rank routes its own micro-batches, the aux-loss gradients
+    # are averaged with the rest; full recomputation must not count the routing twice
+    "moe_zero1_dp2": ("moe", 2, ["distributed_strategy.zero1=true"], "dp=2  tp=1"),
+    "moe_fsdp_dp2_full_ac": ("moe", 2, ["distributed_strategy.sharding_strategy=FSDP",
+                                        "model.activations_checkpoint_granularity=full"], "dp=2  tp=1"),
     "fp16_pp2": ("fp16", 2, [PP2, "exp_manager.create_checkpoint_callback=true",
                              "exp_manager.checkpoint_callback_params.every_n_train_steps=10"], "dp=1  tp=1  pp=2"),
 }
@@ -148,6 +157,19 @@ def test_layout_matches_single_process(name, runs):
     model, _, _, layout = LAYOUTS[name]
     assert layout in runs[name].stdout, runs[name].stdout[-2000:]
     _assert_same_run(runs[model], runs[name], name, NORM_RTOL.get(name, 2e-6))
+
+
+def test_moe_runs_log_their_routing(runs):
+    """Every MoE run logs the load-balancing loss, the dropped fraction and the expert shares
+    (of rank 0's micro-batches) at every step; capacity 1.5 drops some assignments."""
+    for name in ("moe", "moe_zero1_dp2", "moe_fsdp_dp2_full_ac"):
+        scalars = runs[name].scalars
+        aux, dropped = _curve(scalars, "moe/aux_loss"), _curve(scalars, "moe/dropped_fraction")
+        share_min, share_max = _curve(scalars, "moe/expert_share_min"), _curve(scalars, "moe/expert_share_max")
+        assert len(aux) == len(dropped) == len(share_min) == STEPS, (name, sorted(scalars))
+        assert all(1.0 <= a < 4.0 for a in aux), (name, aux)  # E x sum f_e P_e: 2 when balanced (k = 2)
+        assert all(0.0 <= d < 0.5 for d in dropped) and max(dropped) > 0, (name, dropped)
+        assert all(0.0 <= lo <= 0.25 <= hi <= 1.0 for lo, hi in zip(share_min, share_max)), name
 
 
 def test_cp2_dp2_zero1_checkpoint_resumes_in_one_process(runs):

@@ -28,6 +28,13 @@ EXPECTED = {
     "hf_llama3_8B_SFT_config": (None, 8_030_261_248),
     "megatron_gpt_config": (50257, None),
     "tiny_llama_cpu": (8192, None),
+    # Mixtral-8x7B: 46.7 B (interface.md); the tiny MoE by hand: embeddings 2 x 8192 x 256, per layer
+    # attention 196,608 + 4 experts x 3 x 256 x 352 + gate 4 x 256 + norms 512, final norm 256
+    "megatron_mixtral_8x7b_config": (32000, 46_702_792_704),
+    "megatron_mixtral_8x7b_dropless_config": (32000, 46_702_792_704),
+    "hf_mixtral_8x7b_config": (None, 46_702_792_704),
+    "hf_mixtral_8x7b_dropless_config": (None, 46_702_792_704),
+    "tiny_mixtral_cpu": (8192, 9_312_512),
 }
 
 

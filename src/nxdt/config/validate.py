@@ -44,10 +44,46 @@ def _gt1(v: Any) -> bool:
 # The lead removes entries as features land.
 NOT_SUPPORTED_YET: dict[str, Callable[[Any], bool]] = {
     "distributed_strategy.expert_model_parallel_size": _gt1,
-    "model.moe.num_experts": lambda v: v is not None and v > 0,
+    "model.moe.gate_balance_loss_weight": lambda v: v is not None and v > 0,  # LLaMA-MoE's gate
     "model.transformer_block_type": lambda v: v != "pre_ln",
     "model_alignment_strategy": lambda v: v is not None and any(k != "sft" for k in v),  # sft is built
 }
+
+
+def check_moe(cfg: Any) -> None:
+    """model.moe: routing choices that fit together, and what the MoE layer is built with."""
+    moe = cfg.model.moe
+    if moe.num_experts < 0:
+        raise ConfigError(f"model.moe.num_experts: must be >= 0, got {moe.num_experts}")
+    if not moe.num_experts:
+        return
+    if not 1 <= moe.top_k <= moe.num_experts:
+        raise ConfigError(f"model.moe.top_k ({moe.top_k}) must be between 1 and model.moe.num_experts ({moe.num_experts})")
+    if moe.frequency < 1:
+        raise ConfigError(f"model.moe.frequency: must be >= 1 (every N-th layer is MoE), got {moe.frequency}")
+    if moe.routing_algorithm == "sinkhorn" and moe.top_k != 1:
+        raise ConfigError(f"model.moe.routing_algorithm sinkhorn picks one expert per token: model.moe.top_k must "
+                          f"be 1, got {moe.top_k}")
+    if moe.capacity_factor is not None and moe.capacity_factor <= 0 and not moe.dropless:
+        raise ConfigError(f"model.moe.capacity_factor: must be > 0 (or null, or model.moe.dropless=true), "
+                          f"got {moe.capacity_factor}")
+    if moe.sinkhorn_iterations < 1:
+        raise ConfigError(f"model.moe.sinkhorn_iterations: must be >= 1, got {moe.sinkhorn_iterations}")
+    if cfg.model_source == "megatron" and (cfg.model.activation != "swiglu" or cfg.model.has_bias):
+        raise ConfigError("model.moe: experts are SwiGLU without bias; needs model.activation=swiglu and "
+                          "model.has_bias=false")
+    if cfg.model_source == "hf":
+        routing = {"frequency": 1, "routing_algorithm": "top_k", "router_activation": "softmax",
+                   "capacity_factor": None, "normalize_top_k_affinities": True, "moe_calculator_score_scale_factor": 1.0}
+        for key, plain in routing.items():
+            if getattr(moe, key) != plain:
+                raise ConfigError(f"model.moe.{key}={getattr(moe, key)}: not supported with model_source hf "
+                                  f"(transformers' Mixtral routes every layer top-k by softmax, renormalized, no "
+                                  f"capacity); use model_source megatron")
+
+
+# parallel layouts an MoE model cannot take yet (its experts have no plan for them)
+MOE_NOT_SUPPORTED_YET = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
 
 
 def _one_line(text: Any) -> str:
@@ -311,6 +347,11 @@ def check_not_supported(cfg: Any) -> None:
         if predicate(value):
             shown = value if not isinstance(value, (dict, list)) else _one_line(value)
             raise ConfigError(f"'{key}' is not supported yet (got {shown})")
+    if cfg.model.moe.num_experts:
+        for key in MOE_NOT_SUPPORTED_YET:
+            size = getattr(cfg.distributed_strategy, key)
+            if size > 1:
+                raise ConfigError(f"'distributed_strategy.{key}' > 1 with model.moe is not supported yet (got {size})")
 
 
 # --------------------------------------------------------------------------- cross-checks
@@ -429,9 +470,7 @@ def check_cross(cfg: Any, world_size: int | None = None) -> None:
     if n > 1 and (model.activations_checkpoint_granularity != "full" or p is not None):  # chunks of whole blocks
         raise ConfigError(f"model.checkpoint_num_layers ({n}) needs model.activations_checkpoint_granularity=full "
                           "and no model.selective_checkpointing")
-    moe = model.moe
-    if moe.num_experts > 0 and not 1 <= moe.top_k <= moe.num_experts:
-        raise ConfigError(f"model.moe.top_k ({moe.top_k}) must be between 1 and model.moe.num_experts ({moe.num_experts})")
+    check_moe(cfg)
     if not re.fullmatch(r"\s*\d+(\.\d+)?\s*(,\s*\d+(\.\d+)?\s*){2}", data.splits_string):
         raise ConfigError(f"data.splits_string: expected three comma-separated numbers like '980,10,10', "
                           f"got '{data.splits_string}'")

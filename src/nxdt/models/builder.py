@@ -16,8 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from nxdt.models.hf import HF_OVERRIDES, build_hf_model
+from nxdt.models.hf import HF_MOE_OVERRIDES, HF_OVERRIDES, build_hf_model
 from nxdt.models.llama import LlamaArgs, NxdtLlamaForCausalLM
+from nxdt.models.moe import MoEArgs
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int = 128, tp: int = 1) -> int:
@@ -82,6 +83,24 @@ def llama_args_from_cfg(cfg: Any, vocab_size: int | None = None) -> LlamaArgs:
         init_method_std=m.init_method_std,
         use_scaled_init_method=m.use_scaled_init_method,
         apply_query_key_layer_scaling=m.apply_query_key_layer_scaling,
+        moe=moe_args_from_cfg(m.moe),
+    )
+
+
+def moe_args_from_cfg(moe: Any) -> MoEArgs | None:
+    """MoEArgs from the typed `model.moe` section; None for a dense model (num_experts 0).
+    The load-balancing loss joins the training loss only with output_router_logits, as in
+    transformers' Mixtral; its statistics are logged either way."""
+    if not moe.num_experts:
+        return None
+    return MoEArgs(
+        num_experts=moe.num_experts, top_k=moe.top_k, frequency=moe.frequency,
+        routing_algorithm=moe.routing_algorithm, router_activation=moe.router_activation,
+        normalize_top_k_affinities=moe.normalize_top_k_affinities, capacity_factor=moe.capacity_factor,
+        dropless=moe.dropless, sinkhorn_iterations=moe.sinkhorn_iterations,
+        sinkhorn_tol=None if moe.sinkhorn_tol is None else float(moe.sinkhorn_tol),
+        aux_loss_coef=moe.router_aux_loss_coef if moe.output_router_logits else 0.0,
+        dropout=moe.dropout, score_scale=moe.moe_calculator_score_scale_factor,
     )
 
 
@@ -102,6 +121,8 @@ def build_model(cfg: Any, vocab_size: int | None = None, device: str | torch.dev
             if not model_config:
                 raise ValueError("model_source hf needs model.model_config (path to a config.json)")
             overrides = {k: getattr(cfg.model, k) for k in HF_OVERRIDES}
+            if cfg.model.moe.num_experts:
+                overrides.update({f"moe.{k}": getattr(cfg.model.moe, k) for k in HF_MOE_OVERRIDES})
             model = build_hf_model(model_config, overrides)
         else:
             raise ValueError(f"model_source must be 'megatron' or 'hf', got {source!r}")

@@ -9,7 +9,10 @@ config.json (or a folder holding one), and a few YAML keys override it, as in Nx
     model.max_position_embeddings → max_position_embeddings
 
 An override applies only when the key is present and not None. The vocabulary size is
-the config.json's (HF models are not padded).
+the config.json's (HF models are not padded). With `model.moe.num_experts` > 0 the MoE keys
+override a Mixtral-style config too (num_local_experts, num_experts_per_tok,
+router_aux_loss_coef, output_router_logits), and each MoE block gets nxdt's load-balancing
+loss and routing statistics (nxdt.models.moe.attach_router_aux_loss).
 """
 
 from __future__ import annotations
@@ -49,10 +52,24 @@ def resolve_model_config(path: str | Path) -> Path:
     raise FileNotFoundError(f"model.model_config {str(path)!r} not found; tried: {', '.join(tried)}")
 
 
+# `model.moe.<key>` → transformers MoE config attribute (with num_experts > 0)
+HF_MOE_OVERRIDES = {
+    "num_experts": "num_local_experts",
+    "top_k": "num_experts_per_tok",
+    "router_aux_loss_coef": "router_aux_loss_coef",
+    "output_router_logits": "output_router_logits",
+}
+
+
 def load_config_dict(path: str | Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The config.json as a dict with the YAML overrides (keys as under `model.`) applied."""
+    """The config.json as a dict with the YAML overrides (keys as under `model.`; the MoE ones
+    as `moe.<key>`) applied."""
     with open(resolve_model_config(path)) as f:
         d = json.load(f)
+    for key, attr in HF_MOE_OVERRIDES.items():
+        value = (overrides or {}).get(f"moe.{key}")
+        if value is not None:
+            d[attr] = value
     for yaml_key, value in (overrides or {}).items():
         if value is None or yaml_key not in HF_OVERRIDES:
             continue
@@ -87,4 +104,11 @@ def build_hf_model(model_config: str | Path, overrides: dict[str, Any] | None = 
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     finally:
         torch.set_default_dtype(prev)
+    if getattr(config, "num_local_experts", None):  # Mixtral-style MoE: nxdt's aux loss and statistics
+        from nxdt.models.moe import attach_router_aux_loss
+
+        coef = config.router_aux_loss_coef if config.output_router_logits else 0.0
+        for module in model.modules():
+            if hasattr(module, "gate") and hasattr(module, "experts"):
+                attach_router_aux_loss(module, config.num_local_experts, config.num_experts_per_tok, coef)
     return model

@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nxdt.models.moe import LlamaMoE, MoEArgs, MoEExperts, MoERouter
+
 
 @dataclass
 class LlamaArgs:
@@ -74,6 +76,9 @@ class LlamaArgs:
     use_scaled_init_method: bool = True
     """Output projections (o_proj, down_proj) get std / sqrt(2 * num_layers), as in GPT-2/Megatron:
     each layer adds two residual branches, this keeps the residual stream's variance from growing."""
+    moe: MoEArgs | None = None
+    """Mixture of experts (nxdt.models.moe) in place of the MLP of every `moe.frequency`-th layer;
+    None = dense. Experts are SwiGLU with ffn_hidden_size each and no bias (Mixtral)."""
     apply_query_key_layer_scaling: bool = False
     """Accepted for NxDT compatibility, no effect. In Megatron it divides QK^T by the layer
     number and multiplies it back inside an fp32 softmax: an fp16 overflow guard that leaves
@@ -104,6 +109,8 @@ class LlamaArgs:
             raise ValueError(f"rotary_percentage must be in (0, 1], got {self.rotary_percentage}")
         if self.position_embedding_type == "rope" and self.rotary_dim % 2 != 0:
             raise ValueError(f"rotary dimension {self.rotary_dim} (head_dim × rotary_percentage) must be even")
+        if self.moe is not None and (self.activation != "swiglu" or self.has_bias):
+            raise ValueError("MoE experts are SwiGLU without bias: needs activation=swiglu and has_bias=false")
         if self.sliding_window_size is not None and self.sliding_window_size < 1:
             raise ValueError(f"sliding_window_size must be >= 1 or None, got {self.sliding_window_size}")
 
@@ -116,8 +123,8 @@ class LlamaArgs:
         return int(self.head_dim * self.rotary_percentage)
 
     def to_hf_config_dict(self) -> dict[str, Any]:
-        """The equivalent transformers LlamaConfig (as a config.json dict), for exporting a
-        checkpoint to HF. Raises for options HF Llama cannot express."""
+        """The equivalent transformers LlamaConfig, or MixtralConfig with MoE layers (as a
+        config.json dict), for exporting a checkpoint to HF. Raises for options HF cannot express."""
         unsupported = []
         if self.normalization != "rmsnorm":
             unsupported.append("normalization=layernorm")
@@ -129,8 +136,27 @@ class LlamaArgs:
             unsupported.append("rotary_percentage<1")
         if self.sliding_window_size is not None:
             unsupported.append("sliding_window_size")
+        moe = self.moe
+        if moe is not None:
+            plain = {"frequency": 1, "routing_algorithm": "top_k", "router_activation": "softmax",
+                     "normalize_top_k_affinities": True, "score_scale": 1.0}
+            unsupported += [f"moe.{k}={getattr(moe, k)}" for k, v in plain.items() if getattr(moe, k) != v]
         if unsupported:
-            raise ValueError(f"transformers LlamaConfig cannot express: {', '.join(unsupported)}")
+            kind = "MixtralConfig" if moe is not None else "LlamaConfig"
+            raise ValueError(f"transformers {kind} cannot express: {', '.join(unsupported)}")
+        if moe is not None:  # Mixtral; its inference computes every routed token (no capacity)
+            return {
+                "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": self.vocab_size,
+                "hidden_size": self.hidden_size, "intermediate_size": self.ffn_hidden_size,
+                "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_attention_heads,
+                "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim, "hidden_act": "silu",
+                "max_position_embeddings": self.max_position_embeddings, "rms_norm_eps": self.layernorm_epsilon,
+                "rope_theta": self.rope_theta, "attention_dropout": self.attention_dropout,
+                "initializer_range": self.init_method_std, "tie_word_embeddings": self.share_embeddings_and_output_weights,
+                "num_local_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
+                "router_aux_loss_coef": moe.aux_loss_coef, "output_router_logits": moe.aux_loss_coef > 0,
+                "router_jitter_noise": 0.0, "sliding_window": None,
+            }
         return {
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",
@@ -403,7 +429,8 @@ class LlamaDecoderLayer(nn.Module):
         self.layer_idx = layer_idx
         # Registration order = transformers' order, so state dicts list keys identically.
         self.self_attn = LlamaAttention(args)
-        self.mlp = LlamaMLP(args)
+        moe = args.moe is not None and args.moe.is_moe_layer(layer_idx)
+        self.mlp = LlamaMoE(args.hidden_size, args.ffn_hidden_size, args.moe) if moe else LlamaMLP(args)
         self.input_layernorm = make_norm(args)
         self.post_attention_layernorm = make_norm(args)
         self.dropout = nn.Dropout(args.hidden_dropout)
@@ -487,7 +514,8 @@ class NxdtLlamaForCausalLM(nn.Module):
         """Megatron-style initialisation; valid on freshly `to_empty`-ed (garbage) memory.
 
         Linear and embedding weights ~ N(0, init_method_std); o_proj and down_proj use
-        std / sqrt(2 * num_layers) when use_scaled_init_method; biases 0; norm weights 1.
+        std / sqrt(2 * num_layers) when use_scaled_init_method; biases 0; norm weights 1. MoE:
+        the router and the experts' gate/up ~ N(0, std), the experts' down_proj like down_proj.
         """
         a = self.args
         self.tie_weights()
@@ -504,6 +532,11 @@ class NxdtLlamaForCausalLM(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, MoERouter):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, MoEExperts):
+                nn.init.normal_(module.gate_up_proj, mean=0.0, std=std)
+                nn.init.normal_(module.down_proj, mean=0.0, std=out_std)
             elif isinstance(module, LlamaRMSNorm):
                 module.reset_parameters()
             elif isinstance(module, nn.LayerNorm):

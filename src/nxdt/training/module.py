@@ -33,6 +33,7 @@ from nxdt.device import use_xla
 from nxdt.training.xla import step_logger
 from nxdt.training.schedulers import build_scheduler
 from nxdt.training.loss import masked_token_loss
+from nxdt.models.moe import pop_router_stats
 from nxdt.training.step import (loss_parallel_context, microbatch_forward_backward, microbatch_loss,
                                 pipeline_forward_backward, split_microbatches, train_step)
 
@@ -160,6 +161,8 @@ class NxdtLightningModule(pl.LightningModule):
         log("global_step", float(self.global_step))
         for key, value in self.precision.metrics().items():  # loss_scale, skipped_steps
             log(key, value)
+        for key, value in pop_router_stats(self.model).items():  # MoE: this rank's routing, mean over layers
+            log(f"moe/{key}", value)
 
     # ---- validation ----------------------------------------------------------------------------
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from nxdt.models import logits_of
+from nxdt.models.moe import set_aux_loss_scale
 from nxdt.parallel.context_parallel import shard_sequence
 from nxdt.parallel.data_parallel import set_gradient_sync
 from nxdt.parallel.tensor_parallel import clip_grads_with_norm_, loss_parallel, total_norm
@@ -123,7 +124,8 @@ def microbatch_forward_backward(model: nn.Module, precision: Precision, num_micr
     """`forward_backward` without pipeline parallelism: gradient accumulation over micro-batches.
 
     Each micro-batch's loss is divided by their number (the step's loss is their mean) and
-    scaled by the precision's loss scale for the backward. The data-parallel gradient reduction
+    scaled by the precision's loss scale for the backward; so are the MoE layers' auxiliary
+    losses (nxdt.models.moe.set_aux_loss_scale). The data-parallel gradient reduction
     is switched off until the last micro-batch. `loss_fn(logits, labels, loss_mask)` (give it
     the cp group under context parallelism); `backward(loss)` defaults to `loss.backward()`
     (Lightning: `manual_backward`); `batch_size`, when given, is checked.
@@ -135,6 +137,7 @@ def microbatch_forward_backward(model: nn.Module, precision: Precision, num_micr
         total = None
         for i, mb in enumerate(microbatches):
             set_gradient_sync(model, i == len(microbatches) - 1)
+            set_aux_loss_scale(precision.loss_scale / len(microbatches))
             with loss_parallel_context(tp):
                 loss = microbatch_loss(model, mb, precision, loss_fn=loss_fn, device_type=device_type,
                                        cp_mesh=cp_mesh) / len(microbatches)
