@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -291,6 +292,9 @@ def full_error_requested(environ: Any = None) -> bool:
     return environ.get("HYDRA_FULL_ERROR") == "1" or environ.get("NXDT_FULL_ERROR") == "1"
 
 
+RANK_ZERO_GRACE_S = 3.0
+
+
 def main_guard(fn: Callable) -> Callable:
     """Wrap an entry point: a ConfigError prints `error: <msg>` (rank 0 only) and exits 2 on every rank.
 
@@ -305,7 +309,11 @@ def main_guard(fn: Callable) -> Callable:
             if full_error_requested():
                 raise
             if is_rank_zero():
-                print(f"error: {_one_line(err, limit=2000)}", file=sys.stderr)
+                print(f"error: {_one_line(err, limit=2000)}", file=sys.stderr, flush=True)
+            else:
+                # Every rank finds the same error; torchrun stops all ranks as soon as one exits.
+                # The others give rank 0 a moment to say why, so the one line is never lost.
+                time.sleep(RANK_ZERO_GRACE_S)
             sys.exit(ConfigError.exit_code)
 
     return wrapper
