@@ -210,6 +210,20 @@ def test_bad_moe_config_is_one_line(moe, ds, message):
         config_from_dict(values, check=True)
 
 
+def test_moe_keys_over_a_dense_hf_config_are_refused():
+    """model.moe over a Llama config.json would build a dense model: refused, not trained silently."""
+    values = {"model_source": "hf", "trainer": {"devices": 1},
+              "data": {"global_batch_size": 8, "micro_batch_size": 1, "seq_length": 128},
+              "model": {"model_config": "${nxdt_conf:model_configs/tiny_llama/config.json}", "moe": {"num_experts": 4}}}
+    with pytest.raises(ConfigError, match=r"model.moe.num_experts \(4\) with model_source hf needs a Mixtral-style "
+                                          r"model.model_config .* is model_type 'llama'"):
+        config_from_dict(values, check=True)
+    # the builder refuses too, for a config it is handed without validation
+    with pytest.raises(ValueError, match=r"has no MoE blocks; model.moe needs a Mixtral-style config.json"):
+        build_model(config_from_dict({"model_source": "hf", "model": {"model_config": "model_configs/tiny_llama",
+                                                                      "moe": {"num_experts": 4}}}), device="meta")
+
+
 def test_capacity_factor_zero_is_fine_when_dropless():
     cfg = config_from_dict({**_moe_cfg(capacity_factor=0.0, dropless=True), "trainer": {"devices": 1},
                             "data": {"global_batch_size": 8, "micro_batch_size": 1}}, check=True)

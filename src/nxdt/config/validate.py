@@ -73,6 +73,11 @@ def check_moe(cfg: Any) -> None:
         raise ConfigError("model.moe: experts are SwiGLU without bias; needs model.activation=swiglu and "
                           "model.has_bias=false")
     if cfg.model_source == "hf":
+        hf = _hf_json(cfg)
+        if hf and "num_local_experts" not in hf:
+            raise ConfigError(f"model.moe.num_experts ({moe.num_experts}) with model_source hf needs a Mixtral-style "
+                              f"model.model_config (with num_local_experts); {cfg.model.model_config} is model_type "
+                              f"'{hf.get('model_type', 'llama')}'")
         routing = {"frequency": 1, "routing_algorithm": "top_k", "router_activation": "softmax",
                    "capacity_factor": None, "normalize_top_k_affinities": True, "moe_calculator_score_scale_factor": 1.0}
         for key, plain in routing.items():

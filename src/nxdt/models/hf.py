@@ -108,7 +108,10 @@ def build_hf_model(model_config: str | Path, overrides: dict[str, Any] | None = 
         from nxdt.models.moe import attach_router_aux_loss
 
         coef = config.router_aux_loss_coef if config.output_router_logits else 0.0
-        for module in model.modules():
-            if hasattr(module, "gate") and hasattr(module, "experts"):
-                attach_router_aux_loss(module, config.num_local_experts, config.num_experts_per_tok, coef)
+        blocks = [m for m in model.modules() if hasattr(m, "gate") and hasattr(m, "experts")]
+        if not blocks:  # e.g. model.moe keys over a dense Llama config.json: never train it as dense silently
+            raise ValueError(f"model.model_config {str(model_config)!r} (model_type {model_type!r}) has no MoE "
+                             "blocks; model.moe needs a Mixtral-style config.json")
+        for block in blocks:
+            attach_router_aux_loss(block, config.num_local_experts, config.num_experts_per_tok, coef)
     return model
