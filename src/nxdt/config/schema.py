@@ -207,7 +207,7 @@ class FusionsConfig:
 @dataclass
 class MoEConfig:
     num_experts: int = doc(0, "experts per MoE layer; 0 = dense model")
-    frequency: int = doc(1, "every N-th layer is MoE")
+    frequency: int = doc(1, "layer i is an MoE layer when i % frequency == 0 (1 = every layer)")
     dropout: float = doc(0.0, "dropout in the MoE layer")
     capacity_factor: Optional[float] = doc(None, "expert capacity factor; null = no token dropping")
     dropless: bool = doc(False, "dropless (blockwise) expert computation")

@@ -177,8 +177,7 @@ class RouterStats:
     """Routing statistics of the micro-batches trained since the last `pop()` (not state: no
     parameters, no buffers, nothing checkpointed)."""
 
-    def __init__(self, num_experts: int) -> None:
-        self.num_experts = num_experts
+    def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
@@ -252,7 +251,7 @@ class LlamaMoE(nn.Module):
         self.gate = MoERouter(hidden_size, args.num_experts)
         self.experts = MoEExperts(args.num_experts, hidden_size, ffn_hidden_size)
         self.dropout = nn.Dropout(args.dropout)
-        self.stats = RouterStats(args.num_experts)
+        self.stats = RouterStats()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = self.args
@@ -266,12 +265,13 @@ class LlamaMoE(nn.Module):
             keep = torch.ones_like(experts, dtype=torch.bool)
         # the kept (token, slot) assignments, grouped by expert (stable: token order within one)
         token_idx = torch.arange(x.shape[0], device=x.device)[:, None].expand_as(experts)[keep]
-        expert_idx, slot_weight = experts[keep], weights[keep]
+        expert_idx = experts[keep]
         order = torch.argsort(expert_idx, stable=True)
+        token_idx, slot_weight = token_idx[order], weights[keep][order]
         counts = torch.bincount(expert_idx, minlength=a.num_experts)
-        routed = self.experts(x[token_idx[order]], counts.tolist())
-        routed = routed * (slot_weight[order, None] * a.score_scale).to(routed.dtype)
-        out = torch.zeros_like(x).index_add_(0, token_idx[order], routed.to(x.dtype))
+        routed = self.experts(x[token_idx], counts.tolist())
+        routed = routed * (slot_weight[:, None] * a.score_scale).to(routed.dtype)
+        out = torch.zeros_like(x).index_add_(0, token_idx, routed.to(x.dtype))
         out = self.dropout(out).reshape(shape)
         if self.training and torch.is_grad_enabled():
             aux = load_balancing_loss((logits,), a.num_experts, a.top_k)
@@ -299,7 +299,7 @@ def attach_router_aux_loss(block: nn.Module, num_experts: int, top_k: int, coef:
     MixtralSparseMoeBlock and its kin: a `gate` whose output, or its first element, is the router
     logits, and `experts`), by forward hooks: the gate's hook keeps the logits, the block's hook
     attaches the loss's gradient to the block's output (AuxLossGradient)."""
-    block.stats = RouterStats(num_experts)
+    block.stats = RouterStats()
     kept: dict[str, torch.Tensor] = {}
 
     def keep_logits(_module, _inputs, output):
