@@ -72,6 +72,15 @@ def run_cli(args: list[str], nproc: int = 1, env: dict | None = None, timeout: i
     return subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=timeout, cwd=REPO)
 
 
+def exit_worker() -> None:
+    """End a torchrun test worker whose results are written and whose process group is destroyed:
+    flush and leave without interpreter teardown, where a gloo thread can still abort a rank
+    ("terminate called without an active exception", exit -6) after a successful run."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def run_worker(script: str, nproc: int, out_path: Path, out_env: str, timeout: int = 600):
     """Run a test file's `__main__` worker under torchrun; it writes JSON results to `out_path`
     (passed in the environment variable `out_env`). Returns the parsed results."""

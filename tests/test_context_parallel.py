@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import run_worker
+from conftest import exit_worker, run_worker
 
 
 def _worker(out_path: str) -> None:
@@ -103,3 +103,4 @@ def test_cp_loss_is_the_whole_sequence_mean_with_uneven_masks(results):
 
 if __name__ == "__main__":
     _worker(os.environ["NXDT_CP_TEST_OUT"])
+    exit_worker()

@@ -15,7 +15,7 @@ from nxdt.config.load import config_from_dict
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
-from conftest import run_worker  # noqa: E402
+from conftest import exit_worker, run_worker  # noqa: E402
 from test_config import error, load  # noqa: E402
 
 
@@ -394,6 +394,7 @@ def _worker() -> None:  # pragma: no cover - runs under torchrun
 
 if __name__ == "__main__":
     _worker()
+    exit_worker()
 
 
 def test_use_torch_compile_compiles_each_block_and_only_blocks():
