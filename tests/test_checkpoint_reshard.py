@@ -5,7 +5,7 @@ per-step `reduced_train_loss` equals the one uninterrupted reference run within 
 (tests/test_parallel_layouts.py). The model has one K/V head for four query heads, so every
 tp2 layout replicates the K/V projections (tp > num_kv_heads). The runs form chains: each
 resume run loads a checkpoint of the previous one and writes its own checkpoints (every step)
-for the next; eleven runs cover these changes:
+for the next; these runs cover these changes:
 
     reference  pp2 x vpp2, from scratch, 8 steps
     ├─ @1 → pp2 x vpp2      plain resume, same layout
@@ -19,8 +19,12 @@ for the next; eleven runs cover these changes:
         └─ @3 → tp2         tp1 dp2 → tp2 dp1 (K/V replicated)
             └─ @5 → tp1     tp2 (K/V replicated) → tp1, one process; keeps the best
                             checkpoint by reduced_train_loss (mode max) and the newest
+    moe_ep2    MoE (4 experts), expert parallel ep2 dp2, from scratch (its own reference)
+    ├─ @2 → ep1             the experts whole on both ranks, then
+    │   └─ @4 → ep2         sharded again
+    └─ @2 → dense config    refused: one line naming a key, exit 2
 
-Runs of one world size share one launch (conftest.run_pool: imports paid once), so the eleven
+Runs of one world size share one launch (conftest.run_pool: imports paid once), so the
 runs take three launches: the 2-rank runs, then the 4-rank runs, then the single-process ones.
 Each resumed run's losses (steps after the checkpoint, to step 8) are compared with the
 reference's.
@@ -43,6 +47,9 @@ HSDP = ["distributed_strategy.sharding_strategy=HSDP", "distributed_strategy.hsd
         "exp_manager.save_bf16=true", "exp_manager.checkpoint_callback_params.use_master_weights_in_ckpt=true"]
 PP2_ZERO1 = [*PP2, "distributed_strategy.zero1=true"]
 TP2 = ["distributed_strategy.tensor_model_parallel_size=2"]
+MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.output_router_logits=true",
+       "model.moe.router_aux_loss_coef=0.1", "model.moe.capacity_factor=1.5"]
+EP2 = ["distributed_strategy.expert_model_parallel_size=2"]
 # keeps the checkpoint with the highest loss (mode max, so that an older checkpoint outranks newer
 # ones) and the newest
 TOP1_BY_LOSS = ["exp_manager.checkpoint_callback_params.monitor=reduced_train_loss",
@@ -80,7 +87,7 @@ class Run:
     def __init__(self, log_dir: Path, proc) -> None:
         self.log_dir = log_dir
         self.proc = proc
-        self.losses = read_scalars(log_dir)["reduced_train_loss"]
+        self.losses = read_scalars(log_dir).get("reduced_train_loss", {})
         log = Path(log_dir) / "nxdt_log_globalrank-0_localrank-0.txt"
         self.log = (log.read_text() if log.is_file() else "") + proc.stdout + proc.stderr
         self.stdout = proc.stdout
@@ -111,7 +118,14 @@ RUNS = {
     "pp2_zero1": (4, PP2_ZERO1, ("hsdp", 2)),
     "pp1": (1, [], ("pp2_zero1", 3)),
     "tp1": (1, TOP1_BY_LOSS, ("tp2", 5)),
+    # MoE: expert parallel ep2 → ep1 (same 2 ranks, experts whole on each) → ep2 again
+    "moe_ep2": (2, [*MOE, *EP2], None),
+    "moe_ep1": (2, MOE, ("moe_ep2", 2)),
+    "moe_ep2_again": (2, [*MOE, *EP2], ("moe_ep1", 4)),
+    # bad input: an MoE checkpoint into the dense config, one line and exit 2
+    "dense_from_moe": (1, [], ("moe_ep2", 2)),
 }
+EXPECTED_RC = {"dense_from_moe": 2}
 
 
 @pytest.fixture(scope="module")
@@ -126,9 +140,9 @@ def runs(kjv_prefix, tmp_path_factory) -> dict[str, Run]:
                     # quoted: the checkpoint's name contains '=' (step=..., consumed_samples=...)
                     extra = [*extra, f"exp_manager.resume_from_checkpoint='{_ckpt(root / resume[0], resume[1])}'"]
                 argvs[name] = _args(kjv_prefix, root / name, nproc, extra)
-        for name, proc in run_pool(argvs, nproc, root / f"pool{nproc}").items():
+        for name, proc in run_pool(argvs, nproc, root / f"pool{nproc}", EXPECTED_RC).items():
             out[name] = Run(root / name, proc)
-            if RUNS[name][2] is not None:
+            if RUNS[name][2] is not None and name not in EXPECTED_RC:
                 source, step = RUNS[name][2]
                 assert f"resuming from {_ckpt(root / source, step)} (step {step}" in proc.stdout, name
     return out
@@ -145,7 +159,7 @@ def test_pipeline_checkpoint_names_the_whole_model(reference):
     every tensor, though each rank holds only its own stages."""
     meta = json.loads((reference.ckpt(1) / "meta.json").read_text())
     shapes = meta["model_shapes"]
-    assert meta["layout"] == {"dp": 1, "tp": 1, "pp": 2, "vpp": 2, "cp": 1}
+    assert meta["layout"] == {"dp": 1, "tp": 1, "pp": 2, "vpp": 2, "cp": 1, "ep": 1}
     assert "model.model.embed_tokens.weight" in shapes and "model.lm_head.weight" in shapes
     assert {k.split(".")[3] for k in shapes if k.startswith("model.model.layers.")} == {"0", "1", "2", "3"}
     assert not any(k.startswith("model.0.") or k.startswith("model.1.") for k in shapes)
@@ -250,6 +264,27 @@ def test_zero1_dp2_resume(reference, runs):
     zero1_from_zero1 = runs["zero1_from_zero1"]
     _assert_continues(reference, zero1_from_zero1, 3, "zero1 dp2 -> zero1 dp2")
     assert "resharded" not in zero1_from_zero1.log
+
+
+def test_moe_ep2_to_ep1_and_back(runs):
+    """Expert-sharded weights and optimizer state reshard between ep sizes: the losses continue the
+    uninterrupted ep2 run's within 1e-5, and each change says so in one line."""
+    ep2, ep1, again = runs["moe_ep2"], runs["moe_ep1"], runs["moe_ep2_again"]
+    _assert_continues(ep2, ep1, 2, "MoE ep2 -> ep1")
+    _assert_continues(ep2, again, 4, "MoE ep1 -> ep2")
+    assert "(dp=2 tp=1 pp=1 vpp=1 cp=1 ep=2), loading on 2 (dp=2 tp=1 pp=1 vpp=1 cp=1)" in _notes(ep1, "resharded")[0]
+    assert "loading on 2 (dp=2 tp=1 pp=1 vpp=1 cp=1 ep=2)" in _notes(again, "resharded")[0]
+    shapes = json.loads((ep2.ckpt(2) / "meta.json").read_text())["model_shapes"]
+    assert shapes["model.model.layers.0.mlp.experts.gate_up_proj"] == [4, 352, 64]  # whole, not a shard
+
+
+def test_moe_checkpoint_into_dense_config_is_refused(runs):
+    proc = runs["dense_from_moe"].proc
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr[-2000:]
+    assert "the checkpoint has no key 'model.layers.0.mlp.down_proj.weight' (12 missing, 12 unexpected" in errors[0], errors
+    assert "the checkpoint has MoE layers (4 experts) and the config is dense" in errors[0], errors
+    assert not (runs["dense_from_moe"].log_dir / "checkpoints").exists()
 
 
 def _notes(run: Run, text: str) -> list[str]:

@@ -76,8 +76,8 @@ def test_accumulate_grad_batches_is_rejected_with_the_reason(data_args):
 
 
 def test_feature_not_built_yet_is_refused_not_ignored(data_args):
-    proc = run_cli([*BASE, *data_args, "model.moe.gate_balance_loss_weight=0.01"])
-    _assert_one_line_error(proc, "model.moe.gate_balance_loss_weight", "not supported yet")
+    proc = run_cli([*BASE, *data_args, "model.transformer_block_type=normformer"])
+    _assert_one_line_error(proc, "model.transformer_block_type", "not supported yet")
 
 
 @pytest.mark.slow

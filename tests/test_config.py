@@ -87,9 +87,10 @@ def test_tiny_config_full_validation(tmp_path, monkeypatch):
 
 
 def test_not_supported_check_is_skippable():
-    assert "is not supported yet" in error("model.moe.num_experts=8", name="megatron_llama_7B_config",
+    assert "is not supported yet" in error("model.transformer_block_type=normformer", name="megatron_llama_7B_config",
                                            world_size=None)
-    load("model.moe.num_experts=8", name="megatron_llama_7B_config", world_size=None, check_supported=False)
+    load("model.transformer_block_type=normformer", name="megatron_llama_7B_config", world_size=None,
+         check_supported=False)
 
 
 # ----------------------------------------------------------------------------- error messages
@@ -132,7 +133,8 @@ def test_not_supported_check_is_skippable():
      "context_parallel_size > 1 with trainer.accelerator gpu is not supported yet"),
     (["model.fusions.ring_attention=true"],
      "model.fusions.ring_attention: true needs distributed_strategy.context_parallel_size > 1"),
-    (["model.moe.gate_balance_loss_weight=0.01"], "'model.moe.gate_balance_loss_weight' is not supported yet (got 0.01)"),
+    (["model.moe.num_experts=4", "model.moe.gate_balance_loss_weight=0.01"],
+     "model.moe.gate_balance_loss_weight=0.01 weighs LLaMA-MoE's balance loss: needs model.moe.gate_type"),
     (["trainer.accelerator=xla"], "trainer.accelerator xla: only one device is supported yet"),
     (["precision.fp16.enabled=true", "precision.type=bf16SR"],
      "precision.fp16.enabled: cannot be combined with precision.type bf16SR"),

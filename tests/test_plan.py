@@ -8,6 +8,7 @@ import json
 import pytest
 from conftest import REPO
 
+from nxdt.tools.plan import Bytes, format_plan, rank_memory
 from nxdt.tools.plan import main as plan_main
 
 CONF = str(REPO / "conf")
@@ -139,3 +140,123 @@ def test_memory_estimate_matches_measured_tensor_bytes(capsys):
     print(f"activations estimated {est['activations']:,} measured {measured['activations']:,} gap {gap:.1%}")
     assert gap < 0.15, (est, measured)
     assert abs(est["total"] - measured["total"]) / measured["total"] < 0.15
+
+
+# --------------------------------------------------------------------------- mixture of experts
+
+
+@pytest.mark.parametrize("name", ["megatron_mixtral_8x7b_config", "hf_mixtral_8x7b_config"])
+def test_mixtral_total_and_activated_per_token(capsys, name):
+    """Mixtral-8x7B: 32 layers of 8 experts x 3 x 4096 x 14336; a token uses 2 of them, and all
+    of attention, norms, embeddings, lm_head and the 8 x 4096 routers."""
+    p = _plan(capsys, name)
+    assert p["parameters"] == 46_702_792_704
+    assert p["parameters_activated"] == 12_879_925_248
+    experts = 32 * 8 * 3 * 4096 * 14336
+    assert p["parameter_breakdown"] == {"dense": 1_604_587_520, "experts": experts, "experts_activated": experts // 4,
+                                        "router": 32 * 8 * 4096, "router_noise": 0, "num_experts": 8, "top_k": 2}
+
+
+def test_llama_moe_activated_is_dense_non_mlp_plus_a_quarter_of_the_mlp_plus_gates(capsys):
+    """LLaMA-MoE 4/16 from Llama-2-7B: its non-MLP part (6,738,415,616 less 32 MLPs of
+    3 x 4096 x 11008) + 4/16 of those MLPs = 3,492,024,320; + the gates, Linear(4096, 16) without
+    bias per layer = 3,494,121,472; + the noisy gate's noise weight, also 16 x 4096 per layer and
+    counted with the routers (a token goes through it in training) = 3,496,218,624."""
+    p = _plan(capsys, "llama_moe_7B_16select4_config")
+    mlp = 32 * 3 * 4096 * 11008
+    gates = noise = 32 * 16 * 4096
+    b = p["parameter_breakdown"]
+    assert b["dense"] == 6_738_415_616 - mlp == 2_409_893_888
+    assert b["experts"] == mlp and b["experts_activated"] == mlp // 4 == 1_082_130_432
+    assert b["dense"] + b["experts_activated"] == 3_492_024_320
+    assert b["router"] == gates + noise and b["router_noise"] == noise == 2_097_152
+    assert p["parameters_activated"] - noise == 3_494_121_472
+    assert p["parameters_activated"] == 3_496_218_624
+    assert p["parameters"] == 6_742_609_920
+    assert plan_main(["--config-path", CONF, "--config-name", "llama_moe_7B_16select4_config"]) == 0
+    text = capsys.readouterr().out.splitlines()
+    assert text[3:6] == [
+        "  activated    3,496,218,624 per token: top-4 of 16 experts",
+        "               = dense 2,409,893,888 + experts 1,082,130,432 (4/16 of 4,328,521,728) + routers 4,194,304",
+        "               routers = gates 2,097,152 + noise weights 2,097,152 (training only; 3,494,121,472 "
+        "activated without them)"]
+
+
+def test_dense_model_activates_everything_and_prints_it_once(capsys):
+    p = _plan(capsys, "megatron_llama_7B_config")
+    assert p["parameters_activated"] == p["parameters"] == 6_738_415_616
+    assert p["parameter_breakdown"]["experts"] == 0
+    assert plan_main(["--config-path", CONF, "--config-name", "megatron_llama_7B_config"]) == 0
+    out = capsys.readouterr().out
+    assert "activated" not in out and out.count("6,738,415,616") == 1
+
+
+# tiny_mixtral_cpu (fp32, AdamW: 4 + 4 + 8 bytes per element) on 8 ranks: 4,325,376 expert
+# elements (4 layers x 4 experts x 3 x 256 x 352), 4,987,136 others (routers included)
+TINY_MOE = ["trainer.devices=8", "data.global_batch_size=32"]
+TINY_EXPERTS, TINY_DENSE = 4_325_376, 4_987_136
+
+
+def test_expert_parallel_divides_the_experts_per_rank(capsys):
+    """ep = 2 of dp = 8: each rank holds half the experts and every dense weight. ZeRO-1 splits
+    the dense optimizer state over dp = 8; each rank steps its own experts whole (their state is
+    not split over the 4 replicas, as zero1_optimizer(rank_local=...) does)."""
+    p = _plan(capsys, "tiny_mixtral_cpu", *TINY_MOE, "distributed_strategy.zero1=true",
+              "distributed_strategy.expert_model_parallel_size=2")
+    assert p["layout"]["ep"] == 2 and p["layout"]["dp"] == 8
+    n = TINY_DENSE + TINY_EXPERTS // 2
+    assert p["parameters_per_rank"] == n == 7_149_824
+    mem = p["memory_per_rank_bytes"]
+    assert mem["params"] == mem["grads"] == 4 * n
+    assert mem["optimizer"] == 8 * TINY_DENSE // 8 + 8 * TINY_EXPERTS // 2 == 22_288_640
+    assert "ep=2" in format_plan(p).splitlines()[1]
+    no_ep = _plan(capsys, "tiny_mixtral_cpu", *TINY_MOE, "distributed_strategy.zero1=true")
+    assert no_ep["parameters_per_rank"] == TINY_DENSE + TINY_EXPERTS
+    assert no_ep["memory_per_rank_bytes"]["optimizer"] == 8 * (TINY_DENSE + TINY_EXPERTS) // 8
+
+
+def test_fsdp_shards_dense_over_dp_and_experts_over_their_replicas(capsys):
+    """FSDP with ep = 2 of dp = 8: dense weights / 8; experts / ep, then / (dp / ep = 4) over
+    their replicas (torchtitan's dp_shard_mod_ep): 1/8 of every weight again."""
+    p = _plan(capsys, "tiny_mixtral_cpu", *TINY_MOE, "distributed_strategy.fsdp=true",
+              "distributed_strategy.expert_model_parallel_size=2")
+    assert p["sharding"] == "fsdp"
+    n = TINY_DENSE // 8 + TINY_EXPERTS // 2 // 4
+    assert p["parameters_per_rank"] == n == 1_164_064
+    assert p["memory_per_rank_bytes"]["optimizer"] == 8 * n
+
+
+def test_rank_memory_formula():
+    """bf16 weights, fp32 grads, fp32 master + 2 Adam states (12 bytes) per element; 1,000 dense
+    and 640 expert elements on a rank, ZeRO-1 over dp 4."""
+    b = Bytes(param=2, grad=4, master=4, state=4, activation=2)
+    ep4 = rank_memory(1000, 640, b, 2, zero1=True, dp=4, ep=4)
+    assert ep4 == {"params": 3280, "grads": 6560, "optimizer": 12 * 1000 // 4 + 12 * 640}
+    ep1 = rank_memory(1000, 640, b, 2, zero1=True, dp=4, ep=1)
+    assert ep1["optimizer"] == 12 * 1640 // 4 == 4920
+    assert rank_memory(1000, 640, b, 2, zero1=False, dp=4, ep=4)["optimizer"] == 19680
+
+
+def test_start_summary_shows_activated_parameters(capsys):
+    """The run's start summary counts with the plan's function, on the module's built model;
+    a dense model's summary has no activated line."""
+    from types import SimpleNamespace
+
+    from nxdt.config.layout import compute_layout
+    from nxdt.config.load import load_config
+    from nxdt.models import build_model, count_parameters
+    from nxdt.training.callbacks import RunSummary
+
+    def summary(name: str) -> list[str]:
+        cfg = load_config(["--config-path", CONF, "--config-name", name], check_paths=False, quiet=True)
+        model = build_model(cfg, 8192, device="meta")
+        module = SimpleNamespace(model=model, pipeline=None, num_parameters=count_parameters(model))
+        RunSummary(cfg, compute_layout(cfg, 2), None).on_fit_start(None, module)
+        return capsys.readouterr().out.splitlines()
+
+    assert summary("tiny_mixtral_cpu")[2:5] == [
+        "  parameters   9,312,512  (9.3 M)",
+        "  activated    7,149,824 per token: top-2 of 4 experts",
+        "               = dense 4,983,040 + experts 2,162,688 (2/4 of 4,325,376) + routers 4,096"]
+    dense = summary("tiny_llama_cpu")
+    assert dense[2].startswith("  parameters   ") and not any("activated" in line for line in dense)

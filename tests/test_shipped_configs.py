@@ -35,7 +35,20 @@ EXPECTED = {
     "hf_mixtral_8x7b_config": (None, 46_702_792_704),
     "hf_mixtral_8x7b_dropless_config": (None, 46_702_792_704),
     "tiny_mixtral_cpu": (8192, 9_312_512),
+    # LLaMA-MoE 4/16 from Llama-2-7B: see test_llama_moe_count_is_llama2_7b_plus_gates
+    "llama_moe_7B_16select4_config": (32000, 6_742_609_920),
 }
+
+
+def test_llama_moe_count_is_llama2_7b_plus_gates():
+    """16 experts of 688 = 11008 / 16 neurons hold exactly the dense MLP's 3 x 4096 x 11008
+    weights, so LLaMA-MoE adds per layer only the gate and the noisy gate's noise weight,
+    each 16 x 4096."""
+    layers, hidden, experts = 32, 4096, 16
+    assert experts * 3 * hidden * 688 == 3 * hidden * 11008
+    gates = layers * hidden * experts
+    assert gates == 2_097_152
+    assert EXPECTED["llama_moe_7B_16select4_config"][1] == 6_738_415_616 + gates + gates
 
 
 def test_every_shipped_config_is_listed():

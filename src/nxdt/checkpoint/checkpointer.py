@@ -281,6 +281,19 @@ def validate_checkpoint(path: Path) -> dict[str, Any]:
     return meta
 
 
+def _moe_hint(saved: dict[str, list[int]], current: dict[str, list[int]]) -> str:
+    """Why the keys differ when one side is a mixture of experts and the other is not."""
+    def experts(shapes):
+        return next((shape[0] for key, shape in shapes.items() if key.endswith(".mlp.experts.gate_up_proj")), 0)
+
+    saved_e, current_e = experts(saved), experts(current)
+    if saved_e and not current_e:
+        return f"; the checkpoint has MoE layers ({saved_e} experts) and the config is dense (model.moe.num_experts=0)"
+    if current_e and not saved_e:
+        return f"; the checkpoint is dense and the config asks for MoE layers (model.moe.num_experts={current_e})"
+    return ""
+
+
 def check_model_matches(path: Path, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
     saved = meta.get("model_shapes", {})
     current = all_tensor_shapes(tensors)
@@ -288,10 +301,10 @@ def check_model_matches(path: Path, meta: dict[str, Any], tensors: dict[str, tor
     extra = sorted(set(saved) - set(current))
     if missing or extra:
         key = (missing or extra)[0]
-        where = "the model has no" if extra else "the checkpoint has no"
+        where = "the checkpoint has no" if missing else "the model has no"
         raise ConfigError(
             f"checkpoint {path / META} is from another model: {where} key '{key.removeprefix('model.')}'"
-            f" ({len(missing)} missing, {len(extra)} unexpected keys)"
+            f" ({len(missing)} missing, {len(extra)} unexpected keys){_moe_hint(saved, current)}"
         )
     for key, shape in current.items():
         if saved[key] != shape:
@@ -396,7 +409,8 @@ def _drop_data_state(trainer_state: dict[str, Any], strategy) -> None:
 
 
 def _layout_text(layout: dict[str, int]) -> str:
-    return " ".join(f"{k}={v}" for k, v in layout.items()) or "?"
+    # ep is shown only where there is expert parallelism (it is 1 for every dense model)
+    return " ".join(f"{k}={v}" for k, v in layout.items() if k != "ep" or v != 1) or "?"
 
 
 def _one_line(err: Exception) -> str:

@@ -276,7 +276,7 @@ def all_tensor_shapes(tensors: dict[str, torch.Tensor]) -> dict[str, list[int]]:
     return merged
 
 
-LAYOUT_KEYS = ("dp", "tp", "pp", "vpp", "cp")
+LAYOUT_KEYS = ("dp", "tp", "pp", "vpp", "cp", "ep")
 
 
 def layout_of(module) -> dict[str, int]:

@@ -220,8 +220,18 @@ class MoEConfig:
     router_aux_loss_coef: float = doc(0.02, "load-balancing aux loss coefficient (Mixtral style)")
     normalize_top_k_affinities: bool = doc(True, "renormalize the top-k router weights to sum to 1")
     num_selects: Optional[int] = doc(None, "LLaMA-MoE name for top_k (overrides it when set)")
-    gate_balance_loss_weight: float = doc(0.0, "LLaMA-MoE balance loss w*(CV^2(importance)+CV^2(load)); 0 = off")
+    gate_balance_loss_weight: float = doc(
+        0.0, "LLaMA-MoE gates' balance loss weight w: noisy top-k w*(CV^2(importance)+CV^2(load)), "
+             "switch w*E*sum(mean prob x token share); 0 = statistics only")
     moe_calculator_score_scale_factor: float = doc(1.0, "LLaMA-MoE: expert outputs x this (total/selected)")
+    gate_type: Literal["mixtral", "top_k_balanced_noisy", "switch_balanced", "TopKBalancedNoisyGate",
+                       "SwitchBalancedGate"] = doc(
+        "mixtral", "mixtral (routing_algorithm, router_activation, router_aux_loss_coef) | LLaMA-MoE's "
+                   "top_k_balanced_noisy (noisy top-k, softmax over the k) | switch_balanced (top-1); "
+                   "LLaMA-MoE's class names are accepted")
+    gate_add_noise: bool = doc(True, "LLaMA-MoE gates, training only: learned Gaussian noise (noisy top-k), "
+                                     "Gumbel noise (switch)")
+    gate_noise_epsilon: float = doc(1e-2, "noisy top-k: noise std = softplus(x W_noise) + this")
 
 
 @dataclass

@@ -30,6 +30,7 @@ from nxdt.config import schema
 from nxdt.config.blend import parse_data_prefix, parse_datasets
 from nxdt.config.errors import ConfigError
 from nxdt.config.layout import compute_layout
+from nxdt.config.moe_checks import canonical_gate_type, check_moe
 from nxdt.config.cp_checks import check_context_parallel
 from nxdt.config.pipeline_checks import check_pipeline
 from nxdt.config.precision_settings import precision_settings
@@ -43,52 +44,15 @@ def _gt1(v: Any) -> bool:
 # dotted key -> predicate on its value: True means "this value needs a feature not built yet".
 # The lead removes entries as features land.
 NOT_SUPPORTED_YET: dict[str, Callable[[Any], bool]] = {
-    "distributed_strategy.expert_model_parallel_size": _gt1,
-    "model.moe.gate_balance_loss_weight": lambda v: v is not None and v > 0,  # LLaMA-MoE's gate
     "model.transformer_block_type": lambda v: v != "pre_ln",
     "model_alignment_strategy": lambda v: v is not None and any(k != "sft" for k in v),  # sft is built
 }
 
 
-def check_moe(cfg: Any) -> None:
-    """model.moe: routing choices that fit together, and what the MoE layer is built with."""
-    moe = cfg.model.moe
-    if moe.num_experts < 0:
-        raise ConfigError(f"model.moe.num_experts: must be >= 0, got {moe.num_experts}")
-    if not moe.num_experts:
-        return
-    if not 1 <= moe.top_k <= moe.num_experts:
-        raise ConfigError(f"model.moe.top_k ({moe.top_k}) must be between 1 and model.moe.num_experts ({moe.num_experts})")
-    if moe.frequency < 1:
-        raise ConfigError(f"model.moe.frequency: must be >= 1 (every N-th layer is MoE), got {moe.frequency}")
-    if moe.routing_algorithm == "sinkhorn" and moe.top_k != 1:
-        raise ConfigError(f"model.moe.routing_algorithm sinkhorn picks one expert per token: model.moe.top_k must "
-                          f"be 1, got {moe.top_k}")
-    if moe.capacity_factor is not None and moe.capacity_factor <= 0 and not moe.dropless:
-        raise ConfigError(f"model.moe.capacity_factor: must be > 0 (or null, or model.moe.dropless=true), "
-                          f"got {moe.capacity_factor}")
-    if moe.sinkhorn_iterations < 1:
-        raise ConfigError(f"model.moe.sinkhorn_iterations: must be >= 1, got {moe.sinkhorn_iterations}")
-    if cfg.model_source == "megatron" and (cfg.model.activation != "swiglu" or cfg.model.has_bias):
-        raise ConfigError("model.moe: experts are SwiGLU without bias; needs model.activation=swiglu and "
-                          "model.has_bias=false")
-    if cfg.model_source == "hf":
-        hf = _hf_json(cfg)
-        if hf and "num_local_experts" not in hf:
-            raise ConfigError(f"model.moe.num_experts ({moe.num_experts}) with model_source hf needs a Mixtral-style "
-                              f"model.model_config (with num_local_experts); {cfg.model.model_config} is model_type "
-                              f"'{hf.get('model_type', 'llama')}'")
-        routing = {"frequency": 1, "routing_algorithm": "top_k", "router_activation": "softmax",
-                   "capacity_factor": None, "normalize_top_k_affinities": True, "moe_calculator_score_scale_factor": 1.0}
-        for key, plain in routing.items():
-            if getattr(moe, key) != plain:
-                raise ConfigError(f"model.moe.{key}={getattr(moe, key)}: not supported with model_source hf "
-                                  f"(transformers' Mixtral routes every layer top-k by softmax, renormalized, no "
-                                  f"capacity); use model_source megatron")
-
-
-# parallel layouts an MoE model cannot take yet (its experts have no plan for them)
-MOE_NOT_SUPPORTED_YET = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
+# parallel layouts an MoE model cannot take yet: cp (each cp rank would balance its own part of
+# a sequence); tp and pp are built for the native (megatron) MoE, not yet for transformers' blocks
+MOE_NOT_SUPPORTED_YET = ("context_parallel_size",)
+HF_MOE_NOT_SUPPORTED_YET = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
 
 
 def _one_line(text: Any) -> str:
@@ -297,6 +261,7 @@ def check_schema(cfg: DictConfig) -> list[str]:
             model.num_kv_heads = model.num_attention_heads
     if model.moe.num_selects is not None:
         model.moe.top_k = model.moe.num_selects
+    model.moe.gate_type = canonical_gate_type(model.moe.gate_type)
 
     mas = cfg.get("model_alignment_strategy")
     if mas is not None:
@@ -353,10 +318,29 @@ def check_not_supported(cfg: Any) -> None:
             shown = value if not isinstance(value, (dict, list)) else _one_line(value)
             raise ConfigError(f"'{key}' is not supported yet (got {shown})")
     if cfg.model.moe.num_experts:
-        for key in MOE_NOT_SUPPORTED_YET:
+        hf = cfg.model_source == "hf"
+        for key in MOE_NOT_SUPPORTED_YET + (HF_MOE_NOT_SUPPORTED_YET if hf else ()):
             size = getattr(cfg.distributed_strategy, key)
             if size > 1:
-                raise ConfigError(f"'distributed_strategy.{key}' > 1 with model.moe is not supported yet (got {size})")
+                source = " and model_source hf" if key in HF_MOE_NOT_SUPPORTED_YET else ""
+                raise ConfigError(f"'distributed_strategy.{key}' > 1 with model.moe{source} is not supported yet "
+                                  f"(got {size})")
+    check_expert_parallel(cfg)
+
+
+def check_expert_parallel(cfg: Any) -> None:
+    """distributed_strategy.expert_model_parallel_size: an MoE model whose experts split evenly."""
+    ep, moe = cfg.distributed_strategy.expert_model_parallel_size, cfg.model.moe
+    if ep <= 1:
+        return
+    key = "distributed_strategy.expert_model_parallel_size"
+    if not moe.num_experts:
+        raise ConfigError(f"{key} ({ep}) needs an MoE model (model.moe.num_experts > 0)")
+    if moe.num_experts % ep:
+        raise ConfigError(f"model.moe.num_experts ({moe.num_experts}) is not divisible by {key} ({ep})")
+    if cfg.model_source == "hf":
+        raise ConfigError(f"'{key}' > 1 with model_source hf is not supported yet (got {ep}); "
+                          "use model_source megatron (same weights, nxdt convert)")
 
 
 # --------------------------------------------------------------------------- cross-checks
@@ -475,7 +459,7 @@ def check_cross(cfg: Any, world_size: int | None = None) -> None:
     if n > 1 and (model.activations_checkpoint_granularity != "full" or p is not None):  # chunks of whole blocks
         raise ConfigError(f"model.checkpoint_num_layers ({n}) needs model.activations_checkpoint_granularity=full "
                           "and no model.selective_checkpointing")
-    check_moe(cfg)
+    check_moe(cfg, _hf_json(cfg))
     if not re.fullmatch(r"\s*\d+(\.\d+)?\s*(,\s*\d+(\.\d+)?\s*){2}", data.splits_string):
         raise ConfigError(f"data.splits_string: expected three comma-separated numbers like '980,10,10', "
                           f"got '{data.splits_string}'")

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nxdt.config.moe_checks import canonical_gate_type
 from nxdt.models.hf import HF_MOE_OVERRIDES, HF_OVERRIDES, build_hf_model
 from nxdt.models.llama import LlamaArgs, NxdtLlamaForCausalLM
 from nxdt.models.moe import MoEArgs
@@ -89,18 +90,24 @@ def llama_args_from_cfg(cfg: Any, vocab_size: int | None = None) -> LlamaArgs:
 
 def moe_args_from_cfg(moe: Any) -> MoEArgs | None:
     """MoEArgs from the typed `model.moe` section; None for a dense model (num_experts 0).
-    The load-balancing loss joins the training loss only with output_router_logits, as in
-    transformers' Mixtral; its statistics are logged either way."""
+    The mixtral gate's load-balancing loss joins the training loss only with output_router_logits,
+    as in transformers' Mixtral; LLaMA-MoE's gates weigh theirs by gate_balance_loss_weight (0:
+    not added). The statistics are logged either way."""
     if not moe.num_experts:
         return None
+    gate_type = canonical_gate_type(moe.gate_type)
+    if gate_type == "mixtral":
+        coef = moe.router_aux_loss_coef if moe.output_router_logits else 0.0
+    else:
+        coef = moe.gate_balance_loss_weight
     return MoEArgs(
         num_experts=moe.num_experts, top_k=moe.top_k, frequency=moe.frequency,
         routing_algorithm=moe.routing_algorithm, router_activation=moe.router_activation,
         normalize_top_k_affinities=moe.normalize_top_k_affinities, capacity_factor=moe.capacity_factor,
         dropless=moe.dropless, sinkhorn_iterations=moe.sinkhorn_iterations,
         sinkhorn_tol=None if moe.sinkhorn_tol is None else float(moe.sinkhorn_tol),
-        aux_loss_coef=moe.router_aux_loss_coef if moe.output_router_logits else 0.0,
-        dropout=moe.dropout, score_scale=moe.moe_calculator_score_scale_factor,
+        aux_loss_coef=coef, dropout=moe.dropout, score_scale=moe.moe_calculator_score_scale_factor,
+        gate_type=gate_type, gate_add_noise=moe.gate_add_noise, gate_noise_epsilon=moe.gate_noise_epsilon,
     )
 
 

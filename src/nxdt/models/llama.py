@@ -139,7 +139,7 @@ class LlamaArgs:
         moe = self.moe
         if moe is not None:
             plain = {"frequency": 1, "routing_algorithm": "top_k", "router_activation": "softmax",
-                     "normalize_top_k_affinities": True, "score_scale": 1.0}
+                     "normalize_top_k_affinities": True, "score_scale": 1.0, "gate_type": "mixtral"}
             unsupported += [f"moe.{k}={getattr(moe, k)}" for k, v in plain.items() if getattr(moe, k) != v]
         if unsupported:
             kind = "MixtralConfig" if moe is not None else "LlamaConfig"
@@ -515,7 +515,8 @@ class NxdtLlamaForCausalLM(nn.Module):
 
         Linear and embedding weights ~ N(0, init_method_std); o_proj and down_proj use
         std / sqrt(2 * num_layers) when use_scaled_init_method; biases 0; norm weights 1. MoE:
-        the router and the experts' gate/up ~ N(0, std), the experts' down_proj like down_proj.
+        the router and the experts' gate/up ~ N(0, std), the experts' down_proj like down_proj,
+        a noisy gate's noise weight 0.
         """
         a = self.args
         self.tie_weights()
@@ -533,7 +534,7 @@ class NxdtLlamaForCausalLM(nn.Module):
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
             elif isinstance(module, MoERouter):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
+                module.reset_parameters(std)
             elif isinstance(module, MoEExperts):
                 nn.init.normal_(module.gate_up_proj, mean=0.0, std=std)
                 nn.init.normal_(module.down_proj, mean=0.0, std=out_std)

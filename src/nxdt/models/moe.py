@@ -1,7 +1,8 @@
 """Mixture of experts in plain PyTorch: a router and a bank of SwiGLU experts that replace the MLP.
 
-Read top to bottom: arguments, routing (top-k, sinkhorn, capacity), the load-balancing loss and
-how its gradient joins the backward, the experts, the block.
+Read top to bottom: arguments, routing (top-k, sinkhorn, capacity), the load-balancing loss,
+LLaMA-MoE's gates (noisy top-k, switch) and their balance losses, how an auxiliary loss's
+gradient joins the backward, the experts, the router, the block.
 
 Design points:
 - Names and layouts are transformers' Mixtral, so state dicts move with no renaming:
@@ -25,6 +26,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+GATE_TYPES = ("mixtral", "top_k_balanced_noisy", "switch_balanced")
 
 
 @dataclass
@@ -52,6 +56,14 @@ class MoEArgs:
     """Dropout on the layer's output."""
     score_scale: float = 1.0
     """Expert outputs x this (LLaMA-MoE's moe_calculator_score_scale_factor)."""
+    gate_type: str = "mixtral"
+    """'mixtral' (routing_algorithm / router_activation above, Switch/Mixtral loss), or LLaMA-MoE's
+    'top_k_balanced_noisy' (TopKBalancedNoisyGate) or 'switch_balanced' (SwitchBalancedGate), each
+    with its own balance loss weighted by aux_loss_coef."""
+    gate_add_noise: bool = True
+    """LLaMA-MoE gates, training only: learned Gaussian noise (noisy top-k) or Gumbel noise (switch)."""
+    gate_noise_epsilon: float = 1e-2
+    """Noisy top-k: noise std = softplus(x W_noise^T) + this."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
@@ -64,6 +76,15 @@ class MoEArgs:
             raise ValueError(f"router_activation must be 'softmax' or 'sigmoid', got {self.router_activation!r}")
         if self.drops_tokens and self.capacity_factor <= 0:
             raise ValueError(f"capacity_factor must be > 0 when tokens may be dropped, got {self.capacity_factor}")
+        if self.gate_type not in GATE_TYPES:
+            raise ValueError(f"gate_type must be one of {GATE_TYPES}, got {self.gate_type!r}")
+        if self.gate_type == "switch_balanced" and self.top_k != 1:
+            raise ValueError(f"the switch gate picks one expert per token; top_k is {self.top_k}")
+
+    @property
+    def noise_weight(self) -> bool:
+        """The router has a learned noise weight (LLaMA-MoE's noisy top-k gate with noise)."""
+        return self.gate_type == "top_k_balanced_noisy" and self.gate_add_noise
 
     @property
     def drops_tokens(self) -> bool:
@@ -143,6 +164,65 @@ def load_balancing_loss(router_logits: tuple[torch.Tensor, ...] | list[torch.Ten
     return num_experts * torch.sum((counts / rows) * (prob_sum / rows))
 
 
+# --------------------------------------------------------------------------- LLaMA-MoE's gates
+
+
+def cv_squared(x: torch.Tensor, eps: float = 1e-10) -> torch.Tensor:
+    """Squared coefficient of variation var(x) / (mean(x)^2 + eps), as LLaMA-MoE's cv_squared:
+    torch's var, i.e. the unbiased (n - 1) variance, and eps in the denominator only; 0 for one
+    expert (their guard: the unbiased variance of one value is nan)."""
+    x = x.float()
+    if x.numel() == 1:
+        return x.new_zeros(())
+    return x.var() / (x.mean() ** 2 + eps)
+
+
+def noisy_top_k_gate(clean: torch.Tensor, top_k: int, noise_std: torch.Tensor | None = None,
+                     z: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """LLaMA-MoE's TopKBalancedNoisyGate (Shazeer et al. 2017) on gate logits [T, E] → (weights
+    [T, k] fp32, experts [T, k], balance loss CV²(importance) + CV²(load), unweighted).
+
+    noisy = clean + z x noise_std (z ~ N(0, 1) [T, E]; no noise when noise_std is None). The k
+    best noisy logits are chosen and their weights are the softmax over those k logits only.
+    importance_e = sum over tokens of e's weight (0 where not chosen). load_e, with noise, is the
+    smooth count sum_t P(e in the top k of token t) = Phi((clean - threshold) / noise_std), the
+    threshold being the best noisy logit among the other experts that still keeps e out: the
+    (k+1)-th noisy logit when e is in the top k, the k-th when it is not; without noise (and when
+    k = E) load_e is the number of tokens that chose e."""
+    clean = clean.float()
+    num_experts = clean.shape[-1]
+    noisy = clean if noise_std is None else clean + z * noise_std
+    top_vals, top_idx = noisy.topk(min(top_k + 1, num_experts), dim=-1)
+    weights, experts = torch.softmax(top_vals[:, :top_k], dim=-1), top_idx[:, :top_k]
+    importance = torch.zeros_like(clean).scatter(1, experts, weights).sum(0)
+    if noise_std is not None and top_k < num_experts:
+        threshold_in, threshold_out = top_vals[:, top_k:top_k + 1], top_vals[:, top_k - 1:top_k]
+        # "is in the top k" compares the noisy logit, as the paper and its reference code do;
+        # LLaMA-MoE's code compares the noise term alone (logits_noise), which we take for a slip
+        is_in = noisy > threshold_in
+        prob = torch.where(is_in, torch.special.ndtr((clean - threshold_in) / noise_std),  # ndtr: normal CDF
+                           torch.special.ndtr((clean - threshold_out) / noise_std))
+        load = prob.sum(0)
+    else:
+        load = torch.bincount(experts.reshape(-1), minlength=num_experts).float()
+    return weights, experts, cv_squared(importance) + cv_squared(load)
+
+
+def switch_gate(logits: torch.Tensor, gumbel: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """LLaMA-MoE's SwitchBalancedGate (Switch Transformer) on logits [T, E] → (weights [T, 1] fp32,
+    experts [T, 1], balance loss, unweighted): p = softmax(logits); the expert is the argmax of
+    logits + gumbel (Gumbel(0, 1) noise, or none); loss = E x sum_e mean_t(p_e) x (tokens that
+    chose e) / T, no gradient through the counts. The weight is the chosen expert's p (the Switch
+    Transformer's), where LLaMA-MoE's code returns the chosen (noisy) logit itself."""
+    logits = logits.float()
+    probs = torch.softmax(logits, dim=-1)
+    experts = (logits if gumbel is None else logits + gumbel).argmax(-1, keepdim=True)
+    num_tokens, num_experts = logits.shape
+    load = torch.bincount(experts.reshape(-1), minlength=num_experts).float() / num_tokens
+    return probs.gather(-1, experts), experts, num_experts * torch.sum(probs.mean(0) * load)
+
+
 _aux_loss_scale = 1.0
 
 
@@ -220,24 +300,153 @@ class MoEExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * ffn_hidden_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
 
-    def forward(self, x: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
-        """x [N, H]: the routed tokens sorted by expert, `tokens_per_expert[e]` rows each → [N, H]."""
-        outputs = []
-        for e, rows in enumerate(x.split(tokens_per_expert)):
-            gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)
-            outputs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
-        return torch.cat(outputs)
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """x [N, H]: the routed tokens sorted by expert, `tokens_per_expert[e]` rows each (a 1-D
+        integer tensor) → [N, H]. Expert parallelism wraps this call (it exchanges the tokens so
+        that each rank runs its own experts over every rank's tokens for them)."""
+        return swiglu_experts(x, tokens_per_expert, self.gate_up_proj, self.down_proj)
+
+
+@torch.compiler.disable  # data-dependent row counts: torch.compile would specialize on them
+def swiglu_experts(x: torch.Tensor, tokens_per_expert: torch.Tensor, gate_up_proj: torch.Tensor,
+                   down_proj: torch.Tensor) -> torch.Tensor:
+    """The experts' computation over given weights ([E, 2F, H], [E, H, F]): a function, so that
+    expert parallelism runs it over a rank's own experts (local shards) unchanged. Under autocast
+    the matmuls run in the autocast dtype, as F.linear's would."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        x, gate_up_proj, down_proj = x.to(dtype), gate_up_proj.to(dtype), down_proj.to(dtype)
+    counts = tokens_per_expert.tolist()  # the one host sync: each expert's block of rows
+    if sum(counts) != x.shape[0]:
+        raise ValueError(f"tokens_per_expert sums to {sum(counts)} rows, x has {x.shape[0]}")
+    if all(type(t) in (torch.Tensor, nn.Parameter) for t in (x, gate_up_proj, down_proj)):
+        return _SwiGLUExperts.apply(x, gate_up_proj, down_proj, counts)
+    # tensor subclasses (DTensor, ...): the same computation through autograd, per expert
+    outputs = [F.linear(F.silu(gate) * up, w2)
+               for rows, w1, w2 in zip(x.split(counts), gate_up_proj.unbind(0), down_proj.unbind(0))
+               for gate, up in [F.linear(rows, w1).chunk(2, dim=-1)]]
+    return torch.cat(outputs)
+
+
+class _SwiGLUExperts(torch.autograd.Function):
+    """Forward and backward of the SwiGLU experts by hand: per expert one matmul per projection
+    (and two per projection in the backward), written straight into whole-batch buffers and into
+    the [E, ...] weight gradients; the activation and its derivative run once over all rows.
+    Through autograd, each expert's weight slice `w[e]` would zero and add a whole [E, ...]
+    gradient (E times per weight per backward), and the per-expert outputs would be copied
+    once more by a cat: a third of the layer's time on CPU. Saves x and the gate/up projections
+    (h = silu(gate) * up is recomputed in the backward), less than autograd would keep."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                counts: list[int]) -> torch.Tensor:
+        active = [e for e, n in enumerate(counts) if n]
+        gate_up = x.new_empty(x.shape[0], gate_up_proj.shape[1])
+        for rows, w, o in zip(_blocks(x, counts), _pick(gate_up_proj.transpose(1, 2), active),
+                              _blocks(gate_up, counts)):
+            torch.mm(rows, w, out=o)
+        gate, up = gate_up.chunk(2, dim=-1)
+        h = F.silu(gate) * up
+        out = x.new_empty(x.shape[0], down_proj.shape[1])
+        for rows, w, o in zip(_blocks(h, counts), _pick(down_proj.transpose(1, 2), active), _blocks(out, counts)):
+            torch.mm(rows, w, out=o)
+        ctx.save_for_backward(x, gate_up, gate_up_proj, down_proj)
+        ctx.counts, ctx.active = counts, active
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, gate_up, gate_up_proj, down_proj = ctx.saved_tensors
+        counts, active = ctx.counts, ctx.active
+        need_x, need_w1, need_w2, _ = ctx.needs_input_grad
+        grad_out = _blocks(grad_out.contiguous(), counts)
+        gate, up = gate_up.chunk(2, dim=-1)
+        silu = F.silu(gate)
+        h = silu * up  # recomputed; the buffer then takes d loss / d h
+        grad_w2 = _expert_grad(down_proj, active) if need_w2 else None
+        if need_w2:
+            for g, rows, o in zip(grad_out, _blocks(h, counts), _pick(grad_w2, active)):
+                torch.mm(g.t(), rows, out=o)
+        grad_h = h
+        for g, w, o in zip(grad_out, _pick(down_proj, active), _blocks(grad_h, counts)):
+            torch.mm(g, w, out=o)
+        grad_gate_up = x.new_empty(gate_up.shape)
+        grad_gate, grad_up = grad_gate_up.chunk(2, dim=-1)
+        torch.mul(grad_h, silu, out=grad_up)
+        torch.ops.aten.silu_backward.grad_input(grad_h.mul_(up), gate, grad_input=grad_gate)
+        grad_gate_up = _blocks(grad_gate_up, counts)
+        grad_x = x.new_empty(x.shape) if need_x else None
+        grad_w1 = _expert_grad(gate_up_proj, active) if need_w1 else None
+        if need_w1:
+            for g, rows, o in zip(grad_gate_up, _blocks(x, counts), _pick(grad_w1, active)):
+                torch.mm(g.t(), rows, out=o)
+        if need_x:
+            for g, w, o in zip(grad_gate_up, _pick(gate_up_proj, active), _blocks(grad_x, counts)):
+                torch.mm(g, w, out=o)
+        return grad_x, grad_w1, grad_w2, None
+
+
+def _blocks(t: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
+    """t's rows split into the experts' blocks (views), those of experts without rows left out."""
+    return [block for block, n in zip(t.split(counts), counts) if n]
+
+
+def _pick(weight: torch.Tensor, active: list[int]) -> list[torch.Tensor]:
+    """The [E, ...] tensor's slices (views) of the experts in `active`."""
+    slices = weight.unbind(0)
+    return [slices[e] for e in active]
+
+
+def _expert_grad(weight: torch.Tensor, active: list[int]) -> torch.Tensor:
+    """The [E, ...] gradient buffer: experts with rows are written whole, only the others zeroed."""
+    grad = torch.empty_like(weight)
+    for e in sorted(set(range(weight.shape[0])) - set(active)):
+        grad[e].zero_()
+    return grad
 
 
 class MoERouter(nn.Module):
-    """The gate: one bias-free linear layer, hidden → expert logits (`mlp.gate.weight`)."""
+    """The gate: one bias-free linear layer, hidden → expert logits (`mlp.gate.weight`), and for
+    LLaMA-MoE's noisy top-k gate its noise weight (`mlp.gate.weight_noise`, [E, H]: per token and
+    expert, noise std = softplus(x W_noise^T) + gate_noise_epsilon)."""
 
-    def __init__(self, hidden_size: int, num_experts: int) -> None:
+    def __init__(self, hidden_size: int, num_experts: int, noise: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.weight_noise = nn.Parameter(torch.empty(num_experts, hidden_size)) if noise else None
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float) -> None:
+        """Gate ~ N(0, std); noise weight 0 as LLaMA-MoE starts it (std softplus(0) + eps at first)."""
+        nn.init.normal_(self.weight, mean=0.0, std=std)
+        if self.weight_noise is not None:
+            nn.init.zeros_(self.weight_noise)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
+
+    def route(self, x: torch.Tensor, args: MoEArgs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Tokens [T, H] → (weights [T, k] fp32, experts [T, k], the gate's balance loss,
+        unweighted; None from the mixtral gate when no backward will use it). Noise is drawn from
+        torch's RNG, in training mode only (activation checkpointing replays the RNG state, so a
+        recomputed forward routes alike)."""
+        logits = self(x)
+        if args.gate_type == "top_k_balanced_noisy":
+            std = z = None
+            if self.training and self.weight_noise is not None:
+                std = F.softplus(F.linear(x, self.weight_noise).float()) + args.gate_noise_epsilon
+                z = torch.randn_like(std)
+            return noisy_top_k_gate(logits, args.top_k, std, z)
+        if args.gate_type == "switch_balanced":
+            gumbel = None
+            if self.training and args.gate_add_noise:  # -log(Exp(1)) ~ Gumbel(0, 1)
+                gumbel = -torch.empty_like(logits, dtype=torch.float32).exponential_().log()
+            return switch_gate(logits, gumbel)
+        weights, experts = route(logits, args)
+        trained = self.training and torch.is_grad_enabled()
+        aux = load_balancing_loss((logits,), args.num_experts, args.top_k) if trained else None
+        return weights, experts, aux
 
 
 class LlamaMoE(nn.Module):
@@ -248,7 +457,7 @@ class LlamaMoE(nn.Module):
     def __init__(self, hidden_size: int, ffn_hidden_size: int, args: MoEArgs) -> None:
         super().__init__()
         self.args = args
-        self.gate = MoERouter(hidden_size, args.num_experts)
+        self.gate = MoERouter(hidden_size, args.num_experts, noise=args.noise_weight)
         self.experts = MoEExperts(args.num_experts, hidden_size, ffn_hidden_size)
         self.dropout = nn.Dropout(args.dropout)
         self.stats = RouterStats()
@@ -257,24 +466,23 @@ class LlamaMoE(nn.Module):
         a = self.args
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        logits = self.gate(x)
-        weights, experts = route(logits, a)
+        weights, experts, aux = self.gate.route(x, a)
         if a.drops_tokens:
             keep = keep_within_capacity(experts, capacity(x.shape[0], a), a.num_experts)
         else:
             keep = torch.ones_like(experts, dtype=torch.bool)
         # the kept (token, slot) assignments, grouped by expert (stable: token order within one)
-        token_idx = torch.arange(x.shape[0], device=x.device)[:, None].expand_as(experts)[keep]
-        expert_idx = experts[keep]
-        order = torch.argsort(expert_idx, stable=True)
-        token_idx, slot_weight = token_idx[order], weights[keep][order]
+        # as flat indices token * k + slot (one nonzero; index_select is 2-3x x[idx] on CPU)
+        kept = keep.reshape(-1).nonzero().squeeze(1)
+        expert_idx = experts.reshape(-1).index_select(0, kept)
+        kept = kept.index_select(0, torch.argsort(expert_idx, stable=True))
+        token_idx, slot_weight = kept // experts.shape[1], weights.reshape(-1).index_select(0, kept)
         counts = torch.bincount(expert_idx, minlength=a.num_experts)
-        routed = self.experts(x[token_idx], counts.tolist())
+        routed = self.experts(x.index_select(0, token_idx), counts)
         routed = routed * (slot_weight[:, None] * a.score_scale).to(routed.dtype)
         out = torch.zeros_like(x).index_add_(0, token_idx, routed.to(x.dtype))
         out = self.dropout(out).reshape(shape)
         if self.training and torch.is_grad_enabled():
-            aux = load_balancing_loss((logits,), a.num_experts, a.top_k)
             dropped = (~keep).sum()
             out = AuxLossGradient.apply(out, aux, a.aux_loss_coef, self.stats, (counts, dropped))
         return out

@@ -14,6 +14,11 @@ cp ranks hold the same parameters and sum their slices' gradients like dp ranks.
 Each decoder block is its own unit (its gradient reduction overlaps the backward of the
 block before it); the root takes what is left (embedding, final norm, lm_head). The modules
 already carry the tp sharding as DTensors, so FSDP over dp composes into a 2-D layout.
+
+Expert parallelism (nxdt.parallel.expert_parallel): the expert weights are sharded over ep, a
+part of dp, so they are not reduced over all of dp. Each experts module becomes its own unit
+over the edp axis (the experts' replicas) when edp > 1; with dp == ep they have no replicas and
+data parallel leaves them out (`ignored_params`).
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from nxdt.config.sharding import sharding_mode_of
-from nxdt.parallel.mesh import submesh
+from nxdt.parallel.expert_parallel import expert_modules, expert_parameters
+from nxdt.parallel.mesh import expert_mesh, submesh
 from nxdt.precision.precision import fsdp_mixed_precision_policy, stochastic_master_weights
 
 
@@ -83,9 +89,22 @@ def _replicate(model: nn.Module, mesh: DeviceMesh) -> None:
     dp_mesh = submesh(mesh, "dp_cp")  # context-parallel ranks reduce gradients like dp ranks
     if dp_mesh.size() == 1:
         return
+    ignored = _wrap_experts(model, mesh, replicate)
     for block in transformer_blocks(model):
-        replicate(block, mesh=dp_mesh)
-    replicate(model, mesh=dp_mesh)
+        replicate(block, mesh=dp_mesh, ignored_params=ignored)
+    replicate(model, mesh=dp_mesh, ignored_params=ignored)
+
+
+def _wrap_experts(model: nn.Module, mesh: DeviceMesh, wrap, **kwargs) -> set[nn.Parameter] | None:
+    """Expert-parallel experts: their own data-parallel units over edp (when it has replicas).
+    Returns the expert weights the dense units must leave alone (None without expert parallelism)."""
+    edp = expert_mesh(mesh, "edp")
+    if edp is None:
+        return None
+    if edp.size() > 1:
+        for experts in expert_modules(model):
+            wrap(experts, mesh=edp, **kwargs)
+    return expert_parameters(model)
 
 
 def _fully_shard(model: nn.Module, mesh: DeviceMesh, dp_cfg: DataParallelConfig) -> None:
@@ -107,11 +126,15 @@ def _fully_shard(model: nn.Module, mesh: DeviceMesh, dp_cfg: DataParallelConfig)
         from nxdt.precision.sr_fsdp import SRState, wrap_for_stochastic_rounding
 
         wrap_for_stochastic_rounding(model, SRState())  # Precision.attach seeds and steps it
+    expert_kwargs = {k: v for k, v in kwargs.items() if k != "mesh"}
+    ignored = _wrap_experts(model, mesh, fully_shard, reshard_after_forward=dp_cfg.reshard_after_forward,
+                            **expert_kwargs)
     blocks = transformer_blocks(model)
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by the backward: keep them.
-        fully_shard(block, reshard_after_forward=dp_cfg.reshard_after_forward and i < len(blocks) - 1, **kwargs)
-    fully_shard(model, reshard_after_forward=dp_cfg.reshard_after_forward, **kwargs)
+        fully_shard(block, reshard_after_forward=dp_cfg.reshard_after_forward and i < len(blocks) - 1,
+                    ignored_params=ignored, **kwargs)
+    fully_shard(model, reshard_after_forward=dp_cfg.reshard_after_forward, ignored_params=ignored, **kwargs)
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
@@ -181,20 +204,25 @@ class _FullRandomFill(torch.overrides.TorchFunctionMode):
 
 
 # --------------------------------------------------------------------------- ZeRO-1
-def zero1_optimizer(params, optimizer_class: type, kwargs: dict, process_group):
+def zero1_optimizer(params, optimizer_class: type, kwargs: dict, process_group,
+                    rank_local: set[torch.Tensor] | None = None):
     """`optimizer_class(params, **kwargs)` with its state sharded over `process_group` (ZeRO-1).
 
     torch's ZeroRedundancyOptimizer: each dp rank steps the parameters it owns (whole tensors,
     balanced by size) and broadcasts them to the others. Gradients stay all-reduced (replicate),
     so every rank holds full gradients and clipping sees the true global norm.
     Parameter groups without `weight_decay` support get a single group.
+
+    `rank_local`: parameters that differ between the dp ranks (expert-parallel experts, already
+    sharded over ep): every rank steps its own, none is broadcast. (Their optimizer state is
+    sharded by ep, not further over the experts' replicas.)
     """
     import inspect
 
     if "weight_decay" not in inspect.signature(optimizer_class.__init__).parameters:
         params = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
-    return DTensorZeroRedundancyOptimizer(params, optimizer_class=optimizer_class,
-                                          process_group=process_group, **kwargs)
+    return DTensorZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, process_group=process_group,
+                                          rank_local=rank_local, **kwargs)
 
 
 def _zero_class():
@@ -214,6 +242,21 @@ class DTensorZeroRedundancyOptimizer(_zero_class()):
     for sharded checkpoints save `self.optim.state_dict()` on every rank instead.
     """
 
+    def __init__(self, params, *, rank_local: set[torch.Tensor] | None = None, **kwargs) -> None:
+        self._rank_local = set(rank_local or ())  # before torch's __init__, which partitions
+        super().__init__(params, **kwargs)
+
+    def _partition_parameters(self, params_per_rank=None):
+        """torch's partition, then the rank-local parameters moved into every rank's share."""
+        fresh = not self._partition_parameters_cache
+        partition = super()._partition_parameters(params_per_rank)
+        if fresh and self._rank_local:
+            for rank_groups in partition:
+                for group, full in zip(rank_groups, self.param_groups):
+                    group["params"] = ([p for p in group["params"] if p not in self._rank_local]
+                                       + [p for p in full["params"] if p in self._rank_local])
+        return partition
+
     def _broadcast_params_from_rank(self, rank: int):
         from torch.distributed.tensor import DTensor
 
@@ -226,6 +269,8 @@ class DTensorZeroRedundancyOptimizer(_zero_class()):
         with torch.no_grad():
             for group in self._partition_parameters()[rank]:
                 for param in group["params"]:
+                    if param in self._rank_local:
+                        continue
                     tensor = param.to_local() if isinstance(param, DTensor) else param
                     handles.append(dist.broadcast(tensor.detach(), src=src, group=self.process_group,
                                                   async_op=True))

@@ -6,6 +6,11 @@ parallel) and ``tp`` (tensor parallel, innermost so its ranks are neighbours on 
 Every axis exists even when its size is 1, so code can always ask for ``mesh["tp"]``;
 ``dp`` is the flattened (dp_replicate, dp_shard) axis that data loading and loss
 reduction use.
+
+Expert parallelism (ep > 1) splits dp into ``edp`` x ``ep`` (ep innermost: an ep group is dp
+neighbours). Those two axes live on a second mesh over the same ranks, (pp, edp, ep, cp, tp),
+so that expert weights (sharded over ep) and data parallel over their replicas (edp) share one
+root mesh, as FSDP2 requires of a 2-D layout; `submesh(mesh, "ep")` and `"edp"` find them.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from nxdt.config.sharding import ShardingMode, sharding_mode
 
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+EXPERT_MESH_AXES = ("pp", "edp", "ep", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,8 @@ class MeshShape:
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
+    ep: int = 1
+    """expert parallel, within dp (not an axis of the main mesh: see the module docstring)"""
 
     @property
     def dp(self) -> int:
@@ -58,7 +66,8 @@ def mesh_shape_from_layout(layout, sharding: ShardingMode | str | None = None, n
         replicate, shard = 1, dp
     else:
         replicate, shard = dp, 1
-    return MeshShape(pp=layout.pp, dp_replicate=replicate, dp_shard=shard, cp=layout.cp, tp=layout.tp)
+    return MeshShape(pp=layout.pp, dp_replicate=replicate, dp_shard=shard, cp=layout.cp, tp=layout.tp,
+                     ep=getattr(layout, "ep", 1))
 
 
 def build_mesh(shape: MeshShape, device_type: str) -> DeviceMesh:
@@ -75,6 +84,11 @@ def build_mesh(shape: MeshShape, device_type: str) -> DeviceMesh:
         # rank to the optimizer): replicate uses dp_cp, FSDP shards over dp_shard_cp.
         _FLAT[(mesh, "dp_cp")] = mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
         _FLAT[(mesh, "dp_shard_cp")] = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    if shape.ep > 1:
+        experts = init_device_mesh(device_type, (shape.pp, shape.dp // shape.ep, shape.ep, shape.cp, shape.tp),
+                                   mesh_dim_names=EXPERT_MESH_AXES)
+        _FLAT[(mesh, "ep")] = experts["ep"]
+        _FLAT[(mesh, "edp")] = experts["edp"]
     return mesh
 
 
@@ -87,13 +101,21 @@ _WITHOUT_CP = {"dp_cp": "dp", "dp_shard_cp": "dp_shard"}
 
 
 def submesh(mesh: DeviceMesh, axis: str) -> DeviceMesh:
-    """`mesh[axis]`, also for the flattened axes `dp`, `dp_cp` and `dp_shard_cp`."""
+    """`mesh[axis]`, also for the flattened axes `dp`, `dp_cp` and `dp_shard_cp`, and the expert
+    axes `ep` and `edp` (a KeyError when the run has no expert parallelism)."""
     flat = _FLAT.get((mesh, axis))
     if flat is not None:
         return flat
     if axis in _WITHOUT_CP:
         return submesh(mesh, _WITHOUT_CP[axis])
+    if axis in ("ep", "edp"):
+        raise KeyError(f"mesh axis {axis!r}: this run has no expert parallelism")
     return mesh[axis]
+
+
+def expert_mesh(mesh: DeviceMesh, axis: str = "ep") -> DeviceMesh | None:
+    """The `ep` (or `edp`) axis, None without expert parallelism."""
+    return _FLAT.get((mesh, axis))
 
 
 def dp_rank_and_size(mesh: DeviceMesh) -> tuple[int, int]:

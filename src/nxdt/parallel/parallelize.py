@@ -1,6 +1,6 @@
 """Apply parallelism to a Llama (native or transformers) from the outside, in one visible order.
 
-torchtitan's order: tensor parallel → context parallel → activation checkpointing → compile → data parallel
+torchtitan's order: tensor parallel → expert parallel → context parallel → activation checkpointing → compile → data parallel
 (FSDP2 / replicate) → (meta-device models) materialise the local shards. Each step is a small
 function in its own module; a step whose config asks for nothing leaves the model unchanged.
 The model file itself knows nothing of any of this.
@@ -26,6 +26,8 @@ from nxdt.parallel.data_parallel import (
     set_gradient_sync,
     transformer_blocks,
 )
+from nxdt.parallel.expert_parallel import apply_expert_parallel
+from nxdt.parallel.mesh import expert_mesh
 from nxdt.parallel.tensor_parallel import apply_tensor_parallel
 
 __all__ = ["parallelize_llama", "apply_data_parallel", "set_gradient_sync", "transformer_blocks"]
@@ -35,7 +37,9 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh, cfg, device: torch.dev
     ds = cfg.distributed_strategy
     # 1. tensor (+ sequence) parallel over the tp axis
     apply_tensor_parallel(model, mesh["tp"], ds.sequence_parallel)
-    # 1b. context parallel: attention becomes ring attention over the cp axis
+    # 1b. expert parallel: each MoE layer's experts sharded over the ep axis, tokens sent by all-to-all
+    apply_expert_parallel(model, expert_mesh(mesh, "ep"))
+    # 1c. context parallel: attention becomes ring attention over the cp axis
     apply_context_parallel(model, mesh["cp"])
     # 2. activation checkpointing (model.activations_checkpoint_*, model.selective_checkpointing)
     apply_activation_checkpointing(model, cfg.model)

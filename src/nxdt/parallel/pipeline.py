@@ -133,6 +133,13 @@ class Pipeline:
     v_style: bool = False
     # fp16: id(scaled loss the schedule got) -> that loss before scaling (what is reported)
     unscaled_losses: dict[int, torch.Tensor] | None = None
+    num_microbatches: int = 1
+
+    def aux_loss_scale(self, loss_scale: float) -> float:
+        """What one micro-batch's MoE auxiliary loss weighs in the backward, as its main loss:
+        without a loss scale the schedule divides the gradients by the micro-batches afterwards
+        (scale_grads); with one, each loss is scaled by loss_scale / micro-batches (stage_loss)."""
+        return 1.0 if self.unscaled_losses is None else loss_scale / self.num_microbatches
 
     @property
     def has_first(self) -> bool:
@@ -243,7 +250,8 @@ def build_pipeline(
     else:
         schedule = schedule_cls(stages, n_microbatches=n, loss_fn=stage_loss, scale_grads=scale_grads)
     return Pipeline(schedule=schedule, stages=stages, parts=parts, stage_ids=stage_ids,
-                    num_stages=num_stages, pp_group=pp_group, v_style=v_style, unscaled_losses=unscaled)
+                    num_stages=num_stages, pp_group=pp_group, v_style=v_style, unscaled_losses=unscaled,
+                    num_microbatches=n)
 
 
 def model_of(pipeline: Pipeline) -> nn.Module:

@@ -7,6 +7,7 @@ Megatron's layout, written as DTensor parallel styles over the ``tp`` mesh axis:
     self_attn.o_proj            RowwiseParallel      partial sums → all-reduce (or reduce-scatter with SP)
     mlp.{gate,up}_proj          ColwiseParallel
     mlp.down_proj               RowwiseParallel
+    mlp (MoE: gate + experts)   whole on every tp rank (sequence gathered in, sliced out with SP)
     lm_head                     ColwiseParallel      logits stay a Shard(-1) DTensor for `loss_parallel`
 
 With ``sequence_parallel`` the residual stream between the tp regions is sharded along the
@@ -100,6 +101,14 @@ class KVHeadSelect(ParallelStyle):
         return distribute_module(module, device_mesh, partition_fn, input_fn, output_fn)
 
 
+def _is_moe(mlp: nn.Module) -> bool:
+    """An MoE layer in the MLP's place. Its router and experts are not split over tp: every tp rank
+    routes the same (whole, with sequence parallel gathered) tokens through whole experts, so the
+    arithmetic is one process's and their gradients agree across tp without a reduction. Experts
+    are divided by expert parallelism (over dp) instead; tp ranks repeat the MoE computation."""
+    return hasattr(mlp, "experts") and hasattr(mlp, "gate")
+
+
 def llama_tp_plan(model: nn.Module, tp: int, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """The plan {module path: ParallelStyle} for `model` (paths relative to the causal-LM root)."""
     hf = is_hf_model(model)
@@ -145,12 +154,19 @@ def llama_tp_plan(model: nn.Module, tp: int, sequence_parallel: bool) -> dict[st
             else:  # forward(x, rope, mask)
                 plan[f"{p}.self_attn"] = PrepareModuleInput(
                     input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None))
-            plan[f"{p}.mlp"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
+            if _is_moe(block.mlp):  # gathered in, and this rank's sequence shard of the output kept
+                plan[f"{p}.mlp"] = PrepareModuleInputOutput(
+                    input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,
+                    output_layouts=(Replicate(),), desired_output_layouts=(seq,), use_local_output=True)
+            else:
+                plan[f"{p}.mlp"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
         plan[f"{p}.self_attn.q_proj"] = ColwiseParallel()
         kv_style = KVHeadSelect(kv, head_dim) if replicate_kv else ColwiseParallel()
         plan[f"{p}.self_attn.k_proj"] = kv_style
         plan[f"{p}.self_attn.v_proj"] = KVHeadSelect(kv, head_dim) if replicate_kv else ColwiseParallel()
         plan[f"{p}.self_attn.o_proj"] = RowwiseParallel(output_layouts=seq if sp else Replicate())
+        if _is_moe(block.mlp):
+            continue  # router and experts whole on every tp rank (see _is_moe)
         if hasattr(block.mlp, "gate_proj"):
             plan[f"{p}.mlp.gate_proj"] = ColwiseParallel()
         plan[f"{p}.mlp.up_proj"] = ColwiseParallel()

@@ -73,16 +73,26 @@ def copy_tokenizer(src: Path | None, dst: Path) -> list[str]:
     return copied
 
 
-def hf_to_nxdt(input_dir: Path, output: Path) -> None:
-    from nxdt.checkpoint.checkpointer import save_weights
-
+def read_hf_folder(input_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(config.json as a dict, the tensors) of a transformers folder; a tied lm_head is
+    materialised (nxdt's model has both keys, one tensor)."""
     config_file = input_dir / "config.json"
     if not config_file.is_file():
         raise ConfigError(f"{config_file} is missing")
-    hf_config = json.loads(config_file.read_text())
+    try:
+        hf_config = json.loads(config_file.read_text())
+    except ValueError as err:
+        raise ConfigError(f"{config_file}: not JSON ({err})") from None
     tensors = read_hf_weights(input_dir)
     if hf_config.get("tie_word_embeddings") and "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    return hf_config, tensors
+
+
+def hf_to_nxdt(input_dir: Path, output: Path) -> None:
+    from nxdt.checkpoint.checkpointer import save_weights
+
+    hf_config, tensors = read_hf_folder(input_dir)
     if output.exists():
         raise ConfigError(f"--output {output} exists; choose a new path (nothing is overwritten)")
     save_weights(tensors, output, {"hf_config": hf_config, "source": str(input_dir)})
@@ -109,7 +119,10 @@ def hf_config_for(ckpt: Path, tensors: dict[str, Any]) -> dict[str, Any]:
     from nxdt.models.builder import llama_args_from_cfg
 
     rows = tensors["model.embed_tokens.weight"].shape[0]
-    return llama_args_from_cfg(cfg, vocab_size=rows).to_hf_config_dict()
+    try:
+        return llama_args_from_cfg(cfg, vocab_size=rows).to_hf_config_dict()
+    except ValueError as err:  # e.g. an MoE that transformers' Mixtral cannot express
+        raise ConfigError(f"{ckpt}: cannot be written as a transformers model: {err}") from None
 
 
 def tokenizer_dir_for(ckpt: Path) -> Path | None:

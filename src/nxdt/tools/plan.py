@@ -3,8 +3,10 @@
     nxdt plan --config-path conf --config-name hf_llama3_70B_config [key=value ...] [--json]
 
 The model is built on the meta device (no memory, seconds even for 70B), so the parameter
-count is exact. Per rank: the pipeline stage split (the rank holding the most parameters),
-/tp for tensor-parallel weights, /dp_shard under FSDP. Memory per rank is split into
+count is exact; for a mixture of experts also the parameters activated per token (the top_k of
+E experts' share, nxdt.models.param_count). Per rank: the pipeline stage split (the rank holding
+the most parameters), /tp for tensor-parallel weights, /dp_shard under FSDP, expert weights /ep
+(and over their dp/ep replicas under FSDP). Memory per rank is split into
 parameters, gradients, optimizer state (fp32 master weights included) and activations for the
 precision preset, ZeRO-1 / FSDP sharding and activation checkpointing; see docs/plan.md for
 every formula. World size = trainer.devices x trainer.num_nodes.
@@ -103,6 +105,31 @@ def _shard_numel(name: str, numel: int, tp: int, kv_heads: int) -> int:
     return numel  # norms, row-parallel biases: replicated
 
 
+def _expert_shard_numel(numel: int, ep: int, fsdp_ways: int) -> int:
+    """Elements of one expert weight held by one rank: E/ep whole experts, and under FSDP that
+    shard split again over the experts' replicas, edp = dp/ep ranks (nxdt.parallel.data_parallel
+    shards each experts module over the edp axis). Tensor parallel leaves experts whole."""
+    return -(-numel // (ep * fsdp_ways))  # integer ceil: exact for any size
+
+
+def rank_memory(dense: int, experts: int, b: Bytes, states: int, *, zero1: bool, dp: int, ep: int) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state on one rank holding `dense` non-expert
+    and `experts` expert elements (already split by tp, pp, ep and FSDP).
+
+    ZeRO-1 divides the optimizer state (master included) of the dense parameters by dp. Expert
+    weights: with ep = 1 they are ordinary parameters, / dp too; with ep > 1 each rank steps its
+    own E/ep experts whole (`zero1_optimizer(rank_local=...)` in nxdt.parallel.data_parallel),
+    so their state is not split further over their dp/ep replicas.
+    """
+    n = dense + experts
+    per_elem = b.master + states * b.state
+    optim_dense, optim_experts = dense * per_elem, experts * per_elem
+    if zero1:
+        optim_dense = math.ceil(optim_dense / dp)
+        optim_experts = math.ceil(optim_experts / dp) if ep == 1 else optim_experts
+    return {"params": n * b.param, "grads": n * b.grad, "optimizer": optim_dense + optim_experts}
+
+
 def _layer_activation_elems(cfg, arch: dict, tp: int, sp: bool) -> tuple[float, float]:
     """(elements saved per token by one decoder layer, by its block input alone).
 
@@ -159,6 +186,7 @@ def plan(cfg) -> dict[str, Any]:
     from nxdt.config.layout import compute_layout
     from nxdt.config.pipeline_checks import default_pipeline_schedule, pipeline_stage_starts
     from nxdt.models import build_model
+    from nxdt.models.param_count import expert_parameter_names, parameter_counts
     from nxdt.config.sharding import sharding_mode_of
     from nxdt.parallel.mesh import mesh_shape_from_layout
 
@@ -170,6 +198,8 @@ def plan(cfg) -> dict[str, Any]:
     fsdp = sharding.shard
     dp_shard = shape.dp_shard
     shard_ways = dp_shard * layout.cp if fsdp else dp_shard  # FSDP shards over dp_shard × cp
+    ep = layout.ep
+    expert_fsdp_ways = layout.dp // ep if fsdp else 1  # edp: the experts' replicas (dp = edp x ep)
 
     vocab, vocab_source = _vocab(cfg)
     model = build_model(cfg, vocab, device="meta")
@@ -186,17 +216,23 @@ def plan(cfg) -> dict[str, Any]:
             return next(s for s in range(num_stages) if starts[s] <= layer < starts[s + 1])
         return num_stages - 1 if name.startswith(("model.norm", "lm_head")) else 0
 
-    total, per_stage = 0, [0] * num_stages
-    per_stage_rank = [0] * num_stages  # after tp (and FSDP) sharding
+    counts = parameter_counts(model)
+    expert_names = expert_parameter_names(model)
+    per_stage = [0] * num_stages
+    # this rank's elements per stage, after tp, ep and FSDP sharding: dense and expert apart,
+    # because ZeRO-1 splits their optimizer state differently (rank_memory)
+    dense_rank, expert_rank = [0] * num_stages, [0] * num_stages
     for name, p in model.named_parameters():
-        total += p.numel()
         s = stage_of(name)
         per_stage[s] += p.numel()
-        per_stage_rank[s] += math.ceil(_shard_numel(name, p.numel(), tp, arch["kv_heads"]) / shard_ways)
+        if name in expert_names:
+            expert_rank[s] += _expert_shard_numel(p.numel(), ep, expert_fsdp_ways)
+        else:
+            dense_rank[s] += math.ceil(_shard_numel(name, p.numel(), tp, arch["kv_heads"]) / shard_ways)
     schedule = (ds.schedule or default_pipeline_schedule(vpp)) if pp > 1 else None
     v_style = schedule in ("ZBVZeroBubble", "DualPipeV")
     ranks = [[r, 2 * pp - 1 - r] if v_style else [r + k * pp for k in range(vpp)] for r in range(pp)]
-    per_rank = [sum(per_stage_rank[s] for s in stages) for stages in ranks]
+    per_rank = [sum(dense_rank[s] + expert_rank[s] for s in stages) for stages in ranks]
     worst = max(range(pp), key=lambda r: per_rank[r])
 
     optim = cfg.model.optim  # an open section (plain dict); optim_keys requires its name
@@ -206,10 +242,9 @@ def plan(cfg) -> dict[str, Any]:
         states = 1
     b = precision_bytes(cfg, optim_name)
     n = per_rank[worst]
-    params_b, grads_b = n * b.param, n * b.grad
-    optim_b = n * (b.master + states * b.state)
-    if ds.zero1 and not fsdp:
-        optim_b = math.ceil(optim_b / layout.dp)
+    mem = rank_memory(sum(dense_rank[s] for s in ranks[worst]), sum(expert_rank[s] for s in ranks[worst]), b,
+                      states, zero1=bool(ds.zero1) and not fsdp, dp=layout.dp, ep=ep)
+    params_b, grads_b, optim_b = mem["params"], mem["grads"], mem["optimizer"]
 
     # activations of one micro-batch on the worst rank, times the micro-batches in flight
     sp = bool(ds.sequence_parallel) and tp > 1
@@ -237,7 +272,9 @@ def plan(cfg) -> dict[str, Any]:
         "world_size": world,
         "layout": {"dp": layout.dp, "tp": tp, "pp": pp, "cp": layout.cp, "vpp": vpp, "ep": layout.ep,
                    "dp_replicate": shape.dp_replicate, "dp_shard": dp_shard if fsdp else 1},
-        "parameters": total,
+        "parameters": counts.total,
+        "parameters_activated": counts.activated,  # per token; = parameters for a dense model
+        "parameter_breakdown": counts.as_dict(),
         "parameters_per_rank": n,
         "parameters_per_stage": per_stage,
         "vocab_size": arch["vocab"],
@@ -256,14 +293,19 @@ def plan(cfg) -> dict[str, Any]:
 
 
 def format_plan(p: dict[str, Any]) -> str:
+    from nxdt.models.param_count import ParameterCount, activated_lines
+
     gib = 1024**3
     lay, mem = p["layout"], p["memory_per_rank_bytes"]
+    counts = ParameterCount(total=p["parameters"], activated=p["parameters_activated"], **p["parameter_breakdown"])
     lines = [
         f"plan for '{p['config']}'  model_source={p['model_source']}  precision={p['precision']}",
         f"  layout       world={p['world_size']}  dp={lay['dp']} (replicate {lay['dp_replicate']} x shard "
-        f"{lay['dp_shard']})  tp={lay['tp']}  pp={lay['pp']}  vpp={lay['vpp']}  cp={lay['cp']}",
+        f"{lay['dp_shard']})  tp={lay['tp']}  pp={lay['pp']}  vpp={lay['vpp']}  cp={lay['cp']}"
+        + (f"  ep={lay['ep']}" if lay["ep"] > 1 else ""),
         f"  parameters   {p['parameters']:,} total  {p['parameters_per_rank']:,} on the fullest rank"
         f"  (vocab {p['vocab_size']:,}, {p['vocab_source']})",
+        *activated_lines(counts),
     ]
     if lay["pp"] > 1:
         lines.append(f"  stages       {p['pipeline_schedule']}: " + ", ".join(f"{n:,}" for n in p["parameters_per_stage"]))

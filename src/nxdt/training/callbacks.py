@@ -9,6 +9,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, RichProgressBar
 from lightning.pytorch.utilities import rank_zero_only
 
+from nxdt.models.param_count import ParameterCount, activated_lines, parameter_counts
+
 
 class ThroughputMonitor(Callback):
     """Logs step time and tokens/s (all data-parallel ranks together) after each optimizer step."""
@@ -50,12 +52,16 @@ class StepProgressBar(RichProgressBar):
         return pretty
 
 
-def format_summary(cfg, layout, num_parameters: int, memory: dict[str, int], log_dir: str | None) -> str:
+def format_summary(cfg, layout, num_parameters: int, memory: dict[str, int], log_dir: str | None,
+                   counts: ParameterCount | None = None) -> str:
+    """`counts`: adds the activated-per-token breakdown of an MoE model (nothing for a dense one)."""
     gib = 1024**3
     lines = [
         f"nxdt run '{cfg.name}'  model_source={cfg.model_source}  precision={cfg.precision.type}",
-        f"  layout       world={layout.world_size}  dp={layout.dp}  tp={layout.tp}  pp={layout.pp}  cp={layout.cp}",
+        f"  layout       world={layout.world_size}  dp={layout.dp}  tp={layout.tp}  pp={layout.pp}  cp={layout.cp}"
+        + (f"  ep={layout.ep}" if layout.ep > 1 else ""),
         f"  parameters   {num_parameters:,}  ({num_parameters / 1e6:.1f} M)",
+        *(activated_lines(counts) if counts is not None else []),
         f"  batch        global={layout.global_batch_size}  micro={layout.micro_batch_size}  "
         f"microbatches/step={layout.num_microbatches}  seq={cfg.data.seq_length}",
         f"  tokens/step  {layout.tokens_per_step:,}   max_steps={cfg.trainer.max_steps}",
@@ -95,4 +101,8 @@ class RunSummary(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module) -> None:
         n = pl_module.num_parameters
         memory = estimate_memory_per_rank(n, self.layout, self.cfg)
-        print(format_summary(self.cfg, self.layout, n, memory, self.log_dir), flush=True)
+        # A pipeline rank's module is only its own stages, so its split would be partial; the
+        # whole (parallelized) model counts right, sharded weights being DTensors of global size.
+        whole = getattr(pl_module, "pipeline", None) is None and pl_module.model is not None
+        counts = parameter_counts(pl_module.model) if whole else None
+        print(format_summary(self.cfg, self.layout, n, memory, self.log_dir, counts), flush=True)

@@ -23,6 +23,7 @@ import torch
 from nxdt.models import build_model, count_parameters, logits_of
 from nxdt.parallel.mesh import all_reduce_mean
 from nxdt.parallel.data_parallel import wants_meta_init, zero1_optimizer
+from nxdt.parallel.expert_parallel import expert_parameters
 from nxdt.parallel.mesh import submesh
 from nxdt.parallel.context_parallel import shard_sequence
 from nxdt.parallel.parallelize import parallelize_llama
@@ -89,7 +90,8 @@ class NxdtLightningModule(pl.LightningModule):
             # ZeRO-1: each dp rank keeps the optimizer state of its part of the parameters
             cls, kwargs = resolve_optimizer(optim_cfg)
             groups = param_groups(self.model, kwargs.get("weight_decay", 0.0), self.cfg.model.do_layer_norm_weight_decay)
-            optimizer = zero1_optimizer(groups, cls, kwargs, dp_group.get_group())
+            optimizer = zero1_optimizer(groups, cls, kwargs, dp_group.get_group(),
+                                        rank_local=expert_parameters(self.model) if self.layout.ep > 1 else None)
         else:
             optimizer = build_optimizer(self.model, optim_cfg, self.cfg.model.do_layer_norm_weight_decay)
         scheduler = build_scheduler(optimizer, optim_cfg.get("sched"), self.cfg.trainer.max_steps)

@@ -160,6 +160,7 @@ def pipeline_forward_backward(pipeline, precision: Precision, *, device_type: st
         check_batch_size(batch, batch_size)
         if cp_mesh is not None:
             batch = shard_sequence(batch, cp_mesh)
+        set_aux_loss_scale(pipeline.aux_loss_scale(precision.loss_scale))
         with precision.autocast(device_type), loss_parallel_context(tp):
             return pipeline.step(batch["input_ids"], batch["labels"], batch["loss_mask"], batch.get("position_ids"))
 

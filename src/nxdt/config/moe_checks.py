@@ -1,0 +1,88 @@
+"""Checks of `model.moe`: routing choices that fit together, and what the MoE layer is built with.
+
+Each problem is one ConfigError line naming the dotted key. Called by `validate` (stage 3);
+`canonical_gate_type` runs in stage 1, where aliases are normalised.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nxdt.config.errors import ConfigError
+
+# LLaMA-MoE's class names (their config's `gate_type`) → nxdt's names
+GATE_ALIASES = {"TopKBalancedNoisyGate": "top_k_balanced_noisy", "SwitchBalancedGate": "switch_balanced"}
+LLAMA_MOE_GATES = ("top_k_balanced_noisy", "switch_balanced")
+
+
+def canonical_gate_type(name: str) -> str:
+    return GATE_ALIASES.get(name, name)
+
+
+def check_moe(cfg: Any, hf_json: dict) -> None:
+    """model.moe of the typed `cfg`; `hf_json` is model.model_config's content ({} when none)."""
+    moe = cfg.model.moe
+    if moe.num_experts < 0:
+        raise ConfigError(f"model.moe.num_experts: must be >= 0, got {moe.num_experts}")
+    gate = canonical_gate_type(moe.gate_type)
+    if gate in LLAMA_MOE_GATES and cfg.model_source != "megatron":  # hf: also when config.json gives the experts
+        raise ConfigError(f"model.moe.gate_type {gate}: LLaMA-MoE's gates are built for model_source megatron "
+                          f"only (got {cfg.model_source})")
+    if not moe.num_experts:
+        return
+    if not 1 <= moe.top_k <= moe.num_experts:
+        raise ConfigError(f"model.moe.top_k ({moe.top_k}) must be between 1 and model.moe.num_experts ({moe.num_experts})")
+    if moe.frequency < 1:
+        raise ConfigError(f"model.moe.frequency: must be >= 1 (every N-th layer is MoE), got {moe.frequency}")
+    if moe.routing_algorithm == "sinkhorn" and moe.top_k != 1:
+        raise ConfigError(f"model.moe.routing_algorithm sinkhorn picks one expert per token: model.moe.top_k must "
+                          f"be 1, got {moe.top_k}")
+    if moe.capacity_factor is not None and moe.capacity_factor <= 0 and not moe.dropless:
+        raise ConfigError(f"model.moe.capacity_factor: must be > 0 (or null, or model.moe.dropless=true), "
+                          f"got {moe.capacity_factor}")
+    if moe.sinkhorn_iterations < 1:
+        raise ConfigError(f"model.moe.sinkhorn_iterations: must be >= 1, got {moe.sinkhorn_iterations}")
+    check_gate(cfg)
+    if cfg.model_source == "megatron" and (cfg.model.activation != "swiglu" or cfg.model.has_bias):
+        raise ConfigError("model.moe: experts are SwiGLU without bias; needs model.activation=swiglu and "
+                          "model.has_bias=false")
+    if cfg.model_source == "hf":
+        if hf_json and "num_local_experts" not in hf_json:
+            raise ConfigError(f"model.moe.num_experts ({moe.num_experts}) with model_source hf needs a Mixtral-style "
+                              f"model.model_config (with num_local_experts); {cfg.model.model_config} is model_type "
+                              f"'{hf_json.get('model_type', 'llama')}'")
+        routing = {"frequency": 1, "routing_algorithm": "top_k", "router_activation": "softmax",
+                   "capacity_factor": None, "normalize_top_k_affinities": True, "moe_calculator_score_scale_factor": 1.0,
+                   "gate_type": "mixtral"}
+        for key, plain in routing.items():
+            if getattr(moe, key) != plain:
+                raise ConfigError(f"model.moe.{key}={getattr(moe, key)}: not supported with model_source hf "
+                                  f"(transformers' Mixtral routes every layer top-k by softmax, renormalized, no "
+                                  f"capacity); use model_source megatron")
+
+
+def check_gate(cfg: Any) -> None:
+    """The gate and its balance loss: LLaMA-MoE's gates bring their own routing and loss, so the
+    mixtral gate's keys must stay at their defaults with them (they would be ignored), and the
+    other way round."""
+    moe = cfg.model.moe
+    gate = canonical_gate_type(moe.gate_type)
+    if moe.gate_balance_loss_weight < 0:
+        raise ConfigError(f"model.moe.gate_balance_loss_weight: must be >= 0, got {moe.gate_balance_loss_weight}")
+    if moe.gate_noise_epsilon < 0:
+        raise ConfigError(f"model.moe.gate_noise_epsilon: must be >= 0, got {moe.gate_noise_epsilon}")
+    if gate not in LLAMA_MOE_GATES:
+        if moe.gate_balance_loss_weight > 0:
+            raise ConfigError(f"model.moe.gate_balance_loss_weight={moe.gate_balance_loss_weight} weighs LLaMA-MoE's "
+                              f"balance loss: needs model.moe.gate_type top_k_balanced_noisy or switch_balanced "
+                              f"(the mixtral gate's loss is model.moe.router_aux_loss_coef)")
+        return
+    if gate == "switch_balanced" and moe.top_k != 1:
+        raise ConfigError(f"model.moe.gate_type switch_balanced picks one expert per token: model.moe.top_k "
+                          f"(num_selects) must be 1, got {moe.top_k}")
+    mixtral_only = {"routing_algorithm": "top_k", "router_activation": "softmax", "output_router_logits": False}
+    for key, plain in mixtral_only.items():
+        if getattr(moe, key) != plain:
+            raise ConfigError(f"model.moe.{key}={getattr(moe, key)}: the mixtral gate's setting; with "
+                              f"model.moe.gate_type {gate} routing and its loss are the gate's own "
+                              f"(weight: model.moe.gate_balance_loss_weight)")
