@@ -236,15 +236,13 @@ def test_capacity_factor_zero_is_fine_when_dropless():
 
 
 @pytest.mark.parametrize("ds, message", [
-    ({"tensor_model_parallel_size": 2}, r"'distributed_strategy.tensor_model_parallel_size' > 1 with model.moe and "
-                                        r"model_source hf is not supported yet \(got 2\)"),
     ({"pipeline_model_parallel_size": 2}, r"'distributed_strategy.pipeline_model_parallel_size' > 1 with model.moe "
                                           r"and model_source hf is not supported yet"),
     ({"expert_model_parallel_size": 2}, r"'distributed_strategy.expert_model_parallel_size' > 1 with model_source hf "
                                         r"is not supported yet \(got 2\)"),
 ])
 def test_hf_moe_parallel_layouts_not_built_yet_are_refused(ds, message):
-    """transformers' MoE blocks have no tp / pp / ep plan yet (the native Mixtral has): one line each."""
+    """transformers' MoE blocks have no pp / ep plan yet (the native Mixtral has): one line each."""
     values = {"model_source": "hf", "trainer": {"devices": 2}, "distributed_strategy": ds,
               "data": {"global_batch_size": 8, "micro_batch_size": 1, "seq_length": 128},
               "model": {"model_config": "${nxdt_conf:model_configs/tiny_mixtral/config.json}", "moe": {"num_experts": 4}}}

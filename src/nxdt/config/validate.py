@@ -50,9 +50,9 @@ NOT_SUPPORTED_YET: dict[str, Callable[[Any], bool]] = {
 
 
 # parallel layouts an MoE model cannot take yet: cp (each cp rank would balance its own part of
-# a sequence); tp and pp are built for the native (megatron) MoE, not yet for transformers' blocks
+# a sequence); pp is built for the native (megatron) MoE, not yet for transformers' blocks
 MOE_NOT_SUPPORTED_YET = ("context_parallel_size",)
-HF_MOE_NOT_SUPPORTED_YET = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
+HF_MOE_NOT_SUPPORTED_YET = ("pipeline_model_parallel_size",)
 
 
 def _one_line(text: Any) -> str:
