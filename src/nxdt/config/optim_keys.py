@@ -74,7 +74,28 @@ OPTIMIZERS: dict[str, dict[str, Any]] = {
         "lr": 1e-2, "beta2_decay": -0.8, "eps": (None, 1e-3), "d": 1.0, "weight_decay": 0.0,
         "maximize": False, "foreach": None,
     },
+    # GPT-NeoX's (nxdt.training.neox_optimizers), NeoX's defaults.
+    "lion": {"lr": 1e-4, "betas": (0.9, 0.99), "weight_decay": 0.0},
+    "sm3": {"lr": 0.1, "momentum": 0.0, "beta": 0.0, "eps": 1e-30},
 }
+
+# NeoX optimizer names that need DeepSpeed, by their spelling lower-cased without '_' / '-'.
+_ADAMW_INSTEAD = "use adamw (fused on CPU/CUDA)"
+NEEDS_DEEPSPEED = {
+    "onebitadam": f"DeepSpeed's 1-bit Adam (compressed all-reduce) needs DeepSpeed, which nxdt does not use; "
+                  f"{_ADAMW_INSTEAD}, with distributed_strategy.zero1 or FSDP to shard its state",
+    "cpuadam": f"DeepSpeed's CPU Adam (ZeRO-Offload) needs DeepSpeed, which nxdt does not use; {_ADAMW_INSTEAD}, "
+               f"and FSDP with distributed_strategy.cpu_offload=true to keep its state in host memory",
+    "cputorchadam": f"NeoX's torch Adam on CPU runs under DeepSpeed's ZeRO-Offload, which nxdt does not use; "
+                    f"{_ADAMW_INSTEAD}, and FSDP with distributed_strategy.cpu_offload=true to keep its state "
+                    f"in host memory",
+}
+
+# SM3 couples every row and column of a parameter through its accumulators, so a sharded
+# parameter would need a max over ranks at each step; nxdt refuses it instead.
+SM3_SHARDED = ("model.optim.name: sm3 keeps one accumulator per row and per column of a parameter, which a "
+               "sharded parameter cannot keep exactly; use sm3 with tensor_model_parallel_size=1, "
+               "expert_model_parallel_size=1 and no FSDP/HSDP (DDP or ZeRO-1 are fine), or use adagrad")
 
 # Keys every `model.optim.sched` may hold. `monitor` and `reduce_on_plateau`
 # are NeMo's Lightning keys: accepted so NeMo configs load, and ignored
@@ -128,10 +149,23 @@ def check_optim(optim: Mapping, path: str = "model.optim") -> None:
     if not isinstance(optim, Mapping):
         raise ConfigError(f"{path}: expected a mapping with at least 'name' and 'lr', got {optim!r}")
     name = optim.get("name")
+    spelling = str(name).lower().replace("_", "").replace("-", "")  # OneBitAdam, CPU_Adam, cpu_adam
+    if spelling in NEEDS_DEEPSPEED:
+        raise ConfigError(f"{path}.name: '{name}': {NEEDS_DEEPSPEED[spelling]}")
     _check_name(name, OPTIMIZERS, f"{path}.name", "optimizer")
     _check_keys(optim, (*OPTIM_COMMON_KEYS, *OPTIMIZERS[name]), path, f"optimizer '{name}'")
 
     check_sched(optim.get("sched"), f"{path}.sched")
+
+
+def check_optim_parallel(optim: Mapping, *, tp: int, ep: int, fsdp_ways: int) -> None:
+    """Raise ConfigError if `optim` names sm3 and parameters will be sharded: tensor parallel
+    (tp > 1), expert parallel (ep > 1), or FSDP/HSDP over more than one rank (fsdp_ways =
+    dp x cp under a sharding strategy, else 1). nxdt.training.neox_optimizers.SM3 also refuses
+    a sharded parameter when it is built; this check says so before anything is built."""
+    if optim.get("name") == "sm3" and (tp > 1 or ep > 1 or fsdp_ways > 1):
+        raise ConfigError(f"{SM3_SHARDED} (got tensor_model_parallel_size={tp}, "
+                          f"expert_model_parallel_size={ep}, FSDP over {fsdp_ways} ranks)")
 
 
 def check_sched(sched: Mapping | None, path: str = "model.optim.sched") -> None:

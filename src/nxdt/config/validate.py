@@ -31,6 +31,8 @@ from nxdt.config.blend import parse_data_prefix, parse_datasets
 from nxdt.config.errors import ConfigError
 from nxdt.config.layout import compute_layout
 from nxdt.config.moe_checks import canonical_gate_type, check_moe
+from nxdt.config.optim_keys import check_optim_parallel
+from nxdt.config.sharding import sharding_mode_of
 from nxdt.config.cp_checks import check_context_parallel
 from nxdt.config.pipeline_checks import check_pipeline
 from nxdt.config.precision_settings import precision_settings
@@ -411,6 +413,8 @@ def check_cross(cfg: Any, world_size: int | None = None) -> None:
     elif model.model_config is None:
         raise ConfigError("model.model_config (a transformers config.json) is required for model_source hf")
 
+    shards = sharding_mode_of(ds).shard
+    check_optim_parallel(model.optim, tp=layout.tp, ep=layout.ep, fsdp_ways=layout.dp * layout.cp if shards else 1)
     eff = _effective_model(cfg)
     check_pipeline(cfg, layout, eff["num_layers"])
     check_context_parallel(cfg, layout)

@@ -32,11 +32,19 @@ from nxdt.config.errors import ConfigError
 GPT2_VOCAB = 50257
 LLAMA2_VOCAB = 32000
 
-# Optimizer states per parameter (full-size tensors), by model.optim.name.
+# Optimizer states per parameter (full-size tensors), by model.optim.name. sgd and sm3 add one
+# (momentum) when model.optim.momentum > 0; sm3 also keeps small per-dimension accumulators
+# (sm3_accumulator_elems).
 OPTIMIZER_STATES = {
     "adamw": 2, "adam": 2, "adamw_fp32OptState": 2, "adamax": 2, "adadelta": 2, "rprop": 2,
-    "rmsprop": 1, "adagrad": 1, "novograd": 1, "sgd": 0, "adafactor": 0, "lion": 1,
+    "rmsprop": 1, "adagrad": 1, "novograd": 1, "sgd": 0, "adafactor": 0, "lion": 1, "sm3": 0,
 }
+
+
+def sm3_accumulator_elems(shape) -> int:
+    """Elements of SM3's accumulators for one parameter: one per index of each dimension, so
+    the sum of the dimensions (a (4096, 11008) matrix: 15,104, not 45 million); 1 for a scalar."""
+    return max(1, sum(shape))
 
 _COLUMN = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
 _ROW = re.compile(r"\.(o_proj|down_proj)\.weight$")
@@ -71,7 +79,7 @@ def precision_bytes(cfg, optimizer: str) -> Bytes:
         pb = 2 if bf16 else 4
         b = Bytes(pb, 4 if (p.fp32_grad_acc or pb == 4) else 2, 4 if (p.master_weights and pb == 2) else 0,
                   4 if (p.master_weights or pb == 4) else 2, pb)
-    if optimizer == "adamw_fp32OptState":
+    if optimizer in ("adamw_fp32OptState", "sm3"):  # both keep fp32 state whatever the params
         b.state = 4
     return b
 
@@ -112,9 +120,11 @@ def _expert_shard_numel(numel: int, ep: int, fsdp_ways: int) -> int:
     return -(-numel // (ep * fsdp_ways))  # integer ceil: exact for any size
 
 
-def rank_memory(dense: int, experts: int, b: Bytes, states: int, *, zero1: bool, dp: int, ep: int) -> dict[str, int]:
+def rank_memory(dense: int, experts: int, b: Bytes, states: int, *, zero1: bool, dp: int, ep: int,
+                factored: int = 0) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state on one rank holding `dense` non-expert
-    and `experts` expert elements (already split by tp, pp, ep and FSDP).
+    and `experts` expert elements (already split by tp, pp, ep and FSDP). `factored`: optimizer
+    state elements not proportional to the parameters' sizes (SM3's accumulators), / dp under ZeRO-1.
 
     ZeRO-1 divides the optimizer state (master included) of the dense parameters by dp. Expert
     weights: with ep = 1 they are ordinary parameters, / dp too; with ep > 1 each rank steps its
@@ -123,7 +133,7 @@ def rank_memory(dense: int, experts: int, b: Bytes, states: int, *, zero1: bool,
     """
     n = dense + experts
     per_elem = b.master + states * b.state
-    optim_dense, optim_experts = dense * per_elem, experts * per_elem
+    optim_dense, optim_experts = dense * per_elem + factored * b.state, experts * per_elem
     if zero1:
         optim_dense = math.ceil(optim_dense / dp)
         optim_experts = math.ceil(optim_experts / dp) if ep == 1 else optim_experts
@@ -238,12 +248,16 @@ def plan(cfg) -> dict[str, Any]:
     optim = cfg.model.optim  # an open section (plain dict); optim_keys requires its name
     optim_name = optim["name"]
     states = OPTIMIZER_STATES.get(optim_name, 2)
-    if optim_name == "sgd" and optim.get("momentum"):  # optional key, null/absent = no momentum
+    if optim_name in ("sgd", "sm3") and optim.get("momentum"):  # optional key, null/absent = no momentum
         states = 1
+    factored = 0
+    if optim_name == "sm3":  # refused with tp / ep / FSDP sharding: every parameter is whole here
+        factored = sum(sm3_accumulator_elems(p.shape) for name, p in model.named_parameters()
+                       if stage_of(name) in ranks[worst])
     b = precision_bytes(cfg, optim_name)
     n = per_rank[worst]
     mem = rank_memory(sum(dense_rank[s] for s in ranks[worst]), sum(expert_rank[s] for s in ranks[worst]), b,
-                      states, zero1=bool(ds.zero1) and not fsdp, dp=layout.dp, ep=ep)
+                      states, zero1=bool(ds.zero1) and not fsdp, dp=layout.dp, ep=ep, factored=factored)
     params_b, grads_b, optim_b = mem["params"], mem["grads"], mem["optimizer"]
 
     # activations of one micro-batch on the worst rank, times the micro-batches in flight

@@ -11,7 +11,7 @@
 Names map onto `OPTIMIZER_CLASSES`; `register_optimizer` adds more. Two
 classes live here because torch has none like them: `AdamWFP32OptState`
 (AdamW with fp32 moments and an fp32 master copy of low-precision params) and
-`Novograd` (NeMo's formula).
+`Novograd` (NeMo's formula); GPT-NeoX's `lion` and `sm3` are in `neox_optimizers`.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from torch.optim import Optimizer
 
 from nxdt.config import optim_keys
 from nxdt.config.errors import ConfigError
+from nxdt.training.neox_optimizers import SM3, Lion
 
 log = logging.getLogger(__name__)
 
@@ -203,6 +204,8 @@ OPTIMIZER_CLASSES: dict[str, type[Optimizer]] = {
     "rprop": torch.optim.Rprop,
     "novograd": Novograd,
     "adafactor": torch.optim.Adafactor,
+    "lion": Lion,  # GPT-NeoX's two (neox_optimizers.py)
+    "sm3": SM3,
 }
 
 
