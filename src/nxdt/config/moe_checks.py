@@ -86,3 +86,38 @@ def check_gate(cfg: Any) -> None:
             raise ConfigError(f"model.moe.{key}={getattr(moe, key)}: the mixtral gate's setting; with "
                               f"model.moe.gate_type {gate} routing and its loss are the gate's own "
                               f"(weight: model.moe.gate_balance_loss_weight)")
+
+
+# parallel layouts an MoE model cannot take yet: cp (each cp rank would balance its own part of
+# a sequence); pp and ep are built for the native (megatron) MoE, not yet for transformers' blocks
+MOE_NOT_SUPPORTED_YET = ("context_parallel_size",)
+HF_MOE_NOT_SUPPORTED_YET = ("pipeline_model_parallel_size", "expert_model_parallel_size")
+
+
+def check_moe_layouts_supported(cfg: Any) -> None:
+    """'not supported yet' for the parallel layouts an MoE model cannot take yet (skippable, like
+    every NOT_SUPPORTED_YET check)."""
+    if not cfg.model.moe.num_experts:
+        return
+    hf = cfg.model_source == "hf"
+    for key in MOE_NOT_SUPPORTED_YET + (HF_MOE_NOT_SUPPORTED_YET if hf else ()):
+        size = getattr(cfg.distributed_strategy, key)
+        if size <= 1:
+            continue
+        if key == "expert_model_parallel_size":
+            raise ConfigError(f"'distributed_strategy.{key}' > 1 with model_source hf is not supported yet (got {size}); "
+                              "use model_source megatron (same weights, nxdt convert)")
+        source = " and model_source hf" if key in HF_MOE_NOT_SUPPORTED_YET else ""
+        raise ConfigError(f"'distributed_strategy.{key}' > 1 with model.moe{source} is not supported yet (got {size})")
+
+
+def check_expert_parallel(cfg: Any) -> None:
+    """distributed_strategy.expert_model_parallel_size: an MoE model whose experts split evenly."""
+    ep, moe = cfg.distributed_strategy.expert_model_parallel_size, cfg.model.moe
+    if ep <= 1:
+        return
+    key = "distributed_strategy.expert_model_parallel_size"
+    if not moe.num_experts:
+        raise ConfigError(f"{key} ({ep}) needs an MoE model (model.moe.num_experts > 0)")
+    if moe.num_experts % ep:
+        raise ConfigError(f"model.moe.num_experts ({moe.num_experts}) is not divisible by {key} ({ep})")

@@ -30,7 +30,7 @@ from nxdt.config import schema
 from nxdt.config.blend import parse_data_prefix, parse_datasets
 from nxdt.config.errors import ConfigError
 from nxdt.config.layout import compute_layout
-from nxdt.config.moe_checks import canonical_gate_type, check_moe
+from nxdt.config.moe_checks import canonical_gate_type, check_expert_parallel, check_moe, check_moe_layouts_supported
 from nxdt.config.optim_keys import check_optim_parallel
 from nxdt.config.sharding import sharding_mode_of
 from nxdt.config.cp_checks import check_context_parallel
@@ -50,11 +50,6 @@ NOT_SUPPORTED_YET: dict[str, Callable[[Any], bool]] = {
     "model_alignment_strategy": lambda v: v is not None and any(k != "sft" for k in v),  # sft is built
 }
 
-
-# parallel layouts an MoE model cannot take yet: cp (each cp rank would balance its own part of
-# a sequence); pp is built for the native (megatron) MoE, not yet for transformers' blocks
-MOE_NOT_SUPPORTED_YET = ("context_parallel_size",)
-HF_MOE_NOT_SUPPORTED_YET = ("pipeline_model_parallel_size",)
 
 
 def _one_line(text: Any) -> str:
@@ -319,30 +314,7 @@ def check_not_supported(cfg: Any) -> None:
         if predicate(value):
             shown = value if not isinstance(value, (dict, list)) else _one_line(value)
             raise ConfigError(f"'{key}' is not supported yet (got {shown})")
-    if cfg.model.moe.num_experts:
-        hf = cfg.model_source == "hf"
-        for key in MOE_NOT_SUPPORTED_YET + (HF_MOE_NOT_SUPPORTED_YET if hf else ()):
-            size = getattr(cfg.distributed_strategy, key)
-            if size > 1:
-                source = " and model_source hf" if key in HF_MOE_NOT_SUPPORTED_YET else ""
-                raise ConfigError(f"'distributed_strategy.{key}' > 1 with model.moe{source} is not supported yet "
-                                  f"(got {size})")
-    check_expert_parallel(cfg)
-
-
-def check_expert_parallel(cfg: Any) -> None:
-    """distributed_strategy.expert_model_parallel_size: an MoE model whose experts split evenly."""
-    ep, moe = cfg.distributed_strategy.expert_model_parallel_size, cfg.model.moe
-    if ep <= 1:
-        return
-    key = "distributed_strategy.expert_model_parallel_size"
-    if not moe.num_experts:
-        raise ConfigError(f"{key} ({ep}) needs an MoE model (model.moe.num_experts > 0)")
-    if moe.num_experts % ep:
-        raise ConfigError(f"model.moe.num_experts ({moe.num_experts}) is not divisible by {key} ({ep})")
-    if cfg.model_source == "hf":
-        raise ConfigError(f"'{key}' > 1 with model_source hf is not supported yet (got {ep}); "
-                          "use model_source megatron (same weights, nxdt convert)")
+    check_moe_layouts_supported(cfg)
 
 
 # --------------------------------------------------------------------------- cross-checks
@@ -464,6 +436,7 @@ def check_cross(cfg: Any, world_size: int | None = None) -> None:
         raise ConfigError(f"model.checkpoint_num_layers ({n}) needs model.activations_checkpoint_granularity=full "
                           "and no model.selective_checkpointing")
     check_moe(cfg, _hf_json(cfg))
+    check_expert_parallel(cfg)
     if not re.fullmatch(r"\s*\d+(\.\d+)?\s*(,\s*\d+(\.\d+)?\s*){2}", data.splits_string):
         raise ConfigError(f"data.splits_string: expected three comma-separated numbers like '980,10,10', "
                           f"got '{data.splits_string}'")
