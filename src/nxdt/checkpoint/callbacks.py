@@ -90,6 +90,10 @@ class NxdtCheckpoint(Callback):
             return
         self._last_saved_step = step = trainer.global_step
         path = self.checkpoint_path(trainer)
+        # the logs of every step this checkpoint covers reach the disk before it does: a run killed
+        # after the save resumes past them (nxdt.training.step_scalars writes them as they are logged)
+        for logger in trainer.loggers:
+            logger.save()
         trainer.save_checkpoint(str(path), weights_only=False)
         if not self.by_metric or not trainer.is_global_zero:
             return

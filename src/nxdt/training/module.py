@@ -31,7 +31,7 @@ from nxdt.parallel.tensor_parallel import total_norm
 from nxdt.training.optimizers import build_optimizer, param_groups, resolve_optimizer
 from nxdt.precision.precision import Precision
 from nxdt.device import use_xla
-from nxdt.training.xla import step_logger
+from nxdt.training.step_scalars import step_logger
 from nxdt.training.schedulers import build_scheduler
 from nxdt.training.loss import masked_token_loss
 from nxdt.models.moe import pop_router_stats
@@ -51,7 +51,8 @@ class NxdtLightningModule(pl.LightningModule):
         self.num_parameters = 0
         # precision.type / fp16 / NaN guard: dtypes, autocast, loss scale, skipped steps (checkpointed)
         self.precision = Precision.from_cfg(cfg, on_xla=use_xla(cfg))
-        # XLA: per-step scalars are read in a step closure, after the step's graph ran (else self.log)
+        # per-step scalars go straight to the loggers (step_scalars.py: before the step's checkpoint);
+        # on XLA read in a step closure, after the step's graph ran
         self._step_logger = step_logger(cfg)
         # Samples consumed by finished optimizer steps; data modules read it to resume in place.
         self.consumed_samples = 0
@@ -144,7 +145,7 @@ class NxdtLightningModule(pl.LightningModule):
                                            loss_fn=self._loss_fn(), backward=self.manual_backward, **common)
 
     def log_step_scalar(self, name: str, value: Any, prog_bar: bool = False) -> None:
-        """One scalar per optimizer step: self.log, or on XLA the step-closure logger (no graph run mid-step)."""
+        """One scalar per optimizer step, through `nxdt.training.step_scalars` (self.log if switched off)."""
         if self._step_logger is not None:
             self._step_logger.log(self.trainer, name, value, prog_bar)
         else:

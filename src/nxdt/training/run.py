@@ -107,6 +107,7 @@ def train(cfg):
 
     from nxdt.config.layout import compute_layout
     from nxdt.checkpoint.resume import setup_checkpointing
+    from nxdt.checkpoint.callbacks import NxdtCheckpoint
     from nxdt.data.select import build_datamodule
     from nxdt.exp.exp_manager import resolve_dirs, setup_exp_manager
     from nxdt.config.sharding import sharding_mode_of
@@ -129,6 +130,9 @@ def train(cfg):
     callbacks += [ThroughputMonitor(layout.tokens_per_step), RunSummary(cfg, layout, str(dirs.log_dir))]
     if cfg.trainer.enable_progress_bar:
         callbacks.append(StepProgressBar())
+    # checkpointing last (Lightning's order for its own checkpoint callbacks): a step's scalars,
+    # throughput included, are all logged before the step's checkpoint is saved
+    callbacks.sort(key=lambda callback: isinstance(callback, NxdtCheckpoint))
     trainer = build_trainer(cfg, layout, mesh_shape, loggers, callbacks)
     # custom (data.data_module) > SFT > dummy > data.datasets > HF (train_dir) > Megatron
     datamodule = build_datamodule(cfg, trainer)

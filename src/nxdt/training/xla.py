@@ -43,12 +43,11 @@ class StepClosureLogger:
         self._pending: dict[int, tuple[dict[str, Any], set[str]]] = {}
 
     def log(self, trainer: Any, name: str, value: Any, prog_bar: bool = False) -> None:
-        # Lightning's own logging step (`_batches_that_stepped`: batches finished before this one)
-        step = trainer.fit_loop.epoch_loop._batches_that_stepped
+        from nxdt.training.step_scalars import logging_step
+
+        step, to_loggers = logging_step(trainer)
         if step not in self._pending:
             self._pending[step] = ({}, set())
-            every = trainer.log_every_n_steps
-            to_loggers = every > 0 and ((step + 1) % every == 0 or trainer.should_stop)  # Lightning's rule
             import torch_xla.core.xla_model as xm
 
             xm.add_step_closure(self._write, (trainer, step, trainer.current_epoch, to_loggers))
@@ -68,11 +67,6 @@ class StepClosureLogger:
             for logger in trainer.loggers:
                 logger.log_metrics({**scalars, "epoch": epoch}, step=step)
                 logger.save()
-
-
-def step_logger(cfg: Any) -> StepClosureLogger | None:
-    """The step-closure logger on XLA; None elsewhere (the module then calls `self.log`)."""
-    return StepClosureLogger() if use_xla(cfg) else None
 
 
 def lightning_accelerator(cfg: Any):
