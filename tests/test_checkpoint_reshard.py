@@ -19,6 +19,9 @@ for the next; these runs cover these changes:
         └─ @3 → tp2         tp1 dp2 → tp2 dp1 (K/V replicated)
             └─ @5 → tp1     tp2 (K/V replicated) → tp1, one process; keeps the best
                             checkpoint by reduced_train_loss (mode max) and the newest
+    neox_tp2_sp   GPT-NeoX blocks (2 layers), tp2 + sequence parallel, from scratch (its own reference)
+    └─ @3 → pp2             tp-sharded weights and biases into two stages, then
+        └─ @5 → pp1         one process
     moe_ep2    MoE (4 experts), expert parallel ep2 dp2, from scratch (its own reference)
     ├─ @2 → ep1             the experts whole on both ranks, then
     │   └─ @4 → ep2         sharded again
@@ -38,6 +41,7 @@ from pathlib import Path
 
 import pytest
 from conftest import TINY_OVERRIDES, read_scalars, run_pool, tensor_bytes
+from test_parallel_layouts import NEOX
 
 STEPS = 8
 TOL = 1e-5
@@ -50,6 +54,7 @@ TP2 = ["distributed_strategy.tensor_model_parallel_size=2"]
 MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.output_router_logits=true",
        "model.moe.router_aux_loss_coef=0.1", "model.moe.capacity_factor=1.5"]
 EP2 = ["distributed_strategy.expert_model_parallel_size=2"]
+NEOX2 = [*NEOX, "model.num_layers=2"]  # multi-head attention (num_kv_heads = heads), two layers
 # keeps the checkpoint with the highest loss (mode max, so that an older checkpoint outranks newer
 # ones) and the newest
 TOP1_BY_LOSS = ["exp_manager.checkpoint_callback_params.monitor=reduced_train_loss",
@@ -122,6 +127,10 @@ RUNS = {
     "moe_ep2": (2, [*MOE, *EP2], None),
     "moe_ep1": (2, MOE, ("moe_ep2", 2)),
     "moe_ep2_again": (2, [*MOE, *EP2], ("moe_ep1", 4)),
+    # GPT-NeoX: tp2 + sp → pp2 → one process
+    "neox_tp2_sp": (2, [*NEOX2, *TP2, "distributed_strategy.sequence_parallel=true"], None),
+    "neox_pp2": (2, [*NEOX2, *PP2], ("neox_tp2_sp", 3)),
+    "neox_pp1": (1, NEOX2, ("neox_pp2", 5)),
     # bad input: an MoE checkpoint into the dense config, one line and exit 2
     "dense_from_moe": (1, [], ("moe_ep2", 2)),
 }
@@ -276,6 +285,23 @@ def test_moe_ep2_to_ep1_and_back(runs):
     assert "loading on 2 (dp=2 tp=1 pp=1 vpp=1 cp=1 ep=2)" in _notes(again, "resharded")[0]
     shapes = json.loads((ep2.ckpt(2) / "meta.json").read_text())["model_shapes"]
     assert shapes["model.model.layers.0.mlp.experts.gate_up_proj"] == [4, 352, 64]  # whole, not a shard
+
+
+def test_neox_tp2_sp_to_pp2_to_one_process(runs):
+    """GPT-NeoX blocks: a tp2 + sp checkpoint (column-sharded biases, two norms per block) continues
+    in two pipeline stages, and their checkpoint in one process, on the uninterrupted curve."""
+    ref, pp2, pp1 = runs["neox_tp2_sp"], runs["neox_pp2"], runs["neox_pp1"]
+    _assert_continues(ref, pp2, 3, "NeoX tp2 + sp -> pp2")
+    _assert_continues(ref, pp1, 5, "NeoX pp2 -> pp1")
+    assert "loading on 2 (dp=1 tp=1 pp=2 vpp=1 cp=1)" in _notes(pp2, "tensors resharded")[0]
+    assert "saved on 2 ranks (dp=1 tp=1 pp=2 vpp=1 cp=1)" in _notes(pp1, "tensors resharded")[0]
+    # whole tensors under the model's names, whichever layout wrote them
+    for run, step in ((ref, 3), (pp2, 5)):
+        shapes = json.loads((run.ckpt(step) / "meta.json").read_text())["model_shapes"]
+        block = {k.split("layers.0.")[1]: v for k, v in shapes.items() if k.startswith("model.model.layers.0.")}
+        assert block["mlp.up_proj.bias"] == [176] and block["self_attn.k_proj.weight"] == [64, 64], block
+        assert block["input_layernorm.bias"] == block["post_attention_layernorm.weight"] == [64], block
+        assert len(block) == 16 and "mlp.gate_proj.weight" not in block, sorted(block)  # 6 linears + 2 norms
 
 
 def test_moe_checkpoint_into_dense_config_is_refused(runs):

@@ -52,7 +52,8 @@ def test_shipped_configs_compose_and_validate(name):
     assert cfg.distributed_strategy.virtual_pipeline_model_parallel_size == 1
     # the typed config (every schema key an attribute); NxDT's interpolations resolved
     assert isinstance(cfg, NxdtConfig) and hasattr(cfg, "aync_exec_max_inflight_requests")
-    assert cfg.precision.fp16.enabled is False
+    # fp16 only where the original training used it: GPT-NeoX's configs (Pythia, NeoX-20B)
+    assert cfg.precision.fp16.enabled is name.startswith("neox_")
     mps = cfg.distributed_strategy.tensor_model_parallel_size * cfg.distributed_strategy.pipeline_model_parallel_size
     assert cfg.exp_manager.checkpoint_callback_params.model_parallel_size == mps
     if cfg.model_source == "hf":
@@ -87,10 +88,28 @@ def test_tiny_config_full_validation(tmp_path, monkeypatch):
 
 
 def test_not_supported_check_is_skippable():
-    assert "is not supported yet" in error("model.transformer_block_type=normformer", name="megatron_llama_7B_config",
-                                           world_size=None)
-    load("model.transformer_block_type=normformer", name="megatron_llama_7B_config", world_size=None,
-         check_supported=False)
+    dpo = "model_alignment_strategy={dpo: {beta: 0.1}}"  # schema-valid (an open section), not built
+    assert "'model_alignment_strategy' is not supported yet" in error(dpo, name="megatron_llama_7B_config",
+                                                                     world_size=None)
+    cfg = load(dpo, name="megatron_llama_7B_config", world_size=None, check_supported=False)
+    assert cfg.model_alignment_strategy == {"dpo": {"beta": 0.1}}
+
+
+def test_block_types_are_built_not_refused():
+    # no longer a NOT_SUPPORTED_YET key: every block type validates (the schema's enumeration is the check)
+    assert not any(k.startswith("model.transformer_block_type") for k in NOT_SUPPORTED_YET)
+    assert load("model.transformer_block_type=normformer").model.transformer_block_type == "normformer"
+
+
+def test_hf_gpt_neox_refuses_the_layouts_it_is_not_built_for():
+    neox = ["model_source=hf", "model.model_config=model_configs/tiny_neox"]  # a folder, found under conf/
+    msg = error(*neox, "distributed_strategy.pipeline_model_parallel_size=2")
+    assert msg.startswith("'distributed_strategy.pipeline_model_parallel_size' > 1 with model_source hf and a "
+                          "gpt_neox model_config is not supported yet (got 2)"), msg
+    assert load(*neox).model_source == "hf"  # data parallel (world 2) is built
+    llama = str(CONF / "model_configs" / "tiny_llama" / "config.json")
+    assert load("model_source=hf", f"model.model_config={llama}",
+                "distributed_strategy.tensor_model_parallel_size=2").model_source == "hf"
 
 
 # ----------------------------------------------------------------------------- error messages
@@ -152,6 +171,16 @@ def test_not_supported_check_is_skippable():
     (["~model.no_such_key"], "bad override '~model.no_such_key': 'model.no_such_key' is not in the config"),
     (["--foo"], "unknown option '--foo'"),
     (["+model_alignment_strategy.sfd.packing=true"], "unknown key 'model_alignment_strategy.sfd' (did you mean"),
+    (["model.transformer_block_type=gptj"],
+     "model.transformer_block_type: expected one of ['pre_ln', 'post_ln', 'normformer', 'gpt_j'], got 'gptj'"),
+    (["model.rotary_percentage=0"], "model.rotary_percentage: must be in (0, 1], got 0.0"),
+    (["model.rotary_percentage=1.5"], "model.rotary_percentage: must be in (0, 1], got 1.5"),
+    (["model.rotary_percentage=0.1"],  # of head_dim 32: 3 dimensions
+     "model.rotary_percentage: 0.1 of the head dimension 32 is 3 dimensions; rotary embedding needs an even number"),
+    (["model.rotary_emb_base=500", "model.rope_theta=10000"],
+     "model.rotary_emb_base (500.0) and model.rope_theta (10000.0) are the same setting"),
+    (["model.transformer_block_type=normformer", "model.moe.num_experts=4"],
+     "model.transformer_block_type normformer with model.moe: the experts have no FFN norm"),
 ])
 def test_error_messages(overrides, expected):
     assert expected in error(*overrides)

@@ -13,6 +13,7 @@ from conftest import TOKENIZER_DIR
 from nxdt.checkpoint.checkpointer import load_weights, save_weights
 from nxdt.config import config_from_dict, to_yaml
 from nxdt.models import build_model, logits_of
+from nxdt.models.neox import native_to_neox
 from nxdt.tools.convert import hf_to_nxdt, nxdt_to_hf, parse_size
 
 TINY = {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 176, "num_attention_heads": 4, "num_kv_heads": 2,
@@ -36,14 +37,23 @@ save_file(out, sys.argv[1])
 """
 
 
+# the native GPT-NeoX / Pythia architecture (parallel residual with two norms, a quarter rotated)
+NEOX = {"normalization": "layernorm", "activation": "gelu", "has_bias": True, "transformer_block_type": "gpt_j",
+        "gpt_j_tied": False, "rotary_percentage": 0.25, "num_kv_heads": 4, "rotary_emb_base": 5000.0}
+
+
 def _cfg(source: str):
-    """megatron, hf, or moe: the megatron source with Mixtral-style experts (4, top-2)."""
-    model = dict(TINY) if source in ("megatron", "moe") else {"model_config": "model_configs/tiny_llama",
-                                                              "num_layers": 2, "hidden_size": 64}
+    """megatron, hf, moe: the megatron source with Mixtral-style experts (4, top-2), neox: the
+    megatron source with GPT-NeoX's architecture, or hf_neox: transformers' GPTNeoX (model_source hf)."""
+    model = dict(TINY) if source in ("megatron", "moe", "neox") else {
+        "model_config": "model_configs/tiny_neox" if source == "hf_neox" else "model_configs/tiny_llama",
+        "num_layers": 2, "hidden_size": 64}
     if source == "moe":
         model["moe"] = {"num_experts": 4, "top_k": 2, "output_router_logits": True}
+    if source == "neox":
+        model.update(NEOX)
     return config_from_dict({
-        "model_source": "megatron" if source == "moe" else source, "model": model,
+        "model_source": "hf" if source.startswith("hf") else "megatron", "model": model,
         "distributed_strategy": {"tensor_model_parallel_size": 1},
         "data": {"tokenizer": {"library": "huggingface", "type": str(TOKENIZER_DIR)}},
     })
@@ -53,6 +63,11 @@ def _nxdt_checkpoint(tmp_path, source: str):
     torch.manual_seed(0)
     cfg = _cfg(source)
     model = build_model(cfg, vocab_size=8192).eval()
+    if "neox" in source:  # biases and norms away from their init, so a misplaced one shows in the logits
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 1:
+                    p.add_(0.1 * torch.randn_like(p))
     ckpt = tmp_path / f"ckpt_{source}"
     save_weights(model.state_dict(), ckpt)
     (ckpt / "config.yaml").write_text(to_yaml(cfg))
@@ -66,14 +81,19 @@ def test_parse_size():
 def test_export_loads_in_plain_transformers_with_equal_logits(tmp_path):
     ids = torch.arange(24).reshape(2, 12) * 37 % 8192
     folders, expected = [], []
-    for source in ("megatron", "hf", "moe"):  # moe: exported as a MixtralForCausalLM
+    # moe: exported as a MixtralForCausalLM, neox: as a GPTNeoXForCausalLM (renamed, QKV fused),
+    # hf_neox: transformers' own GPTNeoX names (the output layer stored as embed_out)
+    for source in ("megatron", "hf", "moe", "neox", "hf_neox"):
         model, ckpt = _nxdt_checkpoint(tmp_path, source)
         out = tmp_path / f"hf_{source}"
         nxdt_to_hf(ckpt, out, max_shard_bytes=600_000)
         index = json.loads((out / "model.safetensors.index.json").read_text())
         files = sorted(set(index["weight_map"].values()))
         assert len(files) > 1 and all((out / f).is_file() for f in files)
-        assert set(index["weight_map"]) == set(model.state_dict())
+        names = native_to_neox(model.state_dict(), 4) if source == "neox" else model.state_dict()
+        if source == "hf_neox":
+            names = [k.replace("lm_head.", "embed_out.") for k in names]
+        assert set(index["weight_map"]) == set(names)
         assert (out / "tokenizer.json").is_file() and (out / "config.json").is_file()
         with torch.no_grad():
             expected.append(logits_of(model(input_ids=ids)))
@@ -131,3 +151,78 @@ def test_exported_config_matches_model(tmp_path, source):
     if source == "moe":
         assert (config["model_type"], config["num_local_experts"], config["num_experts_per_tok"]) == ("mixtral", 4, 2)
         assert config["intermediate_size"] == 176 and config["output_router_logits"] is True
+
+
+def _hf_neox_folder(tmp_path, parallel: bool):
+    """A transformers GPTNeoX folder (save_pretrained, safetensors) with random weights and the tokenizer."""
+    import shutil
+
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPTNeoXConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                        intermediate_size=160, rotary_pct=0.25, rotary_emb_base=5000.0,
+                                        max_position_embeddings=64, use_parallel_residual=parallel)
+    model = transformers.GPTNeoXForCausalLM._from_config(config, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    folder = tmp_path / "neox_hf"
+    model.save_pretrained(folder, safe_serialization=True)
+    for f in TOKENIZER_DIR.iterdir():
+        shutil.copy2(f, folder / f.name)
+    return model, folder
+
+
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel-residual", "sequential"])
+def test_neox_hf_folder_to_nxdt_and_back(tmp_path, capsys, parallel):
+    from omegaconf import OmegaConf
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from nxdt.cli import main
+
+    original, folder = _hf_neox_folder(tmp_path, parallel)
+    ids = torch.arange(24).reshape(2, 12) * 37 % 1000
+    with torch.no_grad():
+        want = original(input_ids=ids).logits
+    ckpt = tmp_path / "nxdt"
+    assert main(["convert", "hf-to-nxdt", "--input", str(folder), "--output", str(ckpt)]) == 0
+    assert "nxdt_model.yaml" in capsys.readouterr().out
+    # the written model keys build the native twin; the converted weights fit it exactly
+    keys = OmegaConf.to_container(OmegaConf.load(ckpt / "nxdt_model.yaml"))
+    m = keys["model"]
+    assert keys["model_source"] == "megatron"
+    assert (m["transformer_block_type"], m.get("gpt_j_tied")) == (("gpt_j", False) if parallel else ("pre_ln", None))
+    assert (m["normalization"], m["activation"], m["has_bias"], m["position_embedding_type"]) == (
+        "layernorm", "gelu", True, "rope")
+    assert (m["rotary_percentage"], m["rotary_emb_base"], m["share_embeddings_and_output_weights"]) == (0.25, 5000.0, False)
+    cfg = config_from_dict({**keys, "data": {"tokenizer": {"library": "huggingface", "type": str(TOKENIZER_DIR)}}})
+    native = build_model(cfg, vocab_size=1000).eval()
+    assert native.args.vocab_size == 1000  # make_vocab_size_divisible_by pads nothing
+    weights = load_weights(ckpt)
+    native.load_state_dict(weights, strict=True)
+    with torch.no_grad():
+        assert (native(ids) - want).abs().max().item() < 1e-5
+    # back to a GPT-NeoX folder that plain transformers loads
+    out = tmp_path / "back"
+    nxdt_to_hf(ckpt, out, max_shard_bytes=10**9)
+    assert json.loads((out / "config.json").read_text())["model_type"] == "gpt_neox"
+    again, before = load_file(str(out / "model.safetensors")), load_file(str(folder / "model.safetensors"))
+    assert again.keys() == before.keys() and all(torch.equal(again[k], before[k]) for k in before)
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        assert (reloaded(input_ids=ids).logits - want).abs().max().item() < 1e-5
+
+
+def test_neox_the_native_model_cannot_express_is_one_line(tmp_path, capsys):
+    from nxdt.cli import main
+
+    _, folder = _hf_neox_folder(tmp_path, True)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu_fast"}))
+    assert main(["convert", "hf-to-nxdt", "--input", str(folder), "--output", str(tmp_path / "c")]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "hidden_act=gelu_fast" in errors[0] and str(folder) in errors[0]
+    assert not (tmp_path / "c").exists()

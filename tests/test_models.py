@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from nxdt.config.load import config_from_dict
+from nxdt.models.hf_export import hf_config_dict
 from nxdt.models import (
     LlamaArgs,
     NxdtLlamaForCausalLM,
@@ -55,7 +56,7 @@ def native(args: LlamaArgs, seed: int = 0) -> NxdtLlamaForCausalLM:
 
 def hf_twin(model: NxdtLlamaForCausalLM):
     """The transformers LlamaForCausalLM of the same architecture, loaded with model's weights."""
-    config = transformers.LlamaConfig(**model.args.to_hf_config_dict())
+    config = transformers.LlamaConfig(**hf_config_dict(model.args))
     config.use_cache = False
     hf = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa").eval()
     hf.load_state_dict(model.state_dict(), strict=True)  # identical names: no renaming
@@ -418,7 +419,8 @@ def test_invalid_args_rejected():
     with pytest.raises(ValueError):
         tiny(activation="relu")
     with pytest.raises(ValueError, match="cannot express"):
-        tiny(activation="gelu").to_hf_config_dict()
+        hf_config_dict(tiny(activation="gelu"))
+    assert tiny().to_hf_config_dict() == hf_config_dict(tiny())  # the method is the function
 
 
 def test_backward_reaches_every_parameter():

@@ -17,6 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 from conftest import exit_worker, run_worker  # noqa: E402
 from test_config import error, load  # noqa: E402
+from test_pipeline import BLOCKS  # noqa: E402
 
 
 def _dp_sections(cfg):
@@ -82,6 +83,66 @@ def test_checkpointed_block_recomputes_in_backward():
     model.model.layers[1].mlp.register_forward_pre_hook(lambda *a: calls.append(1))
     model(torch.randint(0, 512, (1, 8))).sum().backward()
     assert len(calls) == 2  # forward + recomputation
+
+
+# The block types besides pre_ln, with position embeddings and norms as test_pipeline.BLOCKS says
+BLOCK_TYPES = {name: keys for name, keys in BLOCKS.items() if name != "pre_ln"}
+
+
+@pytest.mark.parametrize("block", list(BLOCK_TYPES))
+@pytest.mark.parametrize("granularity", ["full", "selective"])
+def test_activation_checkpointing_every_block_type(block, granularity):
+    """Full: every block, whatever its norms; selective: attention core and MLP (normformer's MLP
+    holds its ffn_layernorm). Same loss, bitwise the same gradients."""
+    keys = {**BLOCK_TYPES[block], "activations_checkpoint_granularity": granularity,
+            "activations_checkpoint_recompute_mlp": granularity == "selective"}
+    loss0, grads0, _ = _loss_and_grads(tiny_cfg(**keys), checkpointed=False)
+    loss1, grads1, names = _loss_and_grads(tiny_cfg(**keys), checkpointed=True)
+    per_block = [""] if granularity == "full" else [".self_attn.core_attention", ".mlp"]
+    assert sorted(names) == sorted(f"model.layers.{i}{m}" for i in range(4) for m in per_block)
+    assert loss1 == loss0
+    for n, g in grads0.items():
+        torch.testing.assert_close(grads1[n], g, rtol=0, atol=0, msg=n)
+
+
+def hf_neox_cfg(config_json: Path, **model):
+    """model_source hf with a transformers GPTNeoX config.json written to `config_json` (Pythia's
+    shape in small: parallel residual, rotary_pct 0.25, untied embeddings)."""
+    config_json.write_text(json.dumps({
+        "model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"], "vocab_size": 512, "hidden_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 256, "rotary_pct": 0.25,
+        "max_position_embeddings": 64, "use_parallel_residual": True, "tie_word_embeddings": False}))
+    cfg = tiny_cfg(**model)
+    cfg.model_source, cfg.model.model_config = "hf", str(config_json)
+    cfg.model.num_layers = cfg.model.hidden_size = None  # the config.json's
+    return cfg
+
+
+@pytest.mark.parametrize("granularity, expected", [
+    ("full", ["gpt_neox.layers.0", "gpt_neox.layers.1"]),
+    ("selective", [f"gpt_neox.layers.{i}.{m}" for i in range(2) for m in ("attention", "mlp")]),
+])
+def test_hf_gpt_neox_activation_checkpointing(tmp_path, granularity, expected):
+    """transformers' GPTNeoXForCausalLM (blocks at gpt_neox.layers, found through base_model): full
+    granularity checkpoints its GPTNeoXLayer blocks, selective its attention (CoreAttention's
+    counterpart) and MLP; the gradients are bitwise those without checkpointing."""
+    from nxdt.models import build_model
+    from nxdt.parallel.activation_checkpointing import apply_activation_checkpointing, checkpointed_modules
+
+    grads, names = [], []
+    for keys in ({}, {"activations_checkpoint_granularity": granularity,
+                      "activations_checkpoint_recompute_mlp": granularity == "selective"}):
+        cfg = hf_neox_cfg(tmp_path / "config.json", **keys)
+        torch.manual_seed(0)
+        model = apply_activation_checkpointing(build_model(cfg), cfg.model)
+        names.append(checkpointed_modules(model))
+        ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
+        torch.nn.functional.cross_entropy(model(input_ids=ids).logits.flatten(0, 1), ids.flatten()).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert names == [[], expected]
+    assert len(grads[0]) == 2 * 12 + 4  # 12 tensors per block; embed_in, final norm (2), lm_head
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=0, atol=0, msg=name)
 
 
 # GPT-NeoX checkpoint_num_layers: chunks of consecutive blocks under one checkpoint
@@ -286,6 +347,126 @@ def test_checkpoint_chunks_under_fsdp_recompute_with_same_grads(worker_results):
     assert r == {"layer0_mlp_calls": 2, "max_grad_diff": 0.0}  # forward + recomputation; bitwise equal
 
 
+# tp2 vs one process, max |gap| / max |value|: measured <= 1.3e-6 (row-parallel sums in another order)
+TP_RTOL = 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [f"{block}_sp" for block in BLOCK_TYPES] + ["normformer_no_sp"])
+def test_tensor_parallel_every_block_type_matches_one_process(worker_results, case):
+    """tp2 (+ sequence parallel) on every block type: the logits, the loss and every parameter's
+    gradient (gathered) equal the unsharded model's on both tp ranks. normformer's ffn_layernorm
+    sees the whole intermediate row and keeps plain, whole weights on every tp rank."""
+    r = worker_results[f"tp_{case}"]
+    assert r["logits"] < TP_RTOL and r["loss"] < TP_RTOL, r
+    assert r["grads"] < TP_RTOL and r["num_grads"] == r["num_params"], r
+    assert r["ffn_norm_weight"] == ("Tensor" if case.startswith("normformer") else None), r  # plain, whole
+    if r["sp"]:  # every norm of the block (named by block type) runs on a sequence shard
+        assert r["norm_weights"] == ["DTensor"] * r["num_norms"] and r["num_norms"] >= 1, r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["replicate_zero1", "fsdp"])
+def test_hf_gpt_neox_data_parallel_matches_one_process(worker_results, mode):
+    """transformers' GPTNeoXForCausalLM (model_source hf) under dp2: each decoder block is its own
+    unit (found at gpt_neox.layers), the gradients of two half batches equal one process's on the
+    whole batch, and a ZeRO-1 AdamW step gives the plain AdamW parameters."""
+    r = worker_results[f"hf_neox_{mode}"]
+    assert r["block_units"] == 2 and r["root_unit"] and r["grads"] < 1e-5, r
+    if mode == "replicate_zero1":
+        assert r["params_after_step"] < 1e-4 and r["params_moved"] > 5e-3, r  # AdamW's first step: ~lr
+
+
+def _full(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _tp_block_case(keys: dict, sp: bool, V: int) -> dict:  # pragma: no cover - under torchrun
+    """tp2 (+ sp) vs the unsharded model: relative max gaps (logits, loss, gradients), max over tp ranks."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from nxdt.models import build_model
+    from nxdt.parallel.mesh import MeshShape, build_mesh
+    from nxdt.parallel.parallelize import parallelize_llama
+    from nxdt.parallel.tensor_parallel import block_norms
+
+    cfg = tiny_cfg(**{**keys, "num_layers": 2})
+    cfg.distributed_strategy.tensor_model_parallel_size = 2
+    cfg.distributed_strategy.sequence_parallel = sp
+    torch.manual_seed(3)
+    ref = build_model(cfg, V)
+    torch.manual_seed(3)
+    model = parallelize_llama(build_model(cfg, V), build_mesh(MeshShape(tp=2), "cpu"), cfg)
+    ids = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(1))  # same batch on both ranks
+    ref_logits = ref(ids)
+    (ref_loss := torch.nn.functional.cross_entropy(ref_logits.flatten(0, 1), ids.flatten())).backward()
+    logits = model(ids)
+    with loss_parallel():
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten())
+        loss.backward()
+
+    def rel(a, b):
+        return ((_full(a) - b).abs().max() / b.abs().max()).item()
+
+    def kind(t):
+        return "DTensor" if isinstance(t, DTensor) else "Tensor"
+
+    grads = [rel(p.grad, ref.get_parameter(n).grad) for n, p in model.named_parameters() if p.grad is not None]
+    gaps = torch.tensor([rel(logits, ref_logits), rel(loss, ref_loss), max(grads)], dtype=torch.float64)
+    dist.all_reduce(gaps, op=dist.ReduceOp.MAX)
+    block = model.model.layers[0]
+    ffn_norm = getattr(block.mlp, "ffn_layernorm", None)
+    return {"sp": sp, "logits": gaps[0].item(), "loss": gaps[1].item(), "grads": gaps[2].item(),
+            "num_grads": len(grads), "num_params": len(list(ref.parameters())), "num_norms": len(block_norms(block)),
+            "norm_weights": [kind(getattr(block, n).weight) for n in block_norms(block)],
+            "ffn_norm_weight": kind(ffn_norm.weight) if ffn_norm is not None else None}
+
+
+def _hf_neox_dp_case(mode: str, rank: int, config_json: Path) -> dict:  # pragma: no cover - under torchrun
+    """transformers GPT-NeoX under dp2 (replicate + ZeRO-1 AdamW, or FSDP) against one process."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from nxdt.models import build_model
+    from nxdt.parallel.data_parallel import zero1_optimizer
+    from nxdt.parallel.mesh import MeshShape, build_mesh, submesh
+    from nxdt.parallel.parallelize import parallelize_llama
+
+    cfg = hf_neox_cfg(config_json)
+    if mode == "fsdp":
+        cfg.distributed_strategy.sharding_strategy = "FSDP"
+    mesh = build_mesh(MeshShape(dp_shard=2) if mode == "fsdp" else MeshShape(dp_replicate=2), "cpu")
+    torch.manual_seed(5)
+    ref = build_model(cfg)
+    model = build_model(cfg)
+    model.load_state_dict(ref.state_dict())
+    model = parallelize_llama(model, mesh, cfg)
+    ids = torch.randint(0, 512, (4, 16), generator=torch.Generator().manual_seed(2))
+
+    def loss_of(m, x):
+        return torch.nn.functional.cross_entropy(m(input_ids=x).logits.flatten(0, 1), x.flatten())
+
+    loss_of(ref, ids).backward()
+    loss_of(model, ids[2 * rank:2 * rank + 2]).backward()
+    out = {"grads": max((_full(p.grad) - ref.get_parameter(n).grad).abs().max().item()
+                        for n, p in model.named_parameters()),
+           "block_units": sum(isinstance(b, FSDPModule) for b in model.gpt_neox.layers),
+           "root_unit": isinstance(model, FSDPModule)}
+    if mode != "fsdp":
+        before = [p.detach().clone() for p in ref.parameters()]
+        opt = zero1_optimizer([{"params": list(model.parameters())}], torch.optim.AdamW, {"lr": 1e-2},
+                              submesh(mesh, "dp").get_group())
+        opt.step()
+        torch.optim.AdamW(ref.parameters(), lr=1e-2).step()
+        out["params_after_step"] = max((_full(p).detach() - ref.get_parameter(n)).abs().max().item()
+                                       for n, p in model.named_parameters())
+        out["params_moved"] = max((p.detach() - b).abs().max().item() for p, b in zip(ref.parameters(), before))
+    return out
+
+
 def _worker() -> None:  # pragma: no cover - runs under torchrun
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
@@ -387,6 +568,14 @@ def _worker() -> None:  # pragma: no cover - runs under torchrun
         chunk_grads.append([p.grad.to_local() for p in model.parameters()])
     results["fsdp_chunk2"] = {"layer0_mlp_calls": len(calls), "max_grad_diff": max(
         (a - b).abs().max().item() for a, b in zip(*chunk_grads))}
+    # every block type under tp2 + sequence parallel (normformer also without it)
+    for block, keys in BLOCK_TYPES.items():
+        results[f"tp_{block}_sp"] = _tp_block_case(keys, True, V)
+    results["tp_normformer_no_sp"] = _tp_block_case(BLOCK_TYPES["normformer"], False, V)
+    # transformers' GPT-NeoX under data parallel
+    config_json = Path(os.environ["NXDT_TEST_OUT"]).with_name(f"neox_config{rank}.json")
+    for mode in ("replicate_zero1", "fsdp"):
+        results[f"hf_neox_{mode}"] = _hf_neox_dp_case(mode, rank, config_json)
     if rank == 0:
         Path(os.environ["NXDT_TEST_OUT"]).write_text(json.dumps(results))
     dist.destroy_process_group()

@@ -31,16 +31,31 @@ def test_even_split_and_nxd_cuts():
         pipeline_stage_starts(8, 3, ["model.layers.4", "model.layers.2"])
 
 
-@pytest.mark.parametrize("source", ["megatron", "hf"])
-def test_stages_chained_equal_the_whole_model_and_keep_names(source):
-    """Pruned stages run one after another give the whole model's logits, with its parameter names."""
+# Block types (nxdt.models.llama.LlamaDecoderLayer) with the position embeddings that go with them:
+# post_ln's final norm is an Identity; learned positions are an embedding of stage 0; none has none.
+BLOCKS = {
+    "pre_ln": {},
+    "post_ln": {"transformer_block_type": "post_ln", "position_embedding_type": "learned_absolute"},
+    "normformer": {"transformer_block_type": "normformer", "normalization": "layernorm",
+                   "position_embedding_type": "none"},
+    "gpt_j_tied": {"transformer_block_type": "gpt_j"},
+    "neox": {"transformer_block_type": "gpt_j", "gpt_j_tied": False, "normalization": "layernorm",
+             "activation": "gelu", "has_bias": True, "rotary_percentage": 0.25, "num_kv_heads": 4},
+}
+
+
+@pytest.mark.parametrize("source, block", [*(("megatron", b) for b in BLOCKS), ("hf", "pre_ln")])
+def test_stages_chained_equal_the_whole_model_and_keep_names(source, block):
+    """Pruned stages run one after another give the whole model's logits, with its parameter names,
+    for every block type."""
     from nxdt.models import build_model, logits_of
     from nxdt.parallel.pipeline import prune_to_stage
 
     torch.manual_seed(0)
     if source == "megatron":
         cfg = config_from_dict({"model_source": "megatron", "model": {
-            "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "num_kv_heads": 2, "ffn_hidden_size": 176}})
+            "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "num_kv_heads": 2, "ffn_hidden_size": 176,
+            **BLOCKS[block]}})
     else:
         cfg = config_from_dict({"model_source": "hf", "model": {"model_config": "model_configs/tiny_llama",
                                                                 "num_layers": 4, "hidden_size": 64}})
@@ -63,6 +78,10 @@ def test_stages_chained_equal_the_whole_model_and_keep_names(source):
     assert {n.split(".")[0] + "." + n.split(".")[1] for n, _ in parts[0].named_parameters()} >= {"model.embed_tokens"}
     assert any(n.startswith("lm_head") for n, _ in parts[2].named_parameters())
     assert not any(n.startswith(("lm_head", "model.norm")) for n, _ in parts[0].named_parameters())
+    if block == "post_ln":  # the Identity final norm belongs to the last stage; learned positions to the first
+        assert parts[0].model.norm is None and type(parts[2].model.norm).__name__ == "Identity"
+        assert [n for n, _ in parts[0].named_parameters() if "embed_positions" in n] == ["model.embed_positions.weight"]
+        assert not any("embed_positions" in n for part in parts[1:] for n, _ in part.named_parameters())
 
 
 # --------------------------------------------------------------------------- bad input (torch-free, cheap)

@@ -37,7 +37,32 @@ EXPECTED = {
     "tiny_mixtral_cpu": (8192, 9_312_512),
     # LLaMA-MoE 4/16 from Llama-2-7B: see test_llama_moe_count_is_llama2_7b_plus_gates
     "llama_moe_7B_16select4_config": (32000, 6_742_609_920),
+    # GPT-NeoX (interface.md §9): model.vocab_size 50,277 (GPT-NeoX-20B's tokenizer) padded as NeoX pads
+    # it, to 50,304 (x128) and, at tp 2, 50,432; the tiny one: see test_tiny_neox_is_neox_shaped
+    "neox_pythia_160M_config": (None, 162_322_944),
+    "neox_pythia_1.4B_config": (None, 1_414_647_808),
+    "neox_20B_config": (None, 20_554_567_680),
+    "tiny_neox_cpu": (8192, 7_353_856),
 }
+
+
+def test_tiny_neox_is_neox_shaped_and_trains_like_the_demo():
+    """tiny_neox_cpu: GPT-NeoX's block (parallel residual, two LayerNorms, partial rotary, GELU MLP
+    with biases, untied embeddings) on the demo's data, tokenizer, batches and schedule. Its count
+    by hand: embeddings 2 x 8192 x 256; per layer q, k, v, o 4 x (256 x 256 + 256), MLP
+    256 x 1024 + 1024 + 1024 x 256 + 256, two LayerNorms 4 x 256; final LayerNorm 2 x 256."""
+    load = lambda name: load_config(["--config-name", name], default_config_dir=CONF, check_paths=False,  # noqa: E731
+                                    quiet=True)
+    neox, demo = load("tiny_neox_cpu"), load("tiny_llama_cpu")
+    m = neox.model
+    assert (m.transformer_block_type, m.gpt_j_tied, m.normalization, m.activation, m.has_bias) == \
+        ("gpt_j", False, "layernorm", "gelu", True)
+    assert (m.position_embedding_type, m.rotary_percentage, m.share_embeddings_and_output_weights) == \
+        ("rope", 0.25, False)
+    assert (neox.data, neox.trainer, neox.precision) == (demo.data, demo.trainer, demo.precision)
+    assert m.optim == demo.model.optim and m.encoder_seq_length == demo.model.encoder_seq_length
+    per_layer = 4 * (256 * 256 + 256) + (256 * 1024 + 1024 + 1024 * 256 + 256) + 4 * 256
+    assert EXPECTED["tiny_neox_cpu"][1] == 2 * 8192 * 256 + 4 * per_layer + 2 * 256
 
 
 def test_llama_moe_count_is_llama2_7b_plus_gates():

@@ -17,12 +17,13 @@ COMMANDS = {
     "convert": ("nxdt.tools.convert", "hf-to-nxdt / nxdt-to-hf: convert checkpoints (safetensors, DCP)"),
     "moe-split": ("nxdt.tools.moe_split", "experts from a dense Llama checkpoint (LLaMA-MoE's expert split)"),
     "plan": ("nxdt.tools.plan", "parameters, memory per rank and tokens per step of a config, without training"),
+    "import-config": ("nxdt.tools.import_config", "an nxdt YAML from GPT-NeoX config files (neox FILE.yml ... --output)"),
 }
 
 
 def _usage() -> str:
     lines = ["usage: nxdt <command> [args...]", "", "commands:"]
-    lines += [f"  {name:<12} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += [f"  {name:<14} {help_}" for name, (_, help_) in COMMANDS.items()]
     return "\n".join(lines)
 
 

@@ -259,13 +259,18 @@ class ModelConfig:
     do_layer_norm_weight_decay: bool = doc(False, "apply weight decay to norm weights too")
     persist_layer_norm: bool = doc(True, "NeMo fused layer-norm kernel (inert)")
     share_embeddings_and_output_weights: bool = doc(False, "tie input embedding and lm_head")
-    position_embedding_type: Literal["rope", "learned_absolute"] = doc("rope", "position embedding")
-    rotary_percentage: float = doc(1.0, "fraction of each head dim that gets rotary embedding")
+    position_embedding_type: Literal["rope", "learned_absolute", "none"] = doc(
+        "rope", "position embedding: rope | learned_absolute (a table) | none (GPT-NeoX's pos-emb none)")
+    rotary_percentage: float = doc(1.0, "fraction of each head dim that gets rotary embedding, in (0, 1] (Pythia: 0.25)")
     rope_theta: Optional[float] = doc(None, "rotary base; null = 10000 (megatron) or the config.json value (hf)")
+    rotary_emb_base: Optional[float] = doc(None, "GPT-NeoX's name for rope_theta (give one of the two)")
     rope_scaling: Optional[Dict[str, Any]] = doc(None, "rotary scaling as in transformers (e.g. rope_type: llama3)", open=True)
     sliding_window_size: Optional[int] = doc(None, "sliding-window attention size; null = full causal")
     activation: Literal["swiglu", "gelu"] = doc("swiglu", "MLP activation")
-    transformer_block_type: Literal["pre_ln", "post_ln", "normformer", "gpt_j"] = doc("pre_ln", "block layout")
+    transformer_block_type: Literal["pre_ln", "post_ln", "normformer", "gpt_j"] = doc(
+        "pre_ln", "block layout: pre_ln (Llama) | post_ln | normformer | gpt_j (parallel residual, GPT-NeoX/Pythia)")
+    gpt_j_tied: bool = doc(True, "gpt_j: attention and MLP share one input norm (GPT-J, NeMo); false: two "
+                           "(GPT-NeoX / Pythia, transformers' use_parallel_residual)")
     has_bias: bool = doc(False, "biases in linear layers")
     # hf-specific
     qkv_linear: bool = doc(False, "NxDT GQAQKVLinear (one module for q, k, v)")

@@ -30,6 +30,7 @@ from nxdt.config import schema
 from nxdt.config.blend import parse_data_prefix, parse_datasets
 from nxdt.config.errors import ConfigError
 from nxdt.config.layout import compute_layout
+from nxdt.config.arch_checks import check_architecture, check_hf_layouts
 from nxdt.config.moe_checks import canonical_gate_type, check_expert_parallel, check_moe, check_moe_layouts_supported
 from nxdt.config.optim_keys import check_optim_parallel
 from nxdt.config.sharding import sharding_mode_of
@@ -46,7 +47,6 @@ def _gt1(v: Any) -> bool:
 # dotted key -> predicate on its value: True means "this value needs a feature not built yet".
 # The lead removes entries as features land.
 NOT_SUPPORTED_YET: dict[str, Callable[[Any], bool]] = {
-    "model.transformer_block_type": lambda v: v != "pre_ln",
     "model_alignment_strategy": lambda v: v is not None and any(k != "sft" for k in v),  # sft is built
 }
 
@@ -315,6 +315,7 @@ def check_not_supported(cfg: Any) -> None:
             shown = value if not isinstance(value, (dict, list)) else _one_line(value)
             raise ConfigError(f"'{key}' is not supported yet (got {shown})")
     check_moe_layouts_supported(cfg)
+    check_hf_layouts(cfg)
 
 
 # --------------------------------------------------------------------------- cross-checks
@@ -437,6 +438,8 @@ def check_cross(cfg: Any, world_size: int | None = None) -> None:
                           "and no model.selective_checkpointing")
     check_moe(cfg, _hf_json(cfg))
     check_expert_parallel(cfg)
+    head_dim = eff["kv_channels"] or (hidden // heads if hidden and heads else None)
+    check_architecture(cfg, head_dim)
     if not re.fullmatch(r"\s*\d+(\.\d+)?\s*(,\s*\d+(\.\d+)?\s*){2}", data.splits_string):
         raise ConfigError(f"data.splits_string: expected three comma-separated numbers like '980,10,10', "
                           f"got '{data.splits_string}'")

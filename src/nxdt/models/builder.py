@@ -54,9 +54,6 @@ def llama_args_from_cfg(cfg: Any, vocab_size: int | None = None) -> LlamaArgs:
         vocab_size = m.vocab_size
     if vocab_size is None:
         raise ValueError("model_source megatron needs a vocabulary size (from the tokenizer, or model.vocab_size)")
-    if m.transformer_block_type != "pre_ln":  # `nxdt plan` skips the not-supported-yet check
-        raise NotImplementedError(f"model.transformer_block_type {m.transformer_block_type!r}: "
-                                  "only 'pre_ln' is implemented")
     tp = cfg.distributed_strategy.tensor_model_parallel_size
     return LlamaArgs(
         vocab_size=padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, tp),
@@ -75,7 +72,7 @@ def llama_args_from_cfg(cfg: Any, vocab_size: int | None = None) -> LlamaArgs:
         share_embeddings_and_output_weights=m.share_embeddings_and_output_weights,
         position_embedding_type=m.position_embedding_type,
         rotary_percentage=m.rotary_percentage,
-        rope_theta=10000.0 if m.rope_theta is None else m.rope_theta,  # null = 10000 for megatron (schema)
+        rope_theta=rope_base(m),
         rope_scaling=m.rope_scaling,  # an open section: a plain dict
         sliding_window_size=m.sliding_window_size,
         hidden_dropout=m.hidden_dropout,
@@ -84,8 +81,19 @@ def llama_args_from_cfg(cfg: Any, vocab_size: int | None = None) -> LlamaArgs:
         init_method_std=m.init_method_std,
         use_scaled_init_method=m.use_scaled_init_method,
         apply_query_key_layer_scaling=m.apply_query_key_layer_scaling,
+        transformer_block_type=m.transformer_block_type,
+        gpt_j_tied=m.gpt_j_tied,
         moe=moe_args_from_cfg(m.moe),
     )
+
+
+def rope_base(m: Any) -> float:
+    """The rotary base of the typed `model` section: rope_theta, or NeoX's rotary_emb_base (validation
+    refuses both with different values); null = 10000 for megatron (schema)."""
+    for value in (m.rope_theta, m.rotary_emb_base):
+        if value is not None:
+            return float(value)
+    return 10000.0
 
 
 def moe_args_from_cfg(moe: Any) -> MoEArgs | None:

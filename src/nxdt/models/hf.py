@@ -5,10 +5,13 @@ config.json (or a folder holding one), and a few YAML keys override it, as in Nx
 
     model.num_layers              → num_hidden_layers
     model.hidden_size             → hidden_size (an explicit head_dim is then recomputed)
-    model.rope_theta              → rope_theta
+    model.rope_theta              → rope_theta (gpt_neox: rotary_emb_base)
+    model.rotary_emb_base         → the same (GPT-NeoX's name for it; validation refuses both differing)
     model.max_position_embeddings → max_position_embeddings
 
-An override applies only when the key is present and not None. The vocabulary size is
+An override applies only when the key is present and not None. The rotary base goes where the
+config's model_type reads it: transformers' GPT-NeoX ignores a `rope_theta` key (it reads
+`rotary_emb_base`, or `rope_parameters.rope_theta` in transformers >= 5 files). The vocabulary size is
 the config.json's (HF models are not padded). With `model.moe.num_experts` > 0 the MoE keys
 override a Mixtral-style config too (num_local_experts, num_experts_per_tok,
 router_aux_loss_coef, output_router_logits), and each MoE block gets nxdt's load-balancing
@@ -33,6 +36,7 @@ HF_OVERRIDES = {
     "num_layers": "num_hidden_layers",
     "hidden_size": "hidden_size",
     "rope_theta": "rope_theta",
+    "rotary_emb_base": "rope_theta",
     "max_position_embeddings": "max_position_embeddings",
 }
 
@@ -73,11 +77,14 @@ def load_config_dict(path: str | Path, overrides: dict[str, Any] | None = None) 
     for yaml_key, value in (overrides or {}).items():
         if value is None or yaml_key not in HF_OVERRIDES:
             continue
-        d[HF_OVERRIDES[yaml_key]] = value
+        attr = HF_OVERRIDES[yaml_key]
+        if attr == "rope_theta" and d.get("model_type") == "gpt_neox":
+            attr = "rotary_emb_base"
+        d[attr] = value
         if yaml_key == "hidden_size" and d.get("head_dim") is not None:
             # An explicit head_dim belonged to the old width; keep heads × head_dim == hidden.
             d["head_dim"] = value // d["num_attention_heads"]
-        if yaml_key == "rope_theta" and isinstance(d.get("rope_parameters"), dict):
+        if HF_OVERRIDES[yaml_key] == "rope_theta" and isinstance(d.get("rope_parameters"), dict):
             # transformers >= 5 format keeps rope_theta inside rope_parameters.
             d["rope_parameters"]["rope_theta"] = value
     # Drop the checkpoint's storage dtype: precision is nxdt's business, parameters start fp32.

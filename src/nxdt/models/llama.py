@@ -14,8 +14,9 @@ Design points:
   `LlamaMLP`, `LlamaRMSNorm`), which is why the SDPA call lives in its own small
   parameter-free `CoreAttention` module.
 - Megatron-style options (`normalization`, `activation`, `position_embedding_type`,
-  `rotary_percentage`, `has_bias`, dropouts, scaled init) are supported so the
-  NxDT "megatron" model configs mean what they say.
+  `rotary_percentage`, `has_bias`, dropouts, scaled init, `transformer_block_type`) are
+  supported so the NxDT "megatron" model configs mean what they say; GPT-NeoX / Pythia are this
+  model with layernorm, gelu, biases, partial rotary and the gpt_j block (nxdt.models.neox).
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from nxdt.models.moe import LlamaMoE, MoEArgs, MoEExperts, MoERouter
+
+
+BLOCK_TYPES = ("pre_ln", "post_ln", "normformer", "gpt_j")
 
 
 @dataclass
@@ -57,7 +61,7 @@ class LlamaArgs:
     share_embeddings_and_output_weights: bool = False
     """Tie lm_head.weight to model.embed_tokens.weight (one tensor, counted once)."""
     position_embedding_type: str = "rope"
-    """'rope' or 'learned_absolute' (adds model.embed_positions)."""
+    """'rope', 'learned_absolute' (adds model.embed_positions) or 'none' (no position signal but the causal mask)."""
     rotary_percentage: float = 1.0
     """Fraction of each head dim that is rotated (GPT-NeoX partial rotary); the rest passes through."""
     rope_theta: float = 10000.0
@@ -79,6 +83,12 @@ class LlamaArgs:
     moe: MoEArgs | None = None
     """Mixture of experts (nxdt.models.moe) in place of the MLP of every `moe.frequency`-th layer;
     None = dense. Experts are SwiGLU with ffn_hidden_size each and no bias (Mixtral)."""
+    transformer_block_type: str = "pre_ln"
+    """How a block connects its norms, attention and MLP (see `LlamaDecoderLayer`): 'pre_ln',
+    'post_ln', 'normformer' or 'gpt_j' (parallel residual)."""
+    gpt_j_tied: bool = True
+    """gpt_j only: one input norm shared by attention and MLP (GPT-J, NeMo); False: two (GPT-NeoX /
+    Pythia, transformers' GPTNeoX with use_parallel_residual)."""
     apply_query_key_layer_scaling: bool = False
     """Accepted for NxDT compatibility, no effect. In Megatron it divides QK^T by the layer
     number and multiplies it back inside an fp32 softmax: an fp16 overflow guard that leaves
@@ -91,10 +101,12 @@ class LlamaArgs:
             raise ValueError(f"normalization must be 'rmsnorm' or 'layernorm', got {self.normalization!r}")
         if self.activation not in ("swiglu", "gelu"):
             raise ValueError(f"activation must be 'swiglu' or 'gelu', got {self.activation!r}")
-        if self.position_embedding_type not in ("rope", "learned_absolute"):
-            raise ValueError(
-                f"position_embedding_type must be 'rope' or 'learned_absolute', got {self.position_embedding_type!r}"
-            )
+        if self.position_embedding_type not in ("rope", "learned_absolute", "none"):
+            raise ValueError("position_embedding_type must be 'rope', 'learned_absolute' or 'none', "
+                             f"got {self.position_embedding_type!r}")
+        if self.transformer_block_type not in BLOCK_TYPES:
+            raise ValueError(f"transformer_block_type must be one of {', '.join(BLOCK_TYPES)}, "
+                             f"got {self.transformer_block_type!r}")
         if self.num_attention_heads % self.num_kv_heads != 0:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -111,6 +123,9 @@ class LlamaArgs:
             raise ValueError(f"rotary dimension {self.rotary_dim} (head_dim × rotary_percentage) must be even")
         if self.moe is not None and (self.activation != "swiglu" or self.has_bias):
             raise ValueError("MoE experts are SwiGLU without bias: needs activation=swiglu and has_bias=false")
+        if self.moe is not None and self.transformer_block_type == "normformer":
+            # the experts have no FFN norm: MoE layers would silently lose normformer's third norm
+            raise ValueError("transformer_block_type normformer has no MoE form (the experts have no FFN norm)")
         if self.sliding_window_size is not None and self.sliding_window_size < 1:
             raise ValueError(f"sliding_window_size must be >= 1 or None, got {self.sliding_window_size}")
 
@@ -123,61 +138,11 @@ class LlamaArgs:
         return int(self.head_dim * self.rotary_percentage)
 
     def to_hf_config_dict(self) -> dict[str, Any]:
-        """The equivalent transformers LlamaConfig, or MixtralConfig with MoE layers (as a
-        config.json dict), for exporting a checkpoint to HF. Raises for options HF cannot express."""
-        unsupported = []
-        if self.normalization != "rmsnorm":
-            unsupported.append("normalization=layernorm")
-        if self.activation != "swiglu":
-            unsupported.append("activation=gelu")
-        if self.position_embedding_type != "rope":
-            unsupported.append("position_embedding_type=learned_absolute")
-        if self.rotary_percentage != 1.0:
-            unsupported.append("rotary_percentage<1")
-        if self.sliding_window_size is not None:
-            unsupported.append("sliding_window_size")
-        moe = self.moe
-        if moe is not None:
-            plain = {"frequency": 1, "routing_algorithm": "top_k", "router_activation": "softmax",
-                     "normalize_top_k_affinities": True, "score_scale": 1.0, "gate_type": "mixtral"}
-            unsupported += [f"moe.{k}={getattr(moe, k)}" for k, v in plain.items() if getattr(moe, k) != v]
-        if unsupported:
-            kind = "MixtralConfig" if moe is not None else "LlamaConfig"
-            raise ValueError(f"transformers {kind} cannot express: {', '.join(unsupported)}")
-        if moe is not None:  # Mixtral; its inference computes every routed token (no capacity)
-            return {
-                "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": self.vocab_size,
-                "hidden_size": self.hidden_size, "intermediate_size": self.ffn_hidden_size,
-                "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_attention_heads,
-                "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim, "hidden_act": "silu",
-                "max_position_embeddings": self.max_position_embeddings, "rms_norm_eps": self.layernorm_epsilon,
-                "rope_theta": self.rope_theta, "attention_dropout": self.attention_dropout,
-                "initializer_range": self.init_method_std, "tie_word_embeddings": self.share_embeddings_and_output_weights,
-                "num_local_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
-                "router_aux_loss_coef": moe.aux_loss_coef, "output_router_logits": moe.aux_loss_coef > 0,
-                "router_jitter_noise": 0.0, "sliding_window": None,
-            }
-        return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.ffn_hidden_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "max_position_embeddings": self.max_position_embeddings,
-            "rms_norm_eps": self.layernorm_epsilon,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
-            "attention_bias": self.has_bias,
-            "mlp_bias": self.has_bias,
-            "attention_dropout": self.attention_dropout,
-            "initializer_range": self.init_method_std,
-            "tie_word_embeddings": self.share_embeddings_and_output_weights,
-        }
+        """The equivalent transformers config.json (Llama, Mixtral or GPT-NeoX) as a dict;
+        ValueError for options none of them can express. See `nxdt.models.hf_export`."""
+        from nxdt.models.hf_export import hf_config_dict
+
+        return hf_config_dict(self)
 
 
 # --------------------------------------------------------------------------- norms
@@ -205,10 +170,11 @@ class LlamaLayerNorm(nn.LayerNorm):
     """LayerNorm with bias (normalization: layernorm); a named class so checkpointing can select it."""
 
 
-def make_norm(args: LlamaArgs) -> nn.Module:
+def make_norm(args: LlamaArgs, size: int | None = None) -> nn.Module:
+    size = args.hidden_size if size is None else size
     if args.normalization == "rmsnorm":
-        return LlamaRMSNorm(args.hidden_size, eps=args.layernorm_epsilon)
-    return LlamaLayerNorm(args.hidden_size, eps=args.layernorm_epsilon)
+        return LlamaRMSNorm(size, eps=args.layernorm_epsilon)
+    return LlamaLayerNorm(size, eps=args.layernorm_epsilon)
 
 
 # --------------------------------------------------------------------------- rotary embedding
@@ -408,6 +374,8 @@ class LlamaMLP(nn.Module):
         self.up_proj = nn.Linear(args.hidden_size, args.ffn_hidden_size, bias=bias)
         self.down_proj = nn.Linear(args.ffn_hidden_size, args.hidden_size, bias=bias)
         self.act_fn = nn.SiLU() if self.swiglu else nn.GELU()  # a module, as in transformers' tree
+        # normformer: a norm over the intermediate activations (NormFormer's "FFN LN", NeMo's)
+        self.ffn_layernorm = make_norm(args, args.ffn_hidden_size) if args.transformer_block_type == "normformer" else None
         self.dropout = nn.Dropout(args.ffn_dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -415,6 +383,8 @@ class LlamaMLP(nn.Module):
             h = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
         else:
             h = self.act_fn(self.up_proj(x))
+        if self.ffn_layernorm is not None:
+            h = self.ffn_layernorm(h)
         return self.down_proj(self.dropout(h))
 
 
@@ -422,17 +392,36 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """One block; `transformer_block_type` says how norms (n), attention and MLP connect:
+
+        pre_ln      h = x + attn(n1(x));      out = h + mlp(n2(h))          Llama, GPT-2, NeoX sequential
+        post_ln     h = n1(x + attn(x));      out = n2(h + mlp(h))          original Transformer, BERT
+        normformer  h = x + n3(attn(n1(x)));  out = h + mlp(n2(h))          NormFormer (+ a norm in the MLP)
+        gpt_j       out = x + attn(n1(x)) + mlp(n2(x))                     parallel residual (GPT-J: n2 = n1)
+
+    Module names: pre_ln, normformer and gpt_j keep transformers' `input_layernorm` (n1) and
+    `post_attention_layernorm` (n2); post_ln's norms follow the residual adds, so they are
+    `post_attention_layernorm` and `post_mlp_layernorm`; normformer's n3 is
+    `attention_output_layernorm`; a tied gpt_j block has `input_layernorm` only.
+    """
 
     def __init__(self, args: LlamaArgs, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        self.block_type = kind = args.transformer_block_type
+        self.shared_input_norm = kind == "gpt_j" and args.gpt_j_tied  # GPT-J: one norm feeds attention and MLP
         # Registration order = transformers' order, so state dicts list keys identically.
         self.self_attn = LlamaAttention(args)
         moe = args.moe is not None and args.moe.is_moe_layer(layer_idx)
         self.mlp = LlamaMoE(args.hidden_size, args.ffn_hidden_size, args.moe) if moe else LlamaMLP(args)
-        self.input_layernorm = make_norm(args)
-        self.post_attention_layernorm = make_norm(args)
+        if kind != "post_ln":
+            self.input_layernorm = make_norm(args)
+        if not self.shared_input_norm:
+            self.post_attention_layernorm = make_norm(args)
+        if kind == "post_ln":
+            self.post_mlp_layernorm = make_norm(args)
+        if kind == "normformer":
+            self.attention_output_layernorm = make_norm(args)
         self.dropout = nn.Dropout(args.hidden_dropout)
 
     def forward(
@@ -441,8 +430,19 @@ class LlamaDecoderLayer(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.dropout(self.self_attn(self.input_layernorm(x), rope, mask))
-        return x + self.dropout(self.mlp(self.post_attention_layernorm(x)))
+        kind = self.block_type
+        if kind == "gpt_j":
+            attn_in = self.input_layernorm(x)
+            mlp_in = attn_in if self.shared_input_norm else self.post_attention_layernorm(x)
+            return x + self.dropout(self.self_attn(attn_in, rope, mask)) + self.dropout(self.mlp(mlp_in))
+        if kind == "post_ln":
+            h = self.post_attention_layernorm(x + self.dropout(self.self_attn(x, rope, mask)))
+            return self.post_mlp_layernorm(h + self.dropout(self.mlp(h)))
+        attn = self.self_attn(self.input_layernorm(x), rope, mask)
+        if kind == "normformer":
+            attn = self.attention_output_layernorm(attn)
+        h = x + self.dropout(attn)
+        return h + self.dropout(self.mlp(self.post_attention_layernorm(h)))
 
 
 class LlamaModel(nn.Module):
@@ -454,11 +454,13 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         if args.position_embedding_type == "learned_absolute":
             self.embed_positions = nn.Embedding(args.max_position_embeddings, args.hidden_size)
-        else:
+        elif args.position_embedding_type == "rope":
             self.rotary_emb = LlamaRotaryEmbedding(args)
         self.embed_dropout = nn.Dropout(args.hidden_dropout)
         self.layers = nn.ModuleList(LlamaDecoderLayer(args, i) for i in range(args.num_layers))
-        self.norm = make_norm(args)
+        # post_ln blocks end normalized: no final norm (Megatron/NeMo); Identity keeps `norm` a module
+        # (None means "a pipeline stage without the final norm")
+        self.norm = nn.Identity() if args.transformer_block_type == "post_ln" else make_norm(args)
         self.positions_mark_documents = True  # a jump in caller-given position ids starts a new document
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -2,10 +2,12 @@
 
 Config keys (all under `model.`):
 
-    activations_checkpoint_granularity: full       each decoder block (LlamaDecoderLayer)
+    activations_checkpoint_granularity: full       each decoder block (LlamaDecoderLayer: every block
+                                                   type; a transformers model's block class, e.g. GPTNeoXLayer)
     activations_checkpoint_granularity: selective  the attention core (CoreAttention, as NxDT; the
-                                                   whole LlamaAttention for transformers models),
-                                                   + LlamaMLP when activations_checkpoint_recompute_mlp
+                                                   whole LlamaAttention / GPTNeoXAttention for transformers
+                                                   models), + LlamaMLP (GPTNeoXMLP) when
+                                                   activations_checkpoint_recompute_mlp
     activations_checkpoint_recompute: [names]      selective: exactly these classes instead
     selective_checkpointing: p                     fms-fsdp: only a fraction p of the blocks, evenly spaced
                                                    (alone it means full granularity on those blocks)
@@ -30,10 +32,15 @@ import torch.nn as nn
 from torch.utils.checkpoint import _checkpoint_without_reentrant_generator, checkpoint
 
 from nxdt.config.errors import ConfigError
+from nxdt.parallel.data_parallel import transformer_blocks
 
 # Module classes that `activations_checkpoint_recompute` may name (native names; the aliases
-# below map NxDT names onto transformers' classes).
-HF_ALIASES = {"CoreAttention": "LlamaAttention"}
+# below map NxDT names onto transformers' classes: the first one a model has is used).
+HF_ALIASES = {"CoreAttention": ("LlamaAttention", "MixtralAttention", "GPTNeoXAttention"),
+              "LlamaMLP": ("GPTNeoXMLP",)}
+# Whole decoder blocks, whatever the block's class (transformers: LlamaDecoderLayer, MixtralDecoderLayer,
+# GPTNeoXLayer); `full` granularity asks for it.
+BLOCK = "LlamaDecoderLayer"
 
 
 def checkpoint_module(module: nn.Module) -> nn.Module:
@@ -206,17 +213,18 @@ def recompute_classes(m) -> list[str] | None:
 
 
 def apply_activation_checkpointing(model: nn.Module, model_cfg) -> nn.Module:
-    """Checkpoint the modules the `model` config section asks for, in the blocks of
-    `model.model.layers` it selects."""
+    """Checkpoint the modules the `model` config section asks for, in the decoder blocks it
+    selects (`transformer_blocks`: model.model.layers, or a transformers model's base_model.layers)."""
     classes = recompute_classes(model_cfg)
     if not classes:
         return model
-    blocks = list(model.model.layers)
+    blocks = transformer_blocks(model)
     # A pipeline stage holds a subset: select by the block's global index when it has one.
     fraction = model_cfg.selective_checkpointing
     total = model_cfg.num_layers or len(blocks)  # hf: null (the count is in config.json)
     chosen = set(selected_blocks(max(total, len(blocks)), fraction))
-    valid = sorted({type(m).__name__ for b in blocks for m in b.modules()} | set(HF_ALIASES))
+    present = {type(m).__name__ for b in blocks for m in b.modules()}
+    valid = sorted(present | set(HF_ALIASES) | {BLOCK})
     unknown = [c for c in classes if c not in valid]
     if unknown:
         raise ConfigError(f"model.activations_checkpoint_recompute: unknown module class {unknown[0]!r}; "
@@ -229,16 +237,31 @@ def apply_activation_checkpointing(model: nn.Module, model_cfg) -> nn.Module:
         for start in range(0, len(blocks), chunk):
             checkpoint_chunk(blocks[start:start + chunk])
         return model
-    present = {type(m).__name__ for b in blocks for m in b.modules()}
-    wanted = {HF_ALIASES[c] if c not in present and c in HF_ALIASES else c for c in classes}
+    wanted = {_class_in(c, present) for c in classes}
     for i, block in enumerate(blocks):
-        index = getattr(block, "layer_idx", getattr(getattr(block, "self_attn", None), "layer_idx", i))
-        if index not in chosen:
+        if _layer_index(block, i) not in chosen:
             continue
-        if type(block).__name__ in wanted:
+        if BLOCK in wanted or type(block).__name__ in wanted:
             checkpoint_module(block)
             continue
         for sub in block.modules():
             if type(sub).__name__ in wanted:
                 checkpoint_module(sub)
     return model
+
+
+def _class_in(name: str, present: set[str]) -> str:
+    """`name`, or the transformers class it stands for in a model without it (HF_ALIASES)."""
+    if name in present:
+        return name
+    return next((alias for alias in HF_ALIASES.get(name, ()) if alias in present), name)
+
+
+def _layer_index(block: nn.Module, position: int) -> int:
+    """The block's index in the whole model (a pipeline stage holds a subset): its own or its
+    attention's layer_idx (native, transformers), else its position."""
+    for owner in (block, getattr(block, "self_attn", None), getattr(block, "attention", None)):
+        index = getattr(owner, "layer_idx", None)
+        if isinstance(index, int):
+            return index
+    return position

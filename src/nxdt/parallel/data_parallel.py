@@ -64,9 +64,19 @@ def data_parallel_config(ds, precision) -> DataParallelConfig:
     )
 
 
+def decoder_of(model: nn.Module) -> nn.Module:
+    """The module holding the decoder layers as `.layers`: `model.model` for the native model, a
+    transformers Llama / Mixtral and a pipeline stage; a transformers model's `base_model`
+    otherwise (GPTNeoXForCausalLM: `model.gpt_neox`)."""
+    for inner in (getattr(model, "model", None), getattr(model, "base_model", None)):
+        if isinstance(inner, nn.Module) and isinstance(getattr(inner, "layers", None), nn.Module):
+            return inner
+    raise ValueError(f"{type(model).__name__}: no decoder layers found (expected model.layers or base_model.layers)")
+
+
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The decoder layers: `model.model.layers` for both model sources (same tree as transformers)."""
-    return list(model.model.layers)
+    """The decoder layers (`model.model.layers`; `model.gpt_neox.layers` for transformers' GPT-NeoX)."""
+    return list(decoder_of(model).layers)
 
 
 def apply_data_parallel(model: nn.Module, mesh: DeviceMesh, dp_cfg: DataParallelConfig | None = None) -> None:

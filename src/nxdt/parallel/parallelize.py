@@ -7,7 +7,10 @@ The model file itself knows nothing of any of this.
 
 `parallelize_llama` takes any module whose decoder blocks are `model.model.layers`, so a
 pipeline stage (a subset of the blocks, maybe without embedding or lm_head) goes through the
-same function.
+same function; every block type of the native model (pre_ln, post_ln, normformer, gpt_j). A
+transformers model with another tree (GPTNeoXForCausalLM: `model.gpt_neox.layers`) gets
+activation checkpointing and data parallelism (`data_parallel.transformer_blocks` finds its
+blocks through `base_model`); validation refuses tp / pp / cp for it.
 """
 
 from __future__ import annotations

@@ -17,6 +17,18 @@ gather the sequence on entry (PrepareModuleInput) and reduce-scatter on exit (o_
 down_proj output Shard(1)). The arithmetic is the same as one process; only where the
 activations live changes.
 
+Block types (`transformer_block_type`, see nxdt.models.llama.LlamaDecoderLayer): a block's norms
+are its children named ``*layernorm`` (pre_ln: input_ + post_attention_; post_ln:
+post_attention_ + post_mlp_; normformer: + attention_output_; gpt_j: one or two input norms),
+each a SequenceParallel module with sequence parallel, its output handed on as the local shard
+(post_ln and normformer add a norm's output to the residual stream, which is a local shard).
+Attention and MLP take a sequence shard whoever produced it. normformer's ``mlp.ffn_layernorm``
+normalizes the intermediate activations, which colwise up_proj leaves sharded over tp (last
+dim): it gathers the whole row in (Shard(-1) → Replicate), runs as a plain module with whole
+weights on every tp rank (like a norm without sequence parallel), and hands on this rank's
+slice (Replicate → Shard(-1)), with or without sequence parallel. post_ln's final norm is an
+Identity (left alone: lm_head takes the sequence shard).
+
 Heads: both models reshape q/k/v with ``-1`` heads and a fixed head_dim, so a shard holding
 H/tp heads runs the model code unchanged. When tp > num_kv_heads each rank needs one whole
 K/V head that several ranks share: `KVHeadSelect` keeps k_proj/v_proj replicated over tp and
@@ -47,7 +59,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-__all__ = ["KVHeadSelect", "apply_tensor_parallel", "loss_parallel", "llama_tp_plan", "is_hf_model"]
+__all__ = ["KVHeadSelect", "apply_tensor_parallel", "block_norms", "loss_parallel", "llama_tp_plan", "is_hf_model"]
 
 
 def is_hf_model(model: nn.Module) -> bool:
@@ -109,6 +121,12 @@ def _is_moe(mlp: nn.Module) -> bool:
     return hasattr(mlp, "experts") and hasattr(mlp, "gate")
 
 
+def block_norms(block: nn.Module) -> list[str]:
+    """Names of a decoder block's own norms (its children named ``*layernorm``); which it has
+    depends on the block type. Norms inside the MLP (normformer's ffn_layernorm) are not listed."""
+    return [name for name, _ in block.named_children() if name.endswith("layernorm")]
+
+
 def llama_tp_plan(model: nn.Module, tp: int, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """The plan {module path: ParallelStyle} for `model` (paths relative to the causal-LM root)."""
     hf = is_hf_model(model)
@@ -145,8 +163,8 @@ def llama_tp_plan(model: nn.Module, tp: int, sequence_parallel: bool) -> dict[st
                 plan[p] = PrepareModuleInput(**edge, use_local_output=True)
             elif edge:
                 plan[p] = PrepareModuleOutput(**edge)
-            plan[f"{p}.input_layernorm"] = SequenceParallel()
-            plan[f"{p}.post_attention_layernorm"] = SequenceParallel()
+            for norm in block_norms(block):
+                plan[f"{p}.{norm}"] = SequenceParallel(use_local_output=True)
             if hf:
                 plan[f"{p}.self_attn"] = PrepareModuleInput(
                     input_kwarg_layouts={"hidden_states": seq},
@@ -170,8 +188,12 @@ def llama_tp_plan(model: nn.Module, tp: int, sequence_parallel: bool) -> dict[st
         if hasattr(block.mlp, "gate_proj"):
             plan[f"{p}.mlp.gate_proj"] = ColwiseParallel()
         plan[f"{p}.mlp.up_proj"] = ColwiseParallel()
+        if getattr(block.mlp, "ffn_layernorm", None) is not None:  # normformer: a norm over the whole row
+            plan[f"{p}.mlp.ffn_layernorm"] = PrepareModuleInputOutput(
+                input_layouts=(Shard(-1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+                output_layouts=(Replicate(),), desired_output_layouts=(Shard(-1),), use_local_output=True)
         plan[f"{p}.mlp.down_proj"] = RowwiseParallel(output_layouts=seq if sp else Replicate())
-    if "model.norm" in names and sp:
+    if "model.norm" in names and sp and not isinstance(names["model.norm"], nn.Identity):
         plan["model.norm"] = SequenceParallel(use_local_output=True)
     if "lm_head" in names:
         plan["lm_head"] = ColwiseParallel(

@@ -3,13 +3,19 @@
     nxdt convert hf-to-nxdt --input HF_DIR --output CKPT
     nxdt convert nxdt-to-hf --input CKPT --output HF_DIR [--max-shard-size 5GB] [--dtype bfloat16]
 
-Both model sources use transformers' LlamaForCausalLM parameter names, so the tensors are
-copied as they are. hf-to-nxdt writes a weights-only nxdt checkpoint (start training from it with
+Llama and Mixtral: both model sources use transformers' parameter names, so the tensors are
+copied as they are. GPT-NeoX / Pythia (config.json model_type gpt_neox): the weights are renamed
+to the native model's and the fused QKV is split (nxdt.models.neox), and the checkpoint gets an
+`nxdt_model.yaml`: the `model_source: megatron` + `model:` keys (block type, layernorm, gelu,
+biases, rotary_percentage, ...) that build that native model; put them in the training YAML.
+hf-to-nxdt writes a weights-only nxdt checkpoint (start training from it with
 `exp_manager.resume_from_checkpoint=CKPT model.weight_init_only=true`) and keeps the config.json
 and tokenizer files inside it. nxdt-to-hf writes safetensors shards with their
 `model.safetensors.index.json`, a config.json (the HF one kept at import, else from the
-checkpoint's config.yaml: `model.model_config` for model_source hf, LlamaArgs for megatron) and
-the tokenizer files. Only safetensors and JSON are read: nothing is unpickled.
+checkpoint's config.yaml: `model.model_config` for model_source hf, the native model's
+arguments for megatron, nxdt.models.hf_export) and the tokenizer files; a native GPT-NeoX is
+renamed back (the output layer as `embed_out`, as GPT-NeoX folders store it). Only safetensors
+and JSON are read: nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import Any
 from nxdt.config.errors import ConfigError
 from nxdt.config.load import load_saved_config
 
+NXDT_MODEL_FILE = "nxdt_model.yaml"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json")
 INDEX = "model.safetensors.index.json"
@@ -89,14 +96,32 @@ def read_hf_folder(input_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     return hf_config, tensors
 
 
-def hf_to_nxdt(input_dir: Path, output: Path) -> None:
+def hf_to_nxdt(input_dir: Path, output: Path) -> dict[str, Any] | None:
+    """Returns the nxdt model section written to `nxdt_model.yaml` (GPT-NeoX), else None."""
     from nxdt.checkpoint.checkpointer import save_weights
 
     hf_config, tensors = read_hf_folder(input_dir)
     if output.exists():
         raise ConfigError(f"--output {output} exists; choose a new path (nothing is overwritten)")
-    save_weights(tensors, output, {"hf_config": hf_config, "source": str(input_dir)})
+    meta: dict[str, Any] = {"hf_config": hf_config, "source": str(input_dir)}
+    nxdt_model = None
+    if hf_config.get("model_type") == "gpt_neox":
+        from nxdt.models.neox import neox_model_keys, neox_to_native
+
+        try:
+            nxdt_model = {"model_source": "megatron", "model": neox_model_keys(hf_config)}
+            tensors = neox_to_native(tensors, int(hf_config["num_attention_heads"]))
+        except (ValueError, KeyError) as err:
+            raise ConfigError(f"{input_dir}: cannot convert this GPT-NeoX model: {err}") from None
+        meta["nxdt_model"] = nxdt_model
+    save_weights(tensors, output, meta)
+    if nxdt_model is not None:
+        from omegaconf import OmegaConf
+
+        header = f"# the native model of {input_dir} (nxdt convert hf-to-nxdt): merge into the training YAML\n"
+        (output / NXDT_MODEL_FILE).write_text(header + OmegaConf.to_yaml(OmegaConf.create(nxdt_model)))
     copy_tokenizer(input_dir, output / "tokenizer")
+    return nxdt_model
 
 
 # --------------------------------------------------------------------------- nxdt checkpoint
@@ -117,10 +142,11 @@ def hf_config_for(ckpt: Path, tensors: dict[str, Any]) -> dict[str, Any]:
         d.setdefault("model_type", "llama")
         return d
     from nxdt.models.builder import llama_args_from_cfg
+    from nxdt.models.hf_export import hf_config_dict
 
     rows = tensors["model.embed_tokens.weight"].shape[0]
     try:
-        return llama_args_from_cfg(cfg, vocab_size=rows).to_hf_config_dict()
+        return hf_config_dict(llama_args_from_cfg(cfg, vocab_size=rows))
     except ValueError as err:  # e.g. an MoE that transformers' Mixtral cannot express
         raise ConfigError(f"{ckpt}: cannot be written as a transformers model: {err}") from None
 
@@ -168,6 +194,8 @@ def nxdt_to_hf(ckpt: Path, output: Path, max_shard_bytes: int, dtype: str | None
 
     tensors = load_weights(ckpt)
     config = hf_config_for(ckpt, tensors)
+    if config.get("model_type") == "gpt_neox":
+        tensors = neox_tensors(tensors, config, ckpt)
     if config.get("tie_word_embeddings"):
         tensors.pop("lm_head.weight", None)
     if dtype:
@@ -180,6 +208,19 @@ def nxdt_to_hf(ckpt: Path, output: Path, max_shard_bytes: int, dtype: str | None
     write_safetensors(tensors, output, max_shard_bytes)
     (output / "config.json").write_text(json.dumps(config, indent=2))
     copy_tokenizer(tokenizer_dir_for(ckpt), output)
+
+
+def neox_tensors(tensors: dict[str, Any], config: dict[str, Any], ckpt: Path) -> dict[str, Any]:
+    """GPT-NeoX names for the tensors of a native checkpoint; a model_source hf checkpoint already
+    has them (its output layer is stored as `embed_out`, the name GPT-NeoX folders use)."""
+    if "gpt_neox.embed_in.weight" in tensors:
+        return {("embed_out.weight" if k == "lm_head.weight" else k): v for k, v in tensors.items()}
+    from nxdt.models.neox import native_to_neox
+
+    try:
+        return native_to_neox(tensors, int(config["num_attention_heads"]))
+    except ValueError as err:
+        raise ConfigError(f"{ckpt}: cannot be written as a GPT-NeoX model: {err}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="store the weights in this dtype (default: as in the checkpoint)")
     args = parser.parse_args(argv)
     if args.direction == "hf-to-nxdt":
-        hf_to_nxdt(args.input, args.output)
+        if hf_to_nxdt(args.input, args.output) is not None:
+            print(f"model keys of the native model: {args.output / NXDT_MODEL_FILE}")
     else:
         nxdt_to_hf(args.input, args.output, parse_size(args.max_shard_size), args.dtype)
     print(f"wrote {args.output}")
