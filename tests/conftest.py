@@ -118,8 +118,15 @@ def run_pool(runs: dict[str, list[str]], nproc: int, out_dir: Path, expect: dict
                 for kind in ("out", "err")}
         results[name] = subprocess.CompletedProcess(name, max(rcs) if len(rcs) == nproc else -1,
                                                     text["out"], text["err"])
-        assert results[name].returncode == expect.get(name, 0), (
-            f"run '{name}' failed\n{text['out'][-3000:]}\n{text['err'][-5000:]}\n{proc.stderr[-3000:]}")
+        if results[name].returncode != expect.get(name, 0):
+            # each rank's own tail: the rank that died first (e.g. an abort in a gloo thread) says why,
+            # and its lines would be cut off behind the others' tracebacks in one joined tail
+            tails = ""
+            for err in sorted(run_dir.glob("rank*.err")):
+                rc = err.with_suffix(".rc")
+                tails += f"--- {err.name} (rc {rc.read_text() if rc.exists() else 'none: the rank died'})\n"
+                tails += err.read_text()[-2000:] + "\n"
+            raise AssertionError(f"run '{name}' failed\n{text['out'][-2000:]}\n{tails}\n{proc.stderr[-3000:]}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return results
 

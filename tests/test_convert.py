@@ -44,14 +44,16 @@ NEOX = {"normalization": "layernorm", "activation": "gelu", "has_bias": True, "t
 
 def _cfg(source: str):
     """megatron, hf, moe: the megatron source with Mixtral-style experts (4, top-2), neox: the
-    megatron source with GPT-NeoX's architecture, or hf_neox: transformers' GPTNeoX (model_source hf)."""
-    model = dict(TINY) if source in ("megatron", "moe", "neox") else {
+    megatron source with GPT-NeoX's architecture (neox_tanh: with activation gelu_tanh), or hf_neox: transformers' GPTNeoX (model_source hf)."""
+    model = dict(TINY) if source in ("megatron", "moe", "neox", "neox_tanh") else {
         "model_config": "model_configs/tiny_neox" if source == "hf_neox" else "model_configs/tiny_llama",
         "num_layers": 2, "hidden_size": 64}
     if source == "moe":
         model["moe"] = {"num_experts": 4, "top_k": 2, "output_router_logits": True}
     if source == "neox":
         model.update(NEOX)
+    if source == "neox_tanh":  # GPT-NeoX-20B's tanh GELU
+        model.update(NEOX, activation="gelu_tanh")
     return config_from_dict({
         "model_source": "hf" if source.startswith("hf") else "megatron", "model": model,
         "distributed_strategy": {"tensor_model_parallel_size": 1},
@@ -68,6 +70,9 @@ def _nxdt_checkpoint(tmp_path, source: str):
             for p in model.parameters():
                 if p.dim() == 1:
                     p.add_(0.1 * torch.randn_like(p))
+            if source == "neox_tanh":  # MLP inputs of a few units: tanh and exact GELU differ by ~1e-4 there
+                for layer in model.model.layers:
+                    layer.mlp.up_proj.weight.mul_(30)
     ckpt = tmp_path / f"ckpt_{source}"
     save_weights(model.state_dict(), ckpt)
     (ckpt / "config.yaml").write_text(to_yaml(cfg))
@@ -83,18 +88,20 @@ def test_export_loads_in_plain_transformers_with_equal_logits(tmp_path):
     folders, expected = [], []
     # moe: exported as a MixtralForCausalLM, neox: as a GPTNeoXForCausalLM (renamed, QKV fused),
     # hf_neox: transformers' own GPTNeoX names (the output layer stored as embed_out)
-    for source in ("megatron", "hf", "moe", "neox", "hf_neox"):
+    for source in ("megatron", "hf", "moe", "neox", "hf_neox", "neox_tanh"):
         model, ckpt = _nxdt_checkpoint(tmp_path, source)
         out = tmp_path / f"hf_{source}"
         nxdt_to_hf(ckpt, out, max_shard_bytes=600_000)
         index = json.loads((out / "model.safetensors.index.json").read_text())
         files = sorted(set(index["weight_map"].values()))
         assert len(files) > 1 and all((out / f).is_file() for f in files)
-        names = native_to_neox(model.state_dict(), 4) if source == "neox" else model.state_dict()
+        names = native_to_neox(model.state_dict(), 4) if source.startswith("neox") else model.state_dict()
         if source == "hf_neox":
             names = [k.replace("lm_head.", "embed_out.") for k in names]
         assert set(index["weight_map"]) == set(names)
         assert (out / "tokenizer.json").is_file() and (out / "config.json").is_file()
+        if source == "neox_tanh":
+            assert json.loads((out / "config.json").read_text())["hidden_act"] == "gelu_pytorch_tanh"
         with torch.no_grad():
             expected.append(logits_of(model(input_ids=ids)))
         folders.append(str(out))
@@ -153,8 +160,9 @@ def test_exported_config_matches_model(tmp_path, source):
         assert config["intermediate_size"] == 176 and config["output_router_logits"] is True
 
 
-def _hf_neox_folder(tmp_path, parallel: bool):
-    """A transformers GPTNeoX folder (save_pretrained, safetensors) with random weights and the tokenizer."""
+def _hf_neox_folder(tmp_path, parallel: bool, hidden_act: str = "gelu"):
+    """A transformers GPTNeoX folder (save_pretrained, safetensors) with random weights and the tokenizer;
+    a tanh-GELU one with MLP inputs of a few units (where the approximation differs from exact GELU)."""
     import shutil
 
     import transformers
@@ -162,12 +170,16 @@ def _hf_neox_folder(tmp_path, parallel: bool):
     torch.manual_seed(0)
     config = transformers.GPTNeoXConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                         intermediate_size=160, rotary_pct=0.25, rotary_emb_base=5000.0,
-                                        max_position_embeddings=64, use_parallel_residual=parallel)
+                                        max_position_embeddings=64, use_parallel_residual=parallel,
+                                        hidden_act=hidden_act)
     model = transformers.GPTNeoXForCausalLM._from_config(config, attn_implementation="sdpa").eval()
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 1:
                 p.add_(0.1 * torch.randn_like(p))
+        if hidden_act != "gelu":
+            for layer in model.gpt_neox.layers:
+                layer.mlp.dense_h_to_4h.weight.mul_(30)
     folder = tmp_path / "neox_hf"
     model.save_pretrained(folder, safe_serialization=True)
     for f in TOKENIZER_DIR.iterdir():
@@ -221,8 +233,41 @@ def test_neox_the_native_model_cannot_express_is_one_line(tmp_path, capsys):
 
     _, folder = _hf_neox_folder(tmp_path, True)
     config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu_fast"}))
+    (folder / "config.json").write_text(json.dumps({**config, "hidden_act": "relu"}))
     assert main(["convert", "hf-to-nxdt", "--input", str(folder), "--output", str(tmp_path / "c")]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "hidden_act=gelu_fast" in errors[0] and str(folder) in errors[0]
+    assert len(errors) == 1 and "hidden_act=relu" in errors[0] and str(folder) in errors[0]
     assert not (tmp_path / "c").exists()
+
+
+def test_neox_20b_tanh_gelu_folder_to_nxdt_and_back(tmp_path, capsys):
+    """GPT-NeoX-20B's config.json says hidden_act gelu_fast: it converts to activation gelu_tanh, and
+    back to a folder (hidden_act gelu_pytorch_tanh) that plain transformers loads, logits unchanged."""
+    from omegaconf import OmegaConf
+    from transformers import AutoModelForCausalLM
+
+    from nxdt.cli import main
+
+    original, folder = _hf_neox_folder(tmp_path, True, hidden_act="gelu_fast")
+    ids = torch.arange(24).reshape(2, 12) * 37 % 1000
+    with torch.no_grad():
+        want = original(input_ids=ids).logits
+    ckpt = tmp_path / "nxdt"
+    assert main(["convert", "hf-to-nxdt", "--input", str(folder), "--output", str(ckpt)]) == 0
+    keys = OmegaConf.to_container(OmegaConf.load(ckpt / "nxdt_model.yaml"))
+    assert keys["model"]["activation"] == "gelu_tanh"
+    data = {"tokenizer": {"library": "huggingface", "type": str(TOKENIZER_DIR)}}
+    native = build_model(config_from_dict({**keys, "data": data}), vocab_size=1000).eval()
+    native.load_state_dict(load_weights(ckpt), strict=True)
+    with torch.no_grad():
+        assert (native(ids) - want).abs().max().item() < 1e-5
+        exact = build_model(config_from_dict({**keys, "model": {**keys["model"], "activation": "gelu"}, "data": data}),
+                            vocab_size=1000).eval()
+        exact.load_state_dict(native.state_dict())
+        assert (exact(ids) - want).abs().max().item() > 3e-5  # the exact GELU is another function
+    out = tmp_path / "back"
+    nxdt_to_hf(ckpt, out, max_shard_bytes=10**9)
+    assert json.loads((out / "config.json").read_text())["hidden_act"] == "gelu_fast"  # the kept config.json
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        assert (reloaded(input_ids=ids).logits - want).abs().max().item() < 1e-5

@@ -97,7 +97,7 @@ def test_imported_pythia_settings(capsys, tmp_path):
     cfg = _load(tmp_path / "p.yaml")
     m, ds = cfg.model, cfg.distributed_strategy
     assert (m.transformer_block_type, m.gpt_j_tied, m.normalization, m.activation, m.has_bias) == \
-        ("gpt_j", False, "layernorm", "gelu", True)
+        ("gpt_j", False, "layernorm", "gelu_tanh", True)  # bias-gelu-fusion: NeoX's tanh GELU
     assert (m.position_embedding_type, m.rotary_percentage, m.share_embeddings_and_output_weights) == \
         ("rope", 0.25, False)
     assert (m.vocab_size, m.make_vocab_size_divisible_by, m.ffn_hidden_size) == (50277, 128, 3072)
@@ -141,6 +141,18 @@ def test_dash_and_underscore_are_the_same_key(tmp_path, capsys):
     under = _write(tmp_path / "under.yml", {k.replace("-", "_"): v for k, v in TINY.items()})
     assert _import(capsys, under, "--name", "tiny", "--output", tmp_path / "under.yaml")[0] == 0
     assert _diff(_load(tmp_path / "under.yaml"), dashes) == []
+
+
+@pytest.mark.parametrize("extra, activation", [
+    ({}, "gelu"), ({"bias-gelu-fusion": False}, "gelu"), ({"bias-gelu-fusion": True}, "gelu_tanh"),
+    ({"bias-gelu-fusion": True, "activation": "swiglu"}, "swiglu"), ({"onnx-safe": True}, "gelu"),
+])
+def test_gelu_is_exact_unless_neox_fuses_it(tmp_path, capsys, extra, activation):
+    """NeoX's get_activation: gelu is F.gelu (exact), with bias-gelu-fusion its tanh approximation."""
+    cfg, text, _ = _tiny(tmp_path, capsys, extra)
+    assert cfg.model.activation == activation
+    if activation != "swiglu":  # read into model.activation, not listed (with swiglu: an inert fusion switch)
+        assert "bias-gelu-fusion" not in text.split("NeoX keys not mapped:")[-1]
 
 
 def test_keys_not_mapped_are_listed_once_in_the_output_and_printed(tmp_path, capsys):

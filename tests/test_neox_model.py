@@ -114,7 +114,11 @@ def test_neox_config_formats_and_what_the_native_model_refuses():
     assert neox_rope({}) == (0.25, 10000.0, "default")
     base = {**PYTHIA_TINY, "num_attention_heads": HEADS, "vocab_size": 50304}
     assert neox_model_keys(base)["make_vocab_size_divisible_by"] == 128  # Pythia's padded vocabulary stays 50304
-    for bad, name in [({"hidden_act": "gelu_fast"}, "hidden_act=gelu_fast"), ({"attention_bias": False}, "attention_bias"),
+    for act, native in [("gelu", "gelu"), ("gelu_fast", "gelu_tanh"), ("gelu_new", "gelu_tanh"),
+                        ("gelu_pytorch_tanh", "gelu_tanh")]:
+        assert neox_model_keys({**base, "hidden_act": act})["activation"] == native
+    for bad, name in [({"hidden_act": "relu"}, "hidden_act=relu"), ({"hidden_act": "gelu_10"}, "hidden_act=gelu_10"),
+                      ({"attention_bias": False}, "attention_bias"),
                       ({"tie_word_embeddings": True}, "tie_word_embeddings"),
                       ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_type=linear")]:
         with pytest.raises(ValueError, match=name):
@@ -134,10 +138,44 @@ def test_export_names_what_no_transformers_family_expresses():
         ({"has_bias": False, "share_embeddings_and_output_weights": True},
          ["has_bias=false", "share_embeddings_and_output_weights=true"]),
         ({"position_embedding_type": "none"}, ["position_embedding_type=none"]),
+        # the tanh GELU is a GPT-NeoX only: LlamaConfig names it (Llama and Mixtral are SwiGLU)
+        ({"activation": "gelu_tanh", "transformer_block_type": "normformer"},
+         ["activation=gelu_tanh", "transformer_block_type=normformer"]),
     ]:
         with pytest.raises(ValueError, match="LlamaConfig cannot express.*GPTNeoXConfig cannot express") as err:
             hf_config_dict(LlamaArgs(**{**neox, **kw}))
         assert all(n in str(err.value) for n in names), str(err.value)
+
+
+@pytest.mark.parametrize("hidden_act", ["gelu_fast", "gelu_new", "gelu_pytorch_tanh"])
+def test_tanh_gelu_neox_matches_transformers_both_ways(hidden_act):
+    """GPT-NeoX-20B's hidden_act gelu_fast (and its two equals) is the native gelu_tanh: transformers'
+    weights give its logits in the native model, and the native model exports as gelu_pytorch_tanh."""
+    hf = hf_neox(True, hidden_act=hidden_act)
+    with torch.no_grad():  # MLP inputs of a few units, where the tanh approximation is off by up to ~5e-4
+        for layer in hf.gpt_neox.layers:
+            layer.mlp.dense_h_to_4h.weight.mul_(30)
+    keys = neox_model_keys(hf.config.to_dict())
+    assert keys["activation"] == "gelu_tanh"
+    model = native_from_keys(keys)
+    act = model.model.layers[0].mlp.act_fn
+    assert isinstance(act, torch.nn.GELU) and act.approximate == "tanh"
+    model.load_state_dict(neox_to_native(hf.state_dict(), HEADS), strict=True)
+    with torch.no_grad():
+        want = hf(input_ids=IDS).logits
+        torch.testing.assert_close(model(IDS), want, atol=1e-5, rtol=1e-5)
+        # the exact GELU on the same weights is another function: off by over 3x the tolerance (~5e-5)
+        exact = native_from_keys({**keys, "activation": "gelu"})
+        exact.load_state_dict(model.state_dict())
+        assert (exact(IDS) - want).abs().max() > 3e-5
+    exported = hf_config_dict(model.args)
+    assert (exported["model_type"], exported["hidden_act"]) == ("gpt_neox", "gelu_pytorch_tanh")
+    assert hf_config_dict(exact.args)["hidden_act"] == "gelu"
+    config = transformers.GPTNeoXConfig(**{k: v for k, v in exported.items() if k not in ("architectures", "model_type")})
+    back = transformers.GPTNeoXForCausalLM._from_config(config, attn_implementation="sdpa").eval()
+    back.load_state_dict(native_to_neox(model.state_dict(), HEADS, _hf_output_key(back)), strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(back(input_ids=IDS).logits, model(IDS), atol=1e-5, rtol=1e-5)
 
 
 # --------------------------------------------------------------------------- block types vs a reference
@@ -188,6 +226,8 @@ def reference_forward(sd: dict, a: LlamaArgs, ids: torch.Tensor) -> torch.Tensor
         up = _linear(h, sd, f"{p}.mlp.up_proj")
         if a.activation == "swiglu":
             inner = F.silu(_linear(h, sd, f"{p}.mlp.gate_proj")) * up
+        elif a.activation == "gelu_tanh":
+            inner = 0.5 * up * (1 + torch.tanh(math.sqrt(2 / math.pi) * (up + 0.044715 * up ** 3)))
         else:
             inner = 0.5 * up * (1 + torch.erf(up / math.sqrt(2)))
         if a.transformer_block_type == "normformer":
@@ -227,7 +267,7 @@ NEOXISH = dict(normalization="layernorm", activation="gelu", has_bias=True, rota
 @pytest.mark.parametrize("block, kw", [
     ("pre_ln", {}), ("pre_ln", NEOXISH), ("post_ln", {}), ("post_ln", NEOXISH), ("normformer", {}),
     ("normformer", NEOXISH), ("gpt_j", {}), ("gpt_j", NEOXISH), ("gpt_j-untied", NEOXISH),
-    ("pre_ln", {**NEOXISH, "position_embedding_type": "none"}),
+    ("pre_ln", {**NEOXISH, "position_embedding_type": "none"}), ("gpt_j-untied", {**NEOXISH, "activation": "gelu_tanh"}),
     ("gpt_j-untied", {**NEOXISH, "position_embedding_type": "none"}),
     ("post_ln", {"position_embedding_type": "learned_absolute"}),
 ])

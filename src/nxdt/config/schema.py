@@ -266,7 +266,9 @@ class ModelConfig:
     rotary_emb_base: Optional[float] = doc(None, "GPT-NeoX's name for rope_theta (give one of the two)")
     rope_scaling: Optional[Dict[str, Any]] = doc(None, "rotary scaling as in transformers (e.g. rope_type: llama3)", open=True)
     sliding_window_size: Optional[int] = doc(None, "sliding-window attention size; null = full causal")
-    activation: Literal["swiglu", "gelu"] = doc("swiglu", "MLP activation")
+    activation: Literal["swiglu", "gelu", "gelu_tanh"] = doc(
+        "swiglu", "MLP activation: swiglu | gelu (exact, erf) | gelu_tanh (GELU's tanh approximation: "
+        "transformers' gelu_fast / gelu_new / gelu_pytorch_tanh, NeoX's bias-gelu-fusion)")
     transformer_block_type: Literal["pre_ln", "post_ln", "normformer", "gpt_j"] = doc(
         "pre_ln", "block layout: pre_ln (Llama) | post_ln | normformer | gpt_j (parallel residual, GPT-NeoX/Pythia)")
     gpt_j_tied: bool = doc(True, "gpt_j: attention and MLP share one input norm (GPT-J, NeMo); false: two "

@@ -4,9 +4,10 @@ Three families cover what the native model builds and transformers can load unch
 
 - `LlamaForCausalLM`: RMSNorm, SwiGLU, pre_ln blocks, full rotary (the native model's defaults);
 - `MixtralForCausalLM`: the same with Mixtral-style MoE layers;
-- `GPTNeoXForCausalLM` (GPT-NeoX, Pythia): LayerNorm, GELU, biases, partial rotary, untied
-  embeddings, and either parallel residual with two input norms (native `gpt_j` with
-  `gpt_j_tied: false` = transformers' `use_parallel_residual: true`) or sequential (`pre_ln`).
+- `GPTNeoXForCausalLM` (GPT-NeoX, Pythia): LayerNorm, GELU (exact: hidden_act gelu; gelu_tanh:
+  gelu_pytorch_tanh), biases, partial rotary, untied embeddings, and either parallel residual
+  with two input norms (native `gpt_j` with `gpt_j_tied: false` = transformers'
+  `use_parallel_residual: true`) or sequential (`pre_ln`). Llama and Mixtral are SwiGLU only.
 
 The family is chosen from the arguments; when none can express them, the ValueError names, per
 family, every option it lacks, so the user sees what to change. GPT-NeoX's parameter names
@@ -68,7 +69,7 @@ def neox_issues(a: LlamaArgs) -> list[str]:
         issues.append("moe")
     if a.normalization != "layernorm":
         issues.append(f"normalization={a.normalization}")
-    if a.activation != "gelu":
+    if a.activation not in ("gelu", "gelu_tanh"):
         issues.append(f"activation={a.activation}")
     if not a.has_bias:  # GPT-NeoX's MLP always has biases
         issues.append("has_bias=false")
@@ -126,7 +127,8 @@ def _neox(a: LlamaArgs) -> dict[str, Any]:
     return {
         "architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "vocab_size": a.vocab_size,
         "hidden_size": a.hidden_size, "intermediate_size": a.ffn_hidden_size, "num_hidden_layers": a.num_layers,
-        "num_attention_heads": a.num_attention_heads, "hidden_act": "gelu",
+        "num_attention_heads": a.num_attention_heads,
+        "hidden_act": "gelu_pytorch_tanh" if a.activation == "gelu_tanh" else "gelu",
         "max_position_embeddings": a.max_position_embeddings, "layer_norm_eps": a.layernorm_epsilon,
         "rotary_pct": a.rotary_percentage, "rotary_emb_base": a.rope_theta,
         "use_parallel_residual": a.transformer_block_type == "gpt_j", "attention_bias": True,

@@ -55,7 +55,8 @@ class LlamaArgs:
     """'rmsnorm' (Llama) or 'layernorm' (GPT-style, with a bias)."""
     layernorm_epsilon: float = 1e-5
     activation: str = "swiglu"
-    """'swiglu' (down(silu(gate(x)) * up(x))) or 'gelu' (down(gelu(up(x))), no gate_proj)."""
+    """'swiglu' (down(silu(gate(x)) * up(x))), 'gelu' (down(gelu(up(x))), no gate_proj; exact erf GELU)
+    or 'gelu_tanh' (the same with GELU's tanh approximation: GPT-NeoX-20B's gelu_fast)."""
     has_bias: bool = False
     """Bias on every linear layer of attention and MLP (never on lm_head)."""
     share_embeddings_and_output_weights: bool = False
@@ -99,8 +100,8 @@ class LlamaArgs:
             self.num_kv_heads = self.num_attention_heads
         if self.normalization not in ("rmsnorm", "layernorm"):
             raise ValueError(f"normalization must be 'rmsnorm' or 'layernorm', got {self.normalization!r}")
-        if self.activation not in ("swiglu", "gelu"):
-            raise ValueError(f"activation must be 'swiglu' or 'gelu', got {self.activation!r}")
+        if self.activation not in ("swiglu", "gelu", "gelu_tanh"):
+            raise ValueError(f"activation must be 'swiglu', 'gelu' or 'gelu_tanh', got {self.activation!r}")
         if self.position_embedding_type not in ("rope", "learned_absolute", "none"):
             raise ValueError("position_embedding_type must be 'rope', 'learned_absolute' or 'none', "
                              f"got {self.position_embedding_type!r}")
@@ -363,7 +364,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)); GELU: down(gelu(up(x))) (no gate_proj)."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); GELU: down(gelu(up(x))) (no gate_proj), gelu_tanh with
+    GELU's tanh approximation."""
 
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
@@ -373,7 +375,9 @@ class LlamaMLP(nn.Module):
             self.gate_proj = nn.Linear(args.hidden_size, args.ffn_hidden_size, bias=bias)
         self.up_proj = nn.Linear(args.hidden_size, args.ffn_hidden_size, bias=bias)
         self.down_proj = nn.Linear(args.ffn_hidden_size, args.hidden_size, bias=bias)
-        self.act_fn = nn.SiLU() if self.swiglu else nn.GELU()  # a module, as in transformers' tree
+        # a module, as in transformers' tree
+        self.act_fn = nn.SiLU() if self.swiglu else nn.GELU(
+            approximate="tanh" if args.activation == "gelu_tanh" else "none")
         # normformer: a norm over the intermediate activations (NormFormer's "FFN LN", NeMo's)
         self.ffn_layernorm = make_norm(args, args.ffn_hidden_size) if args.transformer_block_type == "normformer" else None
         self.dropout = nn.Dropout(args.ffn_dropout)

@@ -1,9 +1,10 @@
 """GPT-NeoX / Pythia checkpoints ⇄ the native model: weight names, the fused QKV, and the model keys.
 
 transformers' `GPTNeoXForCausalLM` is the native model with other names (the arithmetic is the
-same: LayerNorm with bias, GELU MLP with biases, partial "rotate half" rotary on the first
-`rotary_pct` of each head, parallel residual with two input norms = native `gpt_j` with
-`gpt_j_tied: false`, sequential = `pre_ln`):
+same: LayerNorm with bias, GELU MLP with biases (exact GELU, or its tanh approximation =
+native `gelu_tanh` for hidden_act gelu_fast / gelu_new / gelu_pytorch_tanh), partial "rotate
+half" rotary on the first `rotary_pct` of each head, parallel residual with two input norms =
+native `gpt_j` with `gpt_j_tied: false`, sequential = `pre_ln`):
 
     gpt_neox.embed_in                       model.embed_tokens
     gpt_neox.layers.N.input_layernorm       model.layers.N.input_layernorm
@@ -43,6 +44,9 @@ _TOP = {"gpt_neox.embed_in": "model.embed_tokens", "gpt_neox.final_layer_norm": 
 # buffers older GPT-NeoX checkpoints (Pythia's) store: the causal mask and the rotary frequencies
 _BUFFERS = re.compile(r"\.attention\.(bias|masked_bias|rotary_emb\.inv_freq)$")
 OUTPUT_KEYS = ("embed_out.weight", "lm_head.weight")
+# transformers' hidden_act -> native activation: exact GELU, or its tanh approximation (three names in
+# transformers, equal within ~1e-7; GPT-NeoX-20B's config.json says gelu_fast)
+HIDDEN_ACT = {"gelu": "gelu", "gelu_fast": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 def neox_to_native(state: dict[str, torch.Tensor], num_heads: int) -> dict[str, torch.Tensor]:
@@ -151,8 +155,8 @@ def neox_model_keys(hf: dict[str, Any]) -> dict[str, Any]:
     pct, base, rope_type = neox_rope(hf)
     problems = []
     act = hf.get("hidden_act", "gelu")
-    if act != "gelu":
-        problems.append(f"hidden_act={act} (the native GELU is the exact one)")
+    if act not in HIDDEN_ACT:
+        problems.append(f"hidden_act={act} (nxdt reads {', '.join(sorted(HIDDEN_ACT))})")
     if not hf.get("attention_bias", True):
         problems.append("attention_bias=false (native has_bias covers attention and MLP)")
     if hf.get("tie_word_embeddings", False):
@@ -167,7 +171,8 @@ def neox_model_keys(hf: dict[str, Any]) -> dict[str, Any]:
         "num_layers": hf["num_hidden_layers"], "hidden_size": hf["hidden_size"],
         "ffn_hidden_size": hf["intermediate_size"], "num_attention_heads": hf["num_attention_heads"],
         "num_kv_heads": hf["num_attention_heads"], "max_position_embeddings": hf.get("max_position_embeddings", 2048),
-        "normalization": "layernorm", "layernorm_epsilon": hf.get("layer_norm_eps", 1e-5), "activation": "gelu",
+        "normalization": "layernorm", "layernorm_epsilon": hf.get("layer_norm_eps", 1e-5),
+        "activation": HIDDEN_ACT[act],
         "has_bias": True, "transformer_block_type": "gpt_j" if parallel else "pre_ln",
         "position_embedding_type": "rope", "rotary_percentage": pct, "rotary_emb_base": base,
         "share_embeddings_and_output_weights": False, "vocab_size": vocab,

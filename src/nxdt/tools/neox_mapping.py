@@ -383,10 +383,14 @@ class NeoxMapper(TrainingKeys):
         if act not in ("gelu", "swiglu"):
             self.list_key("not mapped", "activation", "nxdt has gelu and swiglu; the output uses gelu")
             act = "gelu"
-        o.set("model.activation", act, self.c("activation"))
-        if self.flag("bias_gelu_fusion", False) and act == "gelu":
-            self.list_key("approximated", "bias_gelu_fusion", "NeoX's fused bias-GELU is GELU's tanh approximation; "
-                          "nxdt's GELU is the exact (erf) one, as transformers' GPTNeoX")
+        # NeoX's get_activation (megatron/model/activations.py): gelu is F.gelu (exact), but with
+        # bias-gelu-fusion its fused bias_gelu, GELU's tanh approximation (onnx-safe: erf_gelu, exact)
+        onnx_safe = str(self.cfg.get("onnx_safe")).lower() == "true"
+        if act == "gelu" and self.flag("bias_gelu_fusion", False) and not onnx_safe:
+            o.set("model.activation", "gelu_tanh", self.c("activation", " with " + self.spelled("bias_gelu_fusion")
+                                                          + ": NeoX's fused bias-GELU is GELU's tanh approximation"))
+        else:
+            o.set("model.activation", act, self.c("activation"))
         attn_bias, mlp_bias = self.flag("use_bias_in_attn_linear"), self.flag("use_bias_in_mlp")
         if attn_bias != mlp_bias:
             self.list_key("approximated", "use_bias_in_attn_linear",
