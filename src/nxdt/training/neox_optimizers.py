@@ -15,10 +15,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.optim import Optimizer
 
 from nxdt.config import optim_keys
 from nxdt.config.errors import ConfigError
+from nxdt.training.optimizer_base import ParameterwiseOptimizer
 
 
 def _check_betas(betas) -> tuple[float, float]:
@@ -27,7 +27,7 @@ def _check_betas(betas) -> tuple[float, float]:
     return tuple(betas)
 
 
-class Lion(Optimizer):
+class Lion(ParameterwiseOptimizer):
     """Lion (EvoLved Sign Momentum), as lion-pytorch's `Lion` that NeoX uses.
 
     Per parameter, with momentum m (zeros at first):
@@ -43,31 +43,18 @@ class Lion(Optimizer):
             raise ValueError(f"invalid Lion argument: lr={lr}, weight_decay={weight_decay}")
         super().__init__(params, dict(lr=lr, betas=_check_betas(betas), weight_decay=weight_decay))
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            lr, wd = group["lr"], group["weight_decay"]
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("Lion does not support sparse gradients")
-                grad = p.grad
-                state = self.state[p]
-                if not state:
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                exp_avg = state["exp_avg"]
-                if wd != 0:
-                    p.mul_(1 - lr * wd)
-                update = exp_avg.mul(beta1).add_(grad, alpha=1 - beta1).sign_()
-                p.add_(update, alpha=-lr)
-                exp_avg.mul_(beta2).add_(grad, alpha=1 - beta2)
-        return loss
+    def update(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
+        lr, wd = group["lr"], group["weight_decay"]
+        beta1, beta2 = group["betas"]
+        grad = p.grad
+        if not state:
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        exp_avg = state["exp_avg"]
+        if wd != 0:
+            p.mul_(1 - lr * wd)
+        update = exp_avg.mul(beta1).add_(grad, alpha=1 - beta1).sign_()
+        p.add_(update, alpha=-lr)
+        exp_avg.mul_(beta2).add_(grad, alpha=1 - beta2)
 
 
 def sm3_accumulator_shapes(shape: torch.Size | tuple[int, ...]) -> list[tuple[int, ...]]:
@@ -79,7 +66,7 @@ def sm3_accumulator_shapes(shape: torch.Size | tuple[int, ...]) -> list[tuple[in
     return [tuple(n if d == i else 1 for d, n in enumerate(shape)) for i in range(rank)]
 
 
-class SM3(Optimizer):
+class SM3(ParameterwiseOptimizer):
     """SM3-II, as NeoX's `SM3` (megatron/optimizers.py), dense gradients.
 
     Per parameter of shape (n1, ..., nk) the state is one accumulator per dimension (n1 + ... + nk
@@ -112,61 +99,36 @@ class SM3(Optimizer):
                 if _is_sharded(p):
                     raise ConfigError(optim_keys.SM3_SHARDED + f" (parameter {tuple(p.shape)} is {p.placements})")
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            momentum, beta, eps = group["momentum"], group["beta"], group["eps"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("SM3 here supports dense gradients only")
-                param = _local(p)
-                dtype = torch.promote_types(param.dtype, torch.float32)  # fp32, or fp64 for fp64 params
-                grad = _local(p.grad).to(dtype)
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    for i, shape in enumerate(sm3_accumulator_shapes(param.shape)):
-                        state[f"accumulator_{i}"] = torch.zeros(shape, dtype=dtype, device=param.device)
-                    if momentum > 0:
-                        state["momentum_buffer"] = torch.zeros_like(param, dtype=dtype)
-                accs = [state[f"accumulator_{i}"] for i in range(max(param.dim(), 1))]
+    def update(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
+        momentum, beta, eps = group["momentum"], group["beta"], group["eps"]
+        param = _local(p)
+        dtype = torch.promote_types(param.dtype, torch.float32)  # fp32, or fp64 for fp64 params
+        grad = _local(p.grad).to(dtype)
+        if not state:
+            state["step"] = 0
+            for i, shape in enumerate(sm3_accumulator_shapes(param.shape)):
+                state[f"accumulator_{i}"] = torch.zeros(shape, dtype=dtype, device=param.device)
+            if momentum > 0:
+                state["momentum_buffer"] = torch.zeros_like(param, dtype=dtype)
+        accs = [state[f"accumulator_{i}"] for i in range(max(param.dim(), 1))]
 
-                nu = accs[0]
-                for acc in accs[1:]:
-                    nu = torch.minimum(nu, acc)  # broadcasts up to the full shape
-                nu = nu.mul(beta).addcmul_(grad, grad, value=1 - beta) if beta > 0 else nu + grad * grad
-                for i, acc in enumerate(accs):
-                    nu_max = _max_except(nu, i)
-                    if beta > 0:
-                        torch.maximum(acc, nu_max, out=acc)
-                    else:
-                        acc.copy_(nu_max)
-                update = grad / (nu + eps).sqrt()
-                if momentum > 0:
-                    buf = state["momentum_buffer"]
-                    buf.mul_(momentum).add_(update, alpha=1 - momentum)
-                    update = buf
-                param.sub_(update.to(param.dtype), alpha=group["lr"])
-                state["step"] += 1
-        return loss
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # torch casts loaded floating-point state to the parameter's dtype (bf16 would round the
-        # accumulators); put the fp32 tensors back from the state dict itself.
-        saved = {pid: {k: v for k, v in st.items() if torch.is_tensor(v) and v.dtype == torch.float32}
-                 for pid, st in state_dict["state"].items()}
-        super().load_state_dict(state_dict)
-        saved_ids = (pid for g in state_dict["param_groups"] for pid in g["params"])
-        params = (p for g in self.param_groups for p in g["params"])
-        for pid, p in zip(saved_ids, params):
-            for key, value in saved.get(pid, {}).items():
-                self.state[p][key] = value.to(device=_local(p).device, copy=True)
+        nu = accs[0]
+        for acc in accs[1:]:
+            nu = torch.minimum(nu, acc)  # broadcasts up to the full shape
+        nu = nu.mul(beta).addcmul_(grad, grad, value=1 - beta) if beta > 0 else nu + grad * grad
+        for i, acc in enumerate(accs):
+            nu_max = _max_except(nu, i)
+            if beta > 0:
+                torch.maximum(acc, nu_max, out=acc)
+            else:
+                acc.copy_(nu_max)
+        update = grad / (nu + eps).sqrt()
+        if momentum > 0:
+            buf = state["momentum_buffer"]
+            buf.mul_(momentum).add_(update, alpha=1 - momentum)
+            update = buf
+        param.sub_(update.to(param.dtype), alpha=group["lr"])
+        state["step"] += 1
 
 
 def _is_sharded(p: torch.Tensor) -> bool:

@@ -28,6 +28,7 @@ from torch.optim import Optimizer
 from nxdt.config import optim_keys
 from nxdt.config.errors import ConfigError
 from nxdt.training.neox_optimizers import SM3, Lion
+from nxdt.training.optimizer_base import ParameterwiseOptimizer
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ def _fp32_zeros_like(p: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
 
 
-class AdamWFP32OptState(Optimizer):
+class AdamWFP32OptState(ParameterwiseOptimizer):
     """AdamW whose state is fp32 whatever the parameter dtype.
 
     For fp32 parameters this is torch's AdamW (single-tensor path) step for step.
@@ -57,69 +58,44 @@ class AdamWFP32OptState(Optimizer):
                         amsgrad=amsgrad, maximize=maximize)
         super().__init__(params, defaults)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("AdamWFP32OptState does not support sparse gradients")
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = _fp32_zeros_like(p)
-                    state["exp_avg_sq"] = _fp32_zeros_like(p)
-                    if group["amsgrad"]:
-                        state["max_exp_avg_sq"] = _fp32_zeros_like(p)
-                    if p.dtype != torch.float32:
-                        state["master"] = p.detach().to(torch.float32, copy=True)
-                weights = state.get("master", p)
-                grad = p.grad.to(torch.float32)
-                if group["maximize"]:
-                    grad = -grad
-                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+    def update(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
+        beta1, beta2 = group["betas"]
+        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = _fp32_zeros_like(p)
+            state["exp_avg_sq"] = _fp32_zeros_like(p)
+            if group["amsgrad"]:
+                state["max_exp_avg_sq"] = _fp32_zeros_like(p)
+            if p.dtype != torch.float32:
+                state["master"] = p.detach().to(torch.float32, copy=True)
+        weights = state.get("master", p)
+        grad = p.grad.to(torch.float32)
+        if group["maximize"]:
+            grad = -grad
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
 
-                # Same operations, in the same order, as torch.optim.AdamW's single-tensor path.
-                state["step"] += 1
-                step = state["step"].item()
-                if wd != 0:
-                    weights.mul_(1 - lr * wd)
-                exp_avg.lerp_(grad, 1 - beta1)
-                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                bias_correction1 = 1 - beta1**step
-                bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-                if group["amsgrad"]:
-                    max_sq = state["max_exp_avg_sq"]
-                    torch.maximum(max_sq, exp_avg_sq, out=max_sq)
-                    denom = (max_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-                else:
-                    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-                weights.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
-                if weights is not p:
-                    p.copy_(weights)
-        return loss
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # torch casts loaded floating-point state to the param dtype (bf16 here); put the fp32
-        # tensors back from the checkpoint itself so nothing is rounded on resume.
-        saved = {pid: {k: v for k, v in st.items() if k in self._FP32_STATE and torch.is_tensor(v)}
-                 for pid, st in state_dict["state"].items()}
-        super().load_state_dict(state_dict)
-        saved_ids = (pid for g in state_dict["param_groups"] for pid in g["params"])
-        params = (p for g in self.param_groups for p in g["params"])
-        for pid, p in zip(saved_ids, params):
-            for key, value in saved.get(pid, {}).items():
-                self.state[p][key] = value.to(device=p.device, dtype=torch.float32, copy=True)
+        # Same operations, in the same order, as torch.optim.AdamW's single-tensor path.
+        state["step"] += 1
+        step = state["step"].item()
+        if wd != 0:
+            weights.mul_(1 - lr * wd)
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        bias_correction1 = 1 - beta1**step
+        bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+        if group["amsgrad"]:
+            max_sq = state["max_exp_avg_sq"]
+            torch.maximum(max_sq, exp_avg_sq, out=max_sq)
+            denom = (max_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+        else:
+            denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+        weights.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+        if weights is not p:
+            p.copy_(weights)
 
 
-class Novograd(Optimizer):
+class Novograd(ParameterwiseOptimizer):
     """NeMo's Novograd (nemo/core/optim/novograd.py), same defaults and update.
 
     Per parameter tensor: v = ||g||² on the first step, else β2·v + (1−β2)·||g||²;
@@ -140,56 +116,43 @@ class Novograd(Optimizer):
                         luc=luc, luc_trust=luc_trust, luc_eps=luc_eps)
         super().__init__(params, defaults)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                grad = p.grad
-                if grad.is_sparse:
-                    raise RuntimeError("Novograd does not support sparse gradients")
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros([], device=p.device)
-                    if group["amsgrad"]:
-                        state["max_exp_avg_sq"] = torch.zeros([], device=p.device)
-                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-                state["step"] += 1
+    def update(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
+        beta1, beta2 = group["betas"]
+        grad = p.grad
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(p)
+            state["exp_avg_sq"] = torch.zeros([], device=p.device)
+            if group["amsgrad"]:
+                state["max_exp_avg_sq"] = torch.zeros([], device=p.device)
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        state["step"] += 1
 
-                norm = grad.norm().pow(2)
-                if exp_avg_sq == 0:
-                    exp_avg_sq.copy_(norm)
-                else:
-                    exp_avg_sq.mul_(beta2).add_(norm, alpha=1.0 - beta2)
-                if group["amsgrad"]:
-                    max_sq = state["max_exp_avg_sq"]
-                    torch.max(max_sq, exp_avg_sq, out=max_sq)
-                    denom = max_sq.sqrt().add_(group["eps"])
-                else:
-                    denom = exp_avg_sq.sqrt().add_(group["eps"])
+        norm = grad.norm().pow(2)
+        if exp_avg_sq == 0:
+            exp_avg_sq.copy_(norm)
+        else:
+            exp_avg_sq.mul_(beta2).add_(norm, alpha=1.0 - beta2)
+        if group["amsgrad"]:
+            max_sq = state["max_exp_avg_sq"]
+            torch.max(max_sq, exp_avg_sq, out=max_sq)
+            denom = max_sq.sqrt().add_(group["eps"])
+        else:
+            denom = exp_avg_sq.sqrt().add_(group["eps"])
 
-                grad = grad.div(denom)
-                if group["weight_decay"] != 0:
-                    grad.add_(p, alpha=group["weight_decay"])
-                if group["grad_averaging"]:
-                    grad.mul_(1 - beta1)
-                exp_avg.mul_(beta1).add_(grad)
+        grad = grad.div(denom)
+        if group["weight_decay"] != 0:
+            grad.add_(p, alpha=group["weight_decay"])
+        if group["grad_averaging"]:
+            grad.mul_(1 - beta1)
+        exp_avg.mul_(beta1).add_(grad)
 
-                step_lr = group["lr"]
-                if group["luc"]:
-                    # Clip the update so that it is at most luc_trust × the weights' norm.
-                    luc_factor = group["luc_trust"] * torch.norm(p) / (torch.norm(exp_avg) + group["luc_eps"])
-                    step_lr = min(float(luc_factor), group["lr"])
-                p.add_(exp_avg, alpha=-step_lr)
-        return loss
+        step_lr = group["lr"]
+        if group["luc"]:
+            # Clip the update so that it is at most luc_trust × the weights' norm.
+            luc_factor = group["luc_trust"] * torch.norm(p) / (torch.norm(exp_avg) + group["luc_eps"])
+            step_lr = min(float(luc_factor), group["lr"])
+        p.add_(exp_avg, alpha=-step_lr)
 
 
 OPTIMIZER_CLASSES: dict[str, type[Optimizer]] = {
