@@ -76,8 +76,8 @@ def test_accumulate_grad_batches_is_rejected_with_the_reason(data_args):
 
 
 def test_feature_not_built_yet_is_refused_not_ignored(data_args):
-    proc = run_cli([*BASE, *data_args, "model_alignment_strategy={dpo: {beta: 0.1}}"])
-    _assert_one_line_error(proc, "model_alignment_strategy", "not supported yet")
+    proc = run_cli([*BASE, *data_args, "+model_alignment_strategy.dpo.precompute_ref_log_probs=false"])
+    _assert_one_line_error(proc, "model_alignment_strategy.dpo.precompute_ref_log_probs", "not supported yet")
 
 
 @pytest.mark.slow

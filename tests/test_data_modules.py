@@ -10,6 +10,7 @@ import torch
 
 from nxdt.config.errors import ConfigError
 from nxdt.config.load import config_from_dict
+from nxdt.config.schema import AlignmentConfig, SFTConfig
 from nxdt.data.hf_module import HFDataModule
 from nxdt.data.select import build_datamodule, datamodule_kind
 
@@ -159,7 +160,7 @@ def test_selection_order():
     assert datamodule_kind(cfg) == "logical_shards"
     cfg.data.use_dummy_dataset = True
     assert datamodule_kind(cfg) == "dummy"
-    cfg.model_alignment_strategy = {"sft": {"packing": True}}
+    cfg.model_alignment_strategy = AlignmentConfig(sft=SFTConfig(packing=True))
     assert datamodule_kind(cfg) == "sft"
     cfg.data.data_module = "a.B"
     assert datamodule_kind(cfg) == "custom"

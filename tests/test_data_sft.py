@@ -34,8 +34,8 @@ def write_jsonl(path, rows):
     return str(path)
 
 
-def sft_cfg(train, packing=False, seq=32, template=None, **data):
-    sft = {"packing": packing}
+def sft_cfg(train, packing=False, seq=32, template=None, pack=None, **data):
+    sft = {"packing": packing} if pack is None else {"pack": pack}
     if template is not None:
         sft["prompt_template"] = template
     return config_from_dict({
@@ -176,8 +176,8 @@ def test_sft_module_loaders_and_resume(tmp_path):
     assert torch.equal(batches[2]["input_ids"], batches[0]["input_ids"])
     val = list(dm.val_dataloader())
     assert len(val) == 2
-    with pytest.raises(ConfigError, match="unknown key 'model_alignment_strategy.sft.pack'"):
-        SFTDataModule(replace(cfg, model_alignment_strategy={"sft": {"pack": True}}), None)
+    with pytest.raises(ConfigError, match=r"unknown key 'model_alignment_strategy.sft.pack' \(did you mean"):
+        sft_cfg(path, pack=True)
 
 
 def test_packing_from_data_key(tmp_path):

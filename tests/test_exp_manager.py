@@ -20,7 +20,7 @@ from nxdt.config.typed import to_typed
 from nxdt.checkpoint import checkpointer as ck
 from nxdt.checkpoint import state as ck_state
 from nxdt.checkpoint.callbacks import NxdtCheckpoint
-from nxdt.checkpoint.resume import find_resume_checkpoint
+from nxdt.checkpoint.resume import ResumePlan, find_resume_checkpoint
 from nxdt.checkpoint.retention import complete_checkpoints, format_checkpoint_name
 from nxdt.exp.exp_manager import resolve_dirs
 
@@ -83,8 +83,8 @@ def test_resume_picks_newest_complete_and_keeps_the_rest(tmp_path):
     shard.write_bytes(shard.read_bytes()[:10])
     (ckpts / ".tmp-a--step=10").mkdir()
     with pytest.warns(UserWarning) as record:
-        path, weights_only = find_resume_checkpoint(_cfg(explicit_log_dir=str(tmp_path), resume_if_exists=True), dirs)
-    assert path == ckpts / "a--step=4" and not weights_only
+        plan = find_resume_checkpoint(_cfg(explicit_log_dir=str(tmp_path), resume_if_exists=True), dirs)
+    assert plan == ResumePlan(ckpts / "a--step=4", False)
     messages = " ".join(str(w.message) for w in record)
     assert "a--step=6" in messages and "COMPLETE is missing" in messages and "truncated" in messages
     assert ".tmp-a--step=10" in messages
@@ -97,7 +97,7 @@ def test_resume_without_checkpoint(tmp_path, capsys):
     with pytest.raises(ConfigError, match="no complete checkpoint"):
         find_resume_checkpoint(cfg, resolve_dirs(cfg))
     cfg = _cfg(explicit_log_dir=str(tmp_path), resume_if_exists=True, resume_ignore_no_checkpoint=True)
-    assert find_resume_checkpoint(cfg, resolve_dirs(cfg)) == (None, False)
+    assert find_resume_checkpoint(cfg, resolve_dirs(cfg)) == ResumePlan()
     assert "starting from scratch" in capsys.readouterr().out
 
 
@@ -111,7 +111,20 @@ def test_explicit_checkpoint_must_be_good(tmp_path):
     cfg.model.weight_init_only = True
     good = _weights(tmp_path, "d", 1)
     cfg.exp_manager.resume_from_checkpoint = str(good)
-    assert find_resume_checkpoint(cfg, resolve_dirs(cfg)) == (good, True)
+    assert find_resume_checkpoint(cfg, resolve_dirs(cfg)) == ResumePlan(good, True)
+
+
+def test_a_restarted_fine_tuning_run_continues_its_own_checkpoints(tmp_path, capsys):
+    """weight_init_only + resume_from_checkpoint (the pre-trained start) + resume_if_exists: once the
+    run has checkpoints of its own, a restart continues them (NeMo's rule), not the pre-trained start."""
+    start = _weights(tmp_path, "pretrained", 1)
+    cfg = _cfg(explicit_log_dir=str(tmp_path / "run"), resume_if_exists=True, resume_from_checkpoint=str(start))
+    cfg.model.weight_init_only = True
+    dirs = resolve_dirs(cfg)
+    assert find_resume_checkpoint(cfg, dirs) == ResumePlan(start, True)  # the first launch
+    own = _weights(dirs.checkpoint_dir, "ft--step=3", 3)
+    assert find_resume_checkpoint(cfg, dirs) == ResumePlan(own, False)
+    assert "resuming this run's checkpoint ft--step=3" in capsys.readouterr().out
 
 
 def test_checkpoint_from_another_model_is_named(tmp_path):

@@ -18,19 +18,26 @@ checkpoint).
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
-from conftest import TINY_OVERRIDES, read_scalars, run_pool
+from conftest import CORPUS, TINY_OVERRIDES, read_scalars, run_pool
 from conftest import curve as _curve
+
+from nxdt.tools.preference_data import make_preference_rows, read_chapters, write_jsonl
 
 STEPS = 10
 TOL = 1e-5
+ONLY = os.environ.get("NXDT_TEST_LAYOUTS")  # development: a comma-separated subset of LAYOUTS
 pytestmark = pytest.mark.slow
 
 HF = ["model_source=hf", "model.model_config=${nxdt_conf:model_configs/tiny_llama/config.json}"]
 NEOX = ["model.transformer_block_type=gpt_j", "model.gpt_j_tied=false", "model.normalization=layernorm",
         "model.activation=gelu", "model.has_bias=true", "model.rotary_percentage=0.25",
         "model.share_embeddings_and_output_weights=false", "model.num_kv_heads=4"]
+LORA = ["+model_alignment_strategy.peft.lora_rank=4", "+model_alignment_strategy.peft.lora_alpha=8",
+        "+model_alignment_strategy.peft.lora_dropout=0",
+        "+model_alignment_strategy.peft.target_modules=[qkv_proj,o_proj,gate_up_proj,down_proj]"]
 # One single-process reference per model: the layouts below name theirs.
 MODELS = {
     "native": [],
@@ -53,7 +60,16 @@ MODELS = {
     "neox": NEOX,
     # transformers' GPTNeoXForCausalLM (blocks at gpt_neox.layers), the shipped tiny config.json
     "hf_neox": ["model_source=hf", "model.model_config=${nxdt_conf:model_configs/tiny_neox/config.json}"],
+    # LoRA (rank 4, no dropout) on every linear of the blocks, the base frozen
+    "lora": LORA,
+    # DPO and ORPO on preference rows derived from the corpus (data: PREFERENCE_MODELS)
+    "dpo": ["+model_alignment_strategy.dpo.kl_beta=0.1", "+model_alignment_strategy.dpo.loss_type=sigmoid"],
+    "orpo": ["+model_alignment_strategy.orpo.beta=0.5"],
+    # DPO + LoRA without a precomputed table: each step's reference is the base (adapters off)
+    "dpo_lora": [*LORA, "+model_alignment_strategy.dpo.kl_beta=0.1",
+                 "+model_alignment_strategy.dpo.precompute_ref_log_probs=false"],
 }
+PREFERENCE_MODELS = ("dpo", "orpo", "dpo_lora")
 
 TP = "distributed_strategy.tensor_model_parallel_size"
 SP = "distributed_strategy.sequence_parallel=true"
@@ -129,6 +145,20 @@ LAYOUTS = {
     # and replicate are unit-tested in tests/test_parallel_units.py)
     "hf_neox_fsdp_dp2_full_ac": ("hf_neox", 2, ["distributed_strategy.sharding_strategy=FSDP",
                                                 "model.activations_checkpoint_granularity=full"], "dp=2  tp=1"),
+    # LoRA composes with every way of splitting the base: adapters sharded like their linears
+    "lora_tp2_sp": ("lora", 2, [f"{TP}=2", SP], "dp=1  tp=2"),
+    "lora_fsdp_dp2": ("lora", 2, ["distributed_strategy.sharding_strategy=FSDP"], "dp=2  tp=1"),
+    "lora_zero1_dp2_full_ac": ("lora", 2, ["distributed_strategy.zero1=true",
+                                           "model.activations_checkpoint_granularity=full"], "dp=2  tp=1"),
+    "lora_pp2": ("lora", 2, [PP2], "dp=1  tp=1  pp=2"),
+    # DPO / ORPO: chosen and rejected forwarded together; the reference table computed over dp
+    "dpo_tp2_sp": ("dpo", 2, [f"{TP}=2", SP], "dp=1  tp=2"),
+    "dpo_zero1_dp2": ("dpo", 2, ["distributed_strategy.zero1=true"], "dp=2  tp=1"),
+    "dpo_fsdp_dp2": ("dpo", 2, ["distributed_strategy.sharding_strategy=FSDP"], "dp=2  tp=1"),
+    "orpo_tp2": ("orpo", 2, [f"{TP}=2"], "dp=1  tp=2"),
+    "orpo_zero1_dp2": ("orpo", 2, ["distributed_strategy.zero1=true"], "dp=2  tp=1"),
+    "orpo_fsdp_dp2": ("orpo", 2, ["distributed_strategy.sharding_strategy=FSDP"], "dp=2  tp=1"),
+    "dpo_lora_fsdp_dp2": ("dpo_lora", 2, ["distributed_strategy.sharding_strategy=FSDP"], "dp=2  tp=1"),
     "fp16_pp2": ("fp16", 2, [PP2, "exp_manager.create_checkpoint_callback=true",
                              "exp_manager.checkpoint_callback_params.every_n_train_steps=10"], "dp=1  tp=1  pp=2"),
 }
@@ -142,8 +172,12 @@ LAYOUTS = {
 # < 2e-6; the losses stay within 1e-5.
 # NeoX under dp2: the same spike, step 5's norm (3.57), moves by 2.7e-6 relative (measured; the
 # other steps' by <= 8e-7): two half batches' gradients averaged vs one batch's, a few fp32 ulps.
+# DPO / ORPO: a sequence's log-prob is a sum over its tokens, so the layouts' rounding-level
+# differences in the logits add up before the sigmoid; the gradient norms then move by up to
+# 1.2e-5 relative by step 9 (measured, dpo tp2+sp), the losses stay within 1e-5.
 NORM_RTOL = {"tp2_pp2": 2e-5, "neox_zero1_dp2_full_ac": 1e-5, "neox_fsdp_dp2": 1e-5,
-             **{name: 1e-4 for name, (model, *_) in LAYOUTS.items() if model in ("moe", "hf_moe")}}
+             **{name: 1e-4 for name, (model, *_) in LAYOUTS.items() if model in ("moe", "hf_moe")},
+             **{name: 5e-5 for name, (model, *_) in LAYOUTS.items() if model in PREFERENCE_MODELS}}
 
 
 def _args(log_dir, devices: int, model: str, extra=()) -> list[str]:
@@ -162,19 +196,29 @@ class Run:
 @pytest.fixture(scope="module")
 def runs(kjv_prefix, tmp_path_factory) -> dict[str, Run]:
     root = tmp_path_factory.mktemp("layouts")
-    data = [f"data.data_prefix=[1.0,{kjv_prefix}]"]
+    preference = root / "preference.jsonl"  # short prompts and responses: they fit data.seq_length 32
+    write_jsonl(make_preference_rows(read_chapters(CORPUS), 48, prompt_words=6, response_words=6), preference)
+
+    def data(model: str) -> list[str]:
+        if model in PREFERENCE_MODELS:
+            return [f"data.train_dir={preference}", f"data.val_dir={preference}", "data.data_prefix=null"]
+        return [f"data.data_prefix=[1.0,{kjv_prefix}]"]
 
     def pool(named: dict[str, tuple[int, str, list[str]]], nproc: int) -> dict[str, Run]:
-        procs = run_pool({n: _args(root / n, nproc, model, [*data, *extra]) for n, (_, model, extra) in named.items()},
-                         nproc, root / f"pool{nproc}")
+        procs = run_pool({n: _args(root / n, nproc, model, [*data(model), *extra])
+                          for n, (_, model, extra) in named.items()}, nproc, root / f"pool{nproc}")
         return {n: Run(proc, root / n) for n, proc in procs.items()}
 
+    # development: NXDT_TEST_LAYOUTS=a,b runs a subset of LAYOUTS (and their single-process references)
+    chosen = {n: v for n, v in LAYOUTS.items() if ONLY is None or n in ONLY.split(",")}
     out: dict[str, Run] = {}
     for nproc in (4, 2):
-        out.update(pool({n: (r, m, x) for n, (m, r, x, _) in LAYOUTS.items() if r == nproc}, nproc))
-    step5 = next((root / "cp2_dp2_zero1" / "checkpoints").glob("*step=5-*"))
-    singles = {m: (1, m, []) for m in MODELS}
-    singles["cp2_dp2_zero1_resumed_in_one_process"] = (1, "native", [f"exp_manager.resume_from_checkpoint='{step5}'"])
+        out.update(pool({n: (r, m, x) for n, (m, r, x, _) in chosen.items() if r == nproc}, nproc))
+    singles = {m: (1, m, []) for m in MODELS if ONLY is None or any(v[0] == m for v in chosen.values())}
+    if "cp2_dp2_zero1" in chosen:
+        step5 = next((root / "cp2_dp2_zero1" / "checkpoints").glob("*step=5-*"))
+        singles["cp2_dp2_zero1_resumed_in_one_process"] = (1, "native",
+                                                           [f"exp_manager.resume_from_checkpoint='{step5}'"])
     out.update(pool(singles, 1))
     return out
 
@@ -197,7 +241,8 @@ def _assert_same_run(ref: Run, got: Run, label: str, norm_rtol: float = 2e-6, st
     print(f"{label}: max loss gap {gap:.2e}")
 
 
-@pytest.mark.parametrize("name", [n for n, (model, *_) in LAYOUTS.items() if model != "fp16"])
+@pytest.mark.parametrize("name", [n for n, (model, *_) in LAYOUTS.items()
+                                  if model != "fp16" and (ONLY is None or n in ONLY.split(","))])
 def test_layout_matches_single_process(name, runs):
     model, _, _, layout = LAYOUTS[name]
     assert layout in runs[name].stdout, runs[name].stdout[-2000:]

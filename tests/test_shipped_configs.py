@@ -26,6 +26,9 @@ EXPECTED = {
     "hf_llama3_70B_config": (None, 70_553_706_496),
     "hf_llama3_405B_config": (None, 405_853_388_800),
     "hf_llama3_8B_SFT_config": (None, 8_030_261_248),
+    "hf_llama3_8B_SFT_lora_config": (None, 8_030_261_248),
+    "hf_llama3_8B_DPO_config": (None, 8_030_261_248),
+    "hf_llama3_8B_ORPO_config": (None, 8_030_261_248),
     "megatron_gpt_config": (50257, None),
     "tiny_llama_cpu": (8192, None),
     # Mixtral-8x7B: 46.7 B (interface.md); the tiny MoE by hand: embeddings 2 x 8192 x 256, per layer

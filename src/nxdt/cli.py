@@ -18,12 +18,13 @@ COMMANDS = {
     "moe-split": ("nxdt.tools.moe_split", "experts from a dense Llama checkpoint (LLaMA-MoE's expert split)"),
     "plan": ("nxdt.tools.plan", "parameters, memory per rank and tokens per step of a config, without training"),
     "import-config": ("nxdt.tools.import_config", "an nxdt YAML from GPT-NeoX config files (neox FILE.yml ... --output)"),
+    "preference-data": ("nxdt.tools.preference_data", "DPO/ORPO rows (prompt, chosen, rejected) from the KJV"),
 }
 
 
 def _usage() -> str:
     lines = ["usage: nxdt <command> [args...]", "", "commands:"]
-    lines += [f"  {name:<14} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += [f"  {name:<16} {help_}" for name, (_, help_) in COMMANDS.items()]
     return "\n".join(lines)
 
 

@@ -22,6 +22,7 @@ from nxdt.checkpoint.retention import (
     to_keep,
     write_score,
 )
+from nxdt.config.alignment import alignment_of
 from nxdt.config.errors import ConfigError
 
 
@@ -120,6 +121,11 @@ class NxdtCheckpoint(Callback):
         self.save(trainer)  # the final checkpoint
         trainer.strategy.checkpointer.wait()
         trainer.strategy.barrier("nxdt-final-checkpoint")
+        peft = alignment_of(pl_module.cfg).peft
+        if peft is not None and peft.merge_lora:  # also the merged model, a weights-only start
+            from nxdt.checkpoint.lora_state import merged_checkpoint_path, save_merged_weights
+
+            save_merged_weights(trainer.strategy, pl_module.cfg, merged_checkpoint_path(self.checkpoint_path(trainer)))
 
     def _metric(self, trainer) -> float | None:
         value = trainer.callback_metrics.get(self.monitor)

@@ -25,6 +25,7 @@ the marker + rename happen when it has finished (polled after each step, waited 
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import time
@@ -37,6 +38,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 
 from nxdt.config.errors import ConfigError
+from nxdt.checkpoint.lora_state import tensors_to_load, tensors_to_save, write_adapter_config
 from nxdt.checkpoint.dtype import flags, model_keys_for_export, weights_for_load, weights_for_save
 from nxdt.checkpoint.state import (
     MARKER,
@@ -130,6 +132,7 @@ class Checkpointer:
         checkpoint.pop("optimizer_states", None)
         state = model_and_optimizer_state(module.model, strategy.optimizers)
         tensors, scalars = split_tensors(state)
+        tensors, lora_meta = tensors_to_save(tensors, cfg)  # LoRA: adapters only, unless save_lora_base
         shapes = all_tensor_shapes(tensors)  # a collective: every rank, before rank 0 writes meta.json
         save_bf16, keep_master = flags(cfg)
         tensors, notes = weights_for_save(tensors, save_bf16, keep_master)
@@ -160,8 +163,15 @@ class Checkpointer:
                 "model_shapes": shapes,
                 "save_bf16": save_bf16,
                 "master_weights": any(k.startswith("master.") for k in tensors),
+                "lora": lora_meta,
             }
             write_json(tmp / META, meta)
+            if lora_meta is not None:
+                write_adapter_config(tmp, cfg, shapes)
+                model_bytes = sum(math.prod(shapes[k]) * tensors[k].element_size() for k in shapes
+                                  if k.startswith("model.") and k in tensors)
+                print(f"checkpoint {path.name}: " + ("LoRA adapters only" if lora_meta["adapter_only"] else
+                      "LoRA adapters and base") + f", {model_bytes / 2**20:.2f} MiB of model tensors", flush=True)
             if cfg is not None:  # the resolved YAML: rerunnable with --config-path/--config-name
                 from nxdt.config.typed import to_yaml
 
@@ -294,11 +304,14 @@ def _moe_hint(saved: dict[str, list[int]], current: dict[str, list[int]]) -> str
     return ""
 
 
-def check_model_matches(path: Path, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+def check_model_matches(path: Path, meta: dict[str, Any], tensors: dict[str, torch.Tensor],
+                        partial: bool = False) -> None:
+    """The model's keys and shapes against the checkpoint's (`partial`: a part of the model is
+    requested; every requested key must be there, other saved keys are not read)."""
     saved = meta.get("model_shapes", {})
     current = all_tensor_shapes(tensors)
     missing = sorted(set(current) - set(saved))
-    extra = sorted(set(saved) - set(current))
+    extra = [] if partial else sorted(set(saved) - set(current))
     if missing or extra:
         key = (missing or extra)[0]
         where = "the checkpoint has no" if missing else "the model has no"
@@ -314,8 +327,13 @@ def check_model_matches(path: Path, meta: dict[str, Any], tensors: dict[str, tor
             )
 
 
-def load_checkpoint(strategy, path: Path, cfg=None, weights_only: bool = False) -> dict[str, Any]:
+def load_checkpoint(strategy, path: Path, cfg=None, weights_only: bool = False,
+                    frozen_only: bool = False) -> dict[str, Any]:
     """Load `path` into the strategy's model (and optimizers unless weights_only).
+
+    LoRA (nxdt.checkpoint.lora_state): an adapter-only checkpoint loads its keys only; a
+    weights-only start leaves the adapters fresh unless `load_lora_from_ckpt`; `frozen_only`
+    loads the base under an adapter-only resume (weights only, never the trained keys).
 
     Returns Lightning's checkpoint dict (trainer progress, scheduler, callbacks, datamodule
     state, consumed_samples) for Lightning to restore. The RNG states are applied by the caller
@@ -328,7 +346,10 @@ def load_checkpoint(strategy, path: Path, cfg=None, weights_only: bool = False) 
     optimizers = [] if weights_only else strategy.optimizers
     state = model_and_optimizer_state(module.model, optimizers, weights_only=weights_only)
     tensors, scalars = split_tensors(state)
-    check_model_matches(path, meta, tensors)
+    tensors, partial = tensors_to_load(tensors, meta, cfg, path, weights_only=weights_only, frozen_only=frozen_only)
+    if partial:
+        state = {k: v for k, v in state.items() if not k.startswith("model.") or k in tensors}
+    check_model_matches(path, meta, tensors, partial=partial)
 
     rank, world = strategy.global_rank, strategy.world_size
     saved_layout, layout = meta.get("layout") or {}, layout_of(module)
@@ -371,7 +392,7 @@ def load_checkpoint(strategy, path: Path, cfg=None, weights_only: bool = False) 
     for note in notes if rank == 0 else ():
         notice(f"{path.name}: {note}")
     state.update(tensors)
-    set_model_and_optimizer_state(module.model, optimizers, state)
+    set_model_and_optimizer_state(module.model, optimizers, state, partial=partial)
     t2 = time.perf_counter()
 
     trainer_state = from_json(own.get("trainer", {}))
@@ -403,7 +424,10 @@ def _drop_data_state(trainer_state: dict[str, Any], strategy) -> None:
     """Per-rank data-loader state belongs to the old data-parallel layout: drop it (consumed_samples stays)."""
     dm = getattr(strategy.lightning_module.trainer, "datamodule", None)
     if dm is not None:
-        trainer_state.pop(type(dm).__qualname__, None)
+        state = trainer_state.pop(type(dm).__qualname__, None)
+        # what does not depend on the layout stays: DPO's reference log-probs (the same on every rank)
+        if isinstance(state, dict) and "reference_logps" in state:
+            trainer_state[type(dm).__qualname__] = {"reference_logps": state["reference_logps"]}
     fit_loop = trainer_state.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
     fit_loop.pop("combined_loader", None)
 

@@ -2,7 +2,11 @@
 
 `exp_manager.resume_from_checkpoint` (an explicit path: it must be whole), else with
 `resume_if_exists` the newest complete checkpoint in the run's checkpoint dir (incomplete ones are
-skipped with a warning, never deleted); `model.weight_init_only` loads weights only. The load
+skipped with a warning, never deleted); `model.weight_init_only` loads weights only. A
+fine-tuning run (weight_init_only with resume_from_checkpoint = the pre-trained model) that has
+checkpoints of its own resumes from those under `resume_if_exists`, as NeMo does: a restart after
+a crash continues the run instead of starting it over. When that checkpoint holds LoRA adapters
+only, the frozen base is loaded from resume_from_checkpoint first (`ResumePlan.base`). The load
 itself is `nxdt.checkpoint.checkpointer.load_checkpoint`, called by the strategy (full resume) or
 by `ResumeHelper` (weights only).
 
@@ -30,6 +34,7 @@ if TYPE_CHECKING:
 class ResumePlan:
     path: Path | None = None  # checkpoint to resume (or to take weights from)
     weights_only: bool = False  # model.weight_init_only: load weights, start training fresh
+    base: Path | None = None  # the base model's weights, loaded too when `path` holds LoRA adapters only
 
     @property
     def full_resume(self) -> Path | None:
@@ -41,7 +46,7 @@ def setup_checkpointing(cfg, dirs) -> tuple[ResumePlan, list]:
     """Check the checkpoint keys, choose the checkpoint to start from, build the callbacks.
     Raises ConfigError (nothing written yet) when the resume asked for cannot happen."""
     check_checkpoint_params(cfg.exp_manager.checkpoint_callback_params)
-    plan = ResumePlan(*find_resume_checkpoint(cfg, dirs))
+    plan = find_resume_checkpoint(cfg, dirs)
     callbacks: list = [ResumeHelper(plan)]
     exp = cfg.exp_manager
     if exp.create_checkpoint_callback:
@@ -53,27 +58,35 @@ def setup_checkpointing(cfg, dirs) -> tuple[ResumePlan, list]:
     return plan, callbacks
 
 
-def find_resume_checkpoint(cfg, dirs: ExpDirs) -> tuple[Path | None, bool]:
-    """(checkpoint to load, weights_only) from resume_from_checkpoint / resume_if_exists."""
+def find_resume_checkpoint(cfg, dirs: ExpDirs) -> ResumePlan:
+    """The checkpoint to load (and how) from resume_from_checkpoint / resume_if_exists."""
     exp = cfg.exp_manager
     weights_only = cfg.model.weight_init_only
     if exp.resume_from_checkpoint:
         from nxdt.checkpoint.checkpointer import validate_checkpoint
+        from nxdt.checkpoint.lora_state import is_adapter_only
 
         path = Path(exp.resume_from_checkpoint).absolute()
         validate_checkpoint(path)  # an explicit path must be good: ConfigError otherwise
-        return path, weights_only
+        own = complete_checkpoints(dirs.checkpoint_dir, warn=False) if weights_only and exp.resume_if_exists else []
+        if own:  # a fine-tuning run restarted: continue it (its own newest checkpoint)
+            if _global_rank() == 0:
+                print(f"note: resuming this run's checkpoint {own[-1][1].name}; the starting weights "
+                      f"{path} are not reloaded" + (" (except the LoRA base)" if is_adapter_only(own[-1][1]) else ""),
+                      flush=True)
+            return ResumePlan(own[-1][1], False, base=path if is_adapter_only(own[-1][1]) else None)
+        return ResumePlan(path, weights_only)
     if weights_only:
         raise ConfigError("model.weight_init_only: needs exp_manager.resume_from_checkpoint (the weights to load)")
     if not exp.resume_if_exists:
-        return None, False
+        return ResumePlan()
     found = complete_checkpoints(dirs.checkpoint_dir)
     if found:
-        return found[-1][1], False
+        return ResumePlan(found[-1][1], False)
     if exp.resume_ignore_no_checkpoint:
         if _global_rank() == 0:
             print(f"note: no complete checkpoint in {dirs.checkpoint_dir}; starting from scratch", flush=True)
-        return None, False
+        return ResumePlan()
     raise ConfigError(
         f"exp_manager.resume_if_exists: no complete checkpoint in {dirs.checkpoint_dir} "
         "(set exp_manager.resume_ignore_no_checkpoint: true to start from scratch)"
@@ -93,12 +106,16 @@ class ResumeHelper(Callback):
         self._rng: dict | None = None
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        if self.plan.path is not None and self.plan.weights_only:
-            from nxdt.checkpoint.checkpointer import load_checkpoint
+        from nxdt.checkpoint.checkpointer import load_checkpoint
 
+        if self.plan.path is not None and self.plan.weights_only:
             load_checkpoint(trainer.strategy, self.plan.path, pl_module.cfg, weights_only=True)
             if trainer.is_global_zero:
                 print(f"loaded weights from {self.plan.path}", flush=True)
+        if self.plan.base is not None:  # the frozen LoRA base under an adapter-only resume
+            load_checkpoint(trainer.strategy, self.plan.base, pl_module.cfg, weights_only=True, frozen_only=True)
+            if trainer.is_global_zero:
+                print(f"loaded the LoRA base weights from {self.plan.base}", flush=True)
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
         self._rng = checkpoint.pop("pending_rng", None)

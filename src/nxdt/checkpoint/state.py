@@ -183,8 +183,10 @@ def model_and_optimizer_state(model: torch.nn.Module, optimizers: list, weights_
     return state
 
 
-def set_model_and_optimizer_state(model: torch.nn.Module, optimizers: list, state: dict[str, Any]) -> None:
-    """Load `state` (keys as made by `model_and_optimizer_state`) into the model and optimizers."""
+def set_model_and_optimizer_state(model: torch.nn.Module, optimizers: list, state: dict[str, Any],
+                                  partial: bool = False) -> None:
+    """Load `state` (keys as made by `model_and_optimizer_state`) into the model and optimizers;
+    `partial`: the state holds a part of the model's tensors (LoRA adapters, or a base without them)."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         set_model_state_dict,
@@ -195,7 +197,7 @@ def set_model_and_optimizer_state(model: torch.nn.Module, optimizers: list, stat
     local = {canon(k): k for k in model.state_dict()}
     local.update({canon(k): k for k, _ in model.named_parameters()})
     to_local = lambda fqn: local.get(fqn, fqn)  # noqa: E731
-    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    options = StateDictOptions(flatten_optimizer_state_dict=True, strict=not partial)
     set_model_state_dict(model, {to_local(k[6:]): v for k, v in state.items() if k.startswith("model.")},
                          options=options)
     for i, optimizer in enumerate(optimizers):

@@ -31,7 +31,8 @@ def check_context_parallel(cfg: Any, layout: Layout) -> None:
         "data.reset_position_ids / reset_attention_mask (document masks)":
             data.reset_position_ids or data.reset_attention_mask,
         "SFT packing (document masks)": data.packing
-        or bool(((cfg.model_alignment_strategy or {}).get("sft") or {}).get("packing")),  # an open section
+        or bool(cfg.model_alignment_strategy is not None and cfg.model_alignment_strategy.sft is not None
+                and cfg.model_alignment_strategy.sft.packing),
         "model.attention_dropout > 0": model.attention_dropout > 0,
         "model.sliding_window_size": model.sliding_window_size is not None,
         "model.use_torch_compile": model.use_torch_compile,

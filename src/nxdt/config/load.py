@@ -33,7 +33,7 @@ from nxdt.config.typed import to_typed
 from nxdt.config.validate import check_schema, validate
 
 # Mappings that a config gives as a whole: the user's value replaces the default (no key merge).
-OPEN_PATHS = ("model.optim", "model.rope_scaling", "model_alignment_strategy")
+OPEN_PATHS = ("model.optim", "model.rope_scaling")
 
 _USAGE = ("expected --config-path/-cp DIR, --config-name/-cn NAME, key=value, +key=value, "
           "++key=value or ~key")

@@ -19,7 +19,6 @@ sections stay plain dicts by design, because their keys depend on another settin
 - `model.optim` (with `model.optim.sched`): keys depend on the optimizer / scheduler name
   (checked by `nxdt.config.optim_keys`);
 - `model.rope_scaling`: keys depend on `rope_type` (transformers' format);
-- `model_alignment_strategy`: `{sft: {...}}` and friends;
 - `DataConfig.custom`: the keys a custom data module (`data.data_module`) adds under `data:`,
   which nxdt does not know; allowed only with `data.data_module` set, written back under
   `data:` when the config is saved.
@@ -53,7 +52,6 @@ PIPELINE_SCHEDULES = (
 )
 # every spelling of nxdt.config.sharding.SHARDING_MODES (the one table of what each builds)
 SHARDING_STRATEGIES = tuple(SHARDING_MODES)
-ALIGNMENT_STRATEGIES = ("sft", "dpo", "orpo", "peft")
 
 ZeroOne = Literal["0", "1"]
 
@@ -185,6 +183,8 @@ class DataConfig:
     dev_choose_samples: Optional[int] = doc(None, "hf / SFT: use only the first N samples")
     use_sft_style_data_module: bool = doc(False, "NxDT: use the HF/SFT-style data module with a megatron model")
     packing: bool = doc(False, "SFT: pack several examples into one sequence")
+    alignment_strategy: Optional["DataAlignmentConfig"] = doc(
+        None, "NxDT's DPO configs: data.alignment_strategy.dpo (same keys as model_alignment_strategy.dpo)")
     tokenizer: TokenizerConfig = doc(TokenizerConfig, "tokenizer")
     data_module: Optional[str] = doc(
         None, "custom LightningDataModule 'pkg.module.Class' taking (cfg, trainer); other data keys are free")
@@ -328,6 +328,76 @@ class PrecisionConfig:
         "stop", "nxdt: a NaN/inf loss or gradient norm stops the run (stop) or skips the step (skip)")
 
 
+# --------------------------------------------------------------------------- fine-tuning
+TRUNCATION_MODES = ("keep_start", "keep_end")
+
+
+@dataclass
+class SFTConfig:
+    packing: bool = doc(False, "several examples per sequence, each attending only to itself (also data.packing)")
+    prompt_template: Optional[str] = doc(
+        None, "nxdt: the prompt as a template with '{input}', e.g. '### Question:\\n{input}\\n### Answer:\\n'")
+
+
+@dataclass
+class PeftConfig:
+    lora_rank: int = doc(16, "LoRA rank r: adapters A (r x in) and B (out x r) per target linear")
+    lora_alpha: float = doc(32.0, "LoRA scaling numerator: the update is B A x * lora_alpha / lora_rank")
+    lora_dropout: float = doc(0.05, "dropout on the adapters' input (0 = none)")
+    lora_bias: Literal["none", "all", "lora_only"] = doc(
+        "none", "biases trained too: none | all (every bias) | lora_only (the biases of the targeted linears)")
+    lora_verbose: bool = doc(True, "print trainable vs total parameters at start")
+    target_modules: List[str] = doc(
+        ["qkv_proj"], "linears that get adapters: NxDT's fused qkv_proj, gate_up_proj or the plain q_proj, "
+                      "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj")
+    load_lora_from_ckpt: bool = doc(
+        False, "with model.weight_init_only: also load the adapters from exp_manager.resume_from_checkpoint "
+               "(else they start fresh)")
+    save_lora_base: bool = doc(False, "checkpoints hold the frozen base weights too (default: adapters only)")
+    merge_lora: bool = doc(
+        False, "at the end of training also save the merged model (adapters folded into the base) as a "
+               "weights checkpoint <checkpoint>-merged")
+    save_lora_config_adapter: bool = doc(True, "write PEFT's adapter_config.json into every checkpoint")
+    merge_sharded_lora: bool = doc(
+        False, "NxDT: merge per-rank adapter files; nxdt's checkpoints are read whole at any layout (inert)")
+
+
+@dataclass
+class DPOConfig:
+    kl_beta: float = doc(0.1, "DPO beta: strength of the implicit KL penalty towards the reference model")
+    loss_type: Literal["sigmoid", "hinge", "ipo"] = doc("sigmoid", "sigmoid (DPO), hinge (SLiC) or ipo (IPO)")
+    max_dpo_prompt_length: Optional[int] = doc(
+        None, "prompt tokens kept (truncation_mode says which); null = up to data.seq_length - 1")
+    precompute_ref_log_probs: bool = doc(
+        True, "reference log-probs computed once before training and checkpointed with the data state; "
+              "false needs LoRA (the frozen base is the reference)")
+    truncation_mode: Optional[Literal[TRUNCATION_MODES]] = doc(
+        "keep_start", "over-long prompts keep their start or end; null = an over-long prompt is an error")
+
+
+@dataclass
+class ORPOConfig:
+    beta: float = doc(0.1, "ORPO lambda: weight of the odds-ratio term added to the chosen responses' SFT loss")
+    max_prompt_length: Optional[int] = doc(
+        None, "prompt tokens kept (truncation_mode says which); null = up to data.seq_length - 1")
+    truncation_mode: Optional[Literal[TRUNCATION_MODES]] = doc(
+        "keep_start", "over-long prompts keep their start or end; null = an over-long prompt is an error")
+
+
+@dataclass
+class AlignmentConfig:
+    sft: Optional[SFTConfig] = doc(None, "supervised fine-tuning on {input, output} rows")
+    peft: Optional[PeftConfig] = doc(None, "LoRA adapters on a frozen base (combines with sft, dpo, orpo)")
+    dpo: Optional[DPOConfig] = doc(None, "direct preference optimization on {prompt, chosen, rejected} rows")
+    orpo: Optional[ORPOConfig] = doc(None, "odds-ratio preference optimization (no reference model)")
+
+
+@dataclass
+class DataAlignmentConfig:
+    dpo: Optional[DPOConfig] = doc(None, "NxDT's DPO config puts model_alignment_strategy.dpo here")
+    orpo: Optional[ORPOConfig] = doc(None, "accepted here too, like dpo")
+
+
 # --------------------------------------------------------------------------- top level
 @dataclass
 class NxdtConfig:
@@ -340,8 +410,8 @@ class NxdtConfig:
     data: DataConfig = doc(DataConfig, "dataset, batch sizes, tokenizer")
     model: ModelConfig = doc(ModelConfig, "architecture, optimizer, scheduler")
     precision: PrecisionConfig = doc(PrecisionConfig, "dtype preset")
-    model_alignment_strategy: Optional[Dict[str, Any]] = doc(
-        None, "fine-tuning strategy: {sft: {packing: ...}} | dpo | orpo | peft", open=True)
+    model_alignment_strategy: Optional[AlignmentConfig] = doc(
+        None, "fine-tuning: sft, peft (LoRA), dpo, orpo; null = pre-training")
     compiler_flags: Optional[str] = doc(None, "Neuron compiler flags (appended to NEURON_CC_FLAGS)", neuron=True)
     compiler_cache_url: Optional[str] = doc(None, "NEURON_COMPILE_CACHE_URL", neuron=True)
     aync_exec_max_inflight_requests: Optional[int] = doc(

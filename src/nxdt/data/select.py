@@ -2,6 +2,7 @@
 
 1. `data.data_module: pkg.module.Class`  → the user's LightningDataModule, `Class(cfg, trainer)`
 2. `model_alignment_strategy.sft`        → SFTDataModule (jsonl / arrow input-output pairs)
+   `model_alignment_strategy.dpo / orpo`  → PreferenceDataModule (jsonl / arrow prompt-chosen-rejected rows)
 3. `data.use_dummy_dataset: true`        → DummyDataModule (random tokens, performance runs)
 4. `data.datasets`                       → LogicalShardDataModule (fms-fsdp: weights, logical shards)
 5. `data.train_dir` with model_source hf, or use_sft_style_data_module, or no data_prefix
@@ -11,17 +12,21 @@
 
 from __future__ import annotations
 
+from nxdt.config.alignment import alignment_of
 from nxdt.config.errors import ConfigError
 
 
 def datamodule_kind(cfg) -> str:
-    """'custom' | 'sft' | 'dummy' | 'logical_shards' | 'hf' | 'megatron' for `cfg` (see the module doc)."""
+    """'custom' | 'sft' | 'preference' | 'dummy' | 'logical_shards' | 'hf' | 'megatron' for `cfg` (see the
+    module doc)."""
     data = cfg.data
-    mas = cfg.model_alignment_strategy
+    alignment = alignment_of(cfg)
     if data.data_module is not None:
         return "custom"
-    if mas is not None and "sft" in mas:
+    if alignment.sft is not None:
         return "sft"
+    if alignment.preference is not None:
+        return "preference"
     if data.use_dummy_dataset:
         return "dummy"
     if data.datasets is not None:
@@ -47,6 +52,10 @@ def build_datamodule(cfg, trainer):
         from nxdt.data.sft import SFTDataModule
 
         return SFTDataModule(cfg, trainer)
+    if kind == "preference":
+        from nxdt.data.preference import PreferenceDataModule
+
+        return PreferenceDataModule(cfg, trainer)
     if kind == "dummy":
         from nxdt.data.dummy import DummyDataModule
 

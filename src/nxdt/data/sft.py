@@ -28,58 +28,93 @@ import gzip
 import itertools
 import os
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from nxdt.config.alignment import alignment_of
 from nxdt.config.errors import ConfigError
+from nxdt.config.schema import SFTConfig
 from nxdt.data.common import NxdtDataModuleBase
 from nxdt.data.jsonl import iter_jsonl
 from nxdt.data.tokenizers import build_tokenizer
 
 SPLIT_KEYS = {"train": "train_dir", "validation": "val_dir", "test": "test_dir"}
-SFT_KEYS = ("packing", "prompt_template")
+SFT_COLUMNS = ("input", "output")
 
 
 # ----------------------------------------------------------------------------- reading rows
 
 
-def _check_row(row, where: str) -> tuple[str, str]:
+def _listed(columns: tuple[str, ...]) -> str:
+    """('prompt', 'chosen', 'rejected') -> "'prompt', 'chosen' and 'rejected'" (for error messages)."""
+    quoted = [f"'{c}'" for c in columns]
+    return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " and " + quoted[-1]
+
+
+def _needs(kind: str, columns: tuple[str, ...]) -> str:
+    return f"{kind} rows need {_listed(columns)}"
+
+
+def _check_row(row, where: str, columns: tuple[str, ...], kind: str) -> tuple[str, ...]:
     if not isinstance(row, dict):
-        raise ConfigError(f"{where}: expected a JSON object with 'input' and 'output', got {type(row).__name__}")
-    for key in ("input", "output"):
+        raise ConfigError(f"{where}: expected a JSON object with {_listed(columns)}, got {type(row).__name__}")
+    for key in columns:
         if key not in row or row[key] is None:
-            raise ConfigError(f"{where}: row has no '{key}' (SFT rows need 'input' and 'output'; has {sorted(row)})")
+            raise ConfigError(f"{where}: row has no '{key}' ({_needs(kind, columns)}; has {sorted(row)})")
         if not isinstance(row[key], str):
             raise ConfigError(f"{where}: '{key}' is {type(row[key]).__name__}, expected a string")
-    return row["input"], row["output"]
+    return tuple(row[key] for key in columns)
 
 
-def read_pairs(path: str, key: str, limit: int | None = None) -> list[tuple[str, str]]:
-    """(input, output) pairs from jsonl, arrow or a save_to_disk dir; errors name the file (and line)."""
+@dataclass
+class TextRows:
+    """String rows read from one file, and where each came from (for errors that name a row)."""
+
+    path: str
+    values: list[tuple[str, ...]]
+    lines: list[int] | None  # jsonl: the line of each row; arrow / save_to_disk: None (row i)
+
+    def where(self, i: int) -> str:
+        return f"{self.path}:{self.lines[i]}" if self.lines is not None else f"{self.path}: row {i}"
+
+
+def read_rows(path: str, key: str, columns: tuple[str, ...], kind: str, limit: int | None = None) -> TextRows:
+    """The string `columns` of every row of a jsonl, arrow or save_to_disk file (the first `limit`
+    rows); errors name the file and line (or row) and what `kind` of rows needs. SFT reads
+    input/output with it, nxdt.data.preference prompt/chosen/rejected."""
     path = os.path.expanduser(str(path))
     if not os.path.exists(path):
         raise ConfigError(f"data.{key}: {path}: file not found")
-    pairs: list[tuple[str, str]] = []
+    values: list[tuple[str, ...]] = []
+    lines: list[int] | None = None
     if os.path.isfile(path) and path.endswith((".jsonl", ".jsonl.gz", ".json", ".json.gz")):
+        lines = []
         opener = gzip.open if path.endswith(".gz") else open
         with opener(path, "rt", encoding="utf-8") as stream:
             # islice stops before reading the row after the limit (None: all rows)
             for lineno, row in itertools.islice(iter_jsonl(stream, path), limit):
-                pairs.append(_check_row(row, f"{path}:{lineno}"))
+                values.append(_check_row(row, f"{path}:{lineno}", columns, kind))
+                lines.append(lineno)
     else:
         ds = _read_arrow(path, key)
-        missing = [c for c in ("input", "output") if c not in ds.column_names]
+        missing = [c for c in columns if c not in ds.column_names]
         if missing:
-            raise ConfigError(f"{path}: no '{missing[0]}' column (SFT rows need 'input' and 'output'; "
+            raise ConfigError(f"{path}: no '{missing[0]}' column ({_needs(kind, columns)}; "
                               f"columns: {ds.column_names})")
         n = len(ds) if limit is None else min(limit, len(ds))
-        cols = ds.select(range(n)).select_columns(["input", "output"]).to_dict()
-        for i, (inp, out) in enumerate(zip(cols["input"], cols["output"])):
-            pairs.append(_check_row({"input": inp, "output": out}, f"{path}: row {i}"))
-    if not pairs:
+        cols = ds.select(range(n)).select_columns(list(columns)).to_dict()
+        for i, row in enumerate(zip(*(cols[c] for c in columns))):
+            values.append(_check_row(dict(zip(columns, row)), f"{path}: row {i}", columns, kind))
+    if not values:
         raise ConfigError(f"{path}: no examples (empty file)")
-    return pairs
+    return TextRows(path, values, lines)
+
+
+def read_pairs(path: str, key: str, limit: int | None = None) -> list[tuple[str, str]]:
+    """(input, output) pairs from jsonl, arrow or a save_to_disk dir; errors name the file (and line)."""
+    return read_rows(path, key, SFT_COLUMNS, "SFT", limit).values
 
 
 def _read_arrow(path: str, key: str):
@@ -190,15 +225,8 @@ class SFTRows(torch.utils.data.Dataset):
 
 def sft_options(cfg) -> dict:
     """model_alignment_strategy.sft as a dict (packing also from data.packing)."""
-    # model_alignment_strategy is an open section (a plain dict): its sft keys are checked here
-    sft = dict((cfg.model_alignment_strategy or {}).get("sft") or {})
-    unknown = [k for k in sft if k not in SFT_KEYS]
-    if unknown:
-        raise ConfigError(f"unknown key 'model_alignment_strategy.sft.{unknown[0]}' (known: {list(SFT_KEYS)})")
-    return {
-        "packing": bool(sft.get("packing") or cfg.data.packing),
-        "prompt_template": sft.get("prompt_template"),
-    }
+    sft = alignment_of(cfg).sft or SFTConfig()
+    return {"packing": bool(sft.packing or cfg.data.packing), "prompt_template": sft.prompt_template}
 
 
 class SFTDataModule(NxdtDataModuleBase):

@@ -19,6 +19,7 @@ from torch import nn
 from nxdt.config.moe_checks import canonical_gate_type
 from nxdt.models.hf import HF_MOE_OVERRIDES, HF_OVERRIDES, build_hf_model
 from nxdt.models.llama import LlamaArgs, NxdtLlamaForCausalLM
+from nxdt.models.lora import adapters_detached, reset_lora_parameters
 from nxdt.models.moe import MoEArgs
 
 
@@ -149,17 +150,24 @@ def build_model(cfg: Any, vocab_size: int | None = None, device: str | torch.dev
 @torch.no_grad()
 def init_model_weights(model: nn.Module, device: str | torch.device | None = None) -> nn.Module:
     """Materialise a meta-device model on `device` (if given) and (re)initialise its weights,
-    for either model source. Tied weights are re-tied."""
+    for either model source. Tied weights are re-tied.
+
+    LoRA adapters (nxdt.models.lora) are drawn after the model's own weights, as peft draws them
+    (A kaiming-uniform, B zeros). While the model initialises itself they are taken off, so its
+    initialisation of every nn.Linear neither touches them nor draws for them: with the same seed
+    the base weights equal those of the same model without LoRA."""
     if device is not None:
         model.to_empty(device=device)
-    if isinstance(model, NxdtLlamaForCausalLM):
-        model.init_weights()
-    else:  # transformers PreTrainedModel
-        for module in model.modules():
-            # transformers skips modules it has already initialised; after to_empty none are.
-            if hasattr(module, "_is_hf_initialized"):
-                module._is_hf_initialized = False
-        model.init_weights()
+    with adapters_detached(model):
+        if isinstance(model, NxdtLlamaForCausalLM):
+            model.init_weights()
+        else:  # transformers PreTrainedModel
+            for module in model.modules():
+                # transformers skips modules it has already initialised; after to_empty none are.
+                if hasattr(module, "_is_hf_initialized"):
+                    module._is_hf_initialized = False
+            model.init_weights()
+    reset_lora_parameters(model)
     return model
 
 

@@ -37,6 +37,13 @@ gradient of the shared weight is summed over the ranks (Partial), exactly the si
 gradient. This is NxDT's ``kv_replicator`` without copying weights: checkpoints keep the
 original [num_kv_heads × head_dim, hidden] shape and load into any tp.
 
+LoRA (nxdt.models.lora.LoraLinear, an nn.Linear with ``lora_A`` / ``lora_B`` children): the styles
+distribute a module's parameters recursively under dotted names, which ``register_parameter``
+refuses, so the adapters are taken off while the plan is applied and then distributed like the
+base weight (`lora_adapter_placements`): the module's forward runs on the DTensors the style's
+input hook hands it, and the low-rank path ends in the same layout as the base path, reduced by
+the same output collective (no extra communication).
+
 Functions take a module whose blocks are ``model.model.layers`` (possibly a pipeline stage's
 subset; missing embed_tokens / norm / lm_head are skipped).
 """
@@ -46,7 +53,15 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -59,7 +74,10 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-__all__ = ["KVHeadSelect", "apply_tensor_parallel", "block_norms", "loss_parallel", "llama_tp_plan", "is_hf_model"]
+from nxdt.models.lora import adapters_detached, lora_modules
+
+__all__ = ["KVHeadSelect", "apply_tensor_parallel", "block_norms", "distribute_lora_adapters", "loss_parallel",
+           "llama_tp_plan", "is_hf_model"]
 
 
 def is_hf_model(model: nn.Module) -> bool:
@@ -212,15 +230,53 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
         return model
     heads, kv = _num_kv_heads(model)
     tied = _tied(model)
-    parallelize_module(model, tp_mesh, llama_tp_plan(model, tp, sequence_parallel))
+    plan = llama_tp_plan(model, tp, sequence_parallel)
+    # the styles make new Parameters (requires_grad True): a frozen one (LoRA's base) must stay frozen
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    with adapters_detached(model):  # the styles distribute a module's parameters recursively
+        parallelize_module(model, tp_mesh, plan)
+    distribute_lora_adapters(model, tp_mesh)
     if tied:  # embedding (rows) and lm_head (colwise = rows of its weight) share Shard(0)
         model.lm_head.weight = model.model.embed_tokens.weight
+    for name, p in model.named_parameters():
+        if name in frozen:
+            p.requires_grad_(False)
     if tp > kv and is_hf_model(model):
         # transformers repeats K/V by num_key_value_groups (query heads per K/V head); a rank now
         # holds H/tp query heads and one K/V head.
         for block in model.model.layers:
             block.self_attn.num_key_value_groups = heads // tp
     return model
+
+
+def lora_adapter_placements(base: Placement) -> tuple[Placement, Placement]:
+    """(lora_A, lora_B) placements for a LoRA linear whose base weight is placed as `base`.
+
+    colwise base (Shard(0), rows = outputs): A whole, B split by its rows like W, so x (Replicate)
+    → A x (Replicate) → B A x (Shard(-1)) lands where x W^T does. rowwise base (Shard(1), columns =
+    inputs): A split by its columns like W, B whole: x (Shard(-1)) → A x (Partial) → B A x (Partial),
+    summed with x W^T (Partial) and reduced once by the style's output hook (all-reduce, or
+    reduce-scatter to Shard(1) with sequence parallel). Replicated base (KVHeadSelect): both whole."""
+    if base == Shard(0):
+        return Replicate(), Shard(0)
+    if base == Shard(1):
+        return Shard(1), Replicate()
+    return Replicate(), Replicate()
+
+
+def distribute_lora_adapters(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Make every LoraLinear's adapter weights DTensors on `tp_mesh`, placed as `lora_adapter_placements`
+    says for its (already distributed) base weight. Its forward then sees DTensor inputs (the base
+    style's input hook) and DTensor arithmetic gives the sharded result with no extra collective.
+    A LoraLinear whose base the plan left alone keeps plain adapters."""
+    for module in lora_modules(model).values():
+        if not isinstance(module.weight, DTensor):
+            continue
+        placements = lora_adapter_placements(module.weight.placements[0])
+        for adapter, placement in zip((module.lora_A, module.lora_B), placements):
+            w = adapter.weight
+            adapter.weight = nn.Parameter(distribute_tensor(w.detach(), tp_mesh, [placement]),
+                                          requires_grad=w.requires_grad)
 
 
 def _tied(model: nn.Module) -> bool:

@@ -2,6 +2,7 @@
 
     nxdt convert hf-to-nxdt --input HF_DIR --output CKPT
     nxdt convert nxdt-to-hf --input CKPT --output HF_DIR [--max-shard-size 5GB] [--dtype bfloat16]
+                            [--base BASE_CKPT] [--adapter-only]
 
 Llama and Mixtral: both model sources use transformers' parameter names, so the tensors are
 copied as they are. GPT-NeoX / Pythia (config.json model_type gpt_neox): the weights are renamed
@@ -15,7 +16,9 @@ and tokenizer files inside it. nxdt-to-hf writes safetensors shards with their
 checkpoint's config.yaml: `model.model_config` for model_source hf, the native model's
 arguments for megatron, nxdt.models.hf_export) and the tokenizer files; a native GPT-NeoX is
 renamed back (the output layer as `embed_out`, as GPT-NeoX folders store it). Only safetensors
-and JSON are read: nothing is unpickled.
+and JSON are read: nothing is unpickled. A checkpoint with LoRA adapters (`model_alignment_strategy.peft`)
+becomes the merged model, its base and a PEFT adapter folder (nxdt.tools.convert_lora; `--base` supplies
+the base weights an adapter-only checkpoint lacks, `--adapter-only` writes the adapter alone).
 """
 
 from __future__ import annotations
@@ -144,7 +147,8 @@ def hf_config_for(ckpt: Path, tensors: dict[str, Any]) -> dict[str, Any]:
     from nxdt.models.builder import llama_args_from_cfg
     from nxdt.models.hf_export import hf_config_dict
 
-    rows = tensors["model.embed_tokens.weight"].shape[0]
+    embed = tensors.get("model.embed_tokens.weight")
+    rows = embed.shape[0] if embed is not None else 1  # 1: an adapter-only export, which writes no config.json
     try:
         return hf_config_dict(llama_args_from_cfg(cfg, vocab_size=rows))
     except ValueError as err:  # e.g. an MoE that transformers' Mixtral cannot express
@@ -187,23 +191,45 @@ def write_safetensors(tensors: dict[str, Any], output: Path, max_shard_bytes: in
     return names
 
 
-def nxdt_to_hf(ckpt: Path, output: Path, max_shard_bytes: int, dtype: str | None = None) -> None:
-    import torch
-
+def nxdt_to_hf(ckpt: Path, output: Path, max_shard_bytes: int, dtype: str | None = None,
+               base: Path | None = None, adapter_only: bool = False) -> None:
     from nxdt.checkpoint.checkpointer import load_weights
+    from nxdt.models.lora import is_lora_key
 
     tensors = load_weights(ckpt)
+    if any(is_lora_key(k) for k in tensors):
+        from nxdt.tools.convert_lora import lora_to_hf
+
+        lora_to_hf(ckpt, tensors, output, max_shard_bytes, dtype, base=base, adapter_only=adapter_only)
+        return
+    if base is not None or adapter_only:
+        flag = "--base" if base is not None else "--adapter-only"
+        raise ConfigError(f"{flag}: {ckpt} has no LoRA adapters (the flag is for checkpoints of LoRA runs)")
     config = hf_config_for(ckpt, tensors)
+    check_output_free(output)
+    write_hf_model(ckpt, tensors, config, output, max_shard_bytes, dtype)
+
+
+def check_output_free(output: Path) -> None:
+    if output.exists() and any(output.iterdir()):
+        raise ConfigError(f"--output {output} exists and is not empty (nothing is overwritten)")
+
+
+def write_hf_model(ckpt: Path, tensors: dict[str, Any], config: dict[str, Any], output: Path,
+                   max_shard_bytes: int, dtype: str | None = None) -> None:
+    """A transformers folder at `output` from nxdt-named tensors and the model's config.json dict:
+    safetensors shards (GPT-NeoX names where the config says gpt_neox), config.json, tokenizer files."""
+    import torch
+
+    config = dict(config)
     if config.get("model_type") == "gpt_neox":
         tensors = neox_tensors(tensors, config, ckpt)
     if config.get("tie_word_embeddings"):
-        tensors.pop("lm_head.weight", None)
+        tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
     if dtype:
         tensors = {k: v.to(getattr(torch, dtype)) for k, v in tensors.items()}
     config["torch_dtype"] = dtype or str(next(iter(tensors.values())).dtype).removeprefix("torch.")
     config.pop("dtype", None)
-    if output.exists() and any(output.iterdir()):
-        raise ConfigError(f"--output {output} exists and is not empty (nothing is overwritten)")
     output.mkdir(parents=True, exist_ok=True)
     write_safetensors(tensors, output, max_shard_bytes)
     (output / "config.json").write_text(json.dumps(config, indent=2))
@@ -235,11 +261,17 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
     b.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="store the weights in this dtype (default: as in the checkpoint)")
+    b.add_argument("--base", type=Path, default=None, metavar="CKPT",
+                   help="LoRA: a weights checkpoint of the base model, for a checkpoint that holds only the "
+                        "adapters (save_lora_base: false), e.g. the run's exp_manager.resume_from_checkpoint")
+    b.add_argument("--adapter-only", action="store_true",
+                   help="LoRA: write only the PEFT adapter folder (OUTPUT/adapter), no merged or base model")
     args = parser.parse_args(argv)
     if args.direction == "hf-to-nxdt":
         if hf_to_nxdt(args.input, args.output) is not None:
             print(f"model keys of the native model: {args.output / NXDT_MODEL_FILE}")
     else:
-        nxdt_to_hf(args.input, args.output, parse_size(args.max_shard_size), args.dtype)
+        nxdt_to_hf(args.input, args.output, parse_size(args.max_shard_size), args.dtype,
+                   base=args.base, adapter_only=args.adapter_only)
     print(f"wrote {args.output}")
     return 0

@@ -105,4 +105,6 @@ class RunSummary(Callback):
         # whole (parallelized) model counts right, sharded weights being DTensors of global size.
         whole = getattr(pl_module, "pipeline", None) is None and pl_module.model is not None
         counts = parameter_counts(pl_module.model) if whole else None
-        print(format_summary(self.cfg, self.layout, n, memory, self.log_dir, counts), flush=True)
+        text = format_summary(self.cfg, self.layout, n, memory, self.log_dir, counts)
+        lora = getattr(pl_module, "lora_summary", None)  # LoRA: trainable vs total (lora_verbose: per target)
+        print(text + (f"\n  lora         {lora}" if lora else ""), flush=True)

@@ -20,7 +20,9 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from nxdt.config.alignment import alignment_of
 from nxdt.models import build_model, count_parameters, logits_of
+from nxdt.training.finetuning import add_lora
 from nxdt.parallel.mesh import all_reduce_mean
 from nxdt.parallel.data_parallel import wants_meta_init, zero1_optimizer
 from nxdt.parallel.expert_parallel import expert_parameters
@@ -28,6 +30,7 @@ from nxdt.parallel.mesh import submesh
 from nxdt.parallel.context_parallel import shard_sequence
 from nxdt.parallel.parallelize import parallelize_llama
 from nxdt.parallel.tensor_parallel import total_norm
+from nxdt.training.preference_module import PreferenceSteps
 from nxdt.training.optimizers import build_optimizer, param_groups, resolve_optimizer
 from nxdt.precision.precision import Precision
 from nxdt.device import use_xla
@@ -39,7 +42,7 @@ from nxdt.training.step import (loss_parallel_context, microbatch_forward_backwa
                                 pipeline_forward_backward, split_microbatches, train_step)
 
 
-class NxdtLightningModule(pl.LightningModule):
+class NxdtLightningModule(PreferenceSteps, pl.LightningModule):
     def __init__(self, cfg, layout, vocab_size: int | None) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -49,6 +52,8 @@ class NxdtLightningModule(pl.LightningModule):
         self.model: torch.nn.Module | None = None
         self.pipeline = None  # nxdt.parallel.pipeline.Pipeline when pipeline_model_parallel_size > 1
         self.num_parameters = 0
+        self.alignment = alignment_of(cfg)  # sft / peft (LoRA) / dpo / orpo (nxdt.config.alignment)
+        self.lora_summary: str | None = None  # LoRA: trainable vs total, for the run summary
         # precision.type / fp16 / NaN guard: dtypes, autocast, loss scale, skipped steps (checkpointed)
         self.precision = Precision.from_cfg(cfg, on_xla=use_xla(cfg))
         # per-step scalars go straight to the loggers (step_scalars.py: before the step's checkpoint);
@@ -65,6 +70,8 @@ class NxdtLightningModule(pl.LightningModule):
         meta = wants_meta_init(self.cfg, self.device.type)
         model = build_model(self.cfg, self.vocab_size, device="meta" if meta else None)
         self.num_parameters = count_parameters(model)
+        if self.alignment.peft is not None:  # adapters on a frozen base, before precision and parallelism
+            self.lora_summary = add_lora(model, self.alignment.peft)
         model = self.precision.convert_model(model)
         if self.layout.pp > 1:
             self._configure_pipeline(model)
@@ -124,19 +131,27 @@ class NxdtLightningModule(pl.LightningModule):
         return microbatch_loss(self.model, mb, self.precision, loss_fn=self._loss_fn(),
                                device_type=self.device.type, cp_mesh=self._cp_mesh())
 
+    def on_train_start(self) -> None:
+        self.precompute_reference_logps()  # DPO: once, before the first step (nxdt.training.preference_module)
+
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        forward_backward = self._forward_backward()
         # the LightningOptimizer: its step() is what Lightning counts (global_step), skipped steps too
         metrics = train_step(self.model, self.optimizers(), self.lr_schedulers(), self.precision,
-                             self._forward_backward(), batch, step=self.global_step,
+                             forward_backward, batch, step=self.global_step,
                              clip=self.cfg.trainer.gradient_clip_val,
                              reduce_loss=functools.partial(all_reduce_mean, mesh=self.device_mesh, axis="dp_cp"),
                              norm_over_stages=self.pipeline.norm_over_stages if self.pipeline is not None else None)
         self.consumed_samples += self.layout.global_batch_size
         self._log_step(metrics.loss, metrics.lr, metrics.grad_norm)
+        self.log_preference_metrics(forward_backward)  # DPO / ORPO: rewards, accuracies, margins
         return metrics.loss
 
     def _forward_backward(self):
-        """The step's forward/backward: the pipeline schedule, or gradient accumulation over micro-batches."""
+        """The step's forward/backward: the pipeline schedule, or gradient accumulation over micro-batches
+        (of preference pairs for DPO / ORPO)."""
+        if self.alignment.preference is not None:
+            return self.preference_forward_backward()
         common = dict(device_type=self.device.type, tp=self.layout.tp, cp_mesh=self._cp_mesh(),
                       batch_size=self.layout.local_batch_size)
         if self.pipeline is not None:
@@ -169,13 +184,15 @@ class NxdtLightningModule(pl.LightningModule):
 
     # ---- validation ----------------------------------------------------------------------------
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        microbatches = self._microbatches(batch)
-        if self.pipeline is not None:
+        if self.alignment.preference is not None:
+            loss = self.preference_validation_loss(batch)
+        elif self.pipeline is not None:
             batch = self._cp_slice(batch)
             with self._autocast(), self._loss_parallel():
                 loss = self.pipeline.eval(batch["input_ids"], batch["labels"], batch["loss_mask"],
                                           batch.get("position_ids"))
         else:
+            microbatches = self._microbatches(batch)
             with self._loss_parallel():
                 loss = sum(self._microbatch_loss(mb) for mb in microbatches) / len(microbatches)
         reduced = all_reduce_mean(loss.detach(), self.device_mesh, "dp_cp")

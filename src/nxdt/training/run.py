@@ -113,6 +113,7 @@ def train(cfg):
     from nxdt.config.sharding import sharding_mode_of
     from nxdt.parallel.mesh import mesh_shape_from_layout
     from nxdt.training.callbacks import RunSummary, StepProgressBar, ThroughputMonitor
+    from nxdt.training.finetuning import check_lora_targets
     from nxdt.training.module import NxdtLightningModule
 
     _quiet_known_warnings()
@@ -136,6 +137,7 @@ def train(cfg):
     trainer = build_trainer(cfg, layout, mesh_shape, loggers, callbacks)
     # custom (data.data_module) > SFT > dummy > data.datasets > HF (train_dir) > Megatron
     datamodule = build_datamodule(cfg, trainer)
+    check_lora_targets(cfg, datamodule.vocab_size)  # a bad LoRA target: one line, before any process group
     module = NxdtLightningModule(cfg, layout, vocab_size=datamodule.vocab_size)
     ckpt_path = resume.full_resume  # weights only: ResumeHelper loads them
     trainer.fit(module, datamodule=datamodule, ckpt_path=str(ckpt_path) if ckpt_path else None)

@@ -1,0 +1,133 @@
+"""Fine-tuning strategies: which of SFT, LoRA, DPO and ORPO a config asks for, read in one place.
+
+The keys live in the schema (`SFTConfig`, `PeftConfig`, `DPOConfig`, `ORPOConfig`); NxDT spells
+them in two places: `model_alignment_strategy.{sft, peft, dpo, orpo}` and, in its DPO config,
+`data.alignment_strategy.dpo`. `alignment_of(cfg)` merges the two into one `Alignment`, which
+validation checks (`check_alignment`) and the run reads (data module, LoRA, loss): a strategy is
+on when its section is present.
+
+    sft            {input, output} rows, the usual token loss on the output
+    dpo / orpo     {prompt, chosen, rejected} rows, a preference loss; one of the two at most
+    peft           LoRA adapters on a frozen base; combines with any of the above, or with
+                   pre-training data alone (continual pre-training with LoRA, LLaMA-MoE's lora.sh)
+
+This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from nxdt.config.errors import ConfigError
+from nxdt.config.schema import DPOConfig, ORPOConfig, PeftConfig, SFTConfig
+
+
+@dataclass(frozen=True)
+class Alignment:
+    sft: Optional[SFTConfig] = None
+    peft: Optional[PeftConfig] = None
+    dpo: Optional[DPOConfig] = None
+    orpo: Optional[ORPOConfig] = None
+    dpo_key: str = "model_alignment_strategy.dpo"  # where the DPO block was given (for messages)
+
+    @property
+    def preference(self) -> Optional[str]:
+        """'dpo' | 'orpo' | None: the preference loss (and data) the run uses."""
+        return "dpo" if self.dpo is not None else "orpo" if self.orpo is not None else None
+
+    @property
+    def lora(self) -> bool:
+        return self.peft is not None
+
+
+def alignment_of(cfg: Any) -> Alignment:
+    """The strategies of a typed config (NxdtConfig), from both places NxDT puts them."""
+    mas = cfg.model_alignment_strategy
+    data_side = cfg.data.alignment_strategy
+    found: dict[str, Any] = {}
+    if mas is not None:
+        found.update({f.name: getattr(mas, f.name) for f in dataclasses.fields(mas)})
+    dpo_key = "model_alignment_strategy.dpo"
+    if data_side is not None:
+        for name in ("dpo", "orpo"):
+            value = getattr(data_side, name)
+            if value is None:
+                continue
+            if found.get(name) is not None and found[name] != value:
+                raise ConfigError(f"data.alignment_strategy.{name} and model_alignment_strategy.{name} are both set "
+                                  "and differ: give the block in one place")
+            found[name] = value
+            if name == "dpo":
+                dpo_key = "data.alignment_strategy.dpo"
+    return Alignment(sft=found.get("sft"), peft=found.get("peft"), dpo=found.get("dpo"),
+                     orpo=found.get("orpo"), dpo_key=dpo_key)
+
+
+LORA_FUSED_NAMES = ("qkv_proj", "gate_up_proj")
+
+
+def alignment_notices(cfg: Any) -> list[str]:
+    """Keys accepted and inert here, reported once at start."""
+    peft = alignment_of(cfg).peft
+    if peft is not None and peft.merge_sharded_lora:
+        return ["model_alignment_strategy.peft.merge_sharded_lora: inert here (nxdt's checkpoints are read whole "
+                "at any layout; `nxdt convert nxdt-to-hf` writes one PEFT adapter)"]
+    return []
+
+
+def check_alignment(cfg: Any) -> None:
+    """One-line ConfigErrors for strategy combinations and values nxdt cannot run."""
+    al = alignment_of(cfg)
+    ds = cfg.distributed_strategy
+    if al.dpo is not None and al.orpo is not None:
+        raise ConfigError(f"{al.dpo_key} and model_alignment_strategy.orpo are both set: pick one preference loss")
+    if al.preference and al.sft is not None:
+        raise ConfigError(f"model_alignment_strategy.sft and {al.preference} are both set: SFT reads "
+                          "{input, output} rows, DPO/ORPO read {prompt, chosen, rejected} rows; pick one")
+    if al.peft is not None:
+        _check_peft(al.peft)
+    if al.preference is None:
+        return
+    key = al.dpo_key if al.dpo is not None else "model_alignment_strategy.orpo"
+    for what, size in (("pipeline_model_parallel_size", ds.pipeline_model_parallel_size),
+                       ("context_parallel_size", ds.context_parallel_size)):
+        if (size or 1) > 1:
+            raise ConfigError(f"{key} with distributed_strategy.{what} > 1 is not supported yet (got {size})")
+    seq = cfg.data.seq_length
+    if al.dpo is not None:
+        d = al.dpo
+        if d.kl_beta <= 0:
+            raise ConfigError(f"{key}.kl_beta: must be > 0, got {d.kl_beta}")
+        if not d.precompute_ref_log_probs and al.peft is None:
+            raise ConfigError(f"{key}.precompute_ref_log_probs: false is not supported yet without LoRA (it needs a "
+                              "second model copy); set it true, or add model_alignment_strategy.peft (the frozen base "
+                              "is then the reference)")
+        _check_prompt_length(f"{key}.max_dpo_prompt_length", d.max_dpo_prompt_length, seq)
+    else:
+        o = al.orpo
+        if o.beta < 0:
+            raise ConfigError(f"{key}.beta: must be >= 0, got {o.beta}")
+        _check_prompt_length(f"{key}.max_prompt_length", o.max_prompt_length, seq)
+
+
+def _check_peft(peft: PeftConfig) -> None:
+    key = "model_alignment_strategy.peft"
+    if peft.lora_rank <= 0:
+        raise ConfigError(f"{key}.lora_rank: must be > 0, got {peft.lora_rank}")
+    if peft.lora_alpha <= 0:
+        raise ConfigError(f"{key}.lora_alpha: must be > 0, got {peft.lora_alpha}")
+    if not 0.0 <= peft.lora_dropout < 1.0:
+        raise ConfigError(f"{key}.lora_dropout: must be in [0, 1), got {peft.lora_dropout}")
+    if not peft.target_modules:
+        raise ConfigError(f"{key}.target_modules: empty; name at least one linear (e.g. [qkv_proj])")
+
+
+def _check_prompt_length(key: str, value: Optional[int], seq: Optional[int]) -> None:
+    if value is None:
+        return
+    if value < 1:
+        raise ConfigError(f"{key}: must be >= 1, got {value}")
+    if seq is not None and value >= seq:
+        raise ConfigError(f"{key} ({value}) must be below data.seq_length ({seq}): the response needs room")

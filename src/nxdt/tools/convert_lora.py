@@ -1,0 +1,163 @@
+"""`nxdt convert nxdt-to-hf` for a checkpoint of a LoRA run (its model keys include `.lora_A.` / `.lora_B.`).
+
+    OUTPUT/            the merged model: adapters folded into the base (W += B A · alpha / r), a plain
+                       transformers folder (AutoModelForCausalLM.from_pretrained(OUTPUT))
+    OUTPUT/base/       the base model without the adapters
+    OUTPUT/adapter/    a PEFT adapter of OUTPUT/base: adapter_config.json + adapter_model.safetensors
+                       (PeftModel.from_pretrained(base_model, OUTPUT/adapter))
+
+The LoRA settings (rank, alpha, dropout, bias) are the checkpoint's config.yaml
+`model_alignment_strategy.peft`; target_modules lists the linears that actually have adapters,
+in the model's own names (peft matches leaf names). Trained biases (lora_bias all / lora_only) go
+into the adapter file under the keys peft's `get_peft_model_state_dict` gives them.
+
+A checkpoint that holds only the adapters (and trained biases; the default `save_lora_base: false`)
+takes its base from `--base CKPT` (any weights checkpoint of the base: hf-to-nxdt's, or a full
+checkpoint, whose own adapters are ignored); with `--adapter-only` only OUTPUT/adapter is written.
+
+A native GPT-NeoX model (model_source megatron) is written with transformers' GPT-NeoX names; its
+adapters on o_proj / up_proj / down_proj are renamed like their linears, but adapters on q/k/v have
+no PEFT form over the fused query_key_value (three rank-r updates are not one): not supported yet as
+an adapter; the merged model and the base are still written.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from nxdt.config.errors import ConfigError
+from nxdt.config.load import load_saved_config
+from nxdt.tools.convert import check_output_free, hf_config_for, write_hf_model
+
+ADAPTER_DIR, BASE_DIR = "adapter", "base"
+ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
+
+
+def lora_to_hf(ckpt: Path, tensors: dict[str, Any], output: Path, max_shard_bytes: int, dtype: str | None = None,
+               *, base: Path | None = None, adapter_only: bool = False) -> None:
+    """Write the folders of the module docstring for the LoRA checkpoint `ckpt` (its model tensors: `tensors`)."""
+    from nxdt.models.lora import is_lora_key, lora_pairs, merged_state_dict
+
+    cfg_file = ckpt / "config.yaml"
+    if not cfg_file.is_file():
+        raise ConfigError(f"{cfg_file} is missing: a LoRA checkpoint's adapters need its lora_rank and lora_alpha")
+    cfg = load_saved_config(cfg_file)
+    peft = peft_section(cfg, cfg_file)
+    try:
+        pairs = lora_pairs(tensors)
+    except ValueError as err:
+        raise ConfigError(f"{ckpt}: {err}") from None
+    ranks = sorted({int(a.shape[0]) for a, _ in pairs.values()})
+    if ranks != [peft.lora_rank]:
+        raise ConfigError(f"{cfg_file}: model_alignment_strategy.peft.lora_rank is {peft.lora_rank} but the "
+                          f"checkpoint's adapters have rank {', '.join(map(str, ranks))}")
+    if base is not None:
+        tensors = with_base(tensors, base)
+    lacking = sorted(f"{module}.weight" for module in pairs if f"{module}.weight" not in tensors)
+    if lacking and not adapter_only:
+        raise ConfigError(f"{ckpt} holds LoRA adapters without the base weights (e.g. {lacking[0]}; "
+                          "model_alignment_strategy.peft.save_lora_base: false): give the base model's checkpoint "
+                          "with --base CKPT (e.g. the run's exp_manager.resume_from_checkpoint), or write only the "
+                          "adapter with --adapter-only")
+    config = hf_config_for(ckpt, tensors)
+    check_output_free(output)
+    adapter, why_not = adapter_state(tensors, config, cfg.model_source, peft.lora_bias)
+    if adapter is None and adapter_only:
+        raise ConfigError(f"{ckpt}: {why_not}")
+    if not adapter_only:
+        try:
+            merged = merged_state_dict(tensors, (peft.lora_rank, peft.lora_alpha))
+        except ValueError as err:
+            raise ConfigError(f"{ckpt}: {err}") from None
+        write_hf_model(ckpt, merged, config, output, max_shard_bytes, dtype)
+        plain = {k: v for k, v in tensors.items() if not is_lora_key(k)}
+        write_hf_model(ckpt, plain, config, output / BASE_DIR, max_shard_bytes, dtype)
+    if adapter is None:
+        print(f"note: {output / ADAPTER_DIR} not written: {why_not}")
+        return
+    base_path = None if adapter_only else str((output / BASE_DIR).resolve())
+    write_adapter(output / ADAPTER_DIR, adapter, peft, base_path, dtype)
+
+
+def peft_section(cfg, cfg_file: Path):
+    """The saved config's `model_alignment_strategy.peft` (typed), or a ConfigError naming what is missing."""
+    mas = cfg.model_alignment_strategy
+    peft = mas.peft if mas is not None else None
+    if peft is None:
+        raise ConfigError(f"{cfg_file}: the checkpoint holds LoRA adapters but its config has no "
+                          "model_alignment_strategy.peft (lora_rank, lora_alpha unknown)")
+    return peft
+
+
+def with_base(tensors: dict[str, Any], base: Path) -> dict[str, Any]:
+    """The base checkpoint's weights (its own adapters, if any, left out) overlaid by the checkpoint's tensors."""
+    from nxdt.checkpoint.checkpointer import load_weights
+    from nxdt.models.lora import is_lora_key, lora_pairs
+
+    base_tensors = {k: v for k, v in load_weights(base).items() if not is_lora_key(k)}
+    # the shapes the checkpoint implies: its own tensors', and [out, in] of each adapted weight (B A)
+    implied = {k: tuple(t.shape) for k, t in tensors.items() if not is_lora_key(k)}
+    implied.update({f"{module}.weight": (b.shape[0], a.shape[1]) for module, (a, b) in lora_pairs(tensors).items()})
+    for key, shape in sorted(implied.items()):
+        if key not in base_tensors:
+            raise ConfigError(f"--base {base}: not the base of this checkpoint (it has no {key})")
+        if tuple(base_tensors[key].shape) != shape:
+            raise ConfigError(f"--base {base}: not the base of this checkpoint ({key} is "
+                              f"{list(base_tensors[key].shape)} there, {list(shape)} here)")
+    return {**base_tensors, **tensors}
+
+
+def adapter_state(tensors: dict[str, Any], config: dict[str, Any], model_source: str,
+                  bias: str) -> tuple[dict[str, Any] | None, str]:
+    """(PEFT's adapter tensors, "") in transformers' names, or (None, why not)."""
+    from nxdt.models.lora import is_lora_key, peft_adapter_state
+
+    native_neox = config.get("model_type") == "gpt_neox" and model_source == "megatron"
+    if not native_neox:
+        return peft_adapter_state(tensors, bias), ""
+    qkv = sorted({k.split(".lora_")[0].rpartition(".")[2] for k in tensors
+                  if is_lora_key(k) and k.split(".lora_")[0].endswith(("q_proj", "k_proj", "v_proj"))})
+    if qkv:
+        return None, (f"LoRA on {', '.join(qkv)} of a native GPT-NeoX model as a PEFT adapter of transformers' "
+                      "fused query_key_value is not supported yet (target o_proj, up_proj, down_proj for an "
+                      "adapter; the merged model is written without --adapter-only)")
+    return peft_adapter_state(neox_names(tensors, int(config["num_attention_heads"]), bias), bias), ""
+
+
+def neox_names(tensors: dict[str, Any], num_heads: int, bias: str) -> dict[str, Any]:
+    """The adapters and biases of a native GPT-NeoX state in transformers' GPT-NeoX names.
+
+    nxdt.models.neox.native_to_neox renames `<module>.<kind>` by module; an adapter's kind is spelt
+    `lora_A_weight` for it (one dotted component) and split back afterwards."""
+    from nxdt.models.lora import is_lora_key
+    from nxdt.models.neox import native_to_neox
+
+    wanted = {}
+    for key, t in tensors.items():
+        if is_lora_key(key):
+            module, _, rest = key.rpartition(".lora_")
+            wanted[f"{module}.lora_{rest.replace('.', '_')}"] = t
+        elif bias != "none" and key.endswith(".bias"):
+            wanted[key] = t
+    renamed = native_to_neox(wanted, num_heads)
+    return {k.replace(".lora_A_weight", ".lora_A.weight").replace(".lora_B_weight", ".lora_B.weight"): v
+            for k, v in renamed.items()}
+
+
+def write_adapter(folder: Path, adapter: dict[str, Any], peft, base_path: str | None, dtype: str | None) -> None:
+    """adapter_model.safetensors + adapter_config.json into `folder`."""
+    import torch
+    from safetensors.torch import save_file
+
+    from nxdt.models.lora import PEFT_PREFIX, peft_adapter_config, peft_target_modules
+
+    if dtype:
+        adapter = {k: v.to(getattr(torch, dtype)) for k, v in adapter.items()}
+    targets = peft_target_modules({k.removeprefix(PEFT_PREFIX): v for k, v in adapter.items()})
+    config = peft_adapter_config(targets, peft.lora_rank, peft.lora_alpha, peft.lora_dropout, peft.lora_bias,
+                                 base_model_name_or_path=base_path)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in adapter.items()}, str(folder / ADAPTER_FILE), metadata={"format": "pt"})
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
