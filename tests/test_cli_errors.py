@@ -95,3 +95,16 @@ def test_nxdt_cli_unknown_command():
 
     proc = subprocess.run([sys.executable, "-m", "nxdt.cli", "trian"], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 2 and "did you mean 'train'" in proc.stderr
+
+
+def test_bad_fine_tuning_inputs_stop_before_training(data_args, tmp_path):
+    """A LoRA target the model lacks (checked on a meta-device build, before any process group), and
+    a preference row without 'rejected' (read when the data module sets up): one line, exit 2."""
+    proc = run_cli([*BASE, *data_args, "trainer.devices=1", "+model_alignment_strategy.peft.target_modules=[qkv]"])
+    line = _assert_one_line_error(proc, "model_alignment_strategy.peft.target_modules: 'qkv' is not a linear layer")
+    assert "qkv_proj" in line and "down_proj" in line  # the valid names are listed
+    rows = tmp_path / "pref.jsonl"
+    rows.write_text('{"prompt": "a", "chosen": " b", "rejected": " c"}\n{"prompt": "a", "chosen": " b"}\n')
+    proc = run_cli([*BASE, "trainer.devices=1", "data.data_prefix=null", f"data.train_dir={rows}",
+                    "+model_alignment_strategy.orpo.beta=0.1"])
+    _assert_one_line_error(proc, f"{rows}:2", "rejected")
