@@ -39,8 +39,7 @@ import torch
 
 from nxdt.config.alignment import alignment_of
 from nxdt.config.errors import ConfigError
-from nxdt.data.common import NxdtDataModuleBase
-from nxdt.data.sft import SPLIT_KEYS, TextRows, example_arrays, read_rows
+from nxdt.data.sft import SPLIT_KEYS, RowsDataModule, TextRows, example_arrays, read_rows
 from nxdt.data.tokenizers import build_tokenizer
 
 PREFERENCE_COLUMNS = ("prompt", "chosen", "rejected")
@@ -177,7 +176,7 @@ class PreferenceRows(torch.utils.data.Dataset):
 # ----------------------------------------------------------------------------- the module
 
 
-class PreferenceDataModule(NxdtDataModuleBase):
+class PreferenceDataModule(RowsDataModule):
     """DPO / ORPO data and the DPO reference table; see the module docstring."""
 
     def __init__(self, cfg, trainer=None):
@@ -203,11 +202,7 @@ class PreferenceDataModule(NxdtDataModuleBase):
         return PreferenceRows(tokenize_preferences(self.tokenizer, rows, self.limit), self.seq_length, self.pad_id)
 
     def setup(self, stage: str | None = None) -> None:
-        if self.datasets:
-            return
-        for split, key in SPLIT_KEYS.items():
-            path = getattr(self.cfg.data, key)
-            self.datasets[split] = None if path is None else self.build(path, key)
+        super().setup(stage)
         if self._pending_reference is not None:
             pending, self._pending_reference = self._pending_reference, None
             self._load_reference(pending)

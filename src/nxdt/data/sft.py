@@ -229,7 +229,22 @@ def sft_options(cfg) -> dict:
     return {"packing": bool(sft.packing or cfg.data.packing), "prompt_template": sft.prompt_template}
 
 
-class SFTDataModule(NxdtDataModuleBase):
+class RowsDataModule(NxdtDataModuleBase):
+    """A data module whose splits are row files (data.train_dir / val_dir / test_dir), each read by
+    `build(path, key)` once, at setup (SFT, preference rows)."""
+
+    def build(self, path: str, key: str):
+        raise NotImplementedError
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.datasets:
+            return
+        for split, key in SPLIT_KEYS.items():
+            path = getattr(self.cfg.data, key)
+            self.datasets[split] = None if path is None else self.build(path, key)
+
+
+class SFTDataModule(RowsDataModule):
     """Supervised fine-tuning data; see the module docstring."""
 
     def __init__(self, cfg, trainer=None):
@@ -261,10 +276,3 @@ class SFTDataModule(NxdtDataModuleBase):
             warnings.warn(f"{path}: {len(examples) - len(kept)} of {len(examples)} examples dropped: their prompt "
                           f"fills data.seq_length ({self.seq_length})", stacklevel=2)
         return SFTRows(kept, self.seq_length, self.pad_id, self.packing)
-
-    def setup(self, stage: str | None = None) -> None:
-        if self.datasets:
-            return
-        for split, key in SPLIT_KEYS.items():
-            path = getattr(self.cfg.data, key)
-            self.datasets[split] = None if path is None else self.build(path, key)
