@@ -2,8 +2,8 @@
 """LoRA vs full fine-tuning on the same model: step time, trainable / total parameters, and the
 bytes of gradients and optimizer state; peft's LoRA on transformers' Llama as the reference.
 
-    .venv/bin/python benchmarks/lora.py              # 5 interleaved repeats, medians (~2 minutes)
-    .venv/bin/python benchmarks/lora.py --quick      # smoke run: a small model, 1 repeat, a few seconds
+    .venv/bin/python benchmarks/lora.py              # 5 interleaved repeats, medians (~1 min on 2 quiet cores)
+    .venv/bin/python benchmarks/lora.py --quick      # smoke run: a small model, 1 repeat, ~10 s
     .venv/bin/python benchmarks/lora.py --rank 64 --repeats 7 --target-s 5
 
 It is not a test. Goal (the LoRA issue): LoRA's optimizer state must fall by the adapter ratio,
@@ -11,7 +11,7 @@ i.e. optimizer-state bytes (LoRA) / optimizer-state bytes (full) = trainable par
 trainable parameters (full) within 1% (AdamW keeps two fp32 moments per trainable parameter, plus
 one `step` scalar per parameter tensor, counted exactly). Full fine-tuning trains every base
 parameter, so the denominator is the base model's size; LoRA's own trainable / total (also printed)
-is smaller by the factor 1 + adapters / base, because its total includes the adapters (3.9% at
+is smaller by the factor 1 + adapters / base, because its total includes the adapters (3.7% at
 the default shape, 12% at --quick's). The script prints PASS / FAIL and exits 1 on FAIL.
 
 What runs. One native nxdt Llama (`nxdt.config.load.config_from_dict` + `nxdt.models.build_model`:
@@ -36,7 +36,7 @@ loss the same way from the logits.
 
 Checks first (step 0, before any update): B = 0 makes LoRA the same function as the base, so the
 LoRA models' logits and loss must equal the full model's; the max abs differences are printed
-(nxdt-lora: expected exactly 0; peft-lora: rounding, another attention implementation).
+(nxdt-lora: exactly 0 expected; peft-lora runs transformers' Llama code, so up to rounding).
 
 Memory is counted in tensor bytes, not RSS (glibc keeps freed buffers): parameters (each once),
 gradients (the `p.grad` tensors after the first backward), optimizer state (every tensor in
@@ -281,8 +281,8 @@ def report(s: Shape, ways: list[Way], notes: list[str], skipped_rows: list[str])
     print("\nstep 0 (B = 0, before any update): the LoRA models compute the full model's function")
     for w in ways[1:]:
         logit_d = float((w.logits0 - full.logits0).abs().max())
-        print(f"  {w.name:<10} loss {w.loss0:.6f} vs full {full.loss0:.6f}: |loss diff| {abs(w.loss0 - full.loss0):.1e}, "
-              f"max |logit diff| {logit_d:.1e}")
+        print(f"  {w.name:<10} loss {w.loss0:.6f} vs full {full.loss0:.6f}: "
+              f"|loss diff| {abs(w.loss0 - full.loss0):.1e}, max |logit diff| {logit_d:.1e}")
 
     # ---- time
     print(f"\n{'way':<11}{'step s (median)':>16}{'  min-max':<16}{'tokens/s':>10}{'speed vs full':>15}"
@@ -364,8 +364,10 @@ def main(argv=None) -> int:
         peft_version = "peft not installed"
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {peft_version}; "
           f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} torch threads")
-    print(f"model: {s.describe()}; LoRA rank {args.rank}, alpha {args.alpha:g}, on q/k/v/o/gate/up/down of every block")
-    print(f"AdamW lr {OPTIM['lr']:g}; ~{args.target_s:g} s of steps x {args.repeats} interleaved repeats per way, medians")
+    print(f"model: {s.describe()}; LoRA rank {args.rank}, alpha {args.alpha:g}, "
+          f"on q/k/v/o/gate/up/down of every block")
+    print(f"AdamW lr {OPTIM['lr']:g}; ~{args.target_s:g} s of steps x {args.repeats} interleaved repeats per way, "
+          f"medians")
 
     ways, notes = build_ways(s, args.rank, args.alpha)
     skipped_rows = [] if any(w.name == "peft-lora" for w in ways) else ["peft-lora"]
