@@ -486,26 +486,41 @@ class ResumedLoader:
 
 
 # --------------------------------------------------------------------------- single-process weights
-def save_weights(model_state: dict[str, torch.Tensor], path: Path, extra_meta: dict[str, Any] | None = None) -> None:
-    """A weights-only checkpoint (one process, no trainer state), e.g. from `nxdt convert hf-to-nxdt`.
+def save_weights(model_state: dict[str, torch.Tensor], path: Path, extra_meta: dict[str, Any] | None = None,
+                 strategy=None, files: dict[str, str] | None = None) -> None:
+    """A weights-only checkpoint (no trainer state), e.g. from `nxdt convert hf-to-nxdt`, or a LoRA
+    run's merged model. One process, or with `strategy` every rank of a run writing its shards
+    (the tensors may be DTensors). `files`: text files (name → content) written inside it.
 
     Load it for training with `exp_manager.resume_from_checkpoint=PATH model.weight_init_only=true`.
     """
     import torch.distributed.checkpoint as dcp
 
     path = Path(path)
+    rank = strategy.global_rank if strategy is not None else 0
     tmp = path.parent / f"{TMP_PREFIX}{path.name}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
     tensors = {f"model.{k}": v.detach().contiguous() for k, v in model_state.items()}
-    meta = {"format": FORMAT, "version": FORMAT_VERSION, "world_size": 1, "weights_only": True, "step": 0,
-            "consumed_samples": 0, "torch_version": torch.__version__, "model_shapes": tensor_shapes(tensors),
-            **(extra_meta or {})}
-    write_json(tmp / META, meta)
-    dcp.save(tensors, storage_writer=FileSystemWriter(str(tmp), sync_files=True), no_dist=True)
-    write_json(tmp / MARKER, {"format": FORMAT, "version": FORMAT_VERSION, "time": time.time()})
-    os.replace(tmp, path)
+    shapes = all_tensor_shapes(tensors) if strategy is not None else tensor_shapes(tensors)  # a collective
+    if rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    if strategy is not None:
+        strategy.barrier("nxdt-weights-mkdir")
+    dcp.save(tensors, storage_writer=FileSystemWriter(str(tmp), sync_files=True), no_dist=strategy is None)
+    if rank == 0:
+        meta = {"format": FORMAT, "version": FORMAT_VERSION, "world_size": strategy.world_size if strategy else 1,
+                "weights_only": True, "step": 0, "consumed_samples": 0, "torch_version": torch.__version__,
+                "model_shapes": shapes, **(extra_meta or {})}
+        write_json(tmp / META, meta)
+        for name, text in (files or {}).items():
+            (tmp / name).write_text(text, encoding="utf-8")
+        write_json(tmp / MARKER, {"format": FORMAT, "version": FORMAT_VERSION, "time": time.time()})
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    if strategy is not None:
+        strategy.barrier("nxdt-weights-written")
 
 
 def load_weights(path: Path) -> dict[str, torch.Tensor]:

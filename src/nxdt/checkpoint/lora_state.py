@@ -26,22 +26,9 @@ from typing import Any
 
 from nxdt.config.alignment import alignment_of
 from nxdt.config.errors import ConfigError
-from nxdt.models.lora import is_lora_key, peft_adapter_config
+from nxdt.models.lora import is_lora_key, peft_adapter_config, trained_keys
 
 ADAPTER_CONFIG = "adapter_config.json"
-
-
-def trained_keys(keys, lora_bias: str) -> set[str]:
-    """The model keys a LoRA run trains (and an adapter-only checkpoint holds), by name: adapters,
-    plus every bias (`all`) or the biases of the linears that have adapters (`lora_only`)."""
-    keys = set(keys)
-    out = {k for k in keys if is_lora_key(k)}
-    if lora_bias == "all":
-        out |= {k for k in keys if k.endswith(".bias")}
-    elif lora_bias == "lora_only":
-        wrapped = {k.rsplit(".lora_A.", 1)[0] for k in out if ".lora_A." in k}
-        out |= {k for k in keys if k.endswith(".bias") and k[: -len(".bias")] in wrapped}
-    return out
 
 
 def _peft(cfg):
@@ -120,43 +107,19 @@ def save_merged_weights(strategy, cfg, path: Path) -> None:
     starts a run from it; `nxdt convert nxdt-to-hf` exports it). Sharded weights stay sharded: the
     fold is DTensor arithmetic (B A has the base weight's placement)."""
     import dataclasses
-    import os
-    import shutil
-    import time
 
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    from nxdt.checkpoint import checkpointer as ck
-    from nxdt.checkpoint.state import MARKER, META, all_tensor_shapes, model_and_optimizer_state, write_json
+    from nxdt.checkpoint.checkpointer import CONFIG, save_weights
+    from nxdt.checkpoint.state import model_and_optimizer_state
     from nxdt.config.typed import to_yaml
     from nxdt.models.lora import merged_state_dict
 
     peft = _peft(cfg)
-    path = Path(path)
-    state = model_and_optimizer_state(strategy.lightning_module.model, [], weights_only=True)
+    module = strategy.lightning_module
+    state = model_and_optimizer_state(module.model, [], weights_only=True)
     merged = merged_state_dict({k[len("model."):]: v for k, v in state.items()}, (peft.lora_rank, peft.lora_alpha))
-    tensors = {f"model.{k}": v for k, v in merged.items()}
-    shapes = all_tensor_shapes(tensors)  # a collective
-    rank = strategy.global_rank
-    tmp = path.parent / f"{ck.TMP_PREFIX}{path.name}"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    strategy.barrier("nxdt-merged-mkdir")
-    dcp.save(tensors, storage_writer=FileSystemWriter(str(tmp), sync_files=True))
-    if rank == 0:
-        plain = dataclasses.replace(cfg, model_alignment_strategy=dataclasses.replace(
-            cfg.model_alignment_strategy, peft=None))  # the merged model is a plain one
-        write_json(tmp / META, {"format": ck.FORMAT, "version": ck.FORMAT_VERSION, "world_size": strategy.world_size,
-                                "weights_only": True, "lora_merged": True, "step": strategy.lightning_module.global_step,
-                                "consumed_samples": 0, "torch_version": torch.__version__,
-                                "model_source": cfg.model_source, "model_shapes": shapes})
-        (tmp / ck.CONFIG).write_text(to_yaml(plain), encoding="utf-8")
-        write_json(tmp / MARKER, {"format": ck.FORMAT, "version": ck.FORMAT_VERSION, "time": time.time()})
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
+    plain = dataclasses.replace(cfg, model_alignment_strategy=dataclasses.replace(
+        cfg.model_alignment_strategy, peft=None))  # the merged model is a plain one
+    save_weights(merged, path, {"lora_merged": True, "step": module.global_step, "model_source": cfg.model_source},
+                 strategy=strategy, files={CONFIG: to_yaml(plain)})
+    if strategy.global_rank == 0:
         print(f"merged model (LoRA folded into the base): {path}", flush=True)
-    strategy.barrier("nxdt-merged-written")

@@ -217,6 +217,20 @@ def trainable_state_keys(model: nn.Module) -> list[str]:
     return [name for name, p in model.named_parameters() if p.requires_grad]
 
 
+def trained_keys(keys, bias: str) -> set[str]:
+    """The keys (of a state dict, in any naming with `<module>.lora_A.weight`) that a LoRA run trains,
+    by name alone: the adapters, plus every bias (`all`) or the biases of the linears that have
+    adapters (`lora_only`). What an adapter-only checkpoint and a PEFT adapter file hold."""
+    keys = set(keys)
+    out = {k for k in keys if is_lora_key(k)}
+    if bias == "all":
+        out |= {k for k in keys if _is_bias(k)}
+    elif bias == "lora_only":
+        wrapped = {k.rsplit(".lora_A.", 1)[0] for k in out if ".lora_A." in k}
+        out |= {k for k in keys if _is_bias(k) and k.rpartition(".")[0] in wrapped}
+    return out
+
+
 def lora_parameter_counts(model: nn.Module) -> tuple[int, int]:
     """(trainable, total) parameter counts; a shared parameter counts once, a DTensor by its global size."""
     params = list(model.parameters())  # parameters() already de-duplicates
@@ -339,16 +353,16 @@ def peft_adapter_state(state: Mapping[str, torch.Tensor], bias: str = "none") ->
     if bias not in BIAS_MODES:
         raise ValueError(f"{KEY}.lora_bias: must be one of {', '.join(BIAS_MODES)}, got {bias!r}")
     wrapped = set(lora_pairs(state))
+    trained = trained_keys(state, bias)
     out = {}
     for key, t in state.items():
-        if is_lora_key(key):
+        if key not in trained:
+            continue
+        module = key.rpartition(".")[0]
+        if not is_lora_key(key) and module in wrapped:  # a wrapped linear's bias: peft's base_layer
+            out[f"{PEFT_PREFIX}{module}.base_layer.bias"] = t
+        else:
             out[PEFT_PREFIX + key] = t
-        elif _is_bias(key) and bias != "none":
-            module = key.rpartition(".")[0]
-            if module in wrapped:
-                out[f"{PEFT_PREFIX}{module}.base_layer.bias"] = t
-            elif bias == "all":
-                out[PEFT_PREFIX + key] = t
     return out
 
 

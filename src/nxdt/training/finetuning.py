@@ -36,8 +36,7 @@ def check_lora_targets(cfg, vocab_size: int | None) -> None:
     peft = alignment_of(cfg).peft
     if peft is None:
         return
-    model = build_model(cfg, vocab_size, device="meta")
     try:
-        inject_lora(model, peft.target_modules, peft.lora_rank, peft.lora_alpha, peft.lora_dropout, peft.lora_bias)
+        add_lora(build_model(cfg, vocab_size, device="meta"), peft)
     except ValueError as err:
         raise ConfigError(str(err)) from None

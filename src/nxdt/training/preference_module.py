@@ -31,9 +31,8 @@ from nxdt.training.preference_step import (
     preference_forward_backward,
     preference_microbatch_loss,
     reference_from_table,
-    split_preference_batch,
 )
-from nxdt.training.step import loss_parallel_context
+from nxdt.training.step import loss_parallel_context, split_microbatches
 
 
 class PreferenceSteps:
@@ -78,7 +77,7 @@ class PreferenceSteps:
 
     def preference_validation_loss(self, batch) -> torch.Tensor:
         kind, beta, loss_type = self._preference_options()
-        microbatches = split_preference_batch(batch, self.layout.num_microbatches, self.layout.local_batch_size)
+        microbatches = split_microbatches(batch, self.layout.num_microbatches, self.layout.local_batch_size)
         reference = self._reference("validation")
         with loss_parallel_context(self.layout.tp):
             losses = [preference_microbatch_loss(self.model, mb, self.precision, kind=kind, beta=beta,

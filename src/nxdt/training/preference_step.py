@@ -47,7 +47,7 @@ from nxdt.training.preference_loss import (
     through_last_response_token,
     token_logps,
 )
-from nxdt.training.step import loss_parallel_context
+from nxdt.training.step import loss_parallel_context, split_microbatches
 
 Batch = dict[str, torch.Tensor]
 Reference = Callable[[Batch], tuple[torch.Tensor, torch.Tensor]]
@@ -55,15 +55,6 @@ KINDS = ("dpo", "orpo")
 
 
 # ---- one micro-batch -------------------------------------------------------------------------
-def split_preference_batch(batch: Batch, num_microbatches: int, expected_size: int | None = None) -> list[Batch]:
-    """Cut this rank's batch of prompts into `num_microbatches` (checking its size)."""
-    size = batch["chosen_input_ids"].shape[0]
-    if expected_size is not None and size != expected_size:
-        raise RuntimeError(f"batch of {size} prompts, expected micro_batch_size × num_microbatches = "
-                           f"{expected_size} per data-parallel rank")
-    return [{k: v.chunk(num_microbatches)[i] for k, v in batch.items()} for i in range(num_microbatches)]
-
-
 def concatenated(mb: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """input_ids, labels, loss_mask of [chosen; rejected] (TRL's order), [2B, S] each."""
     return tuple(torch.cat([mb[f"chosen_{k}"], mb[f"rejected_{k}"]]) for k in ("input_ids", "labels", "loss_mask"))
@@ -142,7 +133,7 @@ class PreferenceForwardBackward:
         self.metrics: dict[str, torch.Tensor] = {}
 
     def __call__(self, batch: Batch) -> torch.Tensor:
-        microbatches = split_preference_batch(batch, self.num_microbatches, self.batch_size)
+        microbatches = split_microbatches(batch, self.num_microbatches, self.batch_size)
         n = len(microbatches)
         total, sums = None, {}
         for i, mb in enumerate(microbatches):

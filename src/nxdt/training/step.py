@@ -86,16 +86,19 @@ def train_step(model: nn.Module, optimizer, scheduler, precision: Precision,
 
 # ---- forward / backward ----------------------------------------------------------------------
 def split_microbatches(batch: Batch, num_microbatches: int, expected_size: int | None = None) -> list[Batch]:
-    """Cut this rank's batch into `num_microbatches` along the sample axis (checking its size)."""
+    """Cut this rank's batch into `num_microbatches` along the sample axis (checking its size; a
+    preference batch counts prompts)."""
     check_batch_size(batch, expected_size)
     return [{k: v.chunk(num_microbatches)[i] for k, v in batch.items()} for i in range(num_microbatches)]
 
 
 def check_batch_size(batch: Batch, expected_size: int | None) -> None:
-    size = batch["input_ids"].shape[0]
+    # DPO / ORPO batches (nxdt.data.preference) hold a chosen and a rejected sequence per prompt
+    key, unit = ("input_ids", "samples") if "input_ids" in batch else ("chosen_input_ids", "prompts")
+    size = batch[key].shape[0]
     if expected_size is not None and size != expected_size:
         raise RuntimeError(
-            f"batch of {size} samples, expected micro_batch_size × num_microbatches = "
+            f"batch of {size} {unit}, expected micro_batch_size × num_microbatches = "
             f"{expected_size} per data-parallel rank"
         )
 
