@@ -478,7 +478,7 @@ def test_reference_table_state_is_bitwise_through_json(tmp_path, rows):
 # ----------------------------------------------------------------------------- the generator
 
 
-def test_generator_is_deterministic_and_rejected_differs(chapters, tmp_path):
+def test_generator_is_deterministic_and_rejected_differs(chapters, tmp_path, capsys):
     a = make_preference_rows(chapters, 20, prompt_words=10, response_words=5, seed=3)
     assert a == make_preference_rows(chapters, 20, prompt_words=10, response_words=5, seed=3)
     assert a != make_preference_rows(chapters, 20, prompt_words=10, response_words=5, seed=4)
@@ -492,3 +492,13 @@ def test_generator_is_deterministic_and_rejected_differs(chapters, tmp_path):
     assert main(["preference-data", "--output", str(out), "--rows", "3", "--seed", "3"]) == 0
     written = [json.loads(line) for line in out.read_text().splitlines()]
     assert written == make_preference_rows(chapters, 3, seed=3)
+    # bad input: one line, exit 2, the existing file kept
+    for args, message in ((["--rows", "0", "--force"], "must be >= 1"),
+                          (["--corpus", str(tmp_path / "none.jsonl"), "--force"], "not found"),
+                          ([], "exists (nothing is overwritten")):
+        with pytest.raises(SystemExit) as info:
+            main(["preference-data", "--output", str(out), *args])
+        assert info.value.code == 2, args
+        assert message in capsys.readouterr().err.strip().splitlines()[-1], args
+    assert [json.loads(line) for line in out.read_text().splitlines()] == written
+    assert main(["preference-data", "--output", str(out), "--rows", "2", "--force"]) == 0

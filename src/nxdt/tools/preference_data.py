@@ -77,12 +77,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1234, help="random seed (default 1234)")
     parser.add_argument("--corpus", default=str(bundled_corpus_path()),
                         help="jsonl(.gz) of {title, text} chapters (default: the bundled KJV)")
+    parser.add_argument("--force", action="store_true", help="replace --output if it exists")
     args = parser.parse_args(argv)
+    if not Path(args.corpus).is_file():
+        parser.error(f"--corpus {args.corpus}: file not found")
+    if Path(args.output).exists() and not args.force:
+        parser.error(f"--output {args.output} exists (nothing is overwritten; --force replaces it)")
     try:
         rows = make_preference_rows(read_chapters(args.corpus), args.rows, args.prompt_words, args.response_words,
                                     args.seed)
-    except ValueError as err:
-        parser.error(str(err))
+    except (ValueError, KeyError) as err:  # KeyError: a corpus row without title / text
+        parser.error(f"--corpus {args.corpus}: {err}" if isinstance(err, KeyError) else str(err))
     write_jsonl(rows, args.output)
     print(f"wrote {len(rows)} preference rows to {args.output}")
     return 0
