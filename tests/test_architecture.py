@@ -20,8 +20,10 @@ ALLOWED = {
     "exp": {"config", "device"},
     "parallel": {"config", "device", "models", "precision"},
     "checkpoint": {"config", "device", "exp", "models", "parallel", "precision"},
-    "training": {"config", "device", "models", "precision", "parallel", "data", "exp", "checkpoint"},
-    "tools": {"config", "device", "models", "precision", "parallel", "data", "exp", "checkpoint", "training"},
+    "inference": {"config", "device", "models", "precision", "parallel", "data", "checkpoint"},
+    "training": {"config", "device", "models", "precision", "parallel", "data", "exp", "checkpoint", "inference"},
+    "tools": {"config", "device", "models", "precision", "parallel", "data", "exp", "checkpoint", "inference",
+              "training"},
     "cli": {"config", "tools", "training"},
 }
 HEAVY = ("torch", "lightning", "transformers", "numpy", "datasets", "safetensors", "tokenizers")

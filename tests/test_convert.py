@@ -44,11 +44,13 @@ NEOX = {"normalization": "layernorm", "activation": "gelu", "has_bias": True, "t
 
 def _cfg(source: str):
     """megatron, hf, moe: the megatron source with Mixtral-style experts (4, top-2), neox: the
-    megatron source with GPT-NeoX's architecture (neox_tanh: with activation gelu_tanh), or hf_neox: transformers' GPTNeoX (model_source hf)."""
+    megatron source with GPT-NeoX's architecture (neox_tanh: with activation gelu_tanh), hf_neox: transformers' GPTNeoX
+    (model_source hf), hf_moe: transformers' Mixtral."""
     model = dict(TINY) if source in ("megatron", "moe", "neox", "neox_tanh") else {
-        "model_config": "model_configs/tiny_neox" if source == "hf_neox" else "model_configs/tiny_llama",
+        "model_config": {"hf_neox": "model_configs/tiny_neox", "hf_moe": "model_configs/tiny_mixtral"}.get(
+            source, "model_configs/tiny_llama"),
         "num_layers": 2, "hidden_size": 64}
-    if source == "moe":
+    if source in ("moe", "hf_moe"):
         model["moe"] = {"num_experts": 4, "top_k": 2, "output_router_logits": True}
     if source == "neox":
         model.update(NEOX)

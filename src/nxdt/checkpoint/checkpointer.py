@@ -29,6 +29,7 @@ import math
 import os
 import shutil
 import time
+import warnings
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -534,7 +535,9 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
     keys = model_keys_for_export(saved)  # the fp32 master weights where the checkpoint has them
     tensors = {key: torch.empty(tuple(saved[key].size), dtype=saved[key].properties.dtype) for key in keys.values()}
     try:
-        dcp.load(tensors, storage_reader=SafeReader(str(path)), no_dist=True)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message=".*load in a single process")
+            dcp.load(tensors, storage_reader=SafeReader(str(path)), no_dist=True)
     except Exception as err:
         raise ConfigError(f"checkpoint {path}: reading the tensors failed: {_one_line(err)}") from None
     return {fqn: tensors[key] for fqn, key in keys.items()}

@@ -123,3 +123,22 @@ def save_merged_weights(strategy, cfg, path: Path) -> None:
                  strategy=strategy, files={CONFIG: to_yaml(plain)})
     if strategy.global_rank == 0:
         print(f"merged model (LoRA folded into the base): {path}", flush=True)
+
+
+def with_base(tensors: dict[str, Any], base: Path, flag: str = "--base") -> dict[str, Any]:
+    """The base checkpoint's weights (its own adapters, if any, left out) overlaid by the tensors of an
+    adapter-only checkpoint; ConfigError (naming `flag`) when `base` is not that checkpoint's base."""
+    from nxdt.checkpoint.checkpointer import load_weights
+    from nxdt.models.lora import lora_pairs
+
+    base_tensors = {k: v for k, v in load_weights(base).items() if not is_lora_key(k)}
+    # the shapes the checkpoint implies: its own tensors', and [out, in] of each adapted weight (B A)
+    implied = {k: tuple(t.shape) for k, t in tensors.items() if not is_lora_key(k)}
+    implied.update({f"{module}.weight": (b.shape[0], a.shape[1]) for module, (a, b) in lora_pairs(tensors).items()})
+    for key, shape in sorted(implied.items()):
+        if key not in base_tensors:
+            raise ConfigError(f"{flag} {base}: not the base of this checkpoint (it has no {key})")
+        if tuple(base_tensors[key].shape) != shape:
+            raise ConfigError(f"{flag} {base}: not the base of this checkpoint ({key} is "
+                              f"{list(base_tensors[key].shape)} there, {list(shape)} here)")
+    return {**base_tensors, **tensors}

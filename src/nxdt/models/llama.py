@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nxdt.models.kv_cache import KVCache
 from nxdt.models.moe import LlamaMoE, MoEArgs, MoEExperts, MoERouter
 
 
@@ -328,8 +329,9 @@ class CoreAttention(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, args: LlamaArgs) -> None:
+    def __init__(self, args: LlamaArgs, layer_idx: int = 0) -> None:
         super().__init__()
+        self.layer_idx = layer_idx  # its slot in a KVCache
         self.num_heads = args.num_attention_heads
         self.num_kv_heads = args.num_kv_heads
         self.head_dim = args.head_dim
@@ -346,6 +348,7 @@ class LlamaAttention(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None,
         mask: torch.Tensor | None,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         b, s, _ = x.shape
         # [B, S, H*D] → [B, H, S, D]; reshape with -1 heads so a tensor-parallel shard
@@ -356,6 +359,8 @@ class LlamaAttention(nn.Module):
         if self.use_rope:
             cos, sin = rope
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if kv_cache is not None:  # decoding: attend to the cached tokens too (keys after rotary)
+            k, v = kv_cache.update(self.layer_idx, k, v)
         out = self.core_attention(q, k, v, mask)  # [B, H, S, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
@@ -415,7 +420,7 @@ class LlamaDecoderLayer(nn.Module):
         self.block_type = kind = args.transformer_block_type
         self.shared_input_norm = kind == "gpt_j" and args.gpt_j_tied  # GPT-J: one norm feeds attention and MLP
         # Registration order = transformers' order, so state dicts list keys identically.
-        self.self_attn = LlamaAttention(args)
+        self.self_attn = LlamaAttention(args, layer_idx)
         moe = args.moe is not None and args.moe.is_moe_layer(layer_idx)
         self.mlp = LlamaMoE(args.hidden_size, args.ffn_hidden_size, args.moe) if moe else LlamaMLP(args)
         if kind != "post_ln":
@@ -433,16 +438,19 @@ class LlamaDecoderLayer(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
         mask: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         kind = self.block_type
+        # the cache goes as a keyword only when given: tensor-parallel plans describe the positional inputs
+        cache = {} if kv_cache is None else {"kv_cache": kv_cache}
         if kind == "gpt_j":
             attn_in = self.input_layernorm(x)
             mlp_in = attn_in if self.shared_input_norm else self.post_attention_layernorm(x)
-            return x + self.dropout(self.self_attn(attn_in, rope, mask)) + self.dropout(self.mlp(mlp_in))
+            return x + self.dropout(self.self_attn(attn_in, rope, mask, **cache)) + self.dropout(self.mlp(mlp_in))
         if kind == "post_ln":
-            h = self.post_attention_layernorm(x + self.dropout(self.self_attn(x, rope, mask)))
+            h = self.post_attention_layernorm(x + self.dropout(self.self_attn(x, rope, mask, **cache)))
             return self.post_mlp_layernorm(h + self.dropout(self.mlp(h)))
-        attn = self.self_attn(self.input_layernorm(x), rope, mask)
+        attn = self.self_attn(self.input_layernorm(x), rope, mask, **cache)
         if kind == "normformer":
             attn = self.attention_output_layernorm(attn)
         h = x + self.dropout(attn)
@@ -467,14 +475,16 @@ class LlamaModel(nn.Module):
         self.norm = nn.Identity() if args.transformer_block_type == "post_ln" else make_norm(args)
         self.positions_mark_documents = True  # a jump in caller-given position ids starts a new document
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                kv_cache: KVCache | None = None) -> torch.Tensor:
         # A pipeline stage (see nxdt.parallel.pipeline) holds only some parts: without
         # embed_tokens, `input_ids` are the previous stage's hidden states [B, S, H];
         # without norm, the hidden states are returned unnormalised.
         b, s = input_ids.shape[:2]
         explicit_positions = position_ids is not None
         if position_ids is None:
-            position_ids = torch.arange(s, device=input_ids.device)[None].expand(b, s)
+            start = kv_cache.length if kv_cache is not None else 0
+            position_ids = torch.arange(start, start + s, device=input_ids.device)[None].expand(b, s)
         if self.embed_tokens is None:
             x = input_ids
         else:
@@ -487,6 +497,12 @@ class LlamaModel(nn.Module):
             rope = self.rotary_emb(x, position_ids)
         # Only caller-given positions can describe several packed documents (unless the
         # owner says positions may jump for another reason: context-parallel slices do).
+        if kv_cache is not None:  # decoding: causal over cached + new tokens, left padding masked
+            mask = kv_cache.attention_mask(s, x.device, self.args.sliding_window_size)
+            for layer in self.layers:
+                x = layer(x, rope, mask, kv_cache=kv_cache)
+            kv_cache.advance(s)
+            return self.norm(x) if self.norm is not None else x
         documents = explicit_positions and self.positions_mark_documents
         mask = build_attention_mask(s, x.device, position_ids if documents else None, self.args.sliding_window_size)
         for layer in self.layers:
@@ -510,8 +526,11 @@ class NxdtLlamaForCausalLM(nn.Module):
         if self.args.share_embeddings_and_output_weights:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        hidden = self.model(input_ids, position_ids)
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                kv_cache: KVCache | None = None) -> torch.Tensor:
+        """`kv_cache` (nxdt.models.kv_cache): decode incrementally; the tokens are appended after the
+        cached ones and position_ids default to their columns."""
+        hidden = self.model(input_ids, position_ids, kv_cache=kv_cache)
         # a pipeline stage without the output layer passes its hidden states on
         return self.lm_head(hidden) if self.lm_head is not None else hidden
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from nxdt.config.errors import ConfigError
+from nxdt.checkpoint.lora_state import with_base
 from nxdt.config.load import load_saved_config
 from nxdt.tools.convert import check_output_free, hf_config_for, write_hf_model
 
@@ -89,24 +90,6 @@ def peft_section(cfg, cfg_file: Path):
         raise ConfigError(f"{cfg_file}: the checkpoint holds LoRA adapters but its config has no "
                           "model_alignment_strategy.peft (lora_rank, lora_alpha unknown)")
     return peft
-
-
-def with_base(tensors: dict[str, Any], base: Path) -> dict[str, Any]:
-    """The base checkpoint's weights (its own adapters, if any, left out) overlaid by the checkpoint's tensors."""
-    from nxdt.checkpoint.checkpointer import load_weights
-    from nxdt.models.lora import is_lora_key, lora_pairs
-
-    base_tensors = {k: v for k, v in load_weights(base).items() if not is_lora_key(k)}
-    # the shapes the checkpoint implies: its own tensors', and [out, in] of each adapted weight (B A)
-    implied = {k: tuple(t.shape) for k, t in tensors.items() if not is_lora_key(k)}
-    implied.update({f"{module}.weight": (b.shape[0], a.shape[1]) for module, (a, b) in lora_pairs(tensors).items()})
-    for key, shape in sorted(implied.items()):
-        if key not in base_tensors:
-            raise ConfigError(f"--base {base}: not the base of this checkpoint (it has no {key})")
-        if tuple(base_tensors[key].shape) != shape:
-            raise ConfigError(f"--base {base}: not the base of this checkpoint ({key} is "
-                              f"{list(base_tensors[key].shape)} there, {list(shape)} here)")
-    return {**base_tensors, **tensors}
 
 
 def adapter_state(tensors: dict[str, Any], config: dict[str, Any], model_source: str,

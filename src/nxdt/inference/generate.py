@@ -1,0 +1,189 @@
+"""The generation loop: prompts in, token ids out, for either model source.
+
+    outputs = generate(model, [[1, 5, 9], [1, 7]], SamplingParams(max_new_tokens=32))
+
+Prompts of different lengths are padded on the left and decoded together (every row's next token
+lands in the same column). With the KV cache (default) the prompt runs once and each step runs the
+new token only; `use_cache=False` recomputes the whole sequence at every step (the baseline the
+cache is measured and tested against). Sampling follows transformers' order: temperature, then
+top-k, then top-p; temperature 0 is greedy (argmax).
+
+A model sharded with tensor parallelism (nxdt.parallel) runs this same loop on every rank: its
+logits come back as a vocabulary-sharded DTensor, gathered here, so every rank samples the same
+token from the same seeded generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from nxdt.models.kv_cache import KVCache
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    """0 = greedy; otherwise logits are divided by it before sampling."""
+    top_k: int | None = None
+    """Keep the k most likely tokens (None or 0: all)."""
+    top_p: float | None = None
+    """Keep the smallest set of tokens whose probabilities sum to at least top_p, in (0, 1] (None: all)."""
+    seed: int | None = None
+    eos_token_id: int | list[int] | None = None
+    """A row stops after emitting one of these (its later columns are padding)."""
+    vocab_size: int | None = None
+    """Tokens at or above it are never sampled (the rows Megatron-style vocabulary padding added)."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+# --------------------------------------------------------------------------- sampling
+def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:
+    """Logits [B, V] with the tokens outside top-k / top-p set to -inf (transformers' warpers' rules)."""
+    if top_k:
+        k = min(int(top_k), logits.shape[-1])
+        kth = torch.topk(logits, k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=False, dim=-1)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cumulative <= 1 - top_p  # the low tail whose mass is at most 1 - top_p
+        drop[..., -1:] = False  # the most likely token always stays
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return logits
+
+
+def next_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """[B] token ids from the last position's logits [B, V] (fp32)."""
+    logits = logits.float()
+    if params.vocab_size is not None and params.vocab_size < logits.shape[-1]:
+        logits[:, params.vocab_size:] = float("-inf")
+    if params.temperature == 0:
+        return logits.argmax(-1)
+    logits = filter_logits(logits / params.temperature, params.top_k, params.top_p)
+    probs = logits.softmax(-1)
+    # sample on CPU: the same stream of draws on every device kind and every tensor-parallel rank
+    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
+
+
+# --------------------------------------------------------------------------- model adapters
+def is_native(model: nn.Module) -> bool:
+    return not hasattr(model, "config")  # transformers' PreTrainedModel carries a .config
+
+
+class NativeDecoder:
+    """nxdt's own model (nxdt.models.llama) with nxdt's KVCache."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def start(self, valid: torch.Tensor, max_length: int) -> KVCache:
+        return KVCache(max_length, valid)
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        return self.model(ids, positions, kv_cache=cache)
+
+
+class HFDecoder:
+    """A transformers causal LM with its own DynamicCache and a 2-D padding mask."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def start(self, valid: torch.Tensor, max_length: int):
+        from transformers import DynamicCache
+
+        mask = torch.ones(valid.shape[0], max_length, dtype=torch.long, device=valid.device)
+        mask[:, : valid.shape[1]] = valid.long()
+        return {"cache": DynamicCache(config=self.model.config), "mask": mask, "length": 0}
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, state) -> torch.Tensor:
+        end = state["length"] + ids.shape[1]
+        # no router logits: they only feed the training's load-balancing loss (and transformers' Mixtral
+        # cannot compute that loss over a cached, padded batch)
+        extra = {"output_router_logits": False} if hasattr(self.model.config, "output_router_logits") else {}
+        out = self.model(input_ids=ids, attention_mask=state["mask"][:, :end], position_ids=positions,
+                         past_key_values=state["cache"], use_cache=True, **extra)
+        state["length"] = end
+        return out.logits
+
+
+def decoder_for(model: nn.Module):
+    return NativeDecoder(model) if is_native(model) else HFDecoder(model)
+
+
+def _full(logits: torch.Tensor) -> torch.Tensor:
+    """Plain logits: a tensor-parallel model's are a vocabulary-sharded DTensor."""
+    full = getattr(logits, "full_tensor", None)
+    return full() if full is not None else logits
+
+
+# --------------------------------------------------------------------------- the loop
+def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [B, P], valid [B, P]) with each prompt right-aligned."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    valid = torch.zeros(len(prompts), width, dtype=torch.bool)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        valid[row, width - len(p):] = True
+    return ids.to(device), valid.to(device)
+
+
+@torch.no_grad()
+def generate(model: nn.Module, prompts: list[list[int]], params: SamplingParams, *, pad_id: int = 0,
+             use_cache: bool = True, on_step: Callable[[torch.Tensor], None] | None = None) -> list[list[int]]:
+    """The new tokens of each prompt (up to max_new_tokens; a row ends after an EOS token, which is
+    kept). `on_step(tokens [B])` is called after each step (for streaming); finished rows give -1."""
+    device = next(model.parameters()).device
+    decoder = decoder_for(model)
+    ids, valid = left_pad(prompts, pad_id, device)
+    batch, width = ids.shape
+    total = width + params.max_new_tokens
+    positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+    generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+    eos = params.eos_token_id
+    eos = torch.tensor([eos] if isinstance(eos, int) else list(eos or []), dtype=torch.long, device=device)
+    out = torch.full((batch, params.max_new_tokens), pad_id, dtype=torch.long, device=device)
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    state = decoder.start(valid, total) if use_cache else None
+    seq, seq_valid, seq_pos = ids, valid, positions
+    for step in range(params.max_new_tokens):
+        if use_cache:
+            fresh = (ids, positions) if step == 0 else (seq[:, -1:], seq_pos[:, -1:])
+            logits = decoder(*fresh, state)
+        else:  # recompute the whole sequence: a new cache each step
+            logits = decoder(seq, seq_pos, decoder.start(seq_valid, seq.shape[1]))
+        token = next_tokens(_full(logits)[:, -1], params, generator)
+        token = torch.where(done, torch.full_like(token, pad_id), token)
+        out[:, step] = token
+        if on_step is not None:
+            on_step(torch.where(done, torch.full_like(token, -1), token))
+        done = done | torch.isin(token, eos)
+        seq = torch.cat([seq, token[:, None]], dim=1)
+        seq_valid = torch.cat([seq_valid, torch.ones_like(token, dtype=torch.bool)[:, None]], dim=1)
+        seq_pos = torch.cat([seq_pos, seq_pos[:, -1:] + 1], dim=1)
+        if bool(done.all()):
+            out = out[:, : step + 1]
+            break
+    results = []
+    for row in range(batch):
+        tokens = out[row].tolist()
+        hit = next((i for i, t in enumerate(tokens) if t in set(eos.tolist())), None)
+        results.append(tokens[: hit + 1] if hit is not None else tokens)
+    return results
