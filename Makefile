@@ -27,7 +27,8 @@ data: $(DATA).idx
 
 demo: setup data
 	$(BIN)/python -m nxdt.tools.unigram_entropy --data-prefix $(DATA)
-	$(BIN)/torchrun --standalone --nproc_per_node $(NPROC) examples/train.py --config-name tiny_llama_cpu $(ARGS)
+	$(BIN)/torchrun --standalone --nproc_per_node $(NPROC) examples/train.py --config-name tiny_llama_cpu \
+		exp_manager.create_checkpoint_callback=true $(ARGS)
 
 test: setup
 	$(BIN)/python -m pytest -q $(ARGS)

@@ -93,16 +93,18 @@ def run_worker(script: str, nproc: int, out_path: Path, out_env: str, timeout: i
 
 
 def run_pool(runs: dict[str, list[str]], nproc: int, out_dir: Path, expect: dict[str, int] | None = None,
-             timeout: int = 900) -> dict[str, subprocess.CompletedProcess]:
+             timeout: int = 900, entry: str | None = None) -> dict[str, subprocess.CompletedProcess]:
     """Run several examples/train.py command lines (name -> argv) of one world size in one launch,
     in order, in-process on each rank (tests/run_pool.py); each must exit 0, or as `expect` says
     (name -> exit status). Returns, per name, what `run_cli` would: the exit status and every
-    rank's stdout and stderr (rank order)."""
+    rank's stdout and stderr (rank order). `entry`: another module whose `main(argv)` runs the
+    command lines (e.g. "nxdt.tools.evaluate")."""
     expect = expect or {}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     spec = out_dir / "jobs.json"
-    spec.write_text(json.dumps({"out": str(out_dir), "jobs": [{"name": k, "argv": v, "expect": expect.get(k, 0)}
+    spec.write_text(json.dumps({"out": str(out_dir), "jobs": [{"name": k, "argv": v, "expect": expect.get(k, 0),
+                                                           **({"entry": entry} if entry else {})}
                                                           for k, v in runs.items()]}))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "NXDT_POOL_JOBS": str(spec)}
     env.pop("NXDT_RUN_VERSION", None)

@@ -13,7 +13,8 @@ than expected (0 unless the job says, e.g. 2 for bad input) ends the launch: the
 would wait in a collective for it; torchrun then stops them and `run_pool` names the run.
 
 Used by `conftest.run_pool`; run as `torchrun ... tests/run_pool.py` with NXDT_POOL_JOBS naming
-a JSON file {"jobs": [{"name": ..., "argv": [...], "expect": 0}, ...], "out": dir}.
+a JSON file {"jobs": [{"name": ..., "argv": [...], "expect": 0}, ...], "out": dir}. A job's
+optional "entry" names another module whose `main(argv)` runs it (e.g. "nxdt.tools.evaluate").
 """
 
 from __future__ import annotations
@@ -46,10 +47,12 @@ def _captured(out: Path, err: Path):
             os.close(saved[1])
 
 
-def _run_one(argv: list[str]) -> int:
-    from nxdt.config.load import main_guard
-    from nxdt.training.run import main
+def _run_one(argv: list[str], entry: str = "nxdt.training.run") -> int:
+    import importlib
 
+    from nxdt.config.load import main_guard
+
+    main = importlib.import_module(entry).main
     environ = dict(os.environ)  # a run's config may set environment variables (apply_env)
     try:
         return int(main_guard(main)(argv) or 0)
@@ -78,7 +81,7 @@ def main() -> None:
         run_dir = Path(spec["out"]) / job["name"]
         run_dir.mkdir(parents=True, exist_ok=True)
         with _captured(run_dir / f"rank{rank}.out", run_dir / f"rank{rank}.err"):
-            rc = _run_one(job["argv"])
+            rc = _run_one(job["argv"], job.get("entry", "nxdt.training.run"))
         (run_dir / f"rank{rank}.rc").write_text(str(rc))
         if rc != job.get("expect", 0):
             sys.stderr.write(f"run_pool: run '{job['name']}' exited {rc} on rank {rank}\n")

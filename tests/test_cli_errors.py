@@ -108,3 +108,17 @@ def test_bad_fine_tuning_inputs_stop_before_training(data_args, tmp_path):
     proc = run_cli([*BASE, "trainer.devices=1", "data.data_prefix=null", f"data.train_dir={rows}",
                     "+model_alignment_strategy.orpo.beta=0.1"])
     _assert_one_line_error(proc, f"{rows}:2", "rejected")
+
+
+def test_nxdt_evaluate_bad_input(data_args, tmp_path):
+    """`nxdt evaluate` of a directory that is not there, and evaluate-only training (trainer.max_epochs=0)
+    with no checkpoint to evaluate: one line, exit 2 (tests/test_evaluate.py has the other cases)."""
+    import subprocess
+    import sys
+
+    missing = tmp_path / "no_checkpoint"
+    proc = subprocess.run([sys.executable, "-m", "nxdt.cli", "evaluate", "--checkpoint", str(missing)],
+                          capture_output=True, text=True, cwd=REPO)
+    _assert_one_line_error(proc, str(missing), "does not exist")
+    proc = run_cli([*BASE, *data_args, "trainer.devices=1", "trainer.max_epochs=0"])
+    _assert_one_line_error(proc, "trainer.max_epochs=0", "no weights to evaluate", "exp_manager.resume_from_checkpoint")

@@ -4,10 +4,11 @@ transformers' `generate()` on the `nxdt convert nxdt-to-hf` export, token for to
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
-from conftest import TOKENIZER_DIR
+from conftest import REPO, TOKENIZER_DIR
 from test_convert import _nxdt_checkpoint
 
 from nxdt.checkpoint.checkpointer import save_weights
@@ -237,3 +238,27 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
         code, out, err = _run(capsys, argv)
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, (name, err)
         assert "Traceback" not in err
+
+
+def test_right_padded_recompute_gives_the_same_tokens():
+    """length_multiple (sequence parallelism during training's samples): whole multiples of 4 columns,
+    recomputed, padded on the right."""
+    model = _native("llama_gqa")
+    params = SamplingParams(max_new_tokens=6)
+    assert generate(model, PROMPTS, params, length_multiple=4) == generate(model, PROMPTS, params)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["exp_manager.samples.top_p=0"], "exp_manager.samples.top_p: must be in (0, 1]"),
+    (["exp_manager.samples.max_new_tokens=0"], "exp_manager.samples.max_new_tokens: must be >= 1"),
+    (["exp_manager.samples.every_n_train_steps=-1"], "exp_manager.samples.every_n_train_steps: must be >= 0"),
+    (["exp_manager.samples.prompts=[' ']"], "exp_manager.samples.prompts[0]: must be non-empty text"),
+    (["exp_manager.samples.prompts=[Hi]", "distributed_strategy.pipeline_model_parallel_size=2"],
+     "with distributed_strategy.pipeline_model_parallel_size=2 is not supported yet"),
+])
+def test_samples_keys_are_checked_before_the_run(overrides, message):
+    from nxdt.config.errors import ConfigError
+    from nxdt.config.load import load_config
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(["--config-name", "tiny_llama_cpu", *overrides], default_config_dir=REPO / "conf")

@@ -81,14 +81,18 @@ EP2 = "distributed_strategy.expert_model_parallel_size=2"
 MBS4 = "data.micro_batch_size=4"  # the same global batch of 8 in two micro-batches, not four
 CKPT_EVERY_5 = ["exp_manager.create_checkpoint_callback=true", "exp_manager.checkpoint_callback_params.save_top_k=-1",
                 "exp_manager.checkpoint_callback_params.every_n_train_steps=5"]
+# text generated during training (greedy: cannot change the loss); rides along on the layouts that support it
+SAMPLES = ["exp_manager.samples.prompts=[And God said,In the beginning]", "exp_manager.samples.every_n_train_steps=5",
+           "exp_manager.samples.max_new_tokens=8"]
 # name: (model, ranks, overrides, the layout line the run prints)
 LAYOUTS = {
     "tp2": ("native", 2, [f"{TP}=2"], "dp=1  tp=2"),
-    "tp2_sp_selective_ac": ("native", 2, [f"{TP}=2", SP, "model.activations_checkpoint_granularity=selective",
+    "tp2_sp_selective_ac": ("native", 2, [f"{TP}=2", SP, *SAMPLES, "model.activations_checkpoint_granularity=selective",
                                           "model.activations_checkpoint_recompute_mlp=true"], "dp=1  tp=2"),
     # checkpoint_num_layers=2: both blocks recomputed under one checkpoint, each its own dp unit
-    "zero1_dp2_ac_chunk2": ("native", 2, ["distributed_strategy.zero1=true", *AC_CHUNK2], "dp=2  tp=1"),
-    "fsdp_dp2_ac_chunk2": ("native", 2, ["distributed_strategy.sharding_strategy=FSDP", *AC_CHUNK2], "dp=2  tp=1"),
+    "zero1_dp2_ac_chunk2": ("native", 2, ["distributed_strategy.zero1=true", *AC_CHUNK2, *SAMPLES], "dp=2  tp=1"),
+    "fsdp_dp2_ac_chunk2": ("native", 2, ["distributed_strategy.sharding_strategy=FSDP", *AC_CHUNK2, *SAMPLES],
+                           "dp=2  tp=1"),
     "hsdp_2x2_cpu_offload_full_ac": ("native", 4, ["distributed_strategy.sharding_strategy=HSDP",
                                                    "distributed_strategy.hsdp_replicate_size=2",
                                                    "distributed_strategy.cpu_offload=true",
@@ -108,7 +112,7 @@ LAYOUTS = {
     "cp2_dp2_zero1": ("native", 4, [f"{CP}=2", "distributed_strategy.zero1=true", *CKPT_EVERY_5],
                       "dp=2  tp=1  pp=1  cp=2"),
     # transformers' LlamaForCausalLM under the same plan (kwargs-called attention, HF causal mask)
-    "hf_tp2_sp": ("hf", 2, [f"{TP}=2", SP], "dp=1  tp=2"),
+    "hf_tp2_sp": ("hf", 2, [f"{TP}=2", SP, *SAMPLES], "dp=1  tp=2"),
     # transformers' Llama with ring attention through its attention-function registry
     "hf_cp2": ("hf", 2, [f"{CP}=2"], "tp=1  pp=1  cp=2"),
     "pp2_1f1b": ("four_layers", 2, [PP2], "dp=1  tp=1  pp=2"),
@@ -128,11 +132,13 @@ LAYOUTS = {
     # dp4 = 2 expert replicas x ep2: experts reduced over their replicas (edp), FSDP 2-D over (edp, ep)
     "moe_ep2_dp4_fsdp": ("moe", 4, [EP2, "distributed_strategy.sharding_strategy=FSDP"], "dp=4  tp=1  pp=1  cp=1  ep=2"),
     # ep2 x tp2 + sp: the MoE layer whole on each tp rank (the sequence gathered), experts over ep
+    # (no samples: capacity 1.5 drops tokens by how they are grouped, and decoding groups them otherwise
+    # under ep x tp than in one process)
     "moe_ep2_tp2_sp": ("moe", 4, [EP2, f"{TP}=2", SP], "dp=2  tp=2  pp=1  cp=1  ep=2"),
     # ep2 x pp2: one MoE layer per stage; the aux-loss gradients scaled as the schedule scales the loss
     "moe_ep2_pp2": ("moe", 4, [EP2, PP2], "dp=2  tp=1  pp=2  cp=1  ep=2"),
     # transformers' Mixtral blocks under the same tp plan: the MoE block whole on each tp rank
-    "hf_moe_tp2_sp": ("hf_moe", 2, [f"{TP}=2", SP], "dp=1  tp=2"),
+    "hf_moe_tp2_sp": ("hf_moe", 2, [f"{TP}=2", SP, *SAMPLES], "dp=1  tp=2"),
     # GPT-NeoX blocks (both norms sequence-parallel, biases sharded with their columns) in the four
     # layouts NeoX users train with; activation checkpointing rides along
     "neox_tp2_sp_selective_ac": ("neox", 2, [f"{TP}=2", SP, "model.activations_checkpoint_granularity=selective",
@@ -146,7 +152,7 @@ LAYOUTS = {
     "hf_neox_fsdp_dp2_full_ac": ("hf_neox", 2, ["distributed_strategy.sharding_strategy=FSDP",
                                                 "model.activations_checkpoint_granularity=full"], "dp=2  tp=1"),
     # LoRA composes with every way of splitting the base: adapters sharded like their linears
-    "lora_tp2_sp": ("lora", 2, [f"{TP}=2", SP], "dp=1  tp=2"),
+    "lora_tp2_sp": ("lora", 2, [f"{TP}=2", SP, *SAMPLES], "dp=1  tp=2"),
     "lora_fsdp_dp2": ("lora", 2, ["distributed_strategy.sharding_strategy=FSDP"], "dp=2  tp=1"),
     "lora_zero1_dp2_full_ac": ("lora", 2, ["distributed_strategy.zero1=true",
                                            "model.activations_checkpoint_granularity=full"], "dp=2  tp=1"),
@@ -214,7 +220,7 @@ def runs(kjv_prefix, tmp_path_factory) -> dict[str, Run]:
     out: dict[str, Run] = {}
     for nproc in (4, 2):
         out.update(pool({n: (r, m, x) for n, (m, r, x, _) in chosen.items() if r == nproc}, nproc))
-    singles = {m: (1, m, []) for m in MODELS if ONLY is None or any(v[0] == m for v in chosen.values())}
+    singles = {m: (1, m, SAMPLES) for m in MODELS if ONLY is None or any(v[0] == m for v in chosen.values())}
     if "cp2_dp2_zero1" in chosen:
         step5 = next((root / "cp2_dp2_zero1" / "checkpoints").glob("*step=5-*"))
         singles["cp2_dp2_zero1_resumed_in_one_process"] = (1, "native",
@@ -247,6 +253,33 @@ def test_layout_matches_single_process(name, runs):
     model, _, _, layout = LAYOUTS[name]
     assert layout in runs[name].stdout, runs[name].stdout[-2000:]
     _assert_same_run(runs[model], runs[name], name, NORM_RTOL.get(name, 2e-6))
+
+
+def _samples(run: Run) -> list[str]:
+    return [line for line in run.stdout.splitlines() if line.startswith("sample step")]
+
+
+@pytest.mark.parametrize("name", [n for n, (_, _, extra, _) in LAYOUTS.items()
+                                  if SAMPLES[0] in extra and (ONLY is None or n in ONLY.split(","))])
+def test_samples_during_training_match_one_process(name, runs):
+    """exp_manager.samples: every rank decodes on its part of the model (FSDP gathers, tp gathers the
+    logits, sp recomputes whole multiples of tp): the same greedy text as one process at steps 5 and
+    10, printed once (rank 0)."""
+    model = LAYOUTS[name][0]
+    ref, got = _samples(runs[model]), _samples(runs[name])
+    assert [line.split(":")[0] for line in ref] == [f"sample step {s} [{i}]" for s in (5, 10) for i in (0, 1)]
+    assert got == ref, (name, ref, got)
+
+
+def test_samples_go_to_tensorboard_as_text(runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(runs["native"].log_dir), size_guidance={"tensors": 0}).Reload()
+    texts = {(tag, e.step): e.tensor_proto.string_val[0].decode() for tag in ("samples/0/text_summary",
+             "samples/1/text_summary") for e in events.Tensors(tag)}
+    assert sorted(texts) == [(f"samples/{i}/text_summary", s) for i in (0, 1) for s in (5, 10)]
+    last = _samples(runs["native"])[2].split(": ", 1)[1]  # step 10, prompt 0, as printed
+    assert texts[("samples/0/text_summary", 10)] == "**And God said**" + last[len("And God said"):]
 
 
 def test_moe_runs_log_their_routing(runs):

@@ -19,6 +19,7 @@ COMMANDS = {
     "plan": ("nxdt.tools.plan", "parameters, memory per rank and tokens per step of a config, without training"),
     "import-config": ("nxdt.tools.import_config", "an nxdt YAML from GPT-NeoX config files (neox FILE.yml ... --output)"),
     "preference-data": ("nxdt.tools.preference_data", "DPO/ORPO rows (prompt, chosen, rejected) from the KJV"),
+    "evaluate": ("nxdt.tools.evaluate", "loss and perplexity of a checkpoint on the validation and test splits"),
     "generate": ("nxdt.tools.generate", "text from a checkpoint of any layout (KV cache, sampling, tensor parallel)"),
 }
 

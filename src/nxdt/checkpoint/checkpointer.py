@@ -329,12 +329,14 @@ def check_model_matches(path: Path, meta: dict[str, Any], tensors: dict[str, tor
 
 
 def load_checkpoint(strategy, path: Path, cfg=None, weights_only: bool = False,
-                    frozen_only: bool = False) -> dict[str, Any]:
+                    frozen_only: bool = False, model_only: bool = False) -> dict[str, Any]:
     """Load `path` into the strategy's model (and optimizers unless weights_only).
 
     LoRA (nxdt.checkpoint.lora_state): an adapter-only checkpoint loads its keys only; a
     weights-only start leaves the adapters fresh unless `load_lora_from_ckpt`; `frozen_only`
     loads the base under an adapter-only resume (weights only, never the trained keys).
+    `model_only` (evaluation): the model's tensors as a full resume loads them (trained adapters
+    included), and nothing else: no optimizer, per-rank, RNG or data state, no layout notice.
 
     Returns Lightning's checkpoint dict (trainer progress, scheduler, callbacks, datamodule
     state, consumed_samples) for Lightning to restore. The RNG states are applied by the caller
@@ -344,8 +346,8 @@ def load_checkpoint(strategy, path: Path, cfg=None, weights_only: bool = False,
     path = Path(path)
     meta = validate_checkpoint(path)
     module = strategy.lightning_module
-    optimizers = [] if weights_only else strategy.optimizers
-    state = model_and_optimizer_state(module.model, optimizers, weights_only=weights_only)
+    optimizers = [] if weights_only or model_only else strategy.optimizers
+    state = model_and_optimizer_state(module.model, optimizers, weights_only=weights_only or model_only)
     tensors, scalars = split_tensors(state)
     tensors, partial = tensors_to_load(tensors, meta, cfg, path, weights_only=weights_only, frozen_only=frozen_only)
     if partial:
@@ -360,7 +362,7 @@ def load_checkpoint(strategy, path: Path, cfg=None, weights_only: bool = False,
     same_layout = same_world and all(saved_layout.get(k, v) == v for k, v in layout.items())
     same_dp = same_layout or (bool(saved_layout) and saved_layout.get("dp") == layout.get("dp"))
     own: dict[str, Any] = {}
-    if not weights_only:
+    if not weights_only and not model_only:
         files = [read_json(path / rank_file(r), "this rank's state") for r in range(int(meta.get("world_size", 1)))]
         if same_layout:
             own = files[rank]
@@ -398,7 +400,7 @@ def load_checkpoint(strategy, path: Path, cfg=None, weights_only: bool = False,
 
     trainer_state = from_json(own.get("trainer", {}))
     trainer_state["pending_rng"] = None
-    if not weights_only:
+    if not weights_only and not model_only:
         # RNG states belong to a rank's place in the layout. In another layout (even with the same
         # world size) rank r has another role, and ranks that must draw the same numbers (e.g.
         # tensor-parallel peers, which hold replicated activations) may hold different saved

@@ -93,6 +93,55 @@ def find_resume_checkpoint(cfg, dirs: ExpDirs) -> ResumePlan:
     )
 
 
+def evaluation_plan(cfg, dirs: ExpDirs | None = None, checkpoint: Path | None = None) -> ResumePlan:
+    """The weights an evaluation loads (nxdt.training.evaluate), checked before anything starts.
+
+    `checkpoint` (`nxdt evaluate --checkpoint DIR`): that checkpoint's model as a resume would load
+    it; when it holds LoRA adapters only, the base comes from `exp_manager.resume_from_checkpoint`
+    (its config.yaml names the base the run started from), as for a resume. Without it (a training
+    run with trainer.max_epochs=0, evaluate only): the checkpoint the run would start from
+    (`find_resume_checkpoint`), and none is an error: evaluating freshly initialised weights is
+    never what was meant."""
+    from nxdt.checkpoint.checkpointer import validate_checkpoint
+    from nxdt.checkpoint.lora_state import is_adapter_only
+
+    exp = cfg.exp_manager
+    if checkpoint is not None:
+        plan = ResumePlan(Path(checkpoint).absolute(), False)
+        validate_checkpoint(plan.path)
+        if is_adapter_only(plan.path):
+            if not exp.resume_from_checkpoint:
+                raise ConfigError(f"checkpoint {plan.path} holds LoRA adapters only: set "
+                                  "exp_manager.resume_from_checkpoint to the base model's checkpoint (the run's "
+                                  "config.yaml does not name one)")
+            plan.base = Path(exp.resume_from_checkpoint).absolute()
+            validate_checkpoint(plan.base)
+        return plan
+    what = "trainer.max_epochs=0 (evaluate only)"
+    # neither resume key set is refused by validation (nxdt.config.validate)
+    if not exp.resume_from_checkpoint and not complete_checkpoints(dirs.checkpoint_dir, warn=False):
+        raise ConfigError(f"{what}: exp_manager.resume_if_exists: no complete checkpoint in {dirs.checkpoint_dir} "
+                          "to evaluate")
+    plan = find_resume_checkpoint(cfg, dirs)
+    if plan.path is None:
+        raise ConfigError(f"{what}: no weights to evaluate: set exp_manager.resume_from_checkpoint=CHECKPOINT")
+    if not plan.weights_only and plan.base is None and is_adapter_only(plan.path):
+        raise ConfigError(f"{what}: checkpoint {plan.path} holds LoRA adapters only: start from the base model "
+                          "(exp_manager.resume_from_checkpoint=BASE model.weight_init_only=true) and let "
+                          "exp_manager.resume_if_exists pick up the adapters, or use nxdt evaluate --checkpoint")
+    return plan
+
+
+def load_plan_weights(strategy, plan: ResumePlan, cfg) -> None:
+    """Load the model of `plan` (nothing else): the LoRA base first when the checkpoint lacks it,
+    then the checkpoint, weights-only (a fine-tuning start: fresh adapters) or as saved."""
+    from nxdt.checkpoint.checkpointer import load_checkpoint
+
+    if plan.base is not None:
+        load_checkpoint(strategy, plan.base, cfg, weights_only=True, frozen_only=True)
+    load_checkpoint(strategy, plan.path, cfg, weights_only=plan.weights_only, model_only=not plan.weights_only)
+
+
 def _global_rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("GLOBAL_RANK", "0")))
 

@@ -63,7 +63,10 @@ class TrainerConfig:
     num_nodes: int = doc(1, "number of nodes")
     accelerator: Literal["auto", "cpu", "gpu", "cuda", "mps", "xla", "neuron", "tpu"] = doc(
         "auto", "Lightning accelerator; 'xla'/'neuron' selects torch-xla (Neuron env vars are set)")
-    max_epochs: int = doc(-1, "maximum epochs; -1 = run by max_steps")
+    max_epochs: int = doc(-1, "maximum epochs; -1 = run by max_steps; 0 = evaluate only, no training: loss and "
+                              "perplexity on the validation and test splits of the weights of exp_manager."
+                              "resume_from_checkpoint, else (resume_if_exists) the newest checkpoint of the run "
+                              "(neither: refused); writes <checkpoint>.eval.json (docs/evaluate.md)")
     max_steps: int = doc(1000, "number of optimizer steps (global batches) to train")
     log_every_n_steps: int = doc(1, "log metrics every N steps")
     val_check_interval: Optional[Union[int, float]] = doc(
@@ -100,6 +103,19 @@ class CheckpointCallbackParams:
 
 
 @dataclass
+class SamplesConfig:
+    """Text generated from the model while it trains (nxdt.training.samples): logged to TensorBoard's
+    text tab and the log, to watch what the model has learned. Off unless prompts are given."""
+    prompts: List[str] = doc([], "prompts to continue (batched, left-padded); empty = no samples")
+    every_n_train_steps: int = doc(0, "generate after every N optimizer steps (and after the last); 0 = only at the end")
+    max_new_tokens: int = doc(32, "tokens generated per prompt")
+    temperature: float = doc(0.0, "0 = greedy (the same prompt shows how the model changes); > 0 samples")
+    top_k: Optional[int] = doc(None, "with temperature > 0: sample among the k most likely tokens; null = all")
+    top_p: float = doc(1.0, "with temperature > 0: nucleus mass, in (0, 1]")
+    seed: int = doc(0, "sampling seed (the same draws at every interval)")
+
+
+@dataclass
 class ExpManagerConfig:
     log_local_rank_0_only: bool = doc(True, "only local rank 0 writes logs")
     create_tensorboard_logger: bool = doc(True, "write TensorBoard event files under the log dir")
@@ -120,6 +136,7 @@ class ExpManagerConfig:
     async_checkpointing: bool = doc(False, "continue training while a checkpoint is being written")
     resume_from_checkpoint: Optional[str] = doc(None, "checkpoint directory to load at start")
     ckpt_ptl_version: Optional[str] = doc(None, "Lightning version recorded in (or expected of) checkpoints")
+    samples: SamplesConfig = doc(SamplesConfig, "text generated during training (prompts, interval), to TensorBoard and the log")
 
 
 # --------------------------------------------------------------------------- distributed_strategy

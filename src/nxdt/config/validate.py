@@ -33,6 +33,7 @@ from nxdt.config.layout import compute_layout
 from nxdt.config.alignment import alignment_notices, alignment_of, check_alignment
 from nxdt.config.arch_checks import check_architecture, check_hf_layouts
 from nxdt.config.moe_checks import canonical_gate_type, check_expert_parallel, check_moe, check_moe_layouts_supported
+from nxdt.config.sample_checks import check_samples
 from nxdt.config.optim_keys import check_optim_parallel
 from nxdt.config.sharding import sharding_mode_of
 from nxdt.config.cp_checks import check_context_parallel
@@ -369,6 +370,15 @@ def check_cross(cfg: Any, world_size: int | None = None) -> None:
         raise ConfigError(
             f"trainer.accumulate_grad_batches: {tr.accumulate_grad_batches} is not allowed: gradient accumulation "
             f"is derived from data.global_batch_size / (data.micro_batch_size x data-parallel size); set those instead")
+    if tr.max_epochs < -1:  # Lightning's rule; 0 is nxdt's evaluate-only mode (nxdt.training.evaluate)
+        raise ConfigError(f"trainer.max_epochs: {tr.max_epochs} is not allowed: -1 (run by max_steps), "
+                          "0 (evaluate only) or a number of epochs")
+    exp = cfg.exp_manager
+    if tr.max_epochs == 0 and not exp.resume_from_checkpoint and not exp.resume_if_exists:
+        # evaluating freshly initialised weights is never what was meant
+        raise ConfigError("trainer.max_epochs=0 (evaluate only): no weights to evaluate: set "
+                          "exp_manager.resume_from_checkpoint=CHECKPOINT or exp_manager.resume_if_exists=true "
+                          "(this run's newest checkpoint)")
     for key in ("devices", "num_nodes"):
         if getattr(tr, key) < 1:
             raise ConfigError(f"trainer.{key}: must be >= 1, got {getattr(tr, key)}")
@@ -440,6 +450,7 @@ def check_cross(cfg: Any, world_size: int | None = None) -> None:
     head_dim = eff["kv_channels"] or (hidden // heads if hidden and heads else None)
     check_architecture(cfg, head_dim)
     check_alignment(cfg)
+    check_samples(cfg)
     if not re.fullmatch(r"\s*\d+(\.\d+)?\s*(,\s*\d+(\.\d+)?\s*){2}", data.splits_string):
         raise ConfigError(f"data.splits_string: expected three comma-separated numbers like '980,10,10', "
                           f"got '{data.splits_string}'")

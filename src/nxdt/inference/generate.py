@@ -147,9 +147,17 @@ def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device | str) 
 
 @torch.no_grad()
 def generate(model: nn.Module, prompts: list[list[int]], params: SamplingParams, *, pad_id: int = 0,
-             use_cache: bool = True, on_step: Callable[[torch.Tensor], None] | None = None) -> list[list[int]]:
+             use_cache: bool = True, on_step: Callable[[torch.Tensor], None] | None = None,
+             length_multiple: int = 1) -> list[list[int]]:
     """The new tokens of each prompt (up to max_new_tokens; a row ends after an EOS token, which is
-    kept). `on_step(tokens [B])` is called after each step (for streaming); finished rows give -1."""
+    kept). `on_step(tokens [B])` is called after each step (for streaming); finished rows give -1.
+
+    `length_multiple` > 1: every forward runs a sequence whose length is a multiple of it (a model
+    with sequence parallelism splits the sequence over its tensor-parallel ranks). The whole sequence
+    is then recomputed each step, padded on the right: causal attention keeps the real tokens blind to
+    those pads, so their logits are unchanged."""
+    if length_multiple > 1:
+        use_cache = False
     device = next(model.parameters()).device
     decoder = decoder_for(model)
     ids, valid = left_pad(prompts, pad_id, device)
@@ -168,8 +176,8 @@ def generate(model: nn.Module, prompts: list[list[int]], params: SamplingParams,
             fresh = (ids, positions) if step == 0 else (seq[:, -1:], seq_pos[:, -1:])
             logits = decoder(*fresh, state)
         else:  # recompute the whole sequence: a new cache each step
-            logits = decoder(seq, seq_pos, decoder.start(seq_valid, seq.shape[1]))
-        token = next_tokens(_full(logits)[:, -1], params, generator)
+            logits = _recompute(decoder, seq, seq_valid, seq_pos, pad_id, length_multiple)
+        token = next_tokens(_full(logits)[:, seq.shape[1] - 1 if not use_cache else -1], params, generator)
         token = torch.where(done, torch.full_like(token, pad_id), token)
         out[:, step] = token
         if on_step is not None:
@@ -187,3 +195,15 @@ def generate(model: nn.Module, prompts: list[list[int]], params: SamplingParams,
         hit = next((i for i, t in enumerate(tokens) if t in set(eos.tolist())), None)
         results.append(tokens[: hit + 1] if hit is not None else tokens)
     return results
+
+
+def _recompute(decoder, ids: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor, pad_id: int,
+               multiple: int) -> torch.Tensor:
+    """Logits of the whole sequence, right-padded to a multiple of `multiple` columns."""
+    extra = (-ids.shape[1]) % max(1, multiple)
+    if extra:
+        ids = torch.cat([ids, ids.new_full((ids.shape[0], extra), pad_id)], dim=1)
+        valid = torch.cat([valid, valid.new_zeros(valid.shape[0], extra)], dim=1)
+        steps = torch.arange(1, extra + 1, device=positions.device)
+        positions = torch.cat([positions, positions[:, -1:] + steps], dim=1)
+    return decoder(ids, positions, decoder.start(valid, ids.shape[1]))

@@ -65,9 +65,13 @@ class KVCache:
     def attention_mask(self, query_length: int, device: torch.device,
                        sliding_window: int | None = None) -> torch.Tensor | None:
         """Boolean mask [B|1, 1, Q, length + Q] (True = may attend) for the next `query_length` tokens;
-        None when SDPA's square `is_causal` is exactly right (an unpadded prefill of an empty cache)."""
+        None when plain causal attention is exactly right (no padding, no window cutting anything):
+        an unpadded prefill of an empty cache (SDPA's square `is_causal`) or an unpadded single-token
+        decode step, which sees every key (CoreAttention then runs SDPA with no mask and
+        `is_causal=False`; building, and applying, an all-True mask every step would only cost time)."""
         start, end = self.length, self.length + query_length
-        if start == 0 and not self.padded and sliding_window is None:
+        window_cuts = sliding_window is not None and sliding_window < end
+        if not self.padded and not window_cuts and (start == 0 or query_length == 1):
             return None
         q = torch.arange(start, end, device=device)[:, None]
         k = torch.arange(end, device=device)[None, :]

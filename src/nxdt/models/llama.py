@@ -313,18 +313,36 @@ class CoreAttention(nn.Module):
         self.sdpa = F.scaled_dot_product_attention
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """q [B, H, Q, D], k and v [B, KV, L, D]. `mask` None means causal: SDPA's `is_causal` when
+        Q = L (a square block), or, for one query after cached keys (Q = 1 < L, a decode step), no
+        mask at all: the newest token sees every key (`is_causal` would be wrong there, as SDPA
+        aligns it top-left and would leave the query the first key only)."""
         # Repeating K/V explicitly (instead of SDPA's enable_gqa) keeps every backend
         # (CPU, CUDA, XLA) on the same code path. The ratio is read from the tensors, not
         # the config, so a tensor-parallel shard holding fewer (or replicated) heads works.
-        n_rep = q.shape[1] // k.shape[1]
+        b, heads, q_len, d = q.shape
+        kv_heads, kv_len = k.shape[1], k.shape[2]
+        n_rep = heads // kv_heads
+        dropout = self.dropout if self.training else 0.0
+        if q_len != kv_len:
+            if mask is None and q_len != 1:
+                raise ValueError(f"attention of {q_len} queries to {kv_len} keys needs an explicit mask")
+            if q_len == 1 and n_rep > 1:
+                # One query per row (a decode step): fold each K/V head's n_rep query heads into the
+                # query axis, [B, H, 1, D] -> [B, KV, n_rep, D], and attend to the K/V heads as they
+                # are, instead of copying the whole (growing) cache n_rep times. A decode mask
+                # [B|1, 1, 1, L] is the same for every head and broadcasts over the folded queries.
+                out = self.sdpa(q.reshape(b, kv_heads, n_rep, d), k, v, attn_mask=mask, dropout_p=dropout,
+                                is_causal=False)
+                return out.reshape(b, heads, 1, d)
         k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
         return self.sdpa(
             q,
             k,
             v,
             attn_mask=mask,
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=mask is None,
+            dropout_p=dropout,
+            is_causal=mask is None and q_len == kv_len,
         )
 
 

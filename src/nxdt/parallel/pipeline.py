@@ -149,7 +149,7 @@ class Pipeline:
     def has_last(self) -> bool:
         return self.num_stages - 1 in self.stage_ids
 
-    def _run(self, fn, input_ids, labels, loss_mask, position_ids) -> torch.Tensor:
+    def _run(self, fn, input_ids, labels, loss_mask, position_ids, per_microbatch: bool = False) -> torch.Tensor:
         args = (input_ids,) if self.has_first else ()
         kwargs = {"position_ids": position_ids} if position_ids is not None else {}
         target = torch.stack((labels.double(), loss_mask.double()), dim=-1) if self.has_last else None
@@ -162,9 +162,11 @@ class Pipeline:
             # schedule's metadata inference also calls the loss function, on uninitialised tensors
             losses = [self.unscaled_losses[id(loss)] for loss in losses]
         if losses:
-            local = torch.stack([loss.detach().float() for loss in losses]).sum() / len(losses)
+            local = torch.stack([loss.detach().float() for loss in losses])
         else:
-            local = torch.zeros((), device=input_ids.device)
+            local = torch.zeros(self.num_microbatches, device=input_ids.device)
+        if not per_microbatch:
+            local = local.sum() / len(local)
         # only the rank with the last stage has the loss: a sum over pp hands it to all
         dist.all_reduce(local, op=dist.ReduceOp.SUM, group=self.pp_group)
         return local
@@ -176,8 +178,9 @@ class Pipeline:
         """Forward + backward of one batch (all micro-batches); the mean micro-batch loss on every pp rank."""
         return self._run(self.schedule.step, input_ids, labels, loss_mask, position_ids)
 
-    def eval(self, input_ids, labels, loss_mask, position_ids=None) -> torch.Tensor:
-        """Forward only (validation); the mean micro-batch loss on every pp rank.
+    def eval(self, input_ids, labels, loss_mask, position_ids=None, per_microbatch: bool = False) -> torch.Tensor:
+        """Forward only (validation); the mean micro-batch loss on every pp rank (`per_microbatch`:
+        each micro-batch's, a [num_microbatches] tensor, for token-weighted evaluation).
 
         torch's V-shaped schedules (ZBVZeroBubble, DualPipeV) fail in `eval()` (their runtime
         still hands backward inputs between the two local stages), so for them validation runs
@@ -185,9 +188,9 @@ class Pipeline:
         """
         if not self.v_style:
             with torch.no_grad():
-                return self._run(self.schedule.eval, input_ids, labels, loss_mask, position_ids)
+                return self._run(self.schedule.eval, input_ids, labels, loss_mask, position_ids, per_microbatch)
         with torch.inference_mode(False), torch.enable_grad():
-            loss = self._run(self.schedule.step, input_ids, labels, loss_mask, position_ids)
+            loss = self._run(self.schedule.step, input_ids, labels, loss_mask, position_ids, per_microbatch)
         for part in self.parts:
             part.zero_grad(set_to_none=True)
         return loss

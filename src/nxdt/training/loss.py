@@ -1,4 +1,5 @@
-"""The training loss: mean cross entropy over the tokens whose loss_mask is 1.
+"""The training loss: mean cross entropy over the tokens whose loss_mask is 1; and the token-weighted
+sums an evaluation reports (EvalTally).
 
 The Megatron/NxDT convention: per micro-batch the mean over unmasked tokens, then the mean over
 the micro-batches of the global batch (nxdt.training.step), so every layout of the same global
@@ -8,9 +9,11 @@ batch gives the same loss.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from nxdt.parallel.context_parallel import global_token_count
+from nxdt.parallel.mesh import submesh
 from nxdt.parallel.tensor_parallel import is_vocab_parallel
 
 
@@ -34,3 +37,47 @@ def masked_token_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: tor
     else:
         count = count.clamp(min=1.0)
     return (per_token * mask).sum() / count
+
+
+class EvalTally:
+    """Token-weighted sums over one validation / test run, for `nxdt evaluate` (nxdt.training.evaluate).
+
+    Training reports a batch's loss as the mean of its micro-batch means; an evaluation reports
+    sum(per-token loss) / (loss tokens) over everything it saw, so batches with more loss tokens
+    weigh more. Each micro-batch's mean is turned back into its sum with the divisor
+    `masked_token_loss` used: max(tokens of the whole micro-batch, 1) / cp (with context parallelism
+    each cp rank holds a slice, and its mean was taken over the whole sequence's tokens / cp, so
+    the cp ranks' sums add up to the sequence's). `add` keeps tensors (no host sync per batch);
+    `totals` reduces once, at the end: sums over dp × cp, token counts over dp (every cp rank
+    counted the whole micro-batch).
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss_sum: torch.Tensor | None = None
+        self.tokens: torch.Tensor | None = None
+        self.batches = 0
+
+    def add(self, losses: list[torch.Tensor], microbatches: list[dict[str, torch.Tensor]], cp: int = 1) -> None:
+        for loss, mb in zip(losses, microbatches, strict=True):
+            n = mb["loss_mask"].detach().sum(dtype=torch.float64)
+            part = loss.detach().double() * n.clamp(min=1.0) / cp
+            self.loss_sum = part if self.loss_sum is None else self.loss_sum + part
+            self.tokens = n if self.tokens is None else self.tokens + n
+        self.batches += 1
+
+    def totals(self, mesh, device: torch.device) -> tuple[float, float, int]:
+        """(loss sum, loss tokens, global batches) over every rank: a collective, call it on all ranks."""
+        def fresh(value: torch.Tensor | None) -> torch.Tensor:
+            # a copy: the sums were made under Lightning's inference mode, which forbids in-place updates
+            return torch.zeros((), dtype=torch.float64, device=device) if value is None else value.clone()
+
+        loss_sum, tokens = fresh(self.loss_sum), fresh(self.tokens)
+        if dist.is_initialized():
+            for value, axis in ((loss_sum, "dp_cp"), (tokens, "dp")):
+                group = submesh(mesh, axis)
+                if group.size() > 1:
+                    dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group.get_group())
+        return float(loss_sum), float(tokens), self.batches

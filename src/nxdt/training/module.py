@@ -36,7 +36,7 @@ from nxdt.precision.precision import Precision
 from nxdt.device import use_xla
 from nxdt.training.step_scalars import step_logger
 from nxdt.training.schedulers import build_scheduler
-from nxdt.training.loss import masked_token_loss
+from nxdt.training.loss import EvalTally, masked_token_loss
 from nxdt.models.moe import pop_router_stats
 from nxdt.training.step import (loss_parallel_context, microbatch_forward_backward, microbatch_loss,
                                 pipeline_forward_backward, split_microbatches, train_step)
@@ -61,6 +61,8 @@ class NxdtLightningModule(PreferenceSteps, pl.LightningModule):
         self._step_logger = step_logger(cfg)
         # Samples consumed by finished optimizer steps; data modules read it to resume in place.
         self.consumed_samples = 0
+        # token-weighted loss sums of the current validation / test run (nxdt.training.evaluate)
+        self.eval_tally = EvalTally()
 
     # ---- model -------------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -182,22 +184,43 @@ class NxdtLightningModule(PreferenceSteps, pl.LightningModule):
         for key, value in pop_router_stats(self.model).items():  # MoE: this rank's routing, mean over layers
             log(f"moe/{key}", value)
 
-    # ---- validation ----------------------------------------------------------------------------
+    # ---- validation and test -------------------------------------------------------------------
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        reduced = self._eval_loss(batch)
+        self.log("val_loss", reduced, prog_bar=True, rank_zero_only=True, on_epoch=True, batch_size=1)
+        return reduced
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        reduced = self._eval_loss(batch)
+        self.log("test_loss", reduced, prog_bar=True, rank_zero_only=True, on_epoch=True, batch_size=1)
+        return reduced
+
+    def _eval_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The batch's loss as training reports it (the mean of the micro-batch means, over dp × cp);
+        the token-weighted sums for `nxdt evaluate` are kept on the side (EvalTally)."""
         if self.alignment.preference is not None:
             loss = self.preference_validation_loss(batch)
         elif self.pipeline is not None:
+            whole = batch  # every cp rank's micro-batches before slicing: their token counts
             batch = self._cp_slice(batch)
             with self._autocast(), self._loss_parallel():
-                loss = self.pipeline.eval(batch["input_ids"], batch["labels"], batch["loss_mask"],
-                                          batch.get("position_ids"))
+                losses = self.pipeline.eval(batch["input_ids"], batch["labels"], batch["loss_mask"],
+                                            batch.get("position_ids"), per_microbatch=True)
+            loss = losses.sum() / len(losses)
+            self.eval_tally.add(list(losses), self._microbatches(whole), self.layout.cp)
         else:
             microbatches = self._microbatches(batch)
             with self._loss_parallel():
-                loss = sum(self._microbatch_loss(mb) for mb in microbatches) / len(microbatches)
-        reduced = all_reduce_mean(loss.detach(), self.device_mesh, "dp_cp")
-        self.log("val_loss", reduced, prog_bar=True, rank_zero_only=True, on_epoch=True, batch_size=1)
-        return reduced
+                losses = [self._microbatch_loss(mb) for mb in microbatches]
+                loss = sum(losses) / len(losses)
+            self.eval_tally.add(losses, microbatches, self.layout.cp)
+        return all_reduce_mean(loss.detach(), self.device_mesh, "dp_cp")
+
+    def on_validation_epoch_start(self) -> None:
+        self.eval_tally.reset()
+
+    def on_test_epoch_start(self) -> None:
+        self.eval_tally.reset()
 
     def _parameter_norm(self) -> torch.Tensor:
         norm = _total_norm(_parameter_norm(self.model))

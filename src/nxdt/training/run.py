@@ -37,7 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     from nxdt.precision.precision import NumericalInstabilityError
 
     try:
-        train(cfg)
+        if cfg.trainer.max_epochs == 0:  # evaluate only: the checkpoint the run would start from
+            from nxdt.training.evaluate import evaluate_only
+
+            evaluate_only(cfg)
+        else:
+            train(cfg)
     except NumericalInstabilityError as err:  # NaN/inf or fp16 overflow stop: one line, exit 3
         if _global_rank() == 0:
             print(f"error: {err}", file=sys.stderr, flush=True)
@@ -92,7 +97,7 @@ def build_trainer(cfg, layout, mesh_shape, loggers, callbacks):
     )
 
 
-def _quiet_known_warnings() -> None:
+def quiet_known_warnings() -> None:
     """Silence warnings that are about Lightning's internals or that we handle on purpose."""
     import warnings
 
@@ -102,27 +107,43 @@ def _quiet_known_warnings() -> None:
     warnings.filterwarnings("ignore", message=r".*does not have many workers which may be a bottleneck")
 
 
-def train(cfg):
-    import lightning.pytorch as pl
-
+def layout_and_mesh(cfg):
+    """The run's layout (nxdt.config.layout) and the shape of its DeviceMesh."""
     from nxdt.config.layout import compute_layout
-    from nxdt.checkpoint.resume import setup_checkpointing
-    from nxdt.checkpoint.callbacks import NxdtCheckpoint
-    from nxdt.data.select import build_datamodule
-    from nxdt.exp.exp_manager import resolve_dirs, setup_exp_manager
     from nxdt.config.sharding import sharding_mode_of
     from nxdt.parallel.mesh import mesh_shape_from_layout
-    from nxdt.training.callbacks import RunSummary, StepProgressBar, ThroughputMonitor
-    from nxdt.training.finetuning import check_lora_targets
-    from nxdt.training.module import NxdtLightningModule
 
-    _quiet_known_warnings()
-    world_size = cfg.trainer.devices * cfg.trainer.num_nodes
-    layout = compute_layout(cfg, world_size)
+    layout = compute_layout(cfg, cfg.trainer.devices * cfg.trainer.num_nodes)
     mesh_shape = mesh_shape_from_layout(
         layout, sharding_mode_of(cfg.distributed_strategy),
         cfg.distributed_strategy.hsdp_replicate_size or cfg.trainer.num_nodes  # null: shard within a node
     )
+    return layout, mesh_shape
+
+
+def sample_tokenizer(cfg, datamodule):
+    """The tokenizer the data module uses, else the one data.tokenizer names."""
+    tokenizer = getattr(datamodule, "tokenizer", None)
+    if tokenizer is None:
+        from nxdt.data.tokenizers import build_tokenizer
+
+        tokenizer = build_tokenizer(cfg.data.tokenizer)
+    return tokenizer
+
+
+def train(cfg):
+    import lightning.pytorch as pl
+
+    from nxdt.checkpoint.resume import setup_checkpointing
+    from nxdt.checkpoint.callbacks import NxdtCheckpoint
+    from nxdt.data.select import build_datamodule
+    from nxdt.exp.exp_manager import resolve_dirs, setup_exp_manager
+    from nxdt.training.callbacks import RunSummary, StepProgressBar, ThroughputMonitor
+    from nxdt.training.finetuning import check_lora_targets
+    from nxdt.training.module import NxdtLightningModule
+
+    quiet_known_warnings()
+    layout, mesh_shape = layout_and_mesh(cfg)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
 
     dirs = resolve_dirs(cfg)
@@ -139,6 +160,10 @@ def train(cfg):
     datamodule = build_datamodule(cfg, trainer)
     check_lora_targets(cfg, datamodule.vocab_size)  # a bad LoRA target: one line, before any process group
     module = NxdtLightningModule(cfg, layout, vocab_size=datamodule.vocab_size)
+    if cfg.exp_manager.samples.prompts:  # text generated during training (nxdt.training.samples)
+        from nxdt.training.samples import SampleGenerator
+
+        trainer.callbacks.append(SampleGenerator(cfg, sample_tokenizer(cfg, datamodule), datamodule.vocab_size))
     ckpt_path = resume.full_resume  # weights only: ResumeHelper loads them
     trainer.fit(module, datamodule=datamodule, ckpt_path=str(ckpt_path) if ckpt_path else None)
     if trainer.is_global_zero:

@@ -27,19 +27,30 @@ class NxdtStrategy(ModelParallelStrategy):
             **kwargs,
         )
         self.mesh_shape = mesh_shape
+        # nxdt.training.evaluate runs trainer.validate, then trainer.test, on one model: between
+        # the two, the process group, the mesh the model was parallelized on and the model's device
+        # stay as they are (Lightning would tear them down after each); `release()` ends them.
+        self.keep_alive = False
+        self._nxdt_mesh = None  # the DeviceMesh this strategy built (what keep_alive keeps)
 
     def setup_environment(self) -> None:
         import torch.distributed as dist
 
+        if self.keep_alive and dist.is_initialized() and self._nxdt_mesh is not None:
+            self.accelerator.setup_device(self.root_device)
+            self._device_mesh = self.lightning_module._device_mesh = self._nxdt_mesh
+            return
         # A process group the caller started (a notebook, a sweep driving several runs in one
         # process) is the caller's to end; one Lightning starts for this run is ours.
         self._owns_process_group = not dist.is_initialized()
         super().setup_environment()  # process group + Lightning's 2-D mesh
-        self._device_mesh = build_mesh(self.mesh_shape, self.root_device.type)
+        self._device_mesh = self._nxdt_mesh = build_mesh(self.mesh_shape, self.root_device.type)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 
     def teardown(self) -> None:
+        if self.keep_alive:
+            return
         super().teardown()
         # Destroy every process group (the default one, the mesh's, the checkpointer's) while the
         # interpreter is still whole: left to interpreter exit, a gloo thread can abort a rank
@@ -48,6 +59,11 @@ class NxdtStrategy(ModelParallelStrategy):
 
         if dist.is_initialized() and getattr(self, "_owns_process_group", True):
             dist.destroy_process_group()
+
+    def release(self) -> None:
+        """End what `keep_alive` kept: Lightning's teardown, and the process groups if this run started them."""
+        self.keep_alive = False
+        self.teardown()
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:

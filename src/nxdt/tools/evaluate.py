@@ -1,0 +1,121 @@
+"""`nxdt evaluate`: loss and perplexity of a checkpoint on the validation and test splits of its data.
+
+usage: nxdt evaluate --checkpoint DIR [key=value | +key=value | ~key ...]
+       torchrun --nproc_per_node N -m nxdt.cli evaluate --checkpoint DIR [key=value ...]
+
+The config is the checkpoint's own config.yaml (every checkpoint of a training run holds the
+resolved config) with the overrides on top, composed and validated as a training command line
+(unknown keys, types, layout and batch arithmetic, files that must exist: one line, exit 2).
+Override what differs here: data paths, the layout (checkpoints reshard on load: any dp, tp, pp,
+cp, fsdp or zero1 layout of the same model), trainer.limit_val_batches / limit_test_batches (how
+many global batches of each split; 0 skips a split).
+
+The number of processes comes from the launch, not from the saved config: trainer.devices and
+trainer.num_nodes default to torchrun's LOCAL_WORLD_SIZE and WORLD_SIZE / LOCAL_WORLD_SIZE (1 and
+1 in a plain process); an override of either still wins.
+
+Writes `<checkpoint>.eval.json` beside the checkpoint directory (never inside it) and prints a
+table; see docs/evaluate.md.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from nxdt.config.errors import ConfigError
+
+USAGE = "usage: nxdt evaluate --checkpoint DIR [key=value ...]"
+
+
+def parse_args(argv: list[str]) -> tuple[Path, list[str]]:
+    """(checkpoint directory, config overrides) from the command line; ConfigError on anything else."""
+    checkpoint: str | None = None
+    overrides: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = str(argv[i])
+        if arg == "--checkpoint":
+            if i + 1 >= len(argv):
+                raise ConfigError(f"--checkpoint needs a directory ({USAGE})")
+            i += 1
+            checkpoint = str(argv[i])
+        elif arg.startswith("--checkpoint="):
+            checkpoint = arg.split("=", 1)[1]
+        elif arg.startswith(("--config-path", "-cp", "--config-name", "-cn")):
+            raise ConfigError(f"{arg}: the config is the checkpoint's config.yaml; give overrides key=value ({USAGE})")
+        elif arg.startswith("-"):
+            raise ConfigError(f"unknown option '{arg}' ({USAGE})")
+        else:
+            overrides.append(arg)
+        i += 1
+    if not checkpoint:
+        raise ConfigError(f"--checkpoint DIR is required ({USAGE})")
+    return Path(checkpoint).expanduser(), overrides
+
+
+def launch_overrides(environ=None) -> list[str]:
+    """trainer.devices / num_nodes of this launch (torchrun's variables; 1 and 1 without torchrun)."""
+    environ = os.environ if environ is None else environ
+    world = int(environ.get("WORLD_SIZE") or 1)
+    per_node = int(environ.get("LOCAL_WORLD_SIZE") or world)
+    return [f"trainer.devices={per_node}", f"trainer.num_nodes={max(world // per_node, 1)}"]
+
+
+def load_checkpoint_config(checkpoint: Path, overrides: list[str]):
+    """The checkpoint's config.yaml with this launch's process count and `overrides`, validated."""
+    if not checkpoint.is_dir():  # the commonest mistake, said before torch is imported
+        raise ConfigError(f"checkpoint {checkpoint} does not exist or is not a directory")
+    # the checkpoint first (incomplete, not nxdt's, truncated shards): that is what is wrong with a
+    # directory that is not a whole checkpoint, whatever its config says. It imports torch, not
+    # torch-xla: the environment the config sets (apply_env) is still set before that.
+    from nxdt.checkpoint.checkpointer import CONFIG, validate_checkpoint
+    from nxdt.checkpoint.lora_state import is_adapter_only
+    from nxdt.config.load import load_config
+
+    validate_checkpoint(checkpoint)
+    if not (checkpoint / CONFIG).is_file():
+        raise ConfigError(f"checkpoint {checkpoint} has no {CONFIG} (a weights-only checkpoint, e.g. from nxdt "
+                          "convert): evaluate a run's checkpoint, or give a training command line "
+                          f"exp_manager.resume_from_checkpoint={checkpoint} model.weight_init_only=true "
+                          "trainer.max_epochs=0 (evaluate only)")
+    # the run's starting weights are read only as the base of an adapter-only LoRA checkpoint;
+    # otherwise they need not exist any more (validation would check the path)
+    start = [] if is_adapter_only(checkpoint) else ["exp_manager.resume_from_checkpoint=null",
+                                                    "model.weight_init_only=false"]
+    world = os.environ.get("WORLD_SIZE")
+    argv = ["--config-path", str(checkpoint.absolute()), "--config-name", Path(CONFIG).stem,
+            *launch_overrides(), *start, *overrides]
+    return load_config(argv, world_size=int(world) if world else None)
+
+
+def _main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0
+    checkpoint, overrides = parse_args(argv)
+    cfg = load_checkpoint_config(checkpoint, overrides)
+    from nxdt.config.env import apply_env
+    from nxdt.config.load import is_rank_zero
+
+    inert = apply_env(cfg)
+    if inert and is_rank_zero():
+        print(f"note: Neuron-only keys have no effect on this device: {', '.join(inert)}", file=sys.stderr)
+    from nxdt.checkpoint.resume import evaluation_plan
+    from nxdt.training.evaluate import evaluate
+
+    evaluate(cfg, evaluation_plan(cfg, checkpoint=checkpoint))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`nxdt evaluate`: bad input is one line (rank 0) and exit 2 on every rank (main_guard)."""
+    from nxdt.config.load import main_guard
+
+    return main_guard(_main)(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
