@@ -12,8 +12,18 @@ from nxdt.config.errors import ConfigError
 KEY = "exp_manager.samples"
 
 
-def samples_enabled(cfg: Any) -> bool:
-    return bool(cfg.exp_manager.samples.prompts)
+def sampling_problem(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None) -> str | None:
+    """The first sampling value out of range, as "<name> must ..., got <value>", else None: the one
+    rule for `nxdt generate`'s flags, `exp_manager.samples` and `SamplingParams`."""
+    if max_new_tokens < 1:
+        return f"max_new_tokens must be >= 1, got {max_new_tokens}"
+    if temperature < 0:
+        return f"temperature must be >= 0, got {temperature}"
+    if top_k is not None and top_k < 0:
+        return f"top_k must be >= 0, got {top_k}"
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        return f"top_p must be in (0, 1], got {top_p}"
+    return None
 
 
 def check_samples(cfg: Any) -> None:
@@ -23,14 +33,10 @@ def check_samples(cfg: Any) -> None:
     s = cfg.exp_manager.samples
     if s.every_n_train_steps < 0:
         raise ConfigError(f"{KEY}.every_n_train_steps: must be >= 0, got {s.every_n_train_steps}")
-    if s.max_new_tokens < 1:
-        raise ConfigError(f"{KEY}.max_new_tokens: must be >= 1, got {s.max_new_tokens}")
-    if s.temperature < 0:
-        raise ConfigError(f"{KEY}.temperature: must be >= 0, got {s.temperature}")
-    if s.top_k is not None and s.top_k < 0:
-        raise ConfigError(f"{KEY}.top_k: must be >= 0 or null, got {s.top_k}")
-    if not 0.0 < s.top_p <= 1.0:
-        raise ConfigError(f"{KEY}.top_p: must be in (0, 1], got {s.top_p}")
+    problem = sampling_problem(s.max_new_tokens, s.temperature, s.top_k, s.top_p)
+    if problem:
+        name, rule = problem.split(" ", 1)
+        raise ConfigError(f"{KEY}.{name}: {rule}")
     for i, prompt in enumerate(s.prompts):
         if not isinstance(prompt, str) or not prompt.strip():
             raise ConfigError(f"{KEY}.prompts[{i}]: must be non-empty text, got {prompt!r}")

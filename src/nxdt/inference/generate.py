@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from nxdt.config.sample_checks import sampling_problem
 from nxdt.models.kv_cache import KVCache
 
 
@@ -40,14 +41,9 @@ class SamplingParams:
     """Tokens at or above it are never sampled (the rows Megatron-style vocabulary padding added)."""
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k is not None and self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        problem = sampling_problem(self.max_new_tokens, self.temperature, self.top_k, self.top_p)
+        if problem:
+            raise ValueError(problem)
 
 
 # --------------------------------------------------------------------------- sampling

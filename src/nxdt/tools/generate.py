@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from nxdt.config.errors import ConfigError
+from nxdt.config.sample_checks import sampling_problem
 
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16"}
@@ -51,14 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    if args.max_new_tokens < 1:
-        raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.temperature < 0:
-        raise ConfigError(f"--temperature must be >= 0, got {args.temperature}")
-    if args.top_k < 0:
-        raise ConfigError(f"--top-k must be >= 0, got {args.top_k}")
-    if not 0.0 < args.top_p <= 1.0:
-        raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
+    problem = sampling_problem(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
+    if problem:  # "top_p must be ..." -> "--top-p must be ..."
+        name, rule = problem.split(" ", 1)
+        raise ConfigError(f"--{name.replace('_', '-')} {rule}")
     if args.output is not None and args.output.exists():
         raise ConfigError(f"--output {args.output} exists (nothing is overwritten)")
 
