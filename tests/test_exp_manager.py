@@ -51,6 +51,22 @@ def test_log_dir_layout(tmp_path, monkeypatch):
     assert resolve_dirs(_cfg(exp_dir=str(tmp_path), resume_if_exists=True)).log_dir == tmp_path / "run"
 
 
+def test_run_folders_under_torchrun_are_timestamps(monkeypatch):
+    """`torchrun --standalone` names its rendezvous with a random uuid: the run folder is the
+    launcher's start time instead (readable, sortable, alike on every local rank); a named
+    rendezvous (--rdzv-id) is kept as given."""
+    import re
+
+    from nxdt.exp.exp_manager import run_version
+
+    monkeypatch.delenv("NXDT_RUN_VERSION", raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "3f2b8c1e-9a4d-4e0f-8b7a-2c5d6e7f8a9b")
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d", run_version())
+    monkeypatch.delenv("NXDT_RUN_VERSION")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "pretrain-7b")
+    assert run_version() == "pretrain-7b"
+
+
 def test_a_second_run_in_one_process_logs_to_its_own_file_only(tmp_path):
     """Two runs in one process (a sweep, tests/run_pool.py): the second run's lines go to its own
     rank log file, not also to the first run's."""

@@ -83,6 +83,12 @@ class TrainerConfig:
     lnc: Optional[int] = doc(None, "Neuron logical NeuronCore configuration (trn2)", neuron=True)
     sequential_move_factor: Optional[int] = doc(
         None, "Neuron: move the model to device in groups of this many ranks", neuron=True)
+    callbacks: List[Any] = doc(
+        [], "extra Lightning callbacks: a list of {_target_: pkg.module.Class, <kwargs>} built with "
+            "hydra.utils.instantiate, run after nxdt's own (docs/monitoring.md)")
+    peak_tflops: Optional[float] = doc(
+        None, "peak dense TFLOP/s of one device for MFU; null = the table (H100, H200, A100, trn1, trn2) by "
+              "device and precision, or on CPU a measured matmul peak (docs/monitoring.md)")
 
 
 # --------------------------------------------------------------------------- exp_manager
@@ -116,9 +122,37 @@ class SamplesConfig:
 
 
 @dataclass
+class ProfilerConfig:
+    """torch.profiler over a window of steps (fms-fsdp's use_profiler): traces land in
+    <log_dir>/profiler/, viewable in TensorBoard's profiler plugin or Perfetto (ui.perfetto.dev)."""
+    enabled: bool = doc(False, "profile a window of training steps (fms-fsdp: use_profiler)")
+    wait: int = doc(1, "steps skipped before the profiler starts")
+    warmup: int = doc(1, "steps profiled but discarded (profiler warm-up)")
+    active: int = doc(3, "steps recorded into a trace")
+    repeat: int = doc(1, "windows of wait+warmup+active steps; 0 = until the end of training")
+    ranks: List[int] = doc([0], "global ranks that profile (each writes its own trace)")
+    record_shapes: bool = doc(False, "record operator input shapes")
+    profile_memory: bool = doc(False, "record tensor allocations and frees")
+    with_stack: bool = doc(False, "record Python call stacks (larger traces)")
+    cuda_memory_snapshot: bool = doc(
+        False, "CUDA: record the allocator's history over the active steps and write "
+               "<log_dir>/profiler/memory_snapshot_rank<R>.pickle (pytorch.org/memory_viz); inert elsewhere")
+
+
+@dataclass
 class ExpManagerConfig:
     log_local_rank_0_only: bool = doc(True, "only local rank 0 writes logs")
     create_tensorboard_logger: bool = doc(True, "write TensorBoard event files under the log dir")
+    create_csv_logger: bool = doc(False, "write every logged metric to <log_dir>/metrics.csv")
+    create_wandb_logger: bool = doc(
+        False, "log to Weights & Biases (pip install 'nxdt[wandb]'; WANDB_MODE=offline needs no network)")
+    wandb_logger_kwargs: Dict[str, Any] = doc(
+        {}, "Lightning WandbLogger arguments (project, name, ...); save_dir defaults to the log dir", open=True)
+    create_mlflow_logger: bool = doc(False, "log to MLflow (pip install 'nxdt[mlflow]')")
+    mlflow_logger_kwargs: Dict[str, Any] = doc(
+        {}, "Lightning MLFlowLogger arguments (experiment_name, tracking_uri, ...); tracking_uri defaults to "
+            "file:<log_dir>/mlruns", open=True)
+    profiler: ProfilerConfig = doc(ProfilerConfig, "torch.profiler traces of a window of steps (docs/monitoring.md)")
     explicit_log_dir: Optional[str] = doc(None, "log dir to use as is (overrides exp_dir/name/version)")
     exp_dir: Optional[str] = doc(None, "root of experiment dirs; null = ./nxdt_experiments")
     name: Optional[str] = doc("${name}", "experiment name (sub-folder of exp_dir)")

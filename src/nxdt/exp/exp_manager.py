@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,17 +27,45 @@ class ExpDirs:
     checkpoint_dir: Path
 
 
-def run_version() -> str:
-    """One version string for all ranks of a run.
+def _launcher_start_time() -> str | None:
+    """When this process's parent (the torchrun agent on this node) started, as a timestamp: the
+    same for every local rank, with no communication. None off Linux."""
+    try:
+        stat = Path(f"/proc/{os.getppid()}/stat").read_text()
+        start_ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22: starttime, in clock ticks
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        started = time.time() - uptime + start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+    return time.strftime("%Y-%m-%d_%H-%M-%S", time.localtime(round(started)))
 
-    Set once in the environment, so processes Lightning launches inherit it; under torchrun the
-    rendezvous run id (shared by all ranks) is used when there is one. The checkpoint callback
-    also broadcasts rank 0's checkpoint directory once the process group exists.
+
+def _is_random_run_id(run_id: str) -> bool:
+    """`torchrun --standalone` (and a launch without --rdzv-id) names its run with a fresh uuid4."""
+    try:
+        uuid.UUID(run_id)
+    except ValueError:
+        return False
+    return True
+
+
+def run_version() -> str:
+    """One readable, sortable version string (a timestamp) for all ranks of a run.
+
+    Set once in the environment, so processes Lightning launches inherit it. Under torchrun:
+    a named rendezvous (`--rdzv-id`) is the version as given; a random one (`--standalone`)
+    becomes the start time of the launcher, which every rank of the node reads alike. The
+    checkpoint callback also broadcasts rank 0's checkpoint directory once the process group exists.
     """
     version = os.environ.get(VERSION_ENV)
     if not version:
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-        version = run_id if run_id not in ("", "none") else time.strftime("%Y-%m-%d_%H-%M-%S")
+        if run_id in ("", "none"):
+            version = time.strftime("%Y-%m-%d_%H-%M-%S")
+        elif _is_random_run_id(run_id):
+            version = _launcher_start_time() or run_id
+        else:
+            version = run_id
         os.environ[VERSION_ENV] = version
     return version
 

@@ -1,4 +1,4 @@
-"""Callbacks that show a run to a person: the start summary, throughput, a step-based progress bar."""
+"""Callbacks that show a run to a person: the start summary and throughput (the progress bar: training/progress.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import time
 from functools import partial
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback, RichProgressBar
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_only
 
 from nxdt.models.param_count import ParameterCount, activated_lines, parameter_counts
@@ -30,26 +30,6 @@ class ThroughputMonitor(Callback):
         log = getattr(pl_module, "log_step_scalar", None) or partial(pl_module.log, rank_zero_only=True)
         log("step_time", step_time)
         log("throughput", self.tokens_per_step / step_time, prog_bar=True)
-
-
-class StepProgressBar(RichProgressBar):
-    """Rich progress bar counted in optimizer steps (Lightning's shows 'Epoch 0/-2' for step-bounded runs)."""
-
-    def _get_train_description(self, current_epoch: int) -> str:
-        return "train (steps)"
-
-    def get_metrics(self, trainer, pl_module):
-        metrics = super().get_metrics(trainer, pl_module)
-        metrics.pop("v_num", None)
-        pretty = {}
-        for key, value in metrics.items():
-            if key == "throughput":
-                pretty["tok/s"] = f"{float(value):,.0f}"
-            elif key == "reduced_train_loss":
-                pretty["loss"] = f"{float(value):.4f}"
-            else:
-                pretty[key] = value
-        return pretty
 
 
 def format_summary(cfg, layout, num_parameters: int, memory: dict[str, int], log_dir: str | None,

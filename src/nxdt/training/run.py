@@ -138,9 +138,10 @@ def train(cfg):
     from nxdt.checkpoint.callbacks import NxdtCheckpoint
     from nxdt.data.select import build_datamodule
     from nxdt.exp.exp_manager import resolve_dirs, setup_exp_manager
-    from nxdt.training.callbacks import RunSummary, StepProgressBar, ThroughputMonitor
+    from nxdt.training.callbacks import RunSummary, ThroughputMonitor
     from nxdt.training.finetuning import check_lora_targets
     from nxdt.training.module import NxdtLightningModule
+    from nxdt.training.progress import StepProgressBar
 
     quiet_known_warnings()
     layout, mesh_shape = layout_and_mesh(cfg)
