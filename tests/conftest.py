@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import subprocess
+import tempfile
 import sys
 from pathlib import Path
 
@@ -15,6 +16,10 @@ import pytest
 # tests/xla run only in .venv-xla (`make test-xla`): the main environment deliberately has no
 # torch-xla (it needs torch 2.9), so they are not collected here rather than shown as skipped.
 collect_ignore_glob = [] if importlib.util.find_spec("torch_xla") else ["xla/*"]
+
+# The CPU matmul peak (MFU's denominator) is measured once per machine and cached; the suite keeps
+# its own cache file, so no test reads a figure another program stored, nor writes to ~/.cache.
+os.environ.setdefault("NXDT_CPU_PEAK_CACHE", os.path.join(tempfile.gettempdir(), f"nxdt-test-cpu-peak-{os.getpid()}.json"))
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN_SCRIPT = REPO / "examples" / "train.py"

@@ -14,6 +14,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "nxdt"
 ALLOWED = {
     "config": set(),
     "device": {"config"},
+    "hardware": {"config", "device"},
     "models": {"config", "device"},
     "precision": {"config", "device"},
     "data": {"config", "device"},
@@ -21,9 +22,10 @@ ALLOWED = {
     "parallel": {"config", "device", "models", "precision"},
     "checkpoint": {"config", "device", "exp", "models", "parallel", "precision"},
     "inference": {"config", "device", "models", "precision", "parallel", "data", "checkpoint"},
-    "training": {"config", "device", "models", "precision", "parallel", "data", "exp", "checkpoint", "inference"},
-    "tools": {"config", "device", "models", "precision", "parallel", "data", "exp", "checkpoint", "inference",
-              "training"},
+    "training": {"config", "device", "hardware", "models", "precision", "parallel", "data", "exp", "checkpoint",
+                 "inference"},
+    "tools": {"config", "device", "hardware", "models", "precision", "parallel", "data", "exp", "checkpoint",
+              "inference", "training"},
     "cli": {"config", "tools", "training"},
 }
 HEAVY = ("torch", "lightning", "transformers", "numpy", "datasets", "safetensors", "tokenizers")

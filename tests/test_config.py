@@ -14,6 +14,7 @@ from nxdt.config import ConfigError, apply_env, compose, compute_layout, describ
 from nxdt.config import env as nenv
 from nxdt.config import resolvers
 from nxdt.config.schema import NxdtConfig
+from nxdt.config.path_checks import MAKE_DATA_HINT
 from nxdt.config.validate import NOT_SUPPORTED_YET
 
 REPO = Path(__file__).resolve().parents[1]
@@ -254,7 +255,7 @@ def test_missing_data_files_and_tokenizer(tmp_path, monkeypatch):
     tok.mkdir()
     msg = error(f"data.tokenizer.type={tok}", check_paths=True)
     assert msg == (f"data.data_prefix: indexed dataset file not found: "
-                   f"{tmp_path / 'data/kjv/kjv_text_document.bin'}")
+                   f"{tmp_path / 'data/kjv/kjv_text_document.bin'} ({MAKE_DATA_HINT})")
     make_kjv(tmp_path)
     msg = error(f"data.tokenizer.type={tmp_path / 'missing_tok'}", check_paths=True)
     assert msg == f"data.tokenizer.type: tokenizer directory not found: {tmp_path / 'missing_tok'}"
@@ -263,7 +264,7 @@ def test_missing_data_files_and_tokenizer(tmp_path, monkeypatch):
     (tmp_path / "b.bin").write_bytes(b"x")
     msg = error(f"data.tokenizer.type={tok}", f"data.data_prefix=[0.5,data/kjv/kjv_text_document,0.5,{tmp_path}/b]",
                 check_paths=True)
-    assert msg == f"data.data_prefix: indexed dataset file not found: {tmp_path / 'b.idx'}"
+    assert msg == f"data.data_prefix: indexed dataset file not found: {tmp_path / 'b.idx'} ({MAKE_DATA_HINT})"
 
 
 def test_hf_paths(tmp_path):
@@ -489,7 +490,7 @@ def test_main_guard(capsys, monkeypatch):
 
 def test_describe_and_light_import():
     text = describe("model")
-    assert "model.hidden_size (int or null, default null)" in text and "trainer." not in text
+    assert "model.hidden_size (int >= 1 or null, default null)" in text and "\ntrainer." not in text
     assert "aync_exec_max_inflight_requests" in describe()
     code = ("import sys, nxdt.config, nxdt.config.load, nxdt.config.env; "
             "heavy = [m for m in ('torch', 'lightning', 'transformers') if m in sys.modules]; "

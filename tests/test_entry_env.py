@@ -18,7 +18,7 @@ def recording_apply_env(cfg, *args, **kwargs):
     seen["torch_imported"] = "torch" in sys.modules  # at the moment the env vars are set
     return real_apply_env(cfg, *args, **kwargs)
 nenv.apply_env = recording_apply_env
-def fake_train(cfg):
+def fake_train(cfg, **kwargs):
     seen["env"] = {k: os.environ.get(k) for k in (
         "NEURON_CC_FLAGS", "XLA_USE_BF16", "XLA_DOWNCAST_BF16", "NEURON_RT_STOCHASTIC_ROUNDING_EN",
         "NEURON_RT_EXEC_TIMEOUT", "NEURON_FUSE_SOFTMAX")}

@@ -15,7 +15,7 @@ from torch import nn
 from nxdt.config import optim_keys
 from nxdt.config.errors import ConfigError
 from nxdt.config.load import load_config
-from nxdt.tools.plan import Bytes, rank_memory, sm3_accumulator_elems
+from nxdt.training.estimate import Bytes, rank_memory, sm3_accumulator_elems
 from nxdt.training.neox_optimizers import SM3, Lion
 from nxdt.training.optimizers import _init_args, build_optimizer, resolve_optimizer
 

@@ -8,8 +8,9 @@ import json
 import pytest
 from conftest import REPO
 
-from nxdt.tools.plan import Bytes, format_plan, rank_memory
+from nxdt.tools.plan import format_plan
 from nxdt.tools.plan import main as plan_main
+from nxdt.training.estimate import Bytes, rank_memory
 
 CONF = str(REPO / "conf")
 
@@ -238,25 +239,26 @@ def test_rank_memory_formula():
 
 
 def test_start_summary_shows_activated_parameters(capsys):
-    """The run's start summary counts with the plan's function, on the module's built model;
-    a dense model's summary has no activated line."""
+    """The run's start summary prints the plan's counts (nxdt.training.estimate.plan of the run's
+    config and vocabulary); a dense model's summary has no activated line."""
     from types import SimpleNamespace
+
+    import torch
 
     from nxdt.config.layout import compute_layout
     from nxdt.config.load import load_config
-    from nxdt.models import build_model, count_parameters
     from nxdt.training.callbacks import RunSummary
 
     def summary(name: str) -> list[str]:
-        cfg = load_config(["--config-path", CONF, "--config-name", name], check_paths=False, quiet=True)
-        model = build_model(cfg, 8192, device="meta")
-        module = SimpleNamespace(model=model, pipeline=None, num_parameters=count_parameters(model))
+        cfg = load_config(["--config-path", CONF, "--config-name", name, "trainer.peak_tflops=1"],
+                          check_paths=False, quiet=True)
+        module = SimpleNamespace(vocab_size=8192, device=torch.device("cpu"))
         RunSummary(cfg, compute_layout(cfg, 2), None).on_fit_start(None, module)
         return capsys.readouterr().out.splitlines()
 
     assert summary("tiny_mixtral_cpu")[2:5] == [
-        "  parameters   9,312,512  (9.3 M)",
+        "  parameters   9,312,512  (9.3 M)  9,312,512 on the fullest rank",
         "  activated    7,149,824 per token: top-2 of 4 experts",
         "               = dense 4,983,040 + experts 2,162,688 (2/4 of 4,325,376) + routers 4,096"]
     dense = summary("tiny_llama_cpu")
-    assert dense[2].startswith("  parameters   ") and not any("activated" in line for line in dense)
+    assert dense[2].startswith("  parameters   7,145,728  ") and not any("activated" in line for line in dense)

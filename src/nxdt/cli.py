@@ -21,6 +21,7 @@ COMMANDS = {
     "preference-data": ("nxdt.tools.preference_data", "DPO/ORPO rows (prompt, chosen, rejected) from the KJV"),
     "evaluate": ("nxdt.tools.evaluate", "loss and perplexity of a checkpoint on the validation and test splits"),
     "generate": ("nxdt.tools.generate", "text from a checkpoint of any layout (KV cache, sampling, tensor parallel)"),
+    "report": ("nxdt.tools.report", "plots and a summary of runs; with several, the largest gap (--assert-equal TOL)"),
 }
 
 

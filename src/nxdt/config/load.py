@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -106,6 +107,46 @@ def _check_yaml(path: Path) -> None:
         raise ConfigError(f"{_show(path)}: the top level must be a mapping of keys, got {type(data).__name__}")
 
 
+def quote_value(value: str) -> str:
+    """`value` as a quoted string of Hydra's override grammar, which reads it back unchanged: inside
+    quotes a backslash is literal, except the ones before a quote (or the closing quote), which
+    are doubled; quotes are escaped."""
+    escaped = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", value)
+    escaped = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, escaped)
+    return f"'{escaped}'"
+
+
+# key=value with a plain key (and + / ++), whose value is not already quoted or a list / mapping
+_PLAIN_KEY_VALUE = re.compile(r"(\+{0,2}[A-Za-z_][\w.\-]*)=([^'\"\[{].*)", re.DOTALL)
+
+
+def _requoted(line: str) -> str | None:
+    """A path pasted as printed (`resume_from_checkpoint=/r/tiny_llama--step=2-consumed_samples=8.0`,
+    `explicit_log_dir=/runs/it's`) is not valid unquoted in Hydra's grammar, which stops at '='
+    and quotes: the same override with its value quoted, or None when that is not what went wrong."""
+    m = _PLAIN_KEY_VALUE.fullmatch(line)
+    if m is None or not any(c in m.group(2) for c in "='\""):
+        return None
+    return f"{m.group(1)}={quote_value(m.group(2))}"
+
+
+def _parse_requoted(parser: Any, line: str) -> Any:
+    """The override `_requoted` makes of `line`, parsed, or None."""
+    from hydra.errors import HydraException
+
+    retry = _requoted(line)
+    if retry is None:
+        return None
+    try:
+        (ov,) = parser.parse_overrides([retry])
+    except HydraException:
+        return None
+    return ov
+
+
+_QUOTE_HINT = "quote a value that holds '=': key='a=b', in the shell \"key='a=b'\""
+
+
 def _parse_overrides(overrides: list[str]) -> list:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
@@ -116,9 +157,13 @@ def _parse_overrides(overrides: list[str]) -> list:
         try:
             (ov,) = parser.parse_overrides([line])
         except HydraException as err:
-            msg = str(err).splitlines()
-            detail = next((m for m in msg if m.strip() and not m.startswith("Error parsing override")), msg[0] if msg else "")
-            raise ConfigError(f"bad override '{line}': {_one_line(detail)} ({_USAGE})") from None
+            ov = _parse_requoted(parser, line)
+            if ov is None:
+                msg = str(err).splitlines()
+                detail = next((m for m in msg if m.strip() and not m.startswith("Error parsing override")),
+                              msg[0] if msg else "")
+                hint = _QUOTE_HINT if "=" in line.partition("=")[2] else _USAGE
+                raise ConfigError(f"bad override '{line}': {_one_line(detail)} ({hint})") from None
         if ov.is_sweep_override():
             raise ConfigError(f"bad override '{line}': sweeps (a=1,2) are not supported")
         if ov.package is not None:
@@ -167,11 +212,14 @@ def _apply_overrides(cfg: DictConfig, parsed: list) -> None:
 
 
 def compose(argv: list[str], default_config_dir: str | os.PathLike | None = None,
-            default_config_name: str | None = None, notices: list[str] | None = None) -> DictConfig:
+            default_config_name: str | None = None, notices: list[str] | None = None,
+            record: dict | None = None) -> DictConfig:
     """Compose, merge over the schema defaults, apply overrides, resolve and schema-check a config.
 
     `default_config_dir`: used when argv has no --config-path (default: nxdt's shipped conf/).
     `notices`: if given, one-line notices (e.g. a setting turned off) are appended to it.
+    `record`: if given, receives what Hydra would record of the composition (`config_dir`,
+    `config_name`, `defaults`, and `composed`: the config before interpolations are resolved).
     """
     config_path, config_name, overrides = parse_argv(list(argv))
     if config_path is not None:
@@ -206,11 +254,25 @@ def compose(argv: list[str], default_config_dir: str | os.PathLike | None = None
     _apply_overrides(cfg, key_ovs)
     # restore schema keys removed by `~key` (a deleted key reads as its default)
     cfg = OmegaConf.create(_merge(base, OmegaConf.to_container(cfg, resolve=False)))
+    if record is not None:
+        record.update(config_dir=str(config_dir), config_name=config_name,
+                      defaults=_defaults_list(config_file), composed=OmegaConf.to_container(cfg, resolve=False))
     found = check_schema(cfg)
     if notices is not None:
         notices.extend(found)
     OmegaConf.set_struct(cfg, True)
     return cfg
+
+
+def _defaults_list(config_file: Path) -> list[str]:
+    """The YAML's Hydra defaults list as lines (`_self_`, `group: option`), for --info."""
+    import yaml
+    from omegaconf._utils import get_yaml_loader
+
+    data = yaml.load(config_file.read_text(encoding="utf-8"), Loader=get_yaml_loader()) or {}
+    entries = data.get("defaults") or []
+    lines = [", ".join(f"{k}: {v}" for k, v in e.items()) if isinstance(e, dict) else str(e) for e in entries]
+    return lines or [config_file.stem]
 
 
 def _hydra_compose(config_dir: Path, config_name: str, overrides: list[str], config_file: Path) -> dict:
@@ -247,10 +309,12 @@ def report(message: str, stream: Any = None) -> None:
 
 def load_config(argv: list[str], world_size: int | None = None, check_paths: bool = True,
                 check_supported: bool = True, default_config_dir: str | os.PathLike | None = None,
-                default_config_name: str | None = None, quiet: bool = False) -> schema.NxdtConfig:
-    """compose + full validate -> the typed config; prints the notices once (rank 0) unless quiet."""
+                default_config_name: str | None = None, quiet: bool = False,
+                record: dict | None = None) -> schema.NxdtConfig:
+    """compose + full validate -> the typed config; prints the notices once (rank 0) unless quiet.
+    `record`: see compose()."""
     notices: list[str] = []
-    cfg = compose(argv, default_config_dir, default_config_name, notices=notices)
+    cfg = compose(argv, default_config_dir, default_config_name, notices=notices, record=record)
     typed = validate(cfg, world_size=world_size, check_paths=check_paths, check_supported=check_supported,
                      notices=notices)
     if not quiet:

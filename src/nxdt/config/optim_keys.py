@@ -8,7 +8,10 @@ being prepared, before torch may be loaded.
 default (the default of the torch / NeMo class it builds). `REQUIRED` marks a
 key without a default. The builders in `nxdt.training.optimizers` and
 `nxdt.training.schedulers` use these same tables, so a key that passes here is
-a key the builder knows.
+a key the builder knows. `VALUE_RANGES` gives the valid range of a numeric key
+(`nxdt.config.ranges`' notation), so `model.optim.lr=-1` stops here, in one line,
+rather than as torch's ValueError. `sched_rules` relates the schedule's steps to
+max_steps and its min_lr to the lr: validation and `build_scheduler` call it.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import difflib
 from collections.abc import Mapping
 from typing import Any
 
+from nxdt.config import ranges
 from nxdt.config.errors import ConfigError
 
 REQUIRED = "???"  # OmegaConf's own "missing value" marker
@@ -119,6 +123,30 @@ SCHEDULERS: dict[str, dict[str, Any]] = {
 }
 
 
+# key of model.optim or model.optim.sched -> its valid range (torch's and NeMo's own checks, and
+# what a value means: lr 0 freezes the weights, a legitimate run; a negative lr ascends the loss)
+_UNIT = {"ge": 0, "lt": 1}
+VALUE_RANGES: dict[str, dict[str, Any]] = {
+    "lr": {"ge": 0}, "weight_decay": {"ge": 0}, "eps": {"gt": 0}, "betas": _UNIT, "momentum": {"ge": 0},
+    "dampening": {"ge": 0}, "rho": {"ge": 0, "le": 1}, "alpha": {"ge": 0}, "lr_decay": {"ge": 0},
+    "initial_accumulator_value": {"ge": 0}, "etas": {"gt": 0}, "step_sizes": {"gt": 0}, "luc_trust": {"ge": 0},
+    "luc_eps": {"ge": 0}, "beta2_decay": {"le": 0}, "d": {"gt": 0}, "beta": _UNIT,
+    # sched
+    "warmup_steps": {"ge": 0}, "warmup_ratio": {"ge": 0, "le": 1}, "constant_steps": {"ge": 0},
+    "constant_ratio": {"ge": 0, "le": 1}, "hold_steps": {"ge": 0}, "hold_ratio": {"ge": 0, "le": 1},
+    "min_lr": {"ge": 0}, "max_steps": {"ge": 1, "also": (-1,)}, "d_model": {"ge": 1}, "step_size": {"ge": 1},
+    "gamma": {"gt": 0}, "last_epoch": {"ge": -1},
+}
+
+
+def _check_ranges(cfg: Mapping, path: str) -> None:
+    for key, value in cfg.items():
+        if key in VALUE_RANGES and value is not None:
+            message = ranges.check(f"{path}.{key}", value, VALUE_RANGES[key])
+            if message:
+                raise ConfigError(message)
+
+
 def _did_you_mean(word: str, choices) -> str:
     choices = list(choices)
     close = [c for c in choices if c.lower() == word.lower()]  # AdamW -> adamw
@@ -154,6 +182,7 @@ def check_optim(optim: Mapping, path: str = "model.optim") -> None:
         raise ConfigError(f"{path}.name: '{name}': {NEEDS_DEEPSPEED[spelling]}")
     _check_name(name, OPTIMIZERS, f"{path}.name", "optimizer")
     _check_keys(optim, (*OPTIM_COMMON_KEYS, *OPTIMIZERS[name]), path, f"optimizer '{name}'")
+    _check_ranges(optim, path)
 
     check_sched(optim.get("sched"), f"{path}.sched")
 
@@ -185,3 +214,63 @@ def check_sched(sched: Mapping | None, path: str = "model.optim.sched") -> None:
                  ("constant_steps", "constant_ratio")):
         if sched.get(a) is not None and sched.get(b) is not None:
             raise ConfigError(f"{path}: set {a} or {b}, not both")
+    _check_ranges(sched, path)
+
+
+def resolve_steps(steps: int | None, ratio: float | None, max_steps: int | None) -> int:
+    """NeMo's `x_steps` / `x_ratio` resolution: an explicit count, else int(ratio x max_steps), else 0."""
+    if steps is not None:
+        return int(steps)
+    if ratio is not None:
+        if max_steps is None:
+            raise ConfigError("a *_ratio in model.optim.sched needs max_steps")
+        return int(ratio * max_steps)
+    return 0
+
+
+# schedulers whose lr follows warmup, then decays to min_lr at max_steps (NeMo)
+_DECAYING = ("CosineAnnealing", "SquareAnnealing", "WarmupAnnealing", "WarmupHoldPolicy", "LinearAnnealingWithWarmUp")
+# schedulers that raise mid-run (NeMo) when the lr starts below min_lr
+_NEEDS_LR_ABOVE_MIN = ("CosineAnnealing", "NoamAnnealing")
+
+
+def sched_rules(optim: Mapping, max_steps: int | None = None, lr: float | None = None,
+                path: str = "model.optim") -> list[str]:
+    """The one rule between the schedule and the run's length and lr, for validation (before
+    anything starts) and `nxdt.training.schedulers.build_scheduler`.
+
+    `max_steps`: the schedule's (default: optim.sched.max_steps; -1 or None = training by epochs);
+    `lr`: the optimizer's (default: optim.lr, else the optimizer's default). Raises ConfigError for
+    a schedule that cannot run: min_lr above the lr (NeMo fails at the first step after warmup),
+    or CosineAnnealing with constant_steps and neither warmup nor decay steps (a division by
+    zero at step 0). Returns notices for a schedule that runs but not as it reads: warmup not
+    over by max_steps, or warmup + constant steps beyond it (the lr drops to min_lr after warmup
+    without decaying, as NeMo does).
+    """
+    sched = optim.get("sched")
+    if not isinstance(sched, Mapping) or sched.get("name") not in SCHEDULERS:
+        return []
+    name, spath = sched["name"], f"{path}.sched"
+    if lr is None:
+        lr = optim.get("lr", OPTIMIZERS.get(optim.get("name"), {}).get("lr"))
+    min_lr = sched.get("min_lr", SCHEDULERS[name].get("min_lr", 0.0))
+    if name in _NEEDS_LR_ABOVE_MIN and lr is not None and min_lr is not None and lr < min_lr:
+        raise ConfigError(f"{spath}.min_lr: {min_lr} is above the learning rate {lr} ({path}.lr)")
+    if max_steps is None:
+        max_steps = sched.get("max_steps")
+    if name not in _DECAYING or max_steps is None or max_steps < 0:
+        return []
+    warmup = resolve_steps(sched.get("warmup_steps"), sched.get("warmup_ratio"), max_steps)
+    constant = resolve_steps(sched.get("constant_steps"), sched.get("constant_ratio"), max_steps)
+    if name != "CosineAnnealing":
+        constant = 0
+    if constant > 0 and warmup == 0 and warmup + constant == max_steps:
+        raise ConfigError(f"{spath}: constant_steps ({constant}) = max_steps ({max_steps}) with no warmup_steps "
+                          "leaves no steps to decay over; lower constant_steps")
+    if warmup >= max_steps:
+        return [f"{spath}.warmup_steps ({warmup}) >= max_steps ({max_steps}): the run ends before the warmup "
+                f"does, the lr never reaches {path}.lr"]
+    if warmup + constant > max_steps:
+        return [f"{spath}: warmup_steps ({warmup}) + constant_steps ({constant}) > max_steps ({max_steps}): "
+                "the lr drops to min_lr right after the warmup, with no decay (as NeMo)"]
+    return []

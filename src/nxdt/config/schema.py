@@ -10,6 +10,10 @@ Conventions:
 - `open=True` in the metadata marks a free-form mapping whose contents are not
   checked here (`model.optim` is checked by `nxdt.config.optim_keys`).
 - `neuron=True` marks a key that only acts on Neuron/XLA (reported as inert elsewhere).
+- `ge=`, `gt=`, `le=`, `lt=` (and `float_*`, `also=`) give a number's valid range
+  (`nxdt.config.ranges`): validation refuses a value outside it, `--help` shows it. Every
+  int and float key has one.
+- Keys accepted but not built are in `nxdt.config.inert` (inert, or refused as not supported yet).
 - A string default `"${...}"` is an OmegaConf interpolation, resolved after the merge.
 - `internal=True` marks a field filled by nxdt, not a YAML key (`DataConfig.custom`).
 
@@ -23,14 +27,17 @@ sections stay plain dicts by design, because their keys depend on another settin
   which nxdt does not know; allowed only with `data.data_module` set, written back under
   `data:` when the config is saved.
 
-This module imports only the standard library (and nxdt.config.sharding's table).
+This module imports only the standard library (and nxdt.config's sharding table, ranges and errors).
 """
 
 import copy
 import dataclasses
+import difflib
 from dataclasses import dataclass, field, is_dataclass
 from typing import Any, Dict, List, Literal, Optional, Union, get_args, get_origin, get_type_hints
 
+from nxdt.config import ranges
+from nxdt.config.errors import ConfigError
 from nxdt.config.sharding import SHARDING_MODES
 
 
@@ -59,43 +66,46 @@ ZeroOne = Literal["0", "1"]
 # --------------------------------------------------------------------------- trainer
 @dataclass
 class TrainerConfig:
-    devices: int = doc(1, "devices (processes) per node; devices x num_nodes must equal the world size")
-    num_nodes: int = doc(1, "number of nodes")
+    devices: int = doc(1, "devices (processes) per node; devices x num_nodes must equal the world size", ge=1)
+    num_nodes: int = doc(1, "number of nodes", ge=1)
     accelerator: Literal["auto", "cpu", "gpu", "cuda", "mps", "xla", "neuron", "tpu"] = doc(
         "auto", "Lightning accelerator; 'xla'/'neuron' selects torch-xla (Neuron env vars are set)")
     max_epochs: int = doc(-1, "maximum epochs; -1 = run by max_steps; 0 = evaluate only, no training: loss and "
                               "perplexity on the validation and test splits of the weights of exp_manager."
                               "resume_from_checkpoint, else (resume_if_exists) the newest checkpoint of the run "
-                              "(neither: refused); writes <checkpoint>.eval.json (docs/evaluate.md)")
-    max_steps: int = doc(1000, "number of optimizer steps (global batches) to train")
-    log_every_n_steps: int = doc(1, "log metrics every N steps")
+                              "(neither: refused); writes <checkpoint>.eval.json (docs/evaluate.md)", ge=0, also=(-1,))
+    max_steps: int = doc(1000, "number of optimizer steps (global batches) to train", ge=1)
+    log_every_n_steps: int = doc(1, "log metrics every N steps", ge=1)
     val_check_interval: Optional[Union[int, float]] = doc(
-        None, "validate every N training steps (int) or fraction of an epoch (float); null = Lightning default")
-    check_val_every_n_epoch: Optional[int] = doc(None, "validate every N epochs; null when validating by steps")
-    num_sanity_val_steps: int = doc(0, "validation batches run before training (0 = none)")
-    limit_val_batches: Union[int, float] = doc(1, "validation batches per validation run (int) or fraction (float)")
-    limit_test_batches: Union[int, float] = doc(1, "test batches (int) or fraction (float)")
-    gradient_clip_val: Optional[float] = doc(1.0, "clip the global gradient norm to this value; null or 0 = off")
+        None, "validate every N training steps (int) or fraction of an epoch (float); null = Lightning default",
+        ge=1, float_gt=0, float_le=1)
+    check_val_every_n_epoch: Optional[int] = doc(None, "validate every N epochs; null when validating by steps", ge=1)
+    num_sanity_val_steps: int = doc(0, "validation batches run before training (0 = none)", ge=0, also=(-1,))
+    limit_val_batches: Union[int, float] = doc(
+        1, "validation batches per validation run (int) or fraction (float)", ge=0, float_ge=0, float_le=1)
+    limit_test_batches: Union[int, float] = doc(
+        1, "test batches (int) or fraction (float)", ge=0, float_ge=0, float_le=1)
+    gradient_clip_val: Optional[float] = doc(1.0, "clip the global gradient norm to this value; null or 0 = off", ge=0)
     accumulate_grad_batches: int = doc(
-        1, "must stay 1: accumulation is derived from data.global_batch_size / (micro_batch_size x dp)")
+        1, "must stay 1: accumulation is derived from data.global_batch_size / (micro_batch_size x dp)", ge=1)
     enable_progress_bar: bool = doc(True, "show Lightning's progress bar")
     enable_model_summary: bool = doc(True, "print Lightning's model summary at start")
-    lnc: Optional[int] = doc(None, "Neuron logical NeuronCore configuration (trn2)", neuron=True)
+    lnc: Optional[int] = doc(None, "Neuron logical NeuronCore configuration (trn2)", neuron=True, ge=1)
     sequential_move_factor: Optional[int] = doc(
-        None, "Neuron: move the model to device in groups of this many ranks", neuron=True)
+        None, "Neuron: move the model to device in groups of this many ranks", neuron=True, ge=1)
     callbacks: List[Any] = doc(
         [], "extra Lightning callbacks: a list of {_target_: pkg.module.Class, <kwargs>} built with "
             "hydra.utils.instantiate, run after nxdt's own (docs/monitoring.md)")
     peak_tflops: Optional[float] = doc(
         None, "peak dense TFLOP/s of one device for MFU; null = the table (H100, H200, A100, trn1, trn2) by "
-              "device and precision, or on CPU a measured matmul peak (docs/monitoring.md)")
+              "device and precision, or on CPU a measured matmul peak (docs/monitoring.md)", gt=0)
 
 
 # --------------------------------------------------------------------------- exp_manager
 @dataclass
 class CheckpointCallbackParams:
     monitor: str = doc("step", "what orders checkpoints for save_top_k: step (newest), or a logged metric (val_loss, reduced_train_loss)")
-    save_top_k: int = doc(1, "keep the k best checkpoints by monitor (plus always the newest); -1 = keep all")
+    save_top_k: int = doc(1, "keep the k best checkpoints by monitor (plus always the newest); -1 = keep all", ge=-1)
     mode: Literal["min", "max"] = doc("max", "whether a larger or smaller monitor value is better")
     save_last: bool = doc(False, "also keep a copy named 'last'")
     filename: str = doc("${exp_manager.name}--{step}-{consumed_samples}",
@@ -103,8 +113,8 @@ class CheckpointCallbackParams:
     model_parallel_size: Optional[int] = doc(
         "${multiply:${distributed_strategy.tensor_model_parallel_size},"
         "${distributed_strategy.pipeline_model_parallel_size}}",
-        "tp x pp (informational, NxDT writes it)")
-    every_n_train_steps: Optional[int] = doc(None, "save every N training steps; null = only at the end")
+        "tp x pp (informational, NxDT writes it)", ge=1)
+    every_n_train_steps: Optional[int] = doc(None, "save every N training steps; null = only at the end", ge=0)
     use_master_weights_in_ckpt: bool = doc(False, "with save_bf16, also save the fp32 master weights (loaded into the model: exact resume)")
 
 
@@ -113,12 +123,12 @@ class SamplesConfig:
     """Text generated from the model while it trains (nxdt.training.samples): logged to TensorBoard's
     text tab and the log, to watch what the model has learned. Off unless prompts are given."""
     prompts: List[str] = doc([], "prompts to continue (batched, left-padded); empty = no samples")
-    every_n_train_steps: int = doc(0, "generate after every N optimizer steps (and after the last); 0 = only at the end")
-    max_new_tokens: int = doc(32, "tokens generated per prompt")
-    temperature: float = doc(0.0, "0 = greedy (the same prompt shows how the model changes); > 0 samples")
-    top_k: Optional[int] = doc(None, "with temperature > 0: sample among the k most likely tokens; null = all")
-    top_p: float = doc(1.0, "with temperature > 0: nucleus mass, in (0, 1]")
-    seed: int = doc(0, "sampling seed (the same draws at every interval)")
+    every_n_train_steps: int = doc(0, "generate after every N optimizer steps (and after the last); 0 = only at the end", ge=0)
+    max_new_tokens: int = doc(32, "tokens generated per prompt", ge=1)
+    temperature: float = doc(0.0, "0 = greedy (the same prompt shows how the model changes); > 0 samples", ge=0)
+    top_k: Optional[int] = doc(None, "with temperature > 0: sample among the k most likely tokens; null = all", ge=0)
+    top_p: float = doc(1.0, "with temperature > 0: nucleus mass, in (0, 1]", gt=0, le=1)
+    seed: int = doc(0, "sampling seed (the same draws at every interval)", ge=0)
 
 
 @dataclass
@@ -126,11 +136,11 @@ class ProfilerConfig:
     """torch.profiler over a window of steps (fms-fsdp's use_profiler): traces land in
     <log_dir>/profiler/, viewable in TensorBoard's profiler plugin or Perfetto (ui.perfetto.dev)."""
     enabled: bool = doc(False, "profile a window of training steps (fms-fsdp: use_profiler)")
-    wait: int = doc(1, "steps skipped before the profiler starts")
-    warmup: int = doc(1, "steps profiled but discarded (profiler warm-up)")
-    active: int = doc(3, "steps recorded into a trace")
-    repeat: int = doc(1, "windows of wait+warmup+active steps; 0 = until the end of training")
-    ranks: List[int] = doc([0], "global ranks that profile (each writes its own trace)")
+    wait: int = doc(1, "steps skipped before the profiler starts", ge=0)
+    warmup: int = doc(1, "steps profiled but discarded (profiler warm-up)", ge=0)
+    active: int = doc(3, "steps recorded into a trace", ge=1)
+    repeat: int = doc(1, "windows of wait+warmup+active steps; 0 = until the end of training", ge=0)
+    ranks: List[int] = doc([0], "global ranks that profile (each writes its own trace)", ge=0)
     record_shapes: bool = doc(False, "record operator input shapes")
     profile_memory: bool = doc(False, "record tensor allocations and frees")
     with_stack: bool = doc(False, "record Python call stacks (larger traces)")
@@ -176,21 +186,21 @@ class ExpManagerConfig:
 # --------------------------------------------------------------------------- distributed_strategy
 @dataclass
 class DistributedStrategyConfig:
-    tensor_model_parallel_size: int = doc(1, "tensor-parallel degree (tp)")
-    pipeline_model_parallel_size: int = doc(1, "pipeline-parallel degree (pp)")
-    virtual_pipeline_model_parallel_size: Optional[int] = doc(1, "interleaved stages per pp rank; null = 1")
-    context_parallel_size: int = doc(1, "context-parallel degree (cp, ring attention)")
-    expert_model_parallel_size: int = doc(1, "expert-parallel degree (within data parallel)")
-    token_shuffle_group_size: int = doc(1, "MoE token shuffling group size (NxDT)")
+    tensor_model_parallel_size: int = doc(1, "tensor-parallel degree (tp)", ge=1)
+    pipeline_model_parallel_size: int = doc(1, "pipeline-parallel degree (pp)", ge=1)
+    virtual_pipeline_model_parallel_size: Optional[int] = doc(1, "interleaved stages per pp rank; null = 1", ge=1)
+    context_parallel_size: int = doc(1, "context-parallel degree (cp, ring attention)", ge=1)
+    expert_model_parallel_size: int = doc(1, "expert-parallel degree (within data parallel)", ge=1)
+    token_shuffle_group_size: int = doc(1, "MoE token shuffling group size (NxDT)", ge=1)
     zero1: bool = doc(False, "shard optimizer state across data-parallel ranks (ZeRO-1)")
     sequence_parallel: bool = doc(False, "shard activations along the sequence in tp regions (needs tp > 1)")
-    kv_replicator: Optional[int] = doc(None, "replicate K/V heads this many times when tp > num_kv_heads")
+    kv_replicator: Optional[int] = doc(None, "replicate K/V heads this many times when tp > num_kv_heads", ge=1)
     schedule: Optional[Literal[PIPELINE_SCHEDULES]] = doc(None, "pipeline schedule; null = 1F1B (Interleaved1F1B if vpp > 1)")
     fsdp: bool = doc(False, "wrap the model with FSDP (see sharding_strategy)")
     sharding_strategy: Optional[Literal[SHARDING_STRATEGIES]] = doc(
         None, "FSDP | HSDP | grad-shard | no-shard/DDP (fms-fsdp, minimal_fsdp names); null = DDP")
     hsdp_replicate_size: Optional[int] = doc(
-        None, "HSDP: data-parallel replicas (shards = dp / this); null = trainer.num_nodes (shard within a node)")
+        None, "HSDP: data-parallel replicas (shards = dp / this); null = trainer.num_nodes (shard within a node)", ge=1)
     cpu_offload: bool = doc(False, "offload parameters and optimizer state to CPU")
     low_cpu_fsdp: bool = doc(False, "fms-fsdp: build the model on the meta device, materialize per shard")
     meta_init: bool = doc(False, "minimal_fsdp: same as low_cpu_fsdp")
@@ -211,16 +221,16 @@ class TokenizerConfig:
 
 @dataclass
 class DataConfig:
-    micro_batch_size: int = doc(1, "samples per forward/backward on one data-parallel rank")
-    global_batch_size: int = doc(1, "samples per optimizer step over all ranks; accumulation = gbs / (mbs x dp)")
-    seq_length: Optional[int] = doc("${model.encoder_seq_length}", "tokens per training sample")
+    micro_batch_size: int = doc(1, "samples per forward/backward on one data-parallel rank", ge=1)
+    global_batch_size: int = doc(1, "samples per optimizer step over all ranks; accumulation = gbs / (mbs x dp)", ge=1)
+    seq_length: Optional[int] = doc("${model.encoder_seq_length}", "tokens per training sample", ge=1)
     data_prefix: Optional[Union[List[Any], Dict[str, Any], str]] = doc(
         None, "megatron: [w1, path1, w2, path2, ...] (paths without .bin/.idx), a path, or {train, validation, test}")
     index_mapping_dir: Optional[str] = doc(None, "where index mappings are cached; null = next to the data")
     data_impl: Literal["mmap"] = doc("mmap", "indexed dataset implementation")
     splits_string: str = doc("980,10,10", "train,validation,test proportions by document ranges")
     skip_warmup: bool = doc(True, "skip warming up the memory map")
-    num_workers: int = doc(1, "DataLoader worker processes")
+    num_workers: int = doc(1, "DataLoader worker processes", ge=0)
     dataloader_type: Literal["single", "cyclic"] = doc("single", "single: sequential; cyclic: reshuffled per epoch")
     reset_position_ids: bool = doc(False, "restart position ids after each end-of-document token")
     reset_attention_mask: bool = doc(False, "block attention across end-of-document tokens")
@@ -231,7 +241,7 @@ class DataConfig:
     train_dir: Optional[str] = doc(None, "hf / SFT: training data (datasets.save_to_disk dir, jsonl or arrow)")
     val_dir: Optional[str] = doc(None, "hf / SFT: validation data")
     test_dir: Optional[str] = doc(None, "hf / SFT: test data")
-    dev_choose_samples: Optional[int] = doc(None, "hf / SFT: use only the first N samples")
+    dev_choose_samples: Optional[int] = doc(None, "hf / SFT: use only the first N samples", ge=1)
     use_sft_style_data_module: bool = doc(False, "NxDT: use the HF/SFT-style data module with a megatron model")
     packing: bool = doc(False, "SFT: pack several examples into one sequence")
     alignment_strategy: Optional["DataAlignmentConfig"] = doc(
@@ -242,7 +252,7 @@ class DataConfig:
     use_dummy_dataset: bool = doc(False, "fms-fsdp: random tokens instead of data (performance runs)")
     datasets: Optional[List[str]] = doc(None, "fms-fsdp: dataset sub-folders to blend")
     weights: Optional[List[float]] = doc(None, "fms-fsdp: blend weight of each entry of datasets")
-    logical_shards: Optional[int] = doc(None, "fms-fsdp: logical shards (resumable across rank counts)")
+    logical_shards: Optional[int] = doc(None, "fms-fsdp: logical shards (resumable across rank counts)", ge=1)
     custom: Dict[str, Any] = doc(
         {}, "not a YAML key: the data.* keys nxdt does not know, read by the custom data.data_module", internal=True)
 
@@ -251,30 +261,30 @@ class DataConfig:
 @dataclass
 class FusionsConfig:
     softmax: bool = doc(True, "fused softmax (Neuron: NEURON_FUSE_SOFTMAX=1)")
-    flash_attention: bool = doc(False, "flash attention (NKI kernel on Neuron, SDPA elsewhere)")
+    flash_attention: bool = doc(False, "NxDT: flash attention (its NKI kernel on Neuron)")
     ring_attention: bool = doc(False, "ring attention over the context-parallel group")
 
 
 @dataclass
 class MoEConfig:
-    num_experts: int = doc(0, "experts per MoE layer; 0 = dense model")
-    frequency: int = doc(1, "layer i is an MoE layer when i % frequency == 0 (1 = every layer)")
-    dropout: float = doc(0.0, "dropout in the MoE layer")
-    capacity_factor: Optional[float] = doc(None, "expert capacity factor; null = no token dropping")
+    num_experts: int = doc(0, "experts per MoE layer; 0 = dense model", ge=0)
+    frequency: int = doc(1, "layer i is an MoE layer when i % frequency == 0 (1 = every layer)", ge=1)
+    dropout: float = doc(0.0, "dropout in the MoE layer", ge=0, lt=1)
+    capacity_factor: Optional[float] = doc(None, "expert capacity factor; null = no token dropping (0 with dropless)", ge=0)
     dropless: bool = doc(False, "dropless (blockwise) expert computation")
     routing_algorithm: Literal["top_k", "sinkhorn"] = doc("top_k", "router")
     router_activation: Literal["softmax", "sigmoid"] = doc("softmax", "router score activation")
-    sinkhorn_iterations: int = doc(30, "sinkhorn routing iterations")
-    sinkhorn_tol: Any = doc(None, "sinkhorn tolerance (optional)")
-    top_k: int = doc(2, "experts per token")
+    sinkhorn_iterations: int = doc(30, "sinkhorn routing iterations", ge=1)
+    sinkhorn_tol: Any = doc(None, "sinkhorn tolerance (optional)", gt=0)
+    top_k: int = doc(2, "experts per token", ge=1)
     output_router_logits: bool = doc(False, "return router logits (for the aux loss)")
-    router_aux_loss_coef: float = doc(0.02, "load-balancing aux loss coefficient (Mixtral style)")
+    router_aux_loss_coef: float = doc(0.02, "load-balancing aux loss coefficient (Mixtral style)", ge=0)
     normalize_top_k_affinities: bool = doc(True, "renormalize the top-k router weights to sum to 1")
-    num_selects: Optional[int] = doc(None, "LLaMA-MoE name for top_k (overrides it when set)")
+    num_selects: Optional[int] = doc(None, "LLaMA-MoE name for top_k (overrides it when set)", ge=1)
     gate_balance_loss_weight: float = doc(
         0.0, "LLaMA-MoE gates' balance loss weight w: noisy top-k w*(CV^2(importance)+CV^2(load)), "
-             "switch w*E*sum(mean prob x token share); 0 = statistics only")
-    moe_calculator_score_scale_factor: float = doc(1.0, "LLaMA-MoE: expert outputs x this (total/selected)")
+             "switch w*E*sum(mean prob x token share); 0 = statistics only", ge=0)
+    moe_calculator_score_scale_factor: float = doc(1.0, "LLaMA-MoE: expert outputs x this (total/selected)", gt=0)
     gate_type: Literal["mixtral", "top_k_balanced_noisy", "switch_balanced", "TopKBalancedNoisyGate",
                        "SwitchBalancedGate"] = doc(
         "mixtral", "mixtral (routing_algorithm, router_activation, router_aux_loss_coef) | LLaMA-MoE's "
@@ -282,41 +292,41 @@ class MoEConfig:
                    "LLaMA-MoE's class names are accepted")
     gate_add_noise: bool = doc(True, "LLaMA-MoE gates, training only: learned Gaussian noise (noisy top-k), "
                                      "Gumbel noise (switch)")
-    gate_noise_epsilon: float = doc(1e-2, "noisy top-k: noise std = softplus(x W_noise) + this")
+    gate_noise_epsilon: float = doc(1e-2, "noisy top-k: noise std = softplus(x W_noise) + this", ge=0)
 
 
 @dataclass
 class ModelConfig:
     # architecture (null = from model_config for hf; required or derived for megatron)
     model_config: Optional[str] = doc(None, "hf: path to a transformers config.json (see ${nxdt_conf:...})")
-    encoder_seq_length: int = doc(2048, "training sequence length")
-    max_position_embeddings: Optional[int] = doc(None, "positions; null = encoder_seq_length (megatron) / config.json (hf)")
-    num_layers: Optional[int] = doc(None, "transformer layers (hf: overrides config.json)")
-    hidden_size: Optional[int] = doc(None, "hidden size (hf: overrides config.json)")
-    ffn_hidden_size: Optional[int] = doc(None, "MLP intermediate size")
-    num_attention_heads: Optional[int] = doc(None, "query heads")
-    num_kv_heads: Optional[int] = doc(None, "key/value heads (GQA); null = num_attention_heads")
-    kv_channels: Optional[int] = doc(None, "head dimension; null = hidden_size / num_attention_heads")
-    vocab_size: Optional[int] = doc(None, "vocabulary size; null = from the tokenizer (padded, see make_vocab_size_divisible_by)")
-    make_vocab_size_divisible_by: int = doc(8, "pad the vocabulary to a multiple of this x tp")
-    init_method_std: float = doc(0.02, "std of the normal weight init")
+    encoder_seq_length: int = doc(2048, "training sequence length", ge=1)
+    max_position_embeddings: Optional[int] = doc(None, "positions; null = encoder_seq_length (megatron) / config.json (hf)", ge=1)
+    num_layers: Optional[int] = doc(None, "transformer layers (hf: overrides config.json)", ge=1)
+    hidden_size: Optional[int] = doc(None, "hidden size (hf: overrides config.json)", ge=1)
+    ffn_hidden_size: Optional[int] = doc(None, "MLP intermediate size", ge=1)
+    num_attention_heads: Optional[int] = doc(None, "query heads", ge=1)
+    num_kv_heads: Optional[int] = doc(None, "key/value heads (GQA); null = num_attention_heads", ge=1)
+    kv_channels: Optional[int] = doc(None, "head dimension; null = hidden_size / num_attention_heads", ge=1)
+    vocab_size: Optional[int] = doc(None, "vocabulary size; null = from the tokenizer (padded, see make_vocab_size_divisible_by)", ge=1)
+    make_vocab_size_divisible_by: int = doc(8, "pad the vocabulary to a multiple of this x tp", ge=1)
+    init_method_std: float = doc(0.02, "std of the normal weight init", ge=0)
     use_scaled_init_method: bool = doc(True, "scale output-layer init by 1/sqrt(2 x num_layers)")
-    hidden_dropout: float = doc(0.0, "dropout on hidden states")
-    attention_dropout: float = doc(0.0, "dropout on attention probabilities")
-    ffn_dropout: float = doc(0.0, "dropout in the MLP")
+    hidden_dropout: float = doc(0.0, "dropout on hidden states", ge=0, lt=1)
+    attention_dropout: float = doc(0.0, "dropout on attention probabilities", ge=0, lt=1)
+    ffn_dropout: float = doc(0.0, "dropout in the MLP", ge=0, lt=1)
     apply_query_key_layer_scaling: bool = doc(False, "scale Q.K^T by 1/layer_number (numerically neutral in fp32)")
     normalization: Literal["rmsnorm", "layernorm"] = doc("rmsnorm", "normalization layer")
-    layernorm_epsilon: float = doc(1e-5, "normalization epsilon")
+    layernorm_epsilon: float = doc(1e-5, "normalization epsilon", gt=0)
     do_layer_norm_weight_decay: bool = doc(False, "apply weight decay to norm weights too")
     persist_layer_norm: bool = doc(True, "NeMo fused layer-norm kernel (inert)")
     share_embeddings_and_output_weights: bool = doc(False, "tie input embedding and lm_head")
     position_embedding_type: Literal["rope", "learned_absolute", "none"] = doc(
         "rope", "position embedding: rope | learned_absolute (a table) | none (GPT-NeoX's pos-emb none)")
-    rotary_percentage: float = doc(1.0, "fraction of each head dim that gets rotary embedding, in (0, 1] (Pythia: 0.25)")
-    rope_theta: Optional[float] = doc(None, "rotary base; null = 10000 (megatron) or the config.json value (hf)")
-    rotary_emb_base: Optional[float] = doc(None, "GPT-NeoX's name for rope_theta (give one of the two)")
+    rotary_percentage: float = doc(1.0, "fraction of each head dim that gets rotary embedding, in (0, 1] (Pythia: 0.25)", gt=0, le=1)
+    rope_theta: Optional[float] = doc(None, "rotary base; null = 10000 (megatron) or the config.json value (hf)", gt=0)
+    rotary_emb_base: Optional[float] = doc(None, "GPT-NeoX's name for rope_theta (give one of the two)", gt=0)
     rope_scaling: Optional[Dict[str, Any]] = doc(None, "rotary scaling as in transformers (e.g. rope_type: llama3)", open=True)
-    sliding_window_size: Optional[int] = doc(None, "sliding-window attention size; null = full causal")
+    sliding_window_size: Optional[int] = doc(None, "sliding-window attention size; null = full causal", ge=1)
     activation: Literal["swiglu", "gelu", "gelu_tanh"] = doc(
         "swiglu", "MLP activation: swiglu | gelu (exact, erf) | gelu_tanh (GELU's tanh approximation: "
         "transformers' gelu_fast / gelu_new / gelu_pytorch_tanh, NeoX's bias-gelu-fusion)")
@@ -341,9 +351,9 @@ class ModelConfig:
     activations_checkpoint_recompute: Optional[List[str]] = doc(
         None, "selective: module class names to recompute, e.g. [CoreAttention, LlamaMLP]")
     activations_checkpoint_recompute_mlp: bool = doc(False, "selective: also recompute the MLP (NxDT)")
-    checkpoint_num_layers: int = doc(1, "GPT-NeoX: layers per checkpointed chunk (full granularity)")
+    checkpoint_num_layers: int = doc(1, "GPT-NeoX: layers per checkpointed chunk (full granularity)", ge=1)
     selective_checkpointing: Optional[float] = doc(
-        None, "fms-fsdp: checkpoint this fraction of blocks, evenly spaced (0 < p <= 1)")
+        None, "fms-fsdp: checkpoint this fraction of blocks, evenly spaced (0 < p <= 1)", gt=0, le=1)
     fusions: FusionsConfig = doc(FusionsConfig, "fused kernels")
     moe: MoEConfig = doc(MoEConfig, "mixture of experts")
     optim: Dict[str, Any] = doc(
@@ -357,12 +367,12 @@ class ModelConfig:
 @dataclass
 class Fp16Config:
     enabled: bool = doc(False, "GPT-NeoX/DeepSpeed fp16 training with loss scaling")
-    loss_scale: float = doc(0.0, "static loss scale; 0 = dynamic")
-    initial_scale_power: int = doc(16, "dynamic: initial scale = 2**initial_scale_power")
-    loss_scale_window: int = doc(1000, "dynamic: steps without overflow before the scale grows")
-    hysteresis: int = doc(2, "dynamic: overflows tolerated before the scale shrinks")
-    min_loss_scale: float = doc(1.0, "dynamic: lower bound of the scale")
-    max_consecutive_skips: int = doc(50, "nxdt: stop the run after this many overflow-skipped steps in a row")
+    loss_scale: float = doc(0.0, "static loss scale; 0 = dynamic", ge=0)
+    initial_scale_power: int = doc(16, "dynamic: initial scale = 2**initial_scale_power", ge=0)
+    loss_scale_window: int = doc(1000, "dynamic: steps without overflow before the scale grows", ge=1)
+    hysteresis: int = doc(2, "dynamic: overflows tolerated before the scale shrinks", ge=1)
+    min_loss_scale: float = doc(1.0, "dynamic: lower bound of the scale", gt=0)
+    max_consecutive_skips: int = doc(50, "nxdt: stop the run after this many overflow-skipped steps in a row", ge=1)
 
 
 @dataclass
@@ -371,9 +381,11 @@ class PrecisionConfig:
     master_weights: bool = doc(False, "manual: keep fp32 master weights")
     fp32_grad_acc: bool = doc(False, "manual: accumulate gradients in fp32")
     fp32_grads_cc: bool = doc(False, "manual: reduce gradients in fp32")
-    xla_use_bf16: ZeroOne = doc("0", "manual: XLA_USE_BF16", neuron=True)
-    xla_downcast_bf16: ZeroOne = doc("0", "manual: XLA_DOWNCAST_BF16", neuron=True)
-    neuron_rt_stochastic_rounding_en: ZeroOne = doc("0", "manual: NEURON_RT_STOCHASTIC_ROUNDING_EN", neuron=True)
+    # not neuron=True: under type manual they choose the dtype on every device (precision_settings)
+    xla_use_bf16: ZeroOne = doc("0", "manual: '1' = bf16 training (XLA_USE_BF16 on Neuron)")
+    xla_downcast_bf16: ZeroOne = doc("0", "manual: '1' = bf16 training (XLA_DOWNCAST_BF16 on Neuron)")
+    neuron_rt_stochastic_rounding_en: ZeroOne = doc(
+        "0", "manual: '1' = stochastic rounding to bf16 (NEURON_RT_STOCHASTIC_ROUNDING_EN on Neuron)")
     fp16: Fp16Config = doc(Fp16Config, "fp16 with loss scaling (GPT-NeoX)")
     on_nonfinite: Literal["stop", "skip"] = doc(
         "stop", "nxdt: a NaN/inf loss or gradient norm stops the run (stop) or skips the step (skip)")
@@ -392,9 +404,9 @@ class SFTConfig:
 
 @dataclass
 class PeftConfig:
-    lora_rank: int = doc(16, "LoRA rank r: adapters A (r x in) and B (out x r) per target linear")
-    lora_alpha: float = doc(32.0, "LoRA scaling numerator: the update is B A x * lora_alpha / lora_rank")
-    lora_dropout: float = doc(0.05, "dropout on the adapters' input (0 = none)")
+    lora_rank: int = doc(16, "LoRA rank r: adapters A (r x in) and B (out x r) per target linear", gt=0)
+    lora_alpha: float = doc(32.0, "LoRA scaling numerator: the update is B A x * lora_alpha / lora_rank", gt=0)
+    lora_dropout: float = doc(0.05, "dropout on the adapters' input (0 = none)", ge=0, lt=1)
     lora_bias: Literal["none", "all", "lora_only"] = doc(
         "none", "biases trained too: none | all (every bias) | lora_only (the biases of the targeted linears)")
     lora_verbose: bool = doc(True, "print trainable vs total parameters at start")
@@ -415,10 +427,10 @@ class PeftConfig:
 
 @dataclass
 class DPOConfig:
-    kl_beta: float = doc(0.1, "DPO beta: strength of the implicit KL penalty towards the reference model")
+    kl_beta: float = doc(0.1, "DPO beta: strength of the implicit KL penalty towards the reference model", gt=0)
     loss_type: Literal["sigmoid", "hinge", "ipo"] = doc("sigmoid", "sigmoid (DPO), hinge (SLiC) or ipo (IPO)")
     max_dpo_prompt_length: Optional[int] = doc(
-        None, "prompt tokens kept (truncation_mode says which); null = up to data.seq_length - 1")
+        None, "prompt tokens kept (truncation_mode says which); null = up to data.seq_length - 1", ge=1)
     precompute_ref_log_probs: bool = doc(
         True, "reference log-probs computed once before training and checkpointed with the data state; "
               "false needs LoRA (the frozen base is the reference)")
@@ -428,9 +440,9 @@ class DPOConfig:
 
 @dataclass
 class ORPOConfig:
-    beta: float = doc(0.1, "ORPO lambda: weight of the odds-ratio term added to the chosen responses' SFT loss")
+    beta: float = doc(0.1, "ORPO lambda: weight of the odds-ratio term added to the chosen responses' SFT loss", ge=0)
     max_prompt_length: Optional[int] = doc(
-        None, "prompt tokens kept (truncation_mode says which); null = up to data.seq_length - 1")
+        None, "prompt tokens kept (truncation_mode says which); null = up to data.seq_length - 1", ge=1)
     truncation_mode: Optional[Literal[TRUNCATION_MODES]] = doc(
         "keep_start", "over-long prompts keep their start or end; null = an over-long prompt is an error")
 
@@ -454,7 +466,7 @@ class DataAlignmentConfig:
 class NxdtConfig:
     name: str = doc("nxdt", "run name")
     model_source: Literal["megatron", "hf"] = doc("megatron", "megatron: native model from model.*; hf: transformers config.json")
-    seed: int = doc(1234, "random seed")
+    seed: int = doc(1234, "random seed", ge=0, le=2**32 - 1)
     trainer: TrainerConfig = doc(TrainerConfig, "Lightning Trainer settings")
     exp_manager: ExpManagerConfig = doc(ExpManagerConfig, "logging, checkpoints, resume")
     distributed_strategy: DistributedStrategyConfig = doc(DistributedStrategyConfig, "parallel layout")
@@ -466,9 +478,9 @@ class NxdtConfig:
     compiler_flags: Optional[str] = doc(None, "Neuron compiler flags (appended to NEURON_CC_FLAGS)", neuron=True)
     compiler_cache_url: Optional[str] = doc(None, "NEURON_COMPILE_CACHE_URL", neuron=True)
     aync_exec_max_inflight_requests: Optional[int] = doc(
-        None, "NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS (NxDT's spelling of the key)", neuron=True)
-    bucket_size_collectives: Optional[int] = doc(None, "BUCKET_CAP_MB: collectives bucket size in MB", neuron=True)
-    neuron_rt_exec_timeout: Optional[int] = doc(None, "NEURON_RT_EXEC_TIMEOUT (seconds)", neuron=True)
+        None, "NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS (NxDT's spelling of the key)", neuron=True, ge=0)
+    bucket_size_collectives: Optional[int] = doc(None, "BUCKET_CAP_MB: collectives bucket size in MB", neuron=True, ge=1)
+    neuron_rt_exec_timeout: Optional[int] = doc(None, "NEURON_RT_EXEC_TIMEOUT (seconds)", neuron=True, ge=1)
     neuron_experimental_compress_rg: bool = doc(False, "NEURON_EXPERIMENTAL_COMPRESS_RG", neuron=True)
 
 
@@ -547,13 +559,29 @@ def iter_fields(cls: type = NxdtConfig, prefix: str = ""):
         yield key, type_name(hints(cls)[f.name]), getattr(inst, f.name), f.metadata.get("help", ""), f.metadata
 
 
+def type_with_range(tname: str, meta: Dict[str, Any]) -> str:
+    """'int or null' with the field's range: 'int >= 1 or null' (nxdt.config.ranges)."""
+    return ranges.describe([(name, name == "float") for name in tname.split(" or ")], meta)
+
+
 def describe(section: Optional[str] = None) -> str:
-    """Human-readable key reference (for --help): one line per key, optionally one section only."""
+    """Human-readable key reference (for --help): one line per key, optionally one section (or key)
+    only. Marks: [Neuron] (acts on Neuron/XLA only), [inert ...] and [not supported yet ...] (the
+    tables of nxdt.config.inert). An unknown section is a ConfigError with a did-you-mean."""
+    from nxdt.config import inert  # imports this module
+
+    fields = list(iter_fields())
+    if section:
+        fields = [f for f in fields if f[0] == section or f[0].startswith(section + ".")]
+        if not fields:
+            names = sorted({k.rsplit(".", i)[0] for k, *_ in iter_fields() for i in range(k.count(".") + 1)})
+            close = difflib.get_close_matches(section, names, n=1, cutoff=0.6)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"--help {section}: no such section or key{hint}; sections: "
+                              f"{', '.join(sorted({k.split('.')[0] for k in names if '.' in k}))}")
     lines = []
-    for key, tname, default, help_, meta in iter_fields():
-        if section and not (key == section or key.startswith(section + ".")):
-            continue
+    for key, tname, default, help_, meta in fields:
         shown = "null" if default is None else repr(default)
-        tag = " [Neuron]" if meta.get("neuron") else ""
-        lines.append(f"{key} ({tname}, default {shown}){tag}: {help_}")
+        tags = "".join(f" [{mark}]" for mark in (["Neuron"] if meta.get("neuron") else []) + inert.help_marks(key))
+        lines.append(f"{key} ({type_with_range(tname, meta)}, default {shown}){tags}: {help_}")
     return "\n".join(lines)

@@ -1,15 +1,19 @@
 """Checks a composed config; every problem is a one-line ConfigError naming the dotted key.
 
 Stages (in this order):
-1. `check_schema`: unknown keys (with did-you-mean), types, enumerations; coerces values in
-   place (ints and numeric strings such as "3e-4" to floats for float keys) and normalises
-   (vpp null -> 1, sequence_parallel off when tp == 1, megatron defaults, sched.max_steps).
-2. `NOT_SUPPORTED_YET`: keys the schema accepts but nxdt does not build yet.
+1. `check_schema`: unknown keys (with did-you-mean), types, enumerations, then the range of
+   every number (the schema's `ge=`/`gt=`/... , `nxdt.config.ranges`; keys given directly before
+   keys filled by an interpolation, so the key the user set is the one named); coerces values
+   in place (ints and numeric strings such as "3e-4" to floats for float keys) and normalises
+   (vpp null -> 1, sequence_parallel off when tp == 1, megatron defaults, sched.max_steps);
+   `model.optim` by `nxdt.config.optim_keys` (names, keys, ranges, the schedule's steps).
+2. `NOT_SUPPORTED_YET` (`nxdt.config.inert`): values the schema accepts but nxdt does not build yet.
 3. Cross-checks: world size, parallel layout and batch sizes, attention heads, sequence length.
-4. Paths named by the config exist (`check_paths`).
+4. Paths named by the config (`check_paths`): files exist, log dirs can be made.
 
 `validate` returns the config as an `NxdtConfig` (stages 2-4 read typed attributes) and appends
-the notices (one line each) the caller should print once to its `notices` list.
+the notices (one line each) the caller should print once to its `notices` list, among them the
+settings that have no effect in this run (`nxdt.config.inert.inert_notice`).
 """
 
 from __future__ import annotations
@@ -19,37 +23,27 @@ import difflib
 import json
 import os
 import re
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from nxdt.config import schema
+from nxdt.config import ranges, schema
 from nxdt.config.blend import parse_data_prefix, parse_datasets
 from nxdt.config.errors import ConfigError
 from nxdt.config.layout import compute_layout
 from nxdt.config.alignment import alignment_notices, alignment_of, check_alignment
 from nxdt.config.arch_checks import check_architecture, check_hf_layouts
 from nxdt.config.moe_checks import canonical_gate_type, check_expert_parallel, check_moe, check_moe_layouts_supported
+from nxdt.config.inert import NOT_SUPPORTED_YET, backend_of, inert_notice
 from nxdt.config.sample_checks import check_samples
-from nxdt.config.optim_keys import check_optim_parallel
+from nxdt.config.optim_keys import check_optim_parallel, sched_rules
 from nxdt.config.sharding import sharding_mode_of
 from nxdt.config.cp_checks import check_context_parallel
+from nxdt.config.path_checks import check_files
 from nxdt.config.pipeline_checks import check_pipeline
 from nxdt.config.precision_settings import precision_settings
 from nxdt.config.typed import select, to_typed
-
-
-def _gt1(v: Any) -> bool:
-    return v is not None and v > 1
-
-
-# dotted key -> predicate on its value: True means "this value needs a feature not built yet".
-# The lead removes entries as features land.
-# (Combinations that are refused live with their checks: moe_checks, arch_checks, alignment.)
-NOT_SUPPORTED_YET: dict[str, Callable[[Any], bool]] = {}
 
 
 
@@ -158,7 +152,9 @@ def _check_value(value: Any, hint: Any, path: str) -> Any:
     return out
 
 
-def _walk(node: DictConfig, cls: type, path: str, free_extra: bool = False) -> None:
+def _walk(node: DictConfig, cls: type, path: str, free_extra: bool = False, numbers: list | None = None) -> None:
+    """Check `node` against the schema class `cls`; collect (dotted key, value, field metadata) of
+    every value with a range into `numbers` (checked by `_check_ranges` once all types are known)."""
     fields = {f.name: f for f in dataclasses.fields(cls) if not schema.is_internal(f)}
     hints = schema.hints(cls)
     prefix = f"{path}." if path else ""
@@ -177,12 +173,48 @@ def _walk(node: DictConfig, cls: type, path: str, free_extra: bool = False) -> N
                 continue
             if not isinstance(value, DictConfig):
                 raise ConfigError(f"{dotted}: expected a mapping of {sub.__name__} keys, got {value!r} ({_type_of(value)})")
-            _walk(value, sub, dotted)
+            _walk(value, sub, dotted, numbers=numbers)
             continue
         new = _check_value(value, hint, dotted)
         old = OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) else value
         if new is not None and (type(new) is not type(old) or new != old):
             node[key] = new
+        if numbers is not None and ranges.has_range(fields[key].metadata):
+            numbers.append((dotted, new, fields[key].metadata))
+
+
+def _check_ranges(numbers: list, interpolated: set[str]) -> None:
+    """The first number out of its range, as one ConfigError; a key the user set is named before
+    a key that merely follows it by interpolation (data.seq_length follows model.encoder_seq_length)."""
+    for dotted, value, meta in sorted(numbers, key=lambda n: n[0] in interpolated):
+        message = ranges.check(dotted, value, meta)
+        if message:
+            raise ConfigError(message)
+
+
+def check_typed_ranges(cfg: schema.NxdtConfig) -> None:
+    """The range of every number of a typed config (one built or changed in code, not composed)."""
+    _check_ranges([(key, select(cfg, key), meta) for key, _t, _d, _h, meta in schema.iter_fields()
+                   if ranges.has_range(meta)], set())
+
+
+def _interpolated(node: Any, prefix: str = "") -> set[str]:
+    """Dotted keys whose value is an interpolation (before resolving)."""
+    out: set[str] = set()
+    if not isinstance(node, DictConfig):
+        return out
+    for key in node.keys():
+        dotted = f"{prefix}{key}"
+        if OmegaConf.is_interpolation(node, key):
+            out.add(dotted)
+        else:
+            try:
+                child = node[key]
+            except OmegaConfBaseException:  # a missing value (???): the type check reports it
+                continue
+            if isinstance(child, DictConfig):
+                out |= _interpolated(child, dotted + ".")
+    return out
 
 
 def _resolve(cfg: DictConfig) -> None:
@@ -239,11 +271,14 @@ def check_schema(cfg: DictConfig) -> list[str]:
     """Unknown keys, types and enumerations; coerces and normalises `cfg` in place. Returns notices."""
     if not isinstance(cfg, DictConfig):
         raise ConfigError(f"config must be a mapping, got {_type_of(cfg)}")
+    interpolated = _interpolated(cfg)
     _resolve(cfg)
     data = cfg.get("data")
     free_data = isinstance(data, DictConfig) and data.get("data_module") is not None
     # with a custom data module, extra keys under data are free (known keys are still checked)
-    _walk_top(cfg, free_data)
+    numbers: list = []
+    _walk_top(cfg, free_data, numbers)
+    _check_ranges(numbers, interpolated)
     notices: list[str] = []
 
     ds = cfg.distributed_strategy
@@ -268,12 +303,14 @@ def check_schema(cfg: DictConfig) -> list[str]:
     sched = optim.get("sched")
     if isinstance(sched, DictConfig) and sched.get("max_steps") is None:
         _set(sched, "max_steps", cfg.trainer.max_steps)
-    _check_optim(OmegaConf.to_container(optim, resolve=True))
+    plain_optim = OmegaConf.to_container(optim, resolve=True)
+    _check_optim(plain_optim)
+    notices.extend(sched_rules(plain_optim, path="model.optim"))
     return notices
 
 
-def _walk_top(cfg: DictConfig, free_data: bool) -> None:
-    fields = {f.name for f in dataclasses.fields(schema.NxdtConfig)}
+def _walk_top(cfg: DictConfig, free_data: bool, numbers: list) -> None:
+    fields = {f.name: f for f in dataclasses.fields(schema.NxdtConfig)}
     hints = schema.hints(schema.NxdtConfig)
     for key in list(cfg.keys()):
         key = str(key)
@@ -286,12 +323,14 @@ def _walk_top(cfg: DictConfig, free_data: bool) -> None:
             if not isinstance(value, (DictConfig, ListConfig)) and new is not None and (
                     type(new) is not type(value) or new != value):
                 cfg[key] = new
+            if ranges.has_range(fields[key].metadata):
+                numbers.append((key, new, fields[key].metadata))
             continue
         if value is None and _optional(hints[key]):
             continue
         if not isinstance(value, DictConfig):
             raise ConfigError(f"{key}: expected a mapping, got {value!r} ({_type_of(value)})")
-        _walk(value, sub, key, free_extra=(key == "data" and free_data))
+        _walk(value, sub, key, free_extra=(key == "data" and free_data), numbers=numbers)
 
 
 def _optional(hint: Any) -> bool:
@@ -353,16 +392,6 @@ def _effective_model(cfg: Any) -> dict:
     }
 
 
-def _runs_on_xla(cfg: Any) -> bool:
-    """The run goes through torch-xla (the same rule as nxdt.device.use_xla, without importing it)."""
-    import importlib.util
-
-    from nxdt.config.env import detect_xla
-
-    if cfg.trainer.accelerator in ("xla", "neuron", "tpu"):
-        return True
-    return detect_xla(cfg) and importlib.util.find_spec("torch_xla") is not None
-
 
 def check_cross(cfg: Any, world_size: int | None = None) -> None:
     tr, ds, data, model = cfg.trainer, cfg.distributed_strategy, cfg.data, cfg.model
@@ -370,18 +399,12 @@ def check_cross(cfg: Any, world_size: int | None = None) -> None:
         raise ConfigError(
             f"trainer.accumulate_grad_batches: {tr.accumulate_grad_batches} is not allowed: gradient accumulation "
             f"is derived from data.global_batch_size / (data.micro_batch_size x data-parallel size); set those instead")
-    if tr.max_epochs < -1:  # Lightning's rule; 0 is nxdt's evaluate-only mode (nxdt.training.evaluate)
-        raise ConfigError(f"trainer.max_epochs: {tr.max_epochs} is not allowed: -1 (run by max_steps), "
-                          "0 (evaluate only) or a number of epochs")
     exp = cfg.exp_manager
     if tr.max_epochs == 0 and not exp.resume_from_checkpoint and not exp.resume_if_exists:
         # evaluating freshly initialised weights is never what was meant
         raise ConfigError("trainer.max_epochs=0 (evaluate only): no weights to evaluate: set "
                           "exp_manager.resume_from_checkpoint=CHECKPOINT or exp_manager.resume_if_exists=true "
                           "(this run's newest checkpoint)")
-    for key in ("devices", "num_nodes"):
-        if getattr(tr, key) < 1:
-            raise ConfigError(f"trainer.{key}: must be >= 1, got {getattr(tr, key)}")
     if world_size is not None and tr.devices * tr.num_nodes != world_size:
         raise ConfigError(
             f"trainer.devices ({tr.devices}) x trainer.num_nodes ({tr.num_nodes}) = {tr.devices * tr.num_nodes} "
@@ -396,6 +419,7 @@ def check_cross(cfg: Any, world_size: int | None = None) -> None:
         raise ConfigError("model.model_config (a transformers config.json) is required for model_source hf")
 
     shards = sharding_mode_of(ds).shard
+    check_data_parallel_options(cfg, shards)
     check_optim_parallel(model.optim, tp=layout.tp, ep=layout.ep, fsdp_ways=layout.dp * layout.cp if shards else 1)
     eff = _effective_model(cfg)
     check_pipeline(cfg, layout, eff["num_layers"])
@@ -418,8 +442,6 @@ def check_cross(cfg: Any, world_size: int | None = None) -> None:
                 raise ConfigError(f"model.num_kv_heads ({kv}) and distributed_strategy.tensor_model_parallel_size "
                                   f"({tp}) must divide one another (K/V heads are split or replicated across tp)")
     seq, maxpos = data.seq_length, eff["max_position_embeddings"]
-    if seq is not None and seq < 1:
-        raise ConfigError(f"data.seq_length: must be >= 1, got {seq}")
     if seq is not None and maxpos is not None and seq > maxpos:
         raise ConfigError(f"data.seq_length ({seq}) exceeds model.max_position_embeddings ({maxpos})")
     check_recompute_classes(cfg)
@@ -427,7 +449,7 @@ def check_cross(cfg: Any, world_size: int | None = None) -> None:
     if rep is not None and (rep < 1 or layout.dp % rep):
         raise ConfigError(f"distributed_strategy.hsdp_replicate_size ({rep}) does not divide the data-parallel "
                           f"size {layout.dp}")
-    if tr.devices * tr.num_nodes > 1 and _runs_on_xla(cfg):
+    if tr.devices * tr.num_nodes > 1 and backend_of(cfg) == "xla":  # the rule of nxdt.device.use_xla
         # Not built because XLA:CPU, where it could be tested, cannot run it: each torchrun process
         # gets its own one-device PJRT client (the xla all_reduce is a no-op), and CPU_NUM_DEVICES=2
         # runs the devices as threads of one process; Lightning and the DeviceMesh want a process each
@@ -436,12 +458,7 @@ def check_cross(cfg: Any, world_size: int | None = None) -> None:
                           f"(got trainer.devices x trainer.num_nodes = {tr.devices * tr.num_nodes}); "
                           "data parallel over XLA devices is not built")
     precision_settings(cfg.precision)  # the fp16 / preset combination rules
-    p = model.selective_checkpointing
-    if p is not None and not 0 < p <= 1:
-        raise ConfigError(f"model.selective_checkpointing: expected a fraction in (0, 1], got {p}")
-    n = model.checkpoint_num_layers
-    if n < 1:
-        raise ConfigError(f"model.checkpoint_num_layers: must be >= 1, got {n}")
+    p, n = model.selective_checkpointing, model.checkpoint_num_layers  # ranges: the schema's
     if n > 1 and (model.activations_checkpoint_granularity != "full" or p is not None):  # chunks of whole blocks
         raise ConfigError(f"model.checkpoint_num_layers ({n}) needs model.activations_checkpoint_granularity=full "
                           "and no model.selective_checkpointing")
@@ -456,14 +473,28 @@ def check_cross(cfg: Any, world_size: int | None = None) -> None:
                           f"got '{data.splits_string}'")
     if data.datasets is not None or data.weights is not None:
         parse_datasets(data.datasets, data.weights)
-    if data.logical_shards is not None and data.logical_shards < 1:
-        raise ConfigError(f"data.logical_shards: must be >= 1, got {data.logical_shards}")
     if data.packing and alignment_of(cfg).sft is None:
         raise ConfigError("data.packing: packing applies to SFT data only (set model_alignment_strategy.sft)")
     if data.data_module is not None and not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+", data.data_module):
         raise ConfigError(f"data.data_module: expected 'package.module.ClassName', got '{data.data_module}'")
     if data.data_module is None and data.data_prefix is not None:
         parse_data_prefix(data.data_prefix)
+
+
+def check_data_parallel_options(cfg: Any, shards: bool) -> None:
+    """Options that only a sharding data-parallel mode (FSDP2) builds."""
+    ds = cfg.distributed_strategy
+    if ds.cpu_offload and not shards:
+        raise ConfigError("distributed_strategy.cpu_offload=true needs a sharding data-parallel mode (FSDP2 "
+                          "offloads its shards): set distributed_strategy.fsdp=true or sharding_strategy FSDP, "
+                          "HSDP or grad-shard")
+    p = cfg.precision
+    if p.fp32_grads_cc and p.type == "manual" and not shards and precision_settings(p).mode == "lowp":
+        # bf16 parameters without master weights: DDP (FSDP2's replicate) reduces the bf16 gradients;
+        # FSDP reduces in fp32 (its reduce_dtype), and master weights give fp32 gradients
+        raise ConfigError("precision.fp32_grads_cc=true with bf16 parameters (precision.type manual, no "
+                          "master_weights) and DDP is not supported yet: use distributed_strategy.fsdp=true "
+                          "(gradients reduced in fp32) or precision.master_weights=true")
 
 
 # --------------------------------------------------------------------------- activation checkpointing
@@ -487,47 +518,6 @@ def check_recompute_classes(cfg: Any) -> None:
                               f"{_did_you_mean(str(name), RECOMPUTE_CLASSES)}; valid: {', '.join(RECOMPUTE_CLASSES)}")
 
 
-def _need(path: Any, key: str, what: str = "file", kind: str = "any") -> None:
-    p = Path(os.path.expanduser(str(path)))
-    ok = p.is_dir() if kind == "dir" else p.is_file() if kind == "file" else p.exists()
-    if not ok:
-        raise ConfigError(f"{key}: {what} not found: {p if p.is_absolute() else os.path.abspath(p)}")
-
-
-def check_files(cfg: Any) -> None:
-    data, model = cfg.data, cfg.model
-    if data.data_module is None:
-        has_source = (data.data_prefix is not None or data.train_dir is not None or data.use_dummy_dataset
-                      or data.datasets is not None)
-        if cfg.model_source == "megatron" and not has_source:
-            raise ConfigError("data.data_prefix is required for model_source megatron "
-                              "(or set data.train_dir, data.use_dummy_dataset or data.data_module)")
-        if cfg.model_source == "hf" and not has_source:
-            raise ConfigError("data.train_dir is required for model_source hf "
-                              "(or set data.data_prefix, data.use_dummy_dataset or data.data_module)")
-        if data.data_prefix is not None and not data.use_dummy_dataset:
-            for p in parse_data_prefix(data.data_prefix).paths:
-                for ext in (".bin", ".idx"):
-                    _need(str(p) + ext, "data.data_prefix", "indexed dataset file", "file")
-        for key in ("train_dir", "val_dir", "test_dir"):
-            if getattr(data, key) is not None:
-                _need(getattr(data, key), f"data.{key}", "data path")
-        if data.datasets is not None and not data.use_dummy_dataset:
-            for i, p in enumerate(data.datasets):
-                for ext in (".bin", ".idx"):
-                    _need(str(p) + ext, f"data.datasets[{i}]", "indexed dataset file", "file")
-    tok = data.tokenizer
-    if tok.library == "huggingface" and tok.type is not None:
-        _need(tok.type, "data.tokenizer.type", "tokenizer directory", "dir")
-    for key in ("model", "vocab_file", "merge_file"):
-        if getattr(tok, key) is not None:
-            _need(getattr(tok, key), f"data.tokenizer.{key}", "tokenizer file", "file")
-    if cfg.model_source == "hf" and model.model_config is not None:
-        _need(model.model_config, "model.model_config", "transformers config.json", "file")
-    if cfg.exp_manager.resume_from_checkpoint is not None:
-        _need(cfg.exp_manager.resume_from_checkpoint, "exp_manager.resume_from_checkpoint", "checkpoint")
-
-
 # --------------------------------------------------------------------------- entry
 def validate(cfg: DictConfig | schema.NxdtConfig, world_size: int | None = None, check_paths: bool = True,
              check_supported: bool = True, notices: list[str] | None = None) -> schema.NxdtConfig:
@@ -536,10 +526,12 @@ def validate(cfg: DictConfig | schema.NxdtConfig, world_size: int | None = None,
     A DictConfig is schema-checked (coerced/normalised in place) and converted to an
     `NxdtConfig` (nxdt.config.typed), on which the other checks run; an `NxdtConfig` is
     re-checked as is. `notices`: if given, one-line notices (e.g. sequence_parallel turned
-    off) are appended to it, for the caller to print once.
+    off, the settings that have no effect in this run) are appended to it, for the caller to
+    print once.
     """
     if isinstance(cfg, schema.NxdtConfig):
         typed = cfg
+        check_typed_ranges(typed)
     elif isinstance(cfg, DictConfig):
         found = check_schema(cfg)
         if notices is not None:
@@ -552,6 +544,9 @@ def validate(cfg: DictConfig | schema.NxdtConfig, world_size: int | None = None,
     check_cross(typed, world_size)
     if notices is not None:
         notices.extend(alignment_notices(typed))
+        inert = inert_notice(typed)
+        if inert:
+            notices.append(inert)
     if check_paths:
         check_files(typed)
     return typed

@@ -1,4 +1,5 @@
-"""exp_manager: where a run writes: the log dir, TensorBoard, per-rank log files, the config snapshot.
+"""exp_manager: where a run writes: the log dir, the loggers (TensorBoard here; CSV, W&B and MLflow in
+`nxdt.exp.loggers`), per-rank log files, the config snapshot.
 Which checkpoint a run resumes from, and the checkpoint callbacks, are `nxdt.checkpoint`.
 
 Log dir: `exp_manager.explicit_log_dir`, else `<exp_dir or ./nxdt_experiments>/<name>/<version>`,
@@ -15,7 +16,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from nxdt.config.typed import to_yaml
+from nxdt.config.typed import to_container, to_yaml
 
 
 VERSION_ENV = "NXDT_RUN_VERSION"
@@ -129,20 +130,41 @@ def setup_rank_log_file(log_dir: Path, log_local_rank_0_only: bool) -> Path | No
 def setup_exp_manager(cfg, dirs: ExpDirs, global_rank: int) -> list:
     """Create the log dir (rank 0 writes the resolved config.yaml there), this rank's log file and
     the loggers; returns the loggers. Call after `nxdt.checkpoint.resume.setup_checkpointing`, whose
-    checks (a resume that cannot happen) must fail before anything is written."""
-    from lightning.pytorch.loggers import TensorBoardLogger
-
+    checks (a resume that cannot happen) must fail before anything is written; the loggers' own
+    checks (a missing package, an unknown argument) run here first, for the same reason."""
     exp = cfg.exp_manager
+    loggers = build_loggers(cfg, dirs)  # checks first: nothing written yet
     if global_rank == 0:
         dirs.log_dir.mkdir(parents=True, exist_ok=True)
         # the resolved YAML, rerunnable with --config-path <log_dir> --config-name config
         (dirs.log_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")
     setup_rank_log_file(dirs.log_dir, bool(exp.log_local_rank_0_only))
+    if exp.create_wandb_logger or exp.create_mlflow_logger:
+        from nxdt.exp.loggers import log_config
 
-    loggers = []
-    if exp.create_tensorboard_logger:
-        loggers.append(TensorBoardLogger(save_dir=str(dirs.log_dir), name="", version="", default_hp_metric=False))
-
+        log_config(loggers, to_container(cfg))  # rank 0 starts the W&B / MLflow run here
     return loggers
 
 
+def build_loggers(cfg, dirs: ExpDirs) -> list:
+    """TensorBoard, CSV, W&B, MLflow as `exp_manager` asks (every rank builds them; they write on
+    rank 0). The W&B project and MLflow experiment are the experiment's name, the run is named
+    after the log dir (its version). Raises ConfigError for a missing package or unknown kwargs."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    exp = cfg.exp_manager
+    loggers = []
+    if exp.create_tensorboard_logger:
+        loggers.append(TensorBoardLogger(save_dir=str(dirs.log_dir), name="", version="", default_hp_metric=False))
+    if exp.create_csv_logger or exp.create_wandb_logger or exp.create_mlflow_logger:
+        from nxdt.exp import loggers as optional
+
+        optional.check_logger_packages(exp)
+        experiment, run = exp.name or cfg.name, dirs.log_dir.name
+        if exp.create_csv_logger:
+            loggers.append(optional.NxdtCSVLogger(dirs.log_dir))
+        if exp.create_wandb_logger:
+            loggers.append(optional.wandb_logger(exp, dirs.log_dir, experiment, run))
+        if exp.create_mlflow_logger:
+            loggers.append(optional.mlflow_logger(exp, dirs.log_dir, experiment, run))
+    return loggers

@@ -98,11 +98,8 @@ def _main(argv: list[str] | None = None) -> int:
     checkpoint, overrides = parse_args(argv)
     cfg = load_checkpoint_config(checkpoint, overrides)
     from nxdt.config.env import apply_env
-    from nxdt.config.load import is_rank_zero
 
-    inert = apply_env(cfg)
-    if inert and is_rank_zero():
-        print(f"note: Neuron-only keys have no effect on this device: {', '.join(inert)}", file=sys.stderr)
+    apply_env(cfg)  # validation already named the keys that have no effect here
     from nxdt.checkpoint.resume import evaluation_plan
     from nxdt.training.evaluate import evaluate
 

@@ -11,6 +11,10 @@ parameters, gradients, optimizer state (fp32 master weights included) and activa
 precision preset, ZeRO-1 / FSDP sharding and activation checkpointing; see docs/plan.md for
 every formula. World size = trainer.devices x trainer.num_nodes.
 
+Model FLOPs per token (6 x the multiplied parameters + causal attention, nxdt.models.flops) and
+per step (x tokens per step), the figures the run's `tflops` / `mfu` use. The estimate itself is
+nxdt.training.estimate; the run's start summary prints the same figures.
+
 Vocabulary of a megatron-source model: `model.vocab_size` when set; else the tokenizer's size
 when it is on this machine; else a known size by tokenizer kind (GPT2BPETokenizer 50,257;
 otherwise the Llama-2 SentencePiece tokenizer, 32,000), reported as assumed. Either way the
@@ -20,296 +24,16 @@ builder pads it as training would (make_vocab_size_divisible_by x tp).
 from __future__ import annotations
 
 import json
-import math
-import re
 import sys
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from nxdt.config.errors import ConfigError
-
-GPT2_VOCAB = 50257
-LLAMA2_VOCAB = 32000
-
-# Optimizer states per parameter (full-size tensors), by model.optim.name. sgd and sm3 add one
-# (momentum) when model.optim.momentum > 0; sm3 also keeps small per-dimension accumulators
-# (sm3_accumulator_elems).
-OPTIMIZER_STATES = {
-    "adamw": 2, "adam": 2, "adamw_fp32OptState": 2, "adamax": 2, "adadelta": 2, "rprop": 2,
-    "rmsprop": 1, "adagrad": 1, "novograd": 1, "sgd": 0, "adafactor": 0, "lion": 1, "sm3": 0,
-}
-
-
-def sm3_accumulator_elems(shape) -> int:
-    """Elements of SM3's accumulators for one parameter: one per index of each dimension, so
-    the sum of the dimensions (a (4096, 11008) matrix: 15,104, not 45 million); 1 for a scalar."""
-    return max(1, sum(shape))
-
-_COLUMN = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
-_ROW = re.compile(r"\.(o_proj|down_proj)\.weight$")
-_KV = re.compile(r"\.(k_proj|v_proj)\.(weight|bias)$")
-_VOCAB = re.compile(r"^(model\.embed_tokens|lm_head)\.weight$")
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-
-
-@dataclass
-class Bytes:
-    """Bytes per element of each memory kind for a precision preset."""
-    param: int
-    grad: int
-    master: int  # fp32 master copy kept by the optimizer (0 = none)
-    state: int   # optimizer state element
-    activation: int
-
-
-def precision_bytes(cfg, optimizer: str) -> Bytes:
-    p = cfg.precision
-    kind = p.type
-    if kind in ("fp32",):
-        b = Bytes(4, 4, 0, 4, 4)
-    elif kind == "autocast":
-        b = Bytes(4, 4, 0, 4, 2)  # fp32 weights, bf16 compute
-    elif kind in ("mixed_precision", "mixed_precisionSR", "mixed_precision_SR"):
-        b = Bytes(2, 4, 4, 4, 2)  # bf16 params, fp32 grads, fp32 master + fp32 states
-    elif kind == "bf16SR":
-        b = Bytes(2, 2, 0, 2, 2)
-    else:  # manual
-        bf16 = "1" in (str(p.xla_use_bf16), str(p.xla_downcast_bf16))
-        pb = 2 if bf16 else 4
-        b = Bytes(pb, 4 if (p.fp32_grad_acc or pb == 4) else 2, 4 if (p.master_weights and pb == 2) else 0,
-                  4 if (p.master_weights or pb == 4) else 2, pb)
-    if optimizer in ("adamw_fp32OptState", "sm3"):  # both keep fp32 state whatever the params
-        b.state = 4
-    return b
-
-
-def _vocab(cfg) -> tuple[int | None, str]:
-    if cfg.model_source == "hf":
-        return None, "from model_config"
-    if cfg.model.vocab_size:
-        return int(cfg.model.vocab_size), "model.vocab_size"
-    tok = cfg.data.tokenizer
-    if tok.library == "huggingface" and tok.type and Path(str(tok.type)).is_dir():
-        from nxdt.data.tokenizers import build_tokenizer  # noqa: PLC0415 - only when a local tokenizer exists
-
-        try:
-            return len(build_tokenizer(tok)), f"tokenizer {tok.type}"
-        except Exception:  # noqa: BLE001 - fall back to the known sizes below
-            pass
-    if str(tok.type) == "GPT2BPETokenizer":
-        return GPT2_VOCAB, "assumed: GPT-2 BPE (set model.vocab_size)"
-    return LLAMA2_VOCAB, "assumed: Llama-2 tokenizer (set model.vocab_size)"
-
-
-def _shard_numel(name: str, numel: int, tp: int, kv_heads: int) -> int:
-    """Elements of one parameter held by one tensor-parallel rank."""
-    if tp == 1:
-        return numel
-    if _KV.search(name) and kv_heads < tp:
-        return numel // kv_heads  # K/V replicated: each rank holds one whole head
-    if _COLUMN.search(name) or _ROW.search(name) or _VOCAB.search(name):
-        return math.ceil(numel / tp)
-    return numel  # norms, row-parallel biases: replicated
-
-
-def _expert_shard_numel(numel: int, ep: int, fsdp_ways: int) -> int:
-    """Elements of one expert weight held by one rank: E/ep whole experts, and under FSDP that
-    shard split again over the experts' replicas, edp = dp/ep ranks (nxdt.parallel.data_parallel
-    shards each experts module over the edp axis). Tensor parallel leaves experts whole."""
-    return -(-numel // (ep * fsdp_ways))  # integer ceil: exact for any size
-
-
-def rank_memory(dense: int, experts: int, b: Bytes, states: int, *, zero1: bool, dp: int, ep: int,
-                factored: int = 0) -> dict[str, int]:
-    """Bytes of parameters, gradients and optimizer state on one rank holding `dense` non-expert
-    and `experts` expert elements (already split by tp, pp, ep and FSDP). `factored`: optimizer
-    state elements not proportional to the parameters' sizes (SM3's accumulators), / dp under ZeRO-1.
-
-    ZeRO-1 divides the optimizer state (master included) of the dense parameters by dp. Expert
-    weights: with ep = 1 they are ordinary parameters, / dp too; with ep > 1 each rank steps its
-    own E/ep experts whole (`zero1_optimizer(rank_local=...)` in nxdt.parallel.data_parallel),
-    so their state is not split further over their dp/ep replicas.
-    """
-    n = dense + experts
-    per_elem = b.master + states * b.state
-    optim_dense, optim_experts = dense * per_elem + factored * b.state, experts * per_elem
-    if zero1:
-        optim_dense = math.ceil(optim_dense / dp)
-        optim_experts = math.ceil(optim_experts / dp) if ep == 1 else optim_experts
-    return {"params": n * b.param, "grads": n * b.grad, "optimizer": optim_dense + optim_experts}
-
-
-def _layer_activation_elems(cfg, arch: dict, tp: int, sp: bool) -> tuple[float, float]:
-    """(elements saved per token by one decoder layer, by its block input alone).
-
-    Counted from what autograd keeps in nxdt's Llama (fp32 CPU run): two RMSNorms (input,
-    rsqrt, normalised, weighted: 3h + 1 each), attention (rotated q, repeated k and v, output:
-    4·heads·d, + the log-sum-exp), MLP (gate, up, silu, product: 4f). Tensor parallel divides
-    the head and MLP parts, sequence parallel also the norm parts.
-    """
-    h, f, a, d = arch["hidden"], arch["ffn"], arch["heads"], arch["head_dim"]
-    kv = arch["kv_heads"]
-    recompute = set(cfg.model.activations_checkpoint_recompute or [])
-    gran = cfg.model.activations_checkpoint_granularity
-    h_part = (6 * h + 2) / (tp if sp else 1)
-    attn = (4 * a * d + a) / tp
-    mlp = 4 * f / tp
-    if gran == "selective":
-        if not recompute or "CoreAttention" in recompute:
-            # only the core's inputs (q, k, v before the repeat) and its output stay
-            attn = (2 * a * d + 2 * max(kv, 1) * d) / tp
-        if "LlamaMLP" in recompute or cfg.model.activations_checkpoint_recompute_mlp:
-            mlp = 0.0
-    block_input = h / (tp if sp else 1)
-    return h_part + attn + mlp, block_input
-
-
-def _architecture(model, cfg) -> dict:
-    if cfg.model_source == "hf":
-        c = model.config
-        heads = c.num_attention_heads
-        return {"hidden": c.hidden_size, "ffn": c.intermediate_size, "heads": heads,
-                "kv_heads": getattr(c, "num_key_value_heads", heads) or heads,
-                "head_dim": getattr(c, "head_dim", None) or c.hidden_size // heads,
-                "layers": c.num_hidden_layers, "vocab": c.vocab_size}
-    a = model.args
-    return {"hidden": a.hidden_size, "ffn": a.ffn_hidden_size, "heads": a.num_attention_heads,
-            "kv_heads": a.num_kv_heads, "head_dim": a.head_dim, "layers": a.num_layers, "vocab": a.vocab_size}
-
-
-def in_flight_microbatches(schedule: str, pp: int, vpp: int, nmb: int) -> float:
-    """Micro-batches whose activations one stage-0 rank holds at once (its peak), in units of
-    one micro-batch through all of that rank's layers."""
-    if pp == 1:
-        return 1
-    if schedule == "GPipe":
-        return nmb
-    if vpp == 1:
-        return min(nmb, pp)  # 1F1B warm-up on the first stage
-    # interleaved: (vpp - 1)·pp + 2·(pp - 1) + 1 chunk forwards before the first backward
-    chunks = min(nmb * vpp, (vpp - 1) * pp + 2 * (pp - 1) + 1)
-    return chunks / vpp
-
-
-def plan(cfg) -> dict[str, Any]:
-    from nxdt.config.layout import compute_layout
-    from nxdt.config.pipeline_checks import default_pipeline_schedule, pipeline_stage_starts
-    from nxdt.models import build_model
-    from nxdt.models.param_count import expert_parameter_names, parameter_counts
-    from nxdt.config.sharding import sharding_mode_of
-    from nxdt.parallel.mesh import mesh_shape_from_layout
-
-    world = cfg.trainer.devices * cfg.trainer.num_nodes
-    layout = compute_layout(cfg, world)
-    ds = cfg.distributed_strategy
-    sharding = sharding_mode_of(ds)
-    shape = mesh_shape_from_layout(layout, sharding, ds.hsdp_replicate_size or cfg.trainer.num_nodes)
-    fsdp = sharding.shard
-    dp_shard = shape.dp_shard
-    shard_ways = dp_shard * layout.cp if fsdp else dp_shard  # FSDP shards over dp_shard × cp
-    ep = layout.ep
-    expert_fsdp_ways = layout.dp // ep if fsdp else 1  # edp: the experts' replicas (dp = edp x ep)
-
-    vocab, vocab_source = _vocab(cfg)
-    model = build_model(cfg, vocab, device="meta")
-    arch = _architecture(model, cfg)
-    tp, pp, vpp = layout.tp, layout.pp, layout.vpp
-    num_stages = pp * vpp
-    cuts = cfg.model.pipeline_cuts
-    starts = pipeline_stage_starts(arch["layers"], num_stages, list(cuts) if cuts else None)
-
-    def stage_of(name: str) -> int:
-        m = _LAYER.match(name)
-        if m:
-            layer = int(m.group(1))
-            return next(s for s in range(num_stages) if starts[s] <= layer < starts[s + 1])
-        return num_stages - 1 if name.startswith(("model.norm", "lm_head")) else 0
-
-    counts = parameter_counts(model)
-    expert_names = expert_parameter_names(model)
-    per_stage = [0] * num_stages
-    # this rank's elements per stage, after tp, ep and FSDP sharding: dense and expert apart,
-    # because ZeRO-1 splits their optimizer state differently (rank_memory)
-    dense_rank, expert_rank = [0] * num_stages, [0] * num_stages
-    for name, p in model.named_parameters():
-        s = stage_of(name)
-        per_stage[s] += p.numel()
-        if name in expert_names:
-            expert_rank[s] += _expert_shard_numel(p.numel(), ep, expert_fsdp_ways)
-        else:
-            dense_rank[s] += math.ceil(_shard_numel(name, p.numel(), tp, arch["kv_heads"]) / shard_ways)
-    schedule = (ds.schedule or default_pipeline_schedule(vpp)) if pp > 1 else None
-    v_style = schedule in ("ZBVZeroBubble", "DualPipeV")
-    ranks = [[r, 2 * pp - 1 - r] if v_style else [r + k * pp for k in range(vpp)] for r in range(pp)]
-    per_rank = [sum(dense_rank[s] + expert_rank[s] for s in stages) for stages in ranks]
-    worst = max(range(pp), key=lambda r: per_rank[r])
-
-    optim = cfg.model.optim  # an open section (plain dict); optim_keys requires its name
-    optim_name = optim["name"]
-    states = OPTIMIZER_STATES.get(optim_name, 2)
-    if optim_name in ("sgd", "sm3") and optim.get("momentum"):  # optional key, null/absent = no momentum
-        states = 1
-    factored = 0
-    if optim_name == "sm3":  # refused with tp / ep / FSDP sharding: every parameter is whole here
-        factored = sum(sm3_accumulator_elems(p.shape) for name, p in model.named_parameters()
-                       if stage_of(name) in ranks[worst])
-    b = precision_bytes(cfg, optim_name)
-    n = per_rank[worst]
-    mem = rank_memory(sum(dense_rank[s] for s in ranks[worst]), sum(expert_rank[s] for s in ranks[worst]), b,
-                      states, zero1=bool(ds.zero1) and not fsdp, dp=layout.dp, ep=ep, factored=factored)
-    params_b, grads_b, optim_b = mem["params"], mem["grads"], mem["optimizer"]
-
-    # activations of one micro-batch on the worst rank, times the micro-batches in flight
-    sp = bool(ds.sequence_parallel) and tp > 1
-    tokens = layout.micro_batch_size * (cfg.data.seq_length or cfg.model.encoder_seq_length) / layout.cp
-    per_layer, block_input = _layer_activation_elems(cfg, arch, tp, sp)
-    layers_here = sum(starts[s + 1] - starts[s] for s in ranks[worst])
-    gran = cfg.model.activations_checkpoint_granularity
-    if gran == "full":  # only block inputs kept, plus one layer's activations during its recompute
-        # checkpoint_num_layers N: one input per chunk of N, but N layers' activations in the recompute
-        chunk = min(cfg.model.checkpoint_num_layers, max(layers_here, 1))  # validation: >= 1
-        layer_elems = math.ceil(layers_here / chunk) * block_input + chunk * per_layer
-    else:
-        layer_elems = layers_here * per_layer
-    act_elems = tokens * layer_elems + tokens * 2 * arch["head_dim"]  # + rotary cos/sin
-    has_last = num_stages - 1 in ranks[worst]
-    act_b = act_elems * b.activation
-    if has_last:  # final norm (3h + 1) and fp32 log-softmax over the vocabulary shard
-        act_b += tokens * ((3 * arch["hidden"] + 1) * b.activation + math.ceil(arch["vocab"] / tp) * 4)
-    act_b = int(act_b * in_flight_microbatches(schedule or "1F1B", pp, vpp, layout.num_microbatches))
-
-    return {
-        "config": cfg.name,
-        "model_source": cfg.model_source,
-        "precision": cfg.precision.type,
-        "world_size": world,
-        "layout": {"dp": layout.dp, "tp": tp, "pp": pp, "cp": layout.cp, "vpp": vpp, "ep": layout.ep,
-                   "dp_replicate": shape.dp_replicate, "dp_shard": dp_shard if fsdp else 1},
-        "parameters": counts.total,
-        "parameters_activated": counts.activated,  # per token; = parameters for a dense model
-        "parameter_breakdown": counts.as_dict(),
-        "parameters_per_rank": n,
-        "parameters_per_stage": per_stage,
-        "vocab_size": arch["vocab"],
-        "vocab_source": vocab_source,
-        "sharding": "fsdp" if fsdp else ("zero1" if ds.zero1 else "none"),
-        "activations_checkpoint": gran,
-        "pipeline_schedule": schedule,
-        "memory_per_rank_bytes": {"params": params_b, "grads": grads_b, "optimizer": optim_b,
-                                  "activations": act_b, "total": params_b + grads_b + optim_b + act_b},
-        "micro_batch_size": layout.micro_batch_size,
-        "global_batch_size": layout.global_batch_size,
-        "num_microbatches": layout.num_microbatches,
-        "seq_length": layout.seq_length,
-        "tokens_per_step": layout.tokens_per_step,
-    }
+from nxdt.training.estimate import flops_line, memory_line, plan
 
 
 def format_plan(p: dict[str, Any]) -> str:
     from nxdt.models.param_count import ParameterCount, activated_lines
 
-    gib = 1024**3
     lay, mem = p["layout"], p["memory_per_rank_bytes"]
     counts = ParameterCount(total=p["parameters"], activated=p["parameters_activated"], **p["parameter_breakdown"])
     lines = [
@@ -325,7 +49,8 @@ def format_plan(p: dict[str, Any]) -> str:
         lines.append(f"  stages       {p['pipeline_schedule']}: " + ", ".join(f"{n:,}" for n in p["parameters_per_stage"]))
     lines += [
         f"  sharding     {p['sharding']}   activation checkpointing: {p['activations_checkpoint'] or 'off'}",
-        "  memory/rank  " + "  ".join(f"{k}={v / gib:.2f}GiB" for k, v in mem.items()),
+        memory_line(mem),
+        flops_line(p),
         f"  batch        global={p['global_batch_size']}  micro={p['micro_batch_size']}  "
         f"microbatches/step={p['num_microbatches']}  seq={p['seq_length']}  tokens/step={p['tokens_per_step']:,}",
     ]

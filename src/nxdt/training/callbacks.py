@@ -1,23 +1,76 @@
-"""Callbacks that show a run to a person: the start summary and throughput (the progress bar: training/progress.py)."""
+"""Callbacks that show a run to a person: the start summary, throughput and MFU, measured peak
+memory (the progress bar: training/progress.py). The figures they print are `nxdt plan`'s
+(nxdt.training.estimate), so the summary and the plan agree for the same config."""
 
 from __future__ import annotations
 
 import time
 from functools import partial
+from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_only
 
-from nxdt.models.param_count import ParameterCount, activated_lines, parameter_counts
+from nxdt.hardware import Peak, device_peak
+from nxdt.models.param_count import ParameterCount, activated_lines
+from nxdt.training.estimate import flops_line, memory_line, plan
+
+GIB = 1024**3
+
+MEMORY_EVERY = 50
+"""CPU: the peak memory is measured on the second step of a fit, then every this many steps."""
+
+
+class RunFigures:
+    """What this run costs (`nxdt plan`'s dict for its config and vocabulary) and what one device
+    can do (its peak TFLOP/s), each worked out once per process, when the first callback asks at
+    fit start (the vocabulary is the data module's, known by then)."""
+
+    def __init__(self, cfg) -> None:
+        self.cfg = cfg
+        self._plan: dict[str, Any] | None = None
+        self._peak: dict[str, Peak | None] = {}
+
+    def plan(self, vocab_size: int | None) -> dict[str, Any]:
+        if self._plan is None:
+            self._plan = plan(self.cfg, vocab_size)
+        return self._plan
+
+    def peak(self, device: torch.device) -> Peak | None:
+        from nxdt.config.precision_settings import precision_settings
+
+        key = str(device)
+        if key not in self._peak:
+            t = self.cfg.trainer
+            self._peak[key] = device_peak(device, precision_settings(self.cfg.precision).compute_dtype,
+                                          t.peak_tflops, t.lnc)
+        return self._peak[key]
+
+
+def _logger(pl_module):
+    # nxdt's module logs per-step scalars through a step closure on XLA (no mid-step graph run)
+    return getattr(pl_module, "log_step_scalar", None) or partial(pl_module.log, rank_zero_only=True)
 
 
 class ThroughputMonitor(Callback):
-    """Logs step time and tokens/s (all data-parallel ranks together) after each optimizer step."""
+    """After each optimizer step: `step_time` (s), `throughput` (tokens/s, all ranks together),
+    `tflops` (model TFLOP/s per device) and `mfu` (% of the device's peak)."""
 
-    def __init__(self, tokens_per_step: int) -> None:
+    def __init__(self, tokens_per_step: int | None, figures: RunFigures | None = None) -> None:
         self.tokens_per_step = tokens_per_step
+        self.figures = figures
         self._start: float | None = None
+        self.flops_per_token: int | None = None
+        self.peak: Peak | None = None
+        self._steps = self._above_peak = 0  # steps with an mfu, and those over 100%
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if self.figures is None:
+            return
+        self.flops_per_token = self.figures.plan(getattr(pl_module, "vocab_size", None))["flops_per_token"]
+        self.peak = self.figures.peak(pl_module.device)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._start = time.perf_counter()
@@ -26,65 +79,168 @@ class ThroughputMonitor(Callback):
         if self._start is None:
             return
         step_time = time.perf_counter() - self._start
-        # nxdt's module logs per-step scalars through a step closure on XLA (no mid-step graph run)
-        log = getattr(pl_module, "log_step_scalar", None) or partial(pl_module.log, rank_zero_only=True)
+        log = _logger(pl_module)
         log("step_time", step_time)
+        if not self.tokens_per_step:
+            return
         log("throughput", self.tokens_per_step / step_time, prog_bar=True)
+        if self.flops_per_token:
+            tflops = achieved_tflops(self.flops_per_token, self.tokens_per_step, step_time, trainer.world_size)
+            log("tflops", tflops)
+            if self.peak is not None:
+                mfu = mfu_percent(tflops, self.peak.tflops)
+                log("mfu", mfu, prog_bar=True)
+                self._steps += 1
+                self._above_peak += mfu > 100
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        """Most steps faster than a CPU peak measured here: the probe ran under other load. Drop
+        the stored figure so that the next run measures again."""
+        if self.peak is not None and self.peak.measured and self._above_peak > self._steps / 2:
+            from nxdt.hardware import forget_cpu_peak
+
+            forget_cpu_peak(self.peak.measured)
+            if trainer.is_global_zero:
+                print(f"note: MFU above 100% on {self._above_peak} of {self._steps} steps: the CPU peak "
+                      f"({self.peak.tflops:.4g} TFLOP/s) was measured while the machine was busy; "
+                      "the next run measures it again", flush=True)
 
 
-def format_summary(cfg, layout, num_parameters: int, memory: dict[str, int], log_dir: str | None,
-                   counts: ParameterCount | None = None) -> str:
-    """`counts`: adds the activated-per-token breakdown of an MoE model (nothing for a dense one)."""
-    gib = 1024**3
+def achieved_tflops(flops_per_token: float, tokens_per_step: int, step_time: float, world_size: int) -> float:
+    """Model TFLOP/s per device. The FLOPs are the whole model's for every token of the global
+    batch, divided by all ranks: under tensor, pipeline, context or expert parallelism a rank does a
+    part of each token's work, under data parallelism all of the work of a part of the tokens;
+    either way the world's devices share the step's FLOPs."""
+    return flops_per_token * tokens_per_step / step_time / world_size / 1e12
+
+
+def mfu_percent(tflops: float, peak_tflops: float) -> float:
+    """Model FLOPs utilisation: the achieved model TFLOP/s as a percentage of the device's peak."""
+    return 100.0 * tflops / peak_tflops
+
+
+class MemoryMonitor(Callback):
+    """The measured peak memory per rank (nxdt.training.memory): `memory/peak_gib`, the highest
+    peak of any rank so far (the rank that runs out first), logged on the steps it is measured (the
+    second step of the fit, then every MEMORY_EVERY); at the end of the fit rank 0 prints it next to
+    the estimate."""
+
+    def __init__(self, cfg, figures: RunFigures) -> None:
+        self.cfg, self.figures = cfg, figures
+        self.kind: str | None = None  # cuda | cpu | None (not measured: XLA, or the step profiler is on)
+        self.peak_bytes = 0  # this rank's highest measured peak
+        self.sampled = 0  # steps measured (CPU)
+        self._steps = 0
+        self._cpu = None
+        self._measuring = False
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        device = pl_module.device
+        if device.type == "cuda":
+            self.kind = "cuda"
+            torch.cuda.reset_peak_memory_stats(device)
+        elif device.type == "cpu" and not self.cfg.exp_manager.profiler.enabled:  # one profiler at a time
+            from nxdt.training.memory import CpuStepPeak
+
+            self.kind, self._cpu = "cpu", CpuStepPeak()
+
+    def _sampled_step(self) -> bool:
+        return self._steps == 1 or (self._steps > 0 and self._steps % MEMORY_EVERY == 0)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.kind == "cpu" and self._sampled_step():
+            grads = [p.grad for p in pl_module.parameters() if p.grad is not None]  # the step frees them first
+            self._measuring = self._cpu.begin(freed_first=grads)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        sampled = self._sampled_step()
+        self._steps += 1
+        if self.kind == "cuda":
+            self.peak_bytes = torch.cuda.max_memory_allocated(pl_module.device)
+        elif self._measuring:
+            self._measuring = False
+            self.peak_bytes = max(self.peak_bytes, self._cpu.end())
+            self.sampled += 1
+        if self.kind is not None and sampled:  # every rank at the same steps: a collective
+            highest = max(_gather(self.peak_bytes, pl_module.device))
+            if highest:
+                _logger(pl_module)("memory/peak_gib", highest / GIB)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.kind is None:
+            if trainer.is_global_zero:
+                print(memory_report(self.figures.plan(pl_module.vocab_size), [], self.cfg, None), flush=True)
+            return
+        peaks = _gather(self.peak_bytes, pl_module.device)
+        if trainer.is_global_zero:
+            how = "CUDA allocator" if self.kind == "cuda" else f"live CPU tensor bytes, {self.sampled} sampled step(s)"
+            print(memory_report(self.figures.plan(pl_module.vocab_size), peaks, self.cfg, how), flush=True)
+
+
+def _gather(value: int, device: torch.device) -> list[int]:
+    """`value` of every rank (this one's alone without a process group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [value]
+    mine = torch.tensor([value], dtype=torch.int64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return [int(t.item()) for t in every]
+
+
+def memory_report(p: dict[str, Any], peaks: list[int], cfg, how: str | None) -> str:
+    """One line: the plan's estimate for the fullest rank vs the measured peaks of the ranks."""
+    mem = p["memory_per_rank_bytes"]
+    parts = ", ".join(f"{k} {mem[k] / GIB:.2f}" for k in ("params", "grads", "optimizer", "activations"))
+    line = f"memory/rank  estimate {mem['total'] / GIB:.2f} GiB ({parts})"
+    measured = [b for b in peaks if b]
+    if not measured:
+        why = ("exp_manager.profiler is on" if cfg.exp_manager.profiler.enabled else
+               "no step was sampled" if how else "not measured on this device")
+        return f"{line} vs measured peak: none ({why})"
+    top = max(measured)
+    line += f" vs measured peak {top / GIB:.2f} GiB"
+    if len(peaks) > 1:
+        line += f" (rank {peaks.index(top)}, the highest of {len(peaks)}; lowest {min(measured) / GIB:.2f} GiB)"
+    return f"{line}  [{how}]"
+
+
+def format_summary(cfg, layout, p: dict[str, Any], log_dir: str | None, peak: Peak | None = None) -> str:
+    """The start summary: `p` is the plan of this config (nxdt.training.estimate.plan), so the
+    parameters, memory and FLOPs lines are the figures `nxdt plan` prints."""
+    counts = ParameterCount(total=p["parameters"], activated=p["parameters_activated"], **p["parameter_breakdown"])
+    n = p["parameters"]
     lines = [
         f"nxdt run '{cfg.name}'  model_source={cfg.model_source}  precision={cfg.precision.type}",
         f"  layout       world={layout.world_size}  dp={layout.dp}  tp={layout.tp}  pp={layout.pp}  cp={layout.cp}"
         + (f"  ep={layout.ep}" if layout.ep > 1 else ""),
-        f"  parameters   {num_parameters:,}  ({num_parameters / 1e6:.1f} M)",
-        *(activated_lines(counts) if counts is not None else []),
+        f"  parameters   {n:,}  ({n / 1e6:.1f} M)  {p['parameters_per_rank']:,} on the fullest rank",
+        *activated_lines(counts),
         f"  batch        global={layout.global_batch_size}  micro={layout.micro_batch_size}  "
         f"microbatches/step={layout.num_microbatches}  seq={cfg.data.seq_length}",
         f"  tokens/step  {layout.tokens_per_step:,}   max_steps={cfg.trainer.max_steps}",
-        "  memory/rank  "
-        + "  ".join(f"{k}={v / gib:.2f}GiB" for k, v in memory.items())
-        + "  (estimate)",
+        memory_line(p["memory_per_rank_bytes"], "  (estimate, fullest rank)"),
+        flops_line(p),
     ]
+    if peak is not None:
+        rate = f"{peak.tflops:,.4g} TFLOP/s" if peak.tflops >= 1 else f"{peak.tflops * 1e3:,.4g} GFLOP/s"
+        lines.append(f"  peak         {rate} per device ({peak.source})")
     if log_dir:
         lines.append(f"  log dir      {log_dir}")
     return "\n".join(lines)
 
 
-def estimate_memory_per_rank(num_parameters: int, layout, cfg, bytes_per_param: int = 4) -> dict[str, int]:
-    """A first-order estimate: fp32 params + grads + Adam's two moments, split over tp × pp.
-
-    Activations: per layer ~ 34·s·b·h bytes·(fp32/2) (Korthikanti et al.), micro-batch only.
-    `nxdt plan` will refine this per sharding and checkpointing choice.
-    """
-    shard = layout.tp * layout.pp
-    params = num_parameters * bytes_per_param // shard
-    grads = params
-    optimizer = 2 * num_parameters * 4 // shard
-    s, b, h = cfg.data.seq_length, layout.micro_batch_size, cfg.model.hidden_size
-    layers = cfg.model.num_layers // layout.pp
-    activations = int(34 * s * b * h * layers * bytes_per_param / 2 / layout.tp)
-    return {"params": params, "grads": grads, "optimizer": optimizer, "activations": activations,
-            "total": params + grads + optimizer + activations}
-
-
 class RunSummary(Callback):
-    """Prints a one-screen summary (layout, parameters, tokens per step, memory) once the model exists."""
+    """Prints a one-screen summary (layout, parameters, tokens per step, memory, FLOPs) at fit start."""
 
-    def __init__(self, cfg, layout, log_dir: str | None) -> None:
+    def __init__(self, cfg, layout, log_dir: str | None, figures: RunFigures | None = None) -> None:
         self.cfg, self.layout, self.log_dir = cfg, layout, log_dir
+        self.figures = figures or RunFigures(cfg)
 
     @rank_zero_only
     def on_fit_start(self, trainer: pl.Trainer, pl_module) -> None:
-        n = pl_module.num_parameters
-        memory = estimate_memory_per_rank(n, self.layout, self.cfg)
-        # A pipeline rank's module is only its own stages, so its split would be partial; the
-        # whole (parallelized) model counts right, sharded weights being DTensors of global size.
-        whole = getattr(pl_module, "pipeline", None) is None and pl_module.model is not None
-        counts = parameter_counts(pl_module.model) if whole else None
-        text = format_summary(self.cfg, self.layout, n, memory, self.log_dir, counts)
+        p = self.figures.plan(getattr(pl_module, "vocab_size", None))
+        text = format_summary(self.cfg, self.layout, p, self.log_dir, self.figures.peak(pl_module.device))
         lora = getattr(pl_module, "lora_summary", None)  # LoRA: trainable vs total (lora_verbose: per target)
         print(text + (f"\n  lora         {lora}" if lora else ""), flush=True)

@@ -95,10 +95,10 @@ def evaluate(cfg, plan: ResumePlan) -> dict[str, Any]:
     from nxdt.data.select import build_datamodule, datamodule_kind
     from nxdt.training.finetuning import check_lora_targets
     from nxdt.training.module import NxdtLightningModule
-    from nxdt.training.run import quiet_known_warnings, build_trainer, layout_and_mesh
+    from nxdt.training.run import quiet_lightning, build_trainer, layout_and_mesh
 
     check_evaluable(cfg)
-    quiet_known_warnings()
+    quiet_lightning()
     # a split without data is reported in the result ("no data"), not as Lightning's warning
     warnings.filterwarnings("ignore", message=r".*Total length of .* across ranks is zero")
     layout, mesh_shape = layout_and_mesh(cfg)

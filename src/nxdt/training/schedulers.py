@@ -31,15 +31,8 @@ from nxdt.config import optim_keys
 from nxdt.config.errors import ConfigError
 
 
-def _steps(steps: int | None, ratio: float | None, max_steps: int | None) -> int:
-    """NeMo's `x_steps` / `x_ratio` resolution: an explicit count, else int(ratio × max_steps), else 0."""
-    if steps is not None:
-        return int(steps)
-    if ratio is not None:
-        if max_steps is None:
-            raise ConfigError("a *_ratio in model.optim.sched needs max_steps")
-        return int(ratio * max_steps)
-    return 0
+# NeMo's `x_steps` / `x_ratio` resolution, shared with validation's schedule rule
+_steps = optim_keys.resolve_steps
 
 
 class _ClosedFormScheduler(LRScheduler):
@@ -303,18 +296,14 @@ def build_scheduler(optimizer: torch.optim.Optimizer, sched_cfg: Mapping | None,
     if name not in _NO_MAX_STEPS_ARG:
         args["max_steps"] = steps
 
-    # NeMo raises this mid-run, at the first step after warmup; say it before training starts.
-    min_lr = args.get("min_lr", optim_keys.SCHEDULERS[name].get("min_lr", 0.0))
-    for group in optimizer.param_groups:
-        if name in ("CosineAnnealing", "NoamAnnealing") and group["lr"] < min_lr:
-            raise ConfigError(f"{path}.min_lr: {min_lr} is above the learning rate {group['lr']}")
+    # validation's rule (min_lr vs lr, warmup and constant steps vs max_steps), for schedules
+    # built in code; its notices were printed at start
+    for group in optimizer.param_groups:  # initial_lr: the base lr, once a scheduler has stepped this optimizer
+        optim_keys.sched_rules({"sched": {"name": name, **args}}, steps, group.get("initial_lr", group["lr"]),
+                               path.rpartition(".")[0])
 
     try:
         scheduler = SCHEDULER_CLASSES[name](optimizer, **args)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
-    if isinstance(scheduler, WarmupAnnealHoldPolicy) and (
-            scheduler.decay_steps < 0 or (scheduler.decay_steps == 0 and scheduler.warmup_steps == 0)):
-        raise ConfigError(f"{path}: max_steps ({steps}) must exceed warmup + constant steps "
-                          f"({scheduler.warmup_steps} + {scheduler.constant_steps})")
     return scheduler

@@ -1,0 +1,92 @@
+"""Checks of the paths a config names, run before the process group starts (validation's last stage).
+
+Files the run reads must exist (data, tokenizer, transformers config.json, the checkpoint to
+resume); the directory it writes must be one it can make or write in (a log dir that is a file
+or in a read-only place is one line here, not a FileExistsError traceback on rank 0 later).
+Each problem is a one-line ConfigError naming the key and the path. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from nxdt.config.blend import parse_data_prefix
+from nxdt.config.errors import ConfigError
+
+# how to make the Megatron .bin/.idx files that data.data_prefix names
+MAKE_DATA_HINT = ("make them with: nxdt preprocess --input CORPUS.jsonl --tokenizer DIR --output-prefix PREFIX; "
+                  "the bundled corpus: make data")
+
+
+def _need(path: Any, key: str, what: str = "file", kind: str = "any", hint: str = "") -> None:
+    p = Path(os.path.expanduser(str(path)))
+    ok = p.is_dir() if kind == "dir" else p.is_file() if kind == "file" else p.exists()
+    if not ok:
+        shown = p if p.is_absolute() else os.path.abspath(p)
+        raise ConfigError(f"{key}: {what} not found: {shown}" + (f" ({hint})" if hint else ""))
+
+
+def _writable_dir(path: Any, key: str) -> None:
+    """`path` is a directory this process can write in, or one it can make: refused before the
+    process group starts rather than as a FileExistsError / PermissionError traceback later."""
+    p = Path(os.path.expanduser(str(path))).absolute()
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"{key}: {p} is a file, not a directory")
+    parent = p
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"{key}: cannot make {p}: {parent} is a file")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        what = "write in" if parent == p else f"make {p} in"
+        raise ConfigError(f"{key}: cannot {what} {parent} (permission denied)")
+
+
+def check_log_dir(cfg: Any) -> None:
+    """Where the run writes (nxdt.exp.exp_manager.resolve_dirs): explicit_log_dir, else
+    exp_dir/name (exp_dir null: ./nxdt_experiments). Evaluation writes beside the checkpoint instead."""
+    exp = cfg.exp_manager
+    if cfg.trainer.max_epochs == 0:
+        return
+    if exp.explicit_log_dir:
+        _writable_dir(exp.explicit_log_dir, "exp_manager.explicit_log_dir")
+    else:
+        key = "exp_manager.exp_dir" if exp.exp_dir else "exp_manager.exp_dir (null: ./nxdt_experiments)"
+        _writable_dir(Path(exp.exp_dir or "nxdt_experiments") / (exp.name or cfg.name), key)
+
+
+def check_files(cfg: Any) -> None:
+    data, model = cfg.data, cfg.model
+    if data.data_module is None:
+        has_source = (data.data_prefix is not None or data.train_dir is not None or data.use_dummy_dataset
+                      or data.datasets is not None)
+        if cfg.model_source == "megatron" and not has_source:
+            raise ConfigError("data.data_prefix is required for model_source megatron "
+                              "(or set data.train_dir, data.use_dummy_dataset or data.data_module)")
+        if cfg.model_source == "hf" and not has_source:
+            raise ConfigError("data.train_dir is required for model_source hf "
+                              "(or set data.data_prefix, data.use_dummy_dataset or data.data_module)")
+        if data.data_prefix is not None and not data.use_dummy_dataset:
+            for p in parse_data_prefix(data.data_prefix).paths:
+                for ext in (".bin", ".idx"):
+                    _need(str(p) + ext, "data.data_prefix", "indexed dataset file", "file", MAKE_DATA_HINT)
+        for key in ("train_dir", "val_dir", "test_dir"):
+            if getattr(data, key) is not None:
+                _need(getattr(data, key), f"data.{key}", "data path")
+        if data.datasets is not None and not data.use_dummy_dataset:
+            for i, p in enumerate(data.datasets):
+                for ext in (".bin", ".idx"):
+                    _need(str(p) + ext, f"data.datasets[{i}]", "indexed dataset file", "file", MAKE_DATA_HINT)
+    tok = data.tokenizer
+    if tok.library == "huggingface" and tok.type is not None:
+        _need(tok.type, "data.tokenizer.type", "tokenizer directory", "dir")
+    for key in ("model", "vocab_file", "merge_file"):
+        if getattr(tok, key) is not None:
+            _need(getattr(tok, key), f"data.tokenizer.{key}", "tokenizer file", "file")
+    if cfg.model_source == "hf" and model.model_config is not None:
+        _need(model.model_config, "model.model_config", "transformers config.json", "file")
+    if cfg.exp_manager.resume_from_checkpoint is not None:
+        _need(cfg.exp_manager.resume_from_checkpoint, "exp_manager.resume_from_checkpoint", "checkpoint")
+    check_log_dir(cfg)

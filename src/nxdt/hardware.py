@@ -1,0 +1,224 @@
+"""What the machine can do: the peak matmul TFLOP/s of one device, the denominator of MFU.
+
+`device_peak(device, compute_dtype, override)` picks, in this order:
+  1. `trainer.peak_tflops` when set (any device);
+  2. on CUDA / Neuron, the published dense (no sparsity) figure of the device for the run's
+     compute dtype (`PEAK_TFLOPS`, by name);
+  3. on CPU, a measured matmul peak (`cpu_matmul_peak`): a short square matmul in the compute
+     dtype with this process's threads, cached per machine.
+None when nothing applies (an unknown GPU): the run then logs no `mfu`.
+
+The compute dtype is the precision preset's (nxdt.config.precision_settings: fp32 | bf16 | fp16).
+fp32 on CUDA runs on TF32 tensor cores only if torch allows it (`torch.get_float32_matmul_precision()`
+"high" or "medium"; nxdt leaves torch's default "highest"), else on the plain FP32 units.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# Dense TFLOP/s per device by compute dtype ("tf32": fp32 matmuls on tensor cores). Sources:
+# - NVIDIA H100 / H200 datasheets (sparsity figures halved): SXM 989.4 bf16/fp16, 494.7 TF32,
+#   66.9 FP32; PCIe 756 / 378 / 51; NVL 835 / 418 / 60 (H200 NVL as H100 NVL); H200 SXM = H100 SXM.
+# - NVIDIA A100 datasheet: 312 bf16/fp16, 156 TF32, 19.5 FP32 (SXM and PCIe alike).
+# - AWS Neuron docs, "Trainium Architecture": a Trainium chip (2 NeuronCore-v2) delivers 190
+#   FP16/BF16/TF32 TFLOPS and 47.5 FP32: per NeuronCore (one XLA device on trn1) 95 and 23.75.
+# - AWS Neuron docs, "Trainium2 Architecture": a Trainium2 chip (8 NeuronCore-v3) delivers 667
+#   BF16/FP16/TF32 TFLOPS and 181 FP32: per physical core 83.4 and 22.6; one XLA device is
+#   trainer.lnc cores (LNC=2 by default on trn2).
+# Matched in order, first hit wins (more specific names first).
+PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
+    ("H100 NVL", {"bf16": 835.0, "fp16": 835.0, "tf32": 418.0, "fp32": 60.0}),
+    ("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0}),
+    ("H100", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}),
+    ("H200 NVL", {"bf16": 835.0, "fp16": 835.0, "tf32": 418.0, "fp32": 60.0}),
+    ("H200", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}),
+    ("A100", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}),
+    ("trn1", {"bf16": 95.0, "fp16": 95.0, "tf32": 95.0, "fp32": 23.75}),
+    ("trn2", {"bf16": 83.4, "fp16": 83.4, "tf32": 83.4, "fp32": 22.6}),
+]
+
+CACHE_ENV = "NXDT_CPU_PEAK_CACHE"
+"""`0` (or `off`): measure every time, keep no file; a path: the cache file to use."""
+
+PROBE_SECONDS = 0.25
+"""Wall-clock budget of one CPU probe (sizes grow until a matmul takes ~20 ms, then repeat)."""
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Peak:
+    tflops: float
+    """Peak dense TFLOP/s of one device (one rank) for the run's compute dtype."""
+    source: str
+    """Where the figure comes from, for the start summary."""
+    measured: str | None = None
+    """The dtype of a CPU figure measured on this machine (cpu_matmul_peak), None for a table's."""
+
+
+def table_peak(name: str, dtype: str) -> float | None:
+    """The table's TFLOP/s for a device name (torch.cuda.get_device_name, or "trn1" / "trn2")
+    and a compute dtype (fp32 | tf32 | bf16 | fp16); None for a device not in the table."""
+    for key, figures in PEAK_TFLOPS:
+        if key.lower() in name.lower():
+            return figures[dtype]
+    return None
+
+
+def _cuda_dtype(compute_dtype: str) -> str:
+    if compute_dtype != "fp32":
+        return compute_dtype
+    return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
+def _neuron_name() -> str | None:
+    """trn1 / trn2 from the EC2 instance type (DMI product name), None elsewhere."""
+    try:
+        product = Path("/sys/devices/virtual/dmi/id/product_name").read_text().strip().lower()
+    except OSError:
+        return None
+    return next((kind for kind in ("trn2", "trn1") if product.startswith(kind)), None)
+
+
+def device_peak(device: torch.device | str, compute_dtype: str, override: float | None = None,
+                lnc: int | None = None) -> Peak | None:
+    """The peak TFLOP/s of one rank's device (see the module docstring)."""
+    if override:
+        return Peak(float(override), "trainer.peak_tflops")
+    kind = torch.device(device).type
+    if kind == "cuda":
+        name = torch.cuda.get_device_name(torch.device(device))
+        dtype = _cuda_dtype(compute_dtype)
+        tflops = table_peak(name, dtype)
+        return Peak(tflops, f"{name}, dense {dtype}") if tflops else None
+    if kind == "xla":
+        name = _neuron_name()
+        tflops = table_peak(name, compute_dtype) if name else None
+        if tflops is None:
+            return None
+        cores = (lnc or 2) if name == "trn2" else 1  # one XLA device = one logical NeuronCore
+        return Peak(tflops * cores, f"{name} NeuronCore x{cores}, dense {compute_dtype}")
+    if kind == "cpu":
+        tflops = cpu_matmul_peak(compute_dtype)
+        threads = torch.get_num_threads()
+        return Peak(tflops, f"measured {compute_dtype} matmul on {cpu_model()}, "
+                            f"{threads} thread{'s' if threads != 1 else ''}", measured=compute_dtype)
+    return None
+
+
+# --------------------------------------------------------------------------- CPU probe
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what the platform module knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def cache_path() -> Path | None:
+    """$NXDT_CPU_PEAK_CACHE, else $XDG_CACHE_HOME/nxdt/cpu_peak.json (~/.cache by default);
+    None when the cache is switched off."""
+    env = os.environ.get(CACHE_ENV)
+    if env is not None:
+        return None if env.strip().lower() in ("", "0", "off", "false", "no") else Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "nxdt" / "cpu_peak.json"
+
+
+def probe_matmul_tflops(dtype: str, budget_s: float = PROBE_SECONDS) -> float:
+    """Best TFLOP/s of square n x n matmuls in `dtype` with this process's threads.
+
+    The size doubles from 128 while the next one is predicted (at the best rate so far) to take
+    under 50 ms, up to n = 2048; that size is then repeated until the budget is spent, and the
+    best rate counts (the first call of a size warms it up). Time-boxed: a CPU without fast
+    bf16 kernels (AVX2 only: ~1 GFLOP/s) stops after a few small matmuls instead of minutes.
+    """
+    torch_dtype = _DTYPES[dtype]
+    gen = torch.Generator().manual_seed(0)
+    # the first matmul of a process starts the thread pool and picks kernels (0.3 s here, longer
+    # than the budget): done before the clock starts, else it is the only, far too slow, sample
+    warm = torch.randn(256, 256, generator=gen).to(torch_dtype)
+    torch.mm(warm, warm)
+    deadline = time.perf_counter() + budget_s
+    n, best = 128, 0.0
+
+    def timed_mm(a: torch.Tensor, b: torch.Tensor) -> float:
+        start = time.perf_counter()
+        torch.mm(a, b)
+        return max(time.perf_counter() - start, 1e-9)
+
+    while True:
+        a = torch.randn(n, n, generator=gen).to(torch_dtype)
+        b = torch.randn(n, n, generator=gen).to(torch_dtype)
+        timed_mm(a, b)  # a new size's first call picks its kernel and blocking: not a sample
+        best = max(best, 2 * n**3 / timed_mm(a, b))
+        if n >= 2048 or 2 * (2 * n) ** 3 / best > 0.05 or time.perf_counter() >= deadline:
+            break
+        n *= 2
+    while time.perf_counter() + 2 * n**3 / best < deadline:
+        best = max(best, 2 * n**3 / timed_mm(a, b))
+    return best / 1e12
+
+
+def _cache_key(dtype: str) -> str:
+    return f"{cpu_model()} | torch {torch.__version__} | {torch.get_num_threads()} threads | {dtype}"
+
+
+def _read_cache(path: Path | None) -> dict[str, float]:
+    if path is None or not path.is_file():
+        return {}
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}  # a torn or foreign file: measure and rewrite it
+    return cached if isinstance(cached, dict) else {}
+
+
+def _write_cache(path: Path | None, cached: dict[str, float]) -> None:
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # ranks writing at once: each renames whole
+        tmp.write_text(json.dumps(cached, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home: the figure is still right, only not remembered
+
+
+def cpu_matmul_peak(dtype: str) -> float:
+    """TFLOP/s of one process's matmuls in `dtype`, read from the cache or measured and stored.
+    The key is the CPU model, torch version, thread count and dtype: anything that changes the
+    kernels or their parallelism measures again. A new measurement never lowers a stored one
+    (ranks of one run measure at once; a probe slowed by other load is the lower one)."""
+    key, path = _cache_key(dtype), cache_path()
+    cached = _read_cache(path)
+    if isinstance(cached.get(key), (int, float)) and cached[key] > 0:
+        return float(cached[key])
+    tflops = probe_matmul_tflops(dtype)
+    latest = _read_cache(path)  # another rank may have written meanwhile
+    best = max(tflops, float(latest.get(key, 0) or 0))
+    _write_cache(path, {**latest, key: best})
+    return best
+
+
+def forget_cpu_peak(dtype: str) -> None:
+    """Drop this machine's stored figure for `dtype` (a run went faster than it: it was measured
+    under other load), so that the next run measures again."""
+    path = cache_path()
+    cached = _read_cache(path)
+    if cached.pop(_cache_key(dtype), None) is not None:
+        _write_cache(path, cached)
