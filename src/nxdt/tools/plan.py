@@ -2,14 +2,8 @@
 
     nxdt plan --config-path conf --config-name hf_llama3_70B_config [key=value ...] [--json]
 
-The model is built on the meta device (no memory, seconds even for 70B), so the parameter
-count is exact; for a mixture of experts also the parameters activated per token (the top_k of
-E experts' share, nxdt.models.param_count). Per rank: the pipeline stage split (the rank holding
-the most parameters), /tp for tensor-parallel weights, /dp_shard under FSDP, expert weights /ep
-(and over their dp/ep replicas under FSDP). Memory per rank is split into
-parameters, gradients, optimizer state (fp32 master weights included) and activations for the
-precision preset, ZeRO-1 / FSDP sharding and activation checkpointing; see docs/plan.md for
-every formula. World size = trainer.devices x trainer.num_nodes.
+Parameters (exact, on the meta device), memory per rank and model FLOPs per token and per step:
+what they count and how is nxdt.training.estimate (docs/plan.md has every formula).
 
 Model FLOPs per token (6 x the multiplied parameters + causal attention, nxdt.models.flops) and
 per step (x tokens per step), the figures the run's `tflops` / `mfu` use. The estimate itself is
