@@ -260,8 +260,9 @@ def test_cpu_peak_of_a_linear_adamw_step():
 
 
 def test_memory_monitor_logs_sampled_steps_and_reports(monkeypatch, capsys):
-    """Steps 1 and 3 are measured (MEMORY_EVERY = 3 here), memory/peak_gib logged there; the end
-    line puts the estimate next to the measured peak."""
+    """Steps 1 and 3 are measured (MEMORY_EVERY = 3 here); memory/peak_gib, the highest so far, is
+    logged on every step from the first measurement on (the logged steps need not be the measured
+    ones); the end line puts the estimate next to the measured peak."""
     monkeypatch.setattr(callbacks, "MEMORY_EVERY", 3)
     model, step = _linear_adamw()
     logged: dict[int, float] = {}
@@ -281,7 +282,8 @@ def test_memory_monitor_logs_sampled_steps_and_reports(monkeypatch, capsys):
         monitor.on_train_batch_start(trainer, module, None, 0)
         step()
         monitor.on_train_batch_end(trainer, module, None, None, 0)
-    assert sorted(logged) == [1, 3] and monitor.sampled == 2
+    assert sorted(logged) == [1, 2, 3, 4] and monitor.sampled == 2
+    assert logged[2] == logged[1] and logged[4] == logged[3] >= logged[1]
     # + the AdamW state (8 MiB) the first step created, + the step's own 13 MiB (the test above)
     assert logged[1] * 1024**3 - baseline == pytest.approx(21 * MiB, abs=0.01 * MiB)
     monitor.on_train_end(trainer, module)

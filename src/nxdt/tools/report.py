@@ -258,7 +258,7 @@ def run_facts(run: Run) -> dict[str, str]:
         step = max(s["test_loss"])
         facts["test loss"] = f"{_fmt(s['test_loss'][step])} (step {step})"
     for tag, row, spec in (("throughput", "median tokens/s", ",.0f"), ("step_time", "median step time (s)", ".3g"),
-                           ("tflops", "median TFLOP/s per device", ".1f"), ("mfu", "median MFU (%)", ".1f")):
+                           ("tflops", "median TFLOP/s per device", ".3g"), ("mfu", "median MFU (%)", ".1f")):
         if s.get(tag):
             facts[row] = _fmt(statistics.median(s[tag].values()), spec)
     if s.get("memory/peak_gib"):

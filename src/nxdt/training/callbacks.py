@@ -121,14 +121,15 @@ def mfu_percent(tflops: float, peak_tflops: float) -> float:
 
 class MemoryMonitor(Callback):
     """The measured peak memory per rank (nxdt.training.memory): `memory/peak_gib`, the highest
-    peak of any rank so far (the rank that runs out first), logged on the steps it is measured (the
-    second step of the fit, then every MEMORY_EVERY); at the end of the fit rank 0 prints it next to
-    the estimate."""
+    peak of any rank so far (the rank that runs out first), measured on the second step of the fit,
+    then every MEMORY_EVERY, and logged with every step after the first measurement; at the end of
+    the fit rank 0 prints it next to the estimate."""
 
     def __init__(self, cfg, figures: RunFigures) -> None:
         self.cfg, self.figures = cfg, figures
         self.kind: str | None = None  # cuda | cpu | None (not measured: XLA, or the step profiler is on)
         self.peak_bytes = 0  # this rank's highest measured peak
+        self.highest = 0  # the highest of every rank's, as of the last measured step
         self.sampled = 0  # steps measured (CPU)
         self._steps = 0
         self._cpu = None
@@ -162,9 +163,11 @@ class MemoryMonitor(Callback):
             self.peak_bytes = max(self.peak_bytes, self._cpu.end())
             self.sampled += 1
         if self.kind is not None and sampled:  # every rank at the same steps: a collective
-            highest = max(_gather(self.peak_bytes, pl_module.device))
-            if highest:
-                _logger(pl_module)("memory/peak_gib", highest / GIB)
+            self.highest = max(_gather(self.peak_bytes, pl_module.device))
+        if self.highest:
+            # the highest so far, on every step: the logged steps (trainer.log_every_n_steps) need
+            # not be the measured ones
+            _logger(pl_module)("memory/peak_gib", self.highest / GIB)
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self.kind is None:
