@@ -7,9 +7,19 @@ On the bundled King James corpus (the first --chapters chapters) it measures:
   * samples/s of every data module's train loader (Megatron, Megatron with cyclic, HF from disk,
     SFT unpacked and packed, dummy, logical shards), one process, num_workers=0 (the main process
     does all the work: the worst case);
+  * the same for fms-fsdp shard folders: the Megatron documents written with pyarrow as a folder of
+    4 Arrow IPC files (one record batch per document, int32 `tokens`) and a folder holding one
+    parquet file (list<int32> `tokens`, one document per row), read through data.datasets +
+    data.data_path + data.logical_shards (LogicalShardDataModule over ArrowShardDocuments);
+  * dynamic data selection (data.dynamic_data_selection=sheared_llama) over a 2-domain Megatron
+    blend (the corpus cut in two halves, splits 900,50,50): the loader, its batch sampler alone (the
+    per-step domain draw + global-position pick, no tokens read: keys/s) at global batch 16 and 1024
+    (dp 1; every rank follows the whole global batch, so this is the per-rank cost at any dp), and
+    one weight update (`updated_weights`);
   * the training step rate of the tiny demo model (conf/tiny_llama_cpu.yaml sizes, 1 process,
     seq 128, global batch 16), measured in-process with the native model and AdamW,
-and prints samples/s of each module over the samples/s training consumes (the headroom).
+and prints, under the CPU model and torch's CPU capability, samples/s (keys/s) of each loader
+(sampler) over the samples/s training consumes (the headroom).
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ sys.path.insert(0, str(REPO / "src"))
 from nxdt.config import config_from_dict  # noqa: E402
 
 SEQ, GBS, MBS = 128, 16, 4
+BIG_GBS = 1024  # the dynamic-selection sampler at a cluster-scale global batch (dp 1)
 
 
 def corpus(root: Path, chapters: int) -> tuple[Path, list[str]]:
@@ -55,12 +66,12 @@ def bench_preprocess(src: Path, root: Path, workers: int) -> float:
     return int(IndexedDataset(str(prefix)).sizes.sum()) / elapsed
 
 
-def cfg_for(steps: int, alignment: dict | None = None, **data):
+def cfg_for(steps: int, alignment: dict | None = None, gbs: int = GBS, **data):
     """A typed config (schema defaults for everything not given)."""
     return config_from_dict({
         "seed": 1, "model_source": "megatron", "model": {"vocab_size": None},
         "trainer": {"max_steps": steps, "val_check_interval": steps, "limit_val_batches": 1, "limit_test_batches": 1},
-        "data": {"seq_length": SEQ, "micro_batch_size": MBS, "global_batch_size": GBS, "num_workers": 0,
+        "data": {"seq_length": SEQ, "micro_batch_size": MBS, "global_batch_size": gbs, "num_workers": 0,
                  "splits_string": "980,10,10", **data},
         "model_alignment_strategy": alignment,
     })
@@ -74,6 +85,69 @@ def bench_module(cfg) -> float:
     start = time.perf_counter()
     n = sum(batch["input_ids"].shape[0] for batch in loader)
     return n / (time.perf_counter() - start)
+
+
+def write_shards(prefix: str, root: Path) -> Path:
+    """The Megatron documents of `prefix` in fms-fsdp's layouts, written with pyarrow directly:
+    root/arrow (4 Arrow IPC files, every record batch one document, an int32 column `tokens`) and
+    root/parquet (one file, a list<int32> column `tokens`, one document per row)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from nxdt.data.indexed import IndexedDataset
+
+    ix = IndexedDataset(prefix)
+    docs = [np.asarray(ix.get(i), dtype=np.int32) for i in range(len(ix))]
+    schema = pa.schema([pa.field("tokens", pa.int32())])
+    (root / "arrow").mkdir(parents=True)
+    per = -(-len(docs) // 4)
+    for f in range(4):
+        with pa.ipc.new_file(str(root / "arrow" / f"shard_{f}.arrow"), schema) as writer:
+            for doc in docs[f * per : (f + 1) * per]:
+                writer.write(pa.record_batch([pa.array(doc, pa.int32())], schema=schema))
+    (root / "parquet").mkdir()
+    offsets = pa.array(np.concatenate([[0], np.cumsum([len(d) for d in docs])]).astype(np.int32))
+    column = pa.ListArray.from_arrays(offsets, pa.array(np.concatenate(docs), pa.int32()))
+    pq.write_table(pa.table({"tokens": column}), str(root / "parquet" / "docs.parquet"))
+    return root
+
+
+def split_prefix(prefix: str, root: Path) -> list[str]:
+    """Two Megatron prefixes, the first and second half of `prefix`'s documents (two domains)."""
+    from nxdt.data.indexed import IndexedDataset, IndexedDatasetBuilder
+
+    ix = IndexedDataset(prefix)
+    half = len(ix) // 2
+    out = []
+    for name, ids in (("kjv_a", range(half)), ("kjv_b", range(half, len(ix)))):
+        with IndexedDatasetBuilder(str(root / name), dtype=ix.dtype) as builder:
+            for i in ids:
+                builder.add_document(ix.get(i))
+        out.append(str(root / name))
+    return out
+
+
+def bench_sampler(cfg) -> tuple[float, float]:
+    """(keys/s, seconds per global step) of the train loader's batch sampler alone: no tokens read."""
+    from nxdt.data.select import build_datamodule
+
+    sampler = build_datamodule(cfg, None).train_dataloader().batch_sampler
+    start = time.perf_counter()
+    n = sum(len(batch) for batch in sampler)
+    elapsed = time.perf_counter() - start
+    return n / elapsed, elapsed / len(sampler)
+
+
+def bench_weight_update(repeats: int = 2000) -> float:
+    """Seconds of one `updated_weights` call (2 domains)."""
+    from nxdt.data.dynamic_selection import updated_weights
+
+    w = [0.5, 0.5]
+    start = time.perf_counter()
+    for _ in range(repeats):
+        w = updated_weights(w, [2.3, 2.1], [2.0, 2.0], 1.0, 1e-4)
+    return (time.perf_counter() - start) / repeats
 
 
 def bench_training(steps: int) -> float:
@@ -147,14 +221,40 @@ def main(argv=None) -> int:
         ]
         for name, cfg in modules:
             rows.append((name, bench_module(cfg), "samples/s"))
+
+        # fms-fsdp shard folders: the same documents as arrow IPC files and as a parquet file
+        shards = write_shards(prefix, root / "shards")
+        rows.append(("arrow + parquet shard folders", bench_module(
+            cfg_for(s, datasets=["arrow", "parquet"], weights=[3, 1], data_path=str(shards), logical_shards=8)),
+            "samples/s"))
+
+        # dynamic data selection over two domains (the corpus' halves); splits 900,50,50 so that each
+        # half keeps held-out documents (the weight update's) even with few --chapters
+        halves = split_prefix(prefix, root)
+        dynamic = {"data_prefix": [1.0, halves[0], 1.0, halves[1]], "splits_string": "900,50,50",
+                   "dynamic_data_selection": "sheared_llama", "dynamic_selection": {"reference_losses": [2.0, 2.0]}}
+        rows.append(("dynamic selection (2 domains)", bench_module(cfg_for(s, **dynamic)), "samples/s"))
+        rows.append(("  its sampler alone", bench_sampler(cfg_for(s, **dynamic))[0], "keys/s"))
+        big_rate, big_step = bench_sampler(cfg_for(s, gbs=BIG_GBS, **dynamic))
+        rows.append((f"  its sampler alone, gbs {BIG_GBS}", big_rate, "keys/s"))
+        update = bench_weight_update()
         train = bench_training(args.train_steps)
 
-    print(f"\nbundled corpus: {args.chapters} chapters; seq {SEQ}, global batch {GBS}; 1 process, num_workers=0")
+    import torch
+
+    from nxdt.hardware import cpu_model
+
+    print(f"\nCPU: {cpu_model()}; torch CPU capability: {torch.backends.cpu.get_cpu_capability()}")
+    print(f"bundled corpus: {args.chapters} chapters; seq {SEQ}, global batch {GBS}; 1 process, num_workers=0")
     print(f"training (tiny demo model, 1 process): {train:,.1f} samples/s = {train * SEQ:,.0f} tokens/s\n")
     print(f"{'what':<30} {'rate':>14}   {'x training':>10}")
     for name, rate, unit in rows:
-        need = train * SEQ if unit == "tokens/s" else train
+        need = train * SEQ if unit == "tokens/s" else train  # a key is one sample
         print(f"{name:<30} {rate:>10,.0f} {unit:<10} {rate / need:>8,.0f}x")
+    print(f"\ndynamic selection, gbs {BIG_GBS}, dp 1: domain draw + pick {big_step * 1e3:,.2f} ms per global step "
+          f"(training that step here: {BIG_GBS / train:,.1f} s)")
+    print(f"dynamic selection weight update (updated_weights, 2 domains): {update * 1e6:,.1f} us per update "
+          "(one every data.dynamic_selection.update_interval steps)")
     return 0
 
 

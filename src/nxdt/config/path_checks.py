@@ -15,6 +15,8 @@ from typing import Any
 from nxdt.config.blend import parse_data_prefix
 from nxdt.config.errors import ConfigError
 
+# what a data.datasets folder must hold (nxdt.data.arrow_shards.SHARD_SUFFIXES; no pyarrow here)
+SHARD_SUFFIXES = (".arrow", ".parquet")
 # how to make the Megatron .bin/.idx files that data.data_prefix names
 MAKE_DATA_HINT = ("make them with: nxdt preprocess --input CORPUS.jsonl --tokenizer DIR --output-prefix PREFIX; "
                   "the bundled corpus: make data")
@@ -26,6 +28,27 @@ def _need(path: Any, key: str, what: str = "file", kind: str = "any", hint: str 
     if not ok:
         shown = p if p.is_absolute() else os.path.abspath(p)
         raise ConfigError(f"{key}: {what} not found: {shown}" + (f" ({hint})" if hint else ""))
+
+
+def _has_shards(folder: Path) -> bool:
+    """A .arrow / .parquet file anywhere under `folder` (what nxdt.data.arrow_shards reads)."""
+    return any(name.endswith(SHARD_SUFFIXES) for _, _, names in os.walk(folder) for name in names)
+
+
+def _check_dataset(entry: Any, data_path: Any, key: str) -> None:
+    """One data.datasets entry (relative ones under data.data_path): a folder holding arrow / parquet
+    shards (fms-fsdp), else a Megatron prefix with its .bin and .idx."""
+    p = Path(os.path.expanduser(str(data_path))) / str(entry) if data_path else Path(str(entry))
+    megatron = [Path(f"{p}{ext}").is_file() for ext in (".bin", ".idx")]
+    if p.is_dir() and not all(megatron):  # PREFIX.bin/.idx beside a folder PREFIX: the data module reads those
+        if not _has_shards(p):
+            raise ConfigError(f"{key}: {p.absolute()} has no .arrow or .parquet shards")
+        return
+    if not any(megatron):
+        raise ConfigError(f"{key}: not found: {p.absolute()} (a folder of .arrow / .parquet shards, or a Megatron "
+                          f"prefix of .bin/.idx files; {MAKE_DATA_HINT})")
+    for ext in (".bin", ".idx"):
+        _need(f"{p}{ext}", key, "indexed dataset file", "file", MAKE_DATA_HINT)
 
 
 def _writable_dir(path: Any, key: str) -> None:
@@ -77,8 +100,7 @@ def check_files(cfg: Any) -> None:
                 _need(getattr(data, key), f"data.{key}", "data path")
         if data.datasets is not None and not data.use_dummy_dataset:
             for i, p in enumerate(data.datasets):
-                for ext in (".bin", ".idx"):
-                    _need(str(p) + ext, f"data.datasets[{i}]", "indexed dataset file", "file", MAKE_DATA_HINT)
+                _check_dataset(p, data.data_path, f"data.datasets[{i}]")
     tok = data.tokenizer
     if tok.library == "huggingface" and tok.type is not None:
         _need(tok.type, "data.tokenizer.type", "tokenizer directory", "dir")

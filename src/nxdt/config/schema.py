@@ -30,25 +30,17 @@ sections stay plain dicts by design, because their keys depend on another settin
 This module imports only the standard library (and nxdt.config's sharding table, ranges and errors).
 """
 
-import copy
 import dataclasses
 import difflib
-from dataclasses import dataclass, field, is_dataclass
+from dataclasses import dataclass, is_dataclass
 from typing import Any, Dict, List, Literal, Optional, Union, get_args, get_origin, get_type_hints
 
 from nxdt.config import ranges
 from nxdt.config.errors import ConfigError
 from nxdt.config.sharding import SHARDING_MODES
-
-
-def doc(default: Any, help: str, **meta: Any) -> Any:
-    """A dataclass field with a default and a one-line description (`help`)."""
-    metadata = {"help": help, **meta}
-    if isinstance(default, type) and is_dataclass(default):
-        return field(default_factory=default, metadata=metadata)
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: copy.deepcopy(d), metadata=metadata)
-    return field(default=default, metadata=metadata)
+from nxdt.config.fields import doc  # noqa: F401  (re-exported: the schema's field helper)
+from nxdt.config.schema_finetuning import (  # noqa: F401  (re-exported: sections of NxdtConfig)
+    TRUNCATION_MODES, AlignmentConfig, DataAlignmentConfig, DPOConfig, ORPOConfig, PeftConfig, SFTConfig)
 
 
 PRECISION_TYPES = (
@@ -75,6 +67,9 @@ class TrainerConfig:
                               "resume_from_checkpoint, else (resume_if_exists) the newest checkpoint of the run "
                               "(neither: refused); writes <checkpoint>.eval.json (docs/evaluate.md)", ge=0, also=(-1,))
     max_steps: int = doc(1000, "number of optimizer steps (global batches) to train", ge=1)
+    max_tokens: Optional[int] = doc(
+        None, "train this many tokens: sets max_steps = ceil(max_tokens / (global_batch_size x seq_length)) "
+              "(LLaMA-MoE plans runs in tokens); null = max_steps as given", ge=1)
     log_every_n_steps: int = doc(1, "log metrics every N steps", ge=1)
     val_check_interval: Optional[Union[int, float]] = doc(
         None, "validate every N training steps (int) or fraction of an epoch (float); null = Lightning default",
@@ -208,6 +203,19 @@ class DistributedStrategyConfig:
 
 # --------------------------------------------------------------------------- data
 @dataclass
+class DynamicSelectionConfig:
+    reference_losses: Optional[Union[List[float], Dict[str, float], str]] = doc(
+        None, "per-domain reference loss: a list in blend order, a {domain: loss} mapping (domain = the "
+              "dataset's path or its last folder/file name) or a JSON/YAML file holding either")
+    update_interval: int = doc(100, "steps between two weight updates (each evaluates every domain)", ge=1)
+    eval_batches: int = doc(1, "held-out global batches per domain at each update (from the domain's "
+                               "validation range of data.splits_string)", ge=1)
+    eta: float = doc(1.0, "step size: weights <- weights x exp(eta x max(loss - reference, 0)), normalized", gt=0)
+    smoothing: float = doc(1e-4, "then mixed with uniform: (1 - c) x weights + c / domains (Sheared-LLaMA's c)",
+                           ge=0, lt=1)
+
+
+@dataclass
 class TokenizerConfig:
     library: Literal["huggingface", "megatron", "sentencepiece"] = doc("huggingface", "tokenizer library")
     type: Optional[str] = doc(None, "huggingface: tokenizer directory; megatron: class name (e.g. GPT2BPETokenizer)")
@@ -253,6 +261,17 @@ class DataConfig:
     datasets: Optional[List[str]] = doc(None, "fms-fsdp: dataset sub-folders to blend")
     weights: Optional[List[float]] = doc(None, "fms-fsdp: blend weight of each entry of datasets")
     logical_shards: Optional[int] = doc(None, "fms-fsdp: logical shards (resumable across rank counts)", ge=1)
+    data_path: Optional[str] = doc(None, "fms-fsdp: the folder data.datasets entries are relative to")
+    col_name: str = doc("tokens", "fms-fsdp: the token-id column of arrow / parquet shards")
+    sep_token: Optional[int] = doc(
+        None, "fms-fsdp: token appended to every document of arrow / parquet shards; null = the tokenizer's "
+              "end-of-document id", ge=0)
+    bos_token: Optional[int] = doc(None, "fms-fsdp: token put before every document of arrow / parquet shards; "
+                                         "null = none", ge=0)
+    dynamic_data_selection: Literal["none", "sheared_llama"] = doc(
+        "none", "LLaMA-MoE: sheared_llama moves the blend's weights toward the domains whose held-out loss is "
+                "furthest above its reference (Sheared-LLaMA's dynamic batch loading); none = static weights")
+    dynamic_selection: DynamicSelectionConfig = doc(DynamicSelectionConfig, "dynamic_data_selection's settings")
     custom: Dict[str, Any] = doc(
         {}, "not a YAML key: the data.* keys nxdt does not know, read by the custom data.data_module", internal=True)
 
@@ -389,76 +408,6 @@ class PrecisionConfig:
     fp16: Fp16Config = doc(Fp16Config, "fp16 with loss scaling (GPT-NeoX)")
     on_nonfinite: Literal["stop", "skip"] = doc(
         "stop", "nxdt: a NaN/inf loss or gradient norm stops the run (stop) or skips the step (skip)")
-
-
-# --------------------------------------------------------------------------- fine-tuning
-TRUNCATION_MODES = ("keep_start", "keep_end")
-
-
-@dataclass
-class SFTConfig:
-    packing: bool = doc(False, "several examples per sequence, each attending only to itself (also data.packing)")
-    prompt_template: Optional[str] = doc(
-        None, "nxdt: the prompt as a template with '{input}', e.g. '### Question:\\n{input}\\n### Answer:\\n'")
-
-
-@dataclass
-class PeftConfig:
-    lora_rank: int = doc(16, "LoRA rank r: adapters A (r x in) and B (out x r) per target linear", gt=0)
-    lora_alpha: float = doc(32.0, "LoRA scaling numerator: the update is B A x * lora_alpha / lora_rank", gt=0)
-    lora_dropout: float = doc(0.05, "dropout on the adapters' input (0 = none)", ge=0, lt=1)
-    lora_bias: Literal["none", "all", "lora_only"] = doc(
-        "none", "biases trained too: none | all (every bias) | lora_only (the biases of the targeted linears)")
-    lora_verbose: bool = doc(True, "print trainable vs total parameters at start")
-    target_modules: List[str] = doc(
-        ["qkv_proj"], "linears that get adapters: NxDT's fused qkv_proj, gate_up_proj or the plain q_proj, "
-                      "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj")
-    load_lora_from_ckpt: bool = doc(
-        False, "with model.weight_init_only: also load the adapters from exp_manager.resume_from_checkpoint "
-               "(else they start fresh)")
-    save_lora_base: bool = doc(False, "checkpoints hold the frozen base weights too (default: adapters only)")
-    merge_lora: bool = doc(
-        False, "at the end of training also save the merged model (adapters folded into the base) as a "
-               "weights checkpoint <checkpoint>-merged")
-    save_lora_config_adapter: bool = doc(True, "write PEFT's adapter_config.json into every checkpoint")
-    merge_sharded_lora: bool = doc(
-        False, "NxDT: merge per-rank adapter files; nxdt's checkpoints are read whole at any layout (inert)")
-
-
-@dataclass
-class DPOConfig:
-    kl_beta: float = doc(0.1, "DPO beta: strength of the implicit KL penalty towards the reference model", gt=0)
-    loss_type: Literal["sigmoid", "hinge", "ipo"] = doc("sigmoid", "sigmoid (DPO), hinge (SLiC) or ipo (IPO)")
-    max_dpo_prompt_length: Optional[int] = doc(
-        None, "prompt tokens kept (truncation_mode says which); null = up to data.seq_length - 1", ge=1)
-    precompute_ref_log_probs: bool = doc(
-        True, "reference log-probs computed once before training and checkpointed with the data state; "
-              "false needs LoRA (the frozen base is the reference)")
-    truncation_mode: Optional[Literal[TRUNCATION_MODES]] = doc(
-        "keep_start", "over-long prompts keep their start or end; null = an over-long prompt is an error")
-
-
-@dataclass
-class ORPOConfig:
-    beta: float = doc(0.1, "ORPO lambda: weight of the odds-ratio term added to the chosen responses' SFT loss", ge=0)
-    max_prompt_length: Optional[int] = doc(
-        None, "prompt tokens kept (truncation_mode says which); null = up to data.seq_length - 1", ge=1)
-    truncation_mode: Optional[Literal[TRUNCATION_MODES]] = doc(
-        "keep_start", "over-long prompts keep their start or end; null = an over-long prompt is an error")
-
-
-@dataclass
-class AlignmentConfig:
-    sft: Optional[SFTConfig] = doc(None, "supervised fine-tuning on {input, output} rows")
-    peft: Optional[PeftConfig] = doc(None, "LoRA adapters on a frozen base (combines with sft, dpo, orpo)")
-    dpo: Optional[DPOConfig] = doc(None, "direct preference optimization on {prompt, chosen, rejected} rows")
-    orpo: Optional[ORPOConfig] = doc(None, "odds-ratio preference optimization (no reference model)")
-
-
-@dataclass
-class DataAlignmentConfig:
-    dpo: Optional[DPOConfig] = doc(None, "NxDT's DPO config puts model_alignment_strategy.dpo here")
-    orpo: Optional[ORPOConfig] = doc(None, "accepted here too, like dpo")
 
 
 # --------------------------------------------------------------------------- top level

@@ -40,6 +40,7 @@ from nxdt.config.sample_checks import check_samples
 from nxdt.config.optim_keys import check_optim_parallel, sched_rules
 from nxdt.config.sharding import sharding_mode_of
 from nxdt.config.cp_checks import check_context_parallel
+from nxdt.config.data_selection import check_dynamic_selection
 from nxdt.config.path_checks import check_files
 from nxdt.config.pipeline_checks import check_pipeline
 from nxdt.config.precision_settings import precision_settings
@@ -298,6 +299,8 @@ def check_schema(cfg: DictConfig) -> list[str]:
         model.moe.top_k = model.moe.num_selects
     model.moe.gate_type = canonical_gate_type(model.moe.gate_type)
 
+    steps_from_tokens(cfg.trainer, cfg.data, notices)
+
     optim = model.optim
     _numbers_from_strings(optim)
     sched = optim.get("sched")
@@ -307,6 +310,22 @@ def check_schema(cfg: DictConfig) -> list[str]:
     _check_optim(plain_optim)
     notices.extend(sched_rules(plain_optim, path="model.optim"))
     return notices
+
+
+def steps_from_tokens(trainer, data, notices: list[str]) -> None:
+    """trainer.max_tokens -> trainer.max_steps = ceil(max_tokens / tokens per global batch), with a notice
+    (LLaMA-MoE plans in tokens: 10^11 / (block_size x global batch)). The token budget wins over a
+    max_steps given beside it, which the notice names."""
+    if trainer.max_tokens is None:
+        return
+    if any(n.startswith(f"trainer.max_tokens={trainer.max_tokens}:") for n in notices):
+        return  # validation runs the schema stage again on the composed config: said once
+    per_step = int(data.global_batch_size) * int(data.seq_length)
+    steps = -(-int(trainer.max_tokens) // per_step)
+    replaced = f" (instead of {trainer.max_steps})" if trainer.max_steps != steps else ""
+    trainer.max_steps = steps
+    notices.append(f"trainer.max_tokens={trainer.max_tokens}: max_steps {steps}{replaced} = ceil(max_tokens / "
+                   f"(global batch {data.global_batch_size} x seq_length {data.seq_length} = {per_step} tokens/step))")
 
 
 def _walk_top(cfg: DictConfig, free_data: bool, numbers: list) -> None:
@@ -479,6 +498,7 @@ def check_cross(cfg: Any, world_size: int | None = None) -> None:
         raise ConfigError(f"data.data_module: expected 'package.module.ClassName', got '{data.data_module}'")
     if data.data_module is None and data.data_prefix is not None:
         parse_data_prefix(data.data_prefix)
+    check_dynamic_selection(cfg)
 
 
 def check_data_parallel_options(cfg: Any, shards: bool) -> None:

@@ -164,10 +164,15 @@ class GPTDataset(torch.utils.data.Dataset):
         return max(1, -(-need // tokens_per_epoch))
 
     def _cache_key(self) -> str:
-        idx_path = os.path.abspath(self.indexed.prefix + ".idx")
-        stat = os.stat(idx_path)
+        stamp = getattr(self.indexed, "cache_stamp", None)
+        if callable(stamp):  # a folder of arrow shards (nxdt.data.arrow_shards): its files and options
+            source = {"shards": stamp()}
+        else:
+            idx_path = os.path.abspath(self.indexed.prefix + ".idx")
+            stat = os.stat(idx_path)
+            source = {"idx": idx_path, "idx_bytes": stat.st_size, "idx_mtime_ns": stat.st_mtime_ns}
         desc = {
-            "version": _MAPPING_VERSION, "idx": idx_path, "idx_bytes": stat.st_size, "idx_mtime_ns": stat.st_mtime_ns,
+            "version": _MAPPING_VERSION, **source,
             "docs": hashlib.sha1(self.doc_ids.tobytes()).hexdigest(), "num_samples": self.num_samples,
             "seq_length": self.seq_length, "seed": self.seed, "extra": self.extra, "shuffle": self.shuffle,
         }

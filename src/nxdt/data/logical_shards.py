@@ -23,6 +23,12 @@ The table is recomputed from the number of optimizer steps taken (the LightningM
 `consumed_samples`), so samples the DataLoader prefetched but did not train on are not counted.
 With `logical_shards: null` the number of shards is the data-parallel size (resumable only on
 that many ranks). Validation and test use the other two `splits_string` ranges, as Megatron data.
+
+A dataset is a Megatron prefix or a folder of arrow / parquet shards (nxdt.data.arrow_shards).
+With `data.dynamic_data_selection` (nxdt.data.dynamic_selection) the domain of every sample is
+drawn per global step instead, every rank follows the whole global batch (domain d's n-th sample is
+sample n // L of shard n mod L: the same samples on any number of ranks), Megatron `data_prefix`
+blends are read here too, and the checkpointed state adds the weight schedule.
 """
 
 from __future__ import annotations
@@ -32,10 +38,12 @@ import torch
 
 from nxdt.config.blend import DataBlend, data_blend
 from nxdt.config.errors import ConfigError
+from nxdt.data.dynamic_selection import DomainDraw, DomainSelection
 from nxdt.data.indexed import IndexedDataset
 from nxdt.data.megatron_module import MegatronDataModule
 
 STATE_VERSION = 1
+PREFETCH_FACTOR = 2  # batches each DataLoader worker prepares ahead (torch's default, pinned here)
 
 
 class ShardedStreams(torch.utils.data.Dataset):
@@ -126,35 +134,59 @@ def pick(consumed: np.ndarray, owned: list[int], weights: np.ndarray, samples_pe
     return d, k, j
 
 
+
 class LogicalShardSampler:
     """Batches of (dataset, shard, index) keys for one dp rank, from a consumed table (see module doc)."""
 
     def __init__(self, streams: ShardedStreams, consumed: np.ndarray, weights, local_batch_size: int,
-                 dp_rank: int, dp_size: int, num_batches: int):
+                 dp_rank: int, dp_size: int, num_batches: int, draw: DomainDraw | None = None, first_step: int = 0):
         self.streams = streams
         self.start = np.array(consumed, dtype=np.int64, copy=True)
         w = np.asarray(weights, dtype=np.float64)
         self.weights = w / w.sum()
         self.local_batch_size = int(local_batch_size)
-        self.owned = owned_shards(streams.L, dp_rank, dp_size)
+        self.dp_rank = int(dp_rank)
+        # static weights: this rank reads its own shards; drawn domains: any shard (global positions)
+        self.owned = owned_shards(streams.L, dp_rank, dp_size) if draw is None else list(range(streams.L))
         self.num_batches = max(int(num_batches), 0)
+        self.draw = draw  # dynamic selection: domains drawn per global step; None: the weighted rule
+        self.first_step = int(first_step)  # the global step of the first batch
         self.yielded = 0
 
     def __len__(self) -> int:
         return self.num_batches
 
+    def _batch(self, table: np.ndarray, b: int) -> list[tuple[int, int, int]]:
+        spe = self.streams.samples_per_epoch
+        if self.draw is None:
+            return [pick(table, self.owned, self.weights, spe) for _ in range(self.local_batch_size)]
+        # Every rank follows the whole global batch, slot by slot: domain d's n-th sample overall is
+        # sample n // L of shard n mod L. The table (the same on every rank) is then a function of the
+        # samples per domain, and a global step's samples do not depend on the number of ranks.
+        keys = []
+        for d in self.draw.domains(self.first_step + b):
+            d = int(d)
+            k = int(table[d].sum()) % self.streams.L
+            keys.append((d, k, int(table[d, k])))
+            table[d, k] += 1
+        return keys[self.dp_rank * self.local_batch_size: (self.dp_rank + 1) * self.local_batch_size]
+
     def consumed_after(self, batches: int) -> np.ndarray:
         """The table after this rank reads `batches` batches from the start (a replay; no data read)."""
         table = self.start.copy()
-        for _ in range(batches * self.local_batch_size):
-            pick(table, self.owned, self.weights, self.streams.samples_per_epoch)
+        for b in range(batches):
+            self._batch(table, b)
         return table
+
+    @property
+    def next_step(self) -> int:
+        """The global step of the next batch this sampler will draw."""
+        return self.first_step + self.yielded
 
     def __iter__(self):
         table = self.start.copy()
         for b in range(self.num_batches):
-            batch = [pick(table, self.owned, self.weights, self.streams.samples_per_epoch)
-                     for _ in range(self.local_batch_size)]
+            batch = self._batch(table, b)
             self.yielded = b + 1
             yield batch
 
@@ -183,23 +215,72 @@ class LogicalShardDataModule(MegatronDataModule):
         self.sampler: LogicalShardSampler | None = None
         self._loaded: dict | None = None
         self._start_consumed = 0
+        # data.dynamic_data_selection: the weights move during training (nxdt.data.dynamic_selection)
+        self.selection: DomainSelection | None = None
+        self._heldout: dict[int, list[dict[str, torch.Tensor]]] = {}
+        if data.dynamic_data_selection != "none":
+            from nxdt.config.data_selection import domain_names, reference_losses
+
+            self.selection = DomainSelection(
+                domain_names(self.names), reference_losses(data.dynamic_selection.reference_losses, self.names),
+                data.dynamic_selection, self.weights, self.seed, self.global_batch_size)
 
     def data_blend(self) -> DataBlend:
         return self.blend
 
+    def _split_documents(self, name: str, k: int):
+        """(documents, ids of split k) of one dataset, cut by data.splits_string."""
+        from nxdt.data.gpt_dataset import get_train_valid_test_split_
+
+        ix = self._open(name)
+        bounds = get_train_valid_test_split_(self.data.splits_string, len(ix))
+        return ix, np.arange(bounds[k], bounds[k + 1], dtype=np.int64)
+
     def build_split(self, k: int, n: int):
         if k != 0:
             return super().build_split(k, n)
-        parts = []
-        for name in self.names:
-            ix = self._open(name)
-            from nxdt.data.gpt_dataset import get_train_valid_test_split_
-
-            bounds = get_train_valid_test_split_(self.data.splits_string, len(ix))
-            parts.append((ix, np.arange(bounds[0], bounds[1], dtype=np.int64)))
-        L = int(self.logical_shards) if self.logical_shards is not None else self.dp_size
+        parts = [self._split_documents(name, 0) for name in self.names]
+        # null: one shard per dp rank (fms-fsdp); with dynamic selection the ranks share every shard: one
+        L = int(self.logical_shards) if self.logical_shards is not None else (
+            1 if self.selection is not None else self.dp_size)
         self.streams = ShardedStreams(parts, L, self.seq_length, self.seed, self.names)
+        if self.selection is not None:
+            for d in range(len(self.names)):  # a domain without held-out documents stops the run now
+                self.heldout_batches(d)
         return self.streams
+
+    # -- dynamic selection
+
+    def heldout_batches(self, d: int) -> list[dict[str, torch.Tensor]]:
+        """This rank's share of domain d's held-out global batches (`eval_batches` of them, fixed
+        samples of its validation range), built once."""
+        if d not in self._heldout:
+            ix, docs = self._split_documents(self.names[d], 1)
+            gbs, local, rank = self.global_batch_size, self.local_batch_size(), self.dp_rank
+            if not len(docs) or not int(np.asarray(ix.sizes, dtype=np.int64)[docs].sum()):
+                raise ConfigError(
+                    f"data.dynamic_data_selection: domain '{self.selection.names[d]}' ({self.names[d]}) has no "
+                    f"held-out documents: its validation range under data.splits_string "
+                    f"'{self.data.splits_string}' is empty")
+            held = self._gpt(ix, docs, self.selection.eval_batches * gbs, "heldout")
+            self._heldout[d] = [
+                torch.utils.data.default_collate([held[b * gbs + rank * local + i] for i in range(local)])
+                for b in range(self.selection.eval_batches)]
+        return self._heldout[d]
+
+    def lookahead(self) -> int:
+        """Batches the loader draws ahead of the step being trained: Lightning's one, plus each
+        worker's prefetch (PREFETCH_FACTOR)."""
+        return 1 + PREFETCH_FACTOR * self.num_workers
+
+    def update_selection(self, losses, steps_done: int) -> np.ndarray:
+        """New weights from the domains' held-out losses measured after `steps_done` steps; they draw
+        the batches from step steps_done + lookahead on (those before were drawn already)."""
+        first = steps_done + self.lookahead()
+        if self.sampler is not None and self.sampler.next_step > first:
+            raise RuntimeError(f"dynamic selection: the loader drew step {self.sampler.next_step - 1} before the "
+                               f"weights for step {first} were known")
+        return self.selection.update(losses, first)
 
     # -- state
 
@@ -231,32 +312,43 @@ class LogicalShardDataModule(MegatronDataModule):
     def state_dict(self) -> dict:
         """The global consumed table (gathered over all ranks; identical on every rank)."""
         self.setup("fit")
-        report = (self.dp_rank, self.dp_size, self._local_table())
-        reports = [report]
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            reports = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(reports, report)
-        table = merge_tables(reports, self.streams.L)
-        return {"version": STATE_VERSION, "datasets": list(self.names), "logical_shards": self.streams.L,
-                "consumed": table.tolist()}
+        if self.selection is not None:  # every rank follows every shard (LogicalShardSampler._batch)
+            table = self._local_table()
+        else:
+            report = (self.dp_rank, self.dp_size, self._local_table())
+            reports = [report]
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                reports = [None] * torch.distributed.get_world_size()
+                torch.distributed.all_gather_object(reports, report)
+            table = merge_tables(reports, self.streams.L)
+        state = {"version": STATE_VERSION, "datasets": list(self.names), "logical_shards": self.streams.L,
+                 "consumed": table.tolist()}
+        if self.selection is not None:
+            state["selection"] = self.selection.state()
+        return state
 
     def load_state_dict(self, state_dict: dict) -> None:
         self._loaded = dict(state_dict)
         self.sampler = None
+        if self.selection is not None and state_dict.get("selection") is not None:
+            self.selection.load(state_dict["selection"])
 
     def train_dataloader(self):
         self.setup("fit")
         table = self._start_table()
         consumed = self._consumed_samples()
         self._start_consumed = consumed
+        draw = self.selection.draw if self.selection is not None else None
+        done = consumed // self.global_batch_size
         if self._loaded is None and consumed:
             # A checkpoint without data state: replay the steps taken (exact when the layout is the same).
             replay = LogicalShardSampler(self.streams, table, self.weights, self.local_batch_size(),
-                                         self.dp_rank, self.dp_size, 0)
-            table = replay.consumed_after(consumed // self.global_batch_size)
-        steps_left = self.num_samples()["train"] // self.global_batch_size - consumed // self.global_batch_size
+                                         self.dp_rank, self.dp_size, 0, draw=draw)
+            table = replay.consumed_after(done)
+        steps_left = self.num_samples()["train"] // self.global_batch_size - done
         self.sampler = LogicalShardSampler(self.streams, table, self.weights, self.local_batch_size(),
-                                           self.dp_rank, self.dp_size, steps_left)
+                                           self.dp_rank, self.dp_size, steps_left, draw=draw, first_step=done)
         workers = self.num_workers
         return torch.utils.data.DataLoader(self.streams, batch_sampler=self.sampler, num_workers=workers,
-                                           persistent_workers=workers > 0)
+                                           persistent_workers=workers > 0,
+                                           prefetch_factor=PREFETCH_FACTOR if workers > 0 else None)

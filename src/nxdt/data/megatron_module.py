@@ -32,8 +32,9 @@ from nxdt.data.gpt_dataset import (
     get_train_valid_test_split_,
 )
 from nxdt.data.common import NxdtDataModuleBase
-from nxdt.data.indexed import IndexedDataset
+from nxdt.data.indexed import IndexedDataset, dataset_exists
 from nxdt.data.tokenizers import build_tokenizer, eod_id
+from nxdt.data.vocab_check import check_vocabulary
 
 class MegatronDataModule(NxdtDataModuleBase):
     """Megatron GPT data (`model_source: megatron`), see the module docstring."""
@@ -72,10 +73,27 @@ class MegatronDataModule(NxdtDataModuleBase):
         return BlendedDataset(datasets, weights, n)
 
     def _open(self, prefix: str) -> IndexedDataset:
+        """The documents of one data entry: a folder of arrow / parquet shards (fms-fsdp, relative
+        to data.data_path for data.datasets) or a Megatron prefix; its token ids checked once
+        against the tokenizer's vocabulary (nxdt.data.vocab_check)."""
         if not hasattr(self, "_opened"):
             self._opened: dict[str, IndexedDataset] = {}
         if prefix not in self._opened:
-            self._opened[prefix] = IndexedDataset(prefix, skip_warmup=self.data.skip_warmup)
+            d = self.data
+            path = prefix
+            if d.datasets is not None and d.data_path:  # fms-fsdp: data_path/<dataset>
+                path = os.path.join(os.path.expanduser(d.data_path), prefix)
+            if os.path.isdir(path) and not dataset_exists(path):  # a PREFIX.bin/.idx beside a folder wins
+                from nxdt.data.arrow_shards import ArrowShardDocuments  # pyarrow only for shard folders
+
+                sep = d.sep_token if d.sep_token is not None else self.eod_id
+                docs = ArrowShardDocuments(path, d.col_name, sep_token=sep, bos_token=d.bos_token)
+            else:
+                docs = IndexedDataset(path, skip_warmup=d.skip_warmup)
+            # the cache sits where the index mappings go (see _gpt)
+            cache_dir = d.index_mapping_dir or os.path.dirname(os.path.abspath(docs.prefix))
+            check_vocabulary(docs, len(self.tokenizer), d.tokenizer, cache_dir)
+            self._opened[prefix] = docs
         return self._opened[prefix]
 
     def data_blend(self) -> DataBlend:

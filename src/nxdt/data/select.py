@@ -4,7 +4,8 @@
 2. `model_alignment_strategy.sft`        → SFTDataModule (jsonl / arrow input-output pairs)
    `model_alignment_strategy.dpo / orpo`  → PreferenceDataModule (jsonl / arrow prompt-chosen-rejected rows)
 3. `data.use_dummy_dataset: true`        → DummyDataModule (random tokens, performance runs)
-4. `data.datasets`                       → LogicalShardDataModule (fms-fsdp: weights, logical shards)
+4. `data.datasets`, or dynamic selection → LogicalShardDataModule (fms-fsdp: weights, logical shards;
+                                           Megatron prefixes or arrow/parquet shard folders)
 5. `data.train_dir` with model_source hf, or use_sft_style_data_module, or no data_prefix
                                          → HFDataModule (pre-tokenized save_to_disk datasets)
 6. `data.data_prefix`                    → MegatronDataModule (indexed .bin/.idx, blending, splits)
@@ -12,33 +13,7 @@
 
 from __future__ import annotations
 
-from nxdt.config.alignment import alignment_of
-from nxdt.config.errors import ConfigError
-
-
-def datamodule_kind(cfg) -> str:
-    """'custom' | 'sft' | 'preference' | 'dummy' | 'logical_shards' | 'hf' | 'megatron' for `cfg` (see the
-    module doc)."""
-    data = cfg.data
-    alignment = alignment_of(cfg)
-    if data.data_module is not None:
-        return "custom"
-    if alignment.sft is not None:
-        return "sft"
-    if alignment.preference is not None:
-        return "preference"
-    if data.use_dummy_dataset:
-        return "dummy"
-    if data.datasets is not None:
-        return "logical_shards"
-    has_prefix = bool(data.data_prefix)
-    if data.train_dir is not None and (
-            cfg.model_source == "hf" or data.use_sft_style_data_module or not has_prefix):
-        return "hf"
-    if has_prefix:
-        return "megatron"
-    raise ConfigError("data: no data source; set data.data_prefix (Megatron), data.train_dir (HF datasets), "
-                      "data.datasets, data.use_dummy_dataset, model_alignment_strategy.sft or data.data_module")
+from nxdt.config.data_kind import datamodule_kind  # noqa: F401  (re-exported: which module a config gets)
 
 
 def build_datamodule(cfg, trainer):

@@ -7,7 +7,9 @@ what they count and how is nxdt.training.estimate (docs/plan.md has every formul
 
 Model FLOPs per token (6 x the multiplied parameters + causal attention, nxdt.models.flops) and
 per step (x tokens per step), the figures the run's `tflops` / `mfu` use. The estimate itself is
-nxdt.training.estimate; the run's start summary prints the same figures.
+nxdt.training.estimate; the run's start summary prints the same figures, the batch lines too:
+global batch size, tokens per step (#tokens/batch), max_steps (set by trainer.max_tokens when
+given) and the tokens the run trains (max_steps x tokens per step).
 
 Vocabulary of a megatron-source model: `model.vocab_size` when set; else the tokenizer's size
 when it is on this machine; else a known size by tokenizer kind (GPT2BPETokenizer 50,257;
@@ -22,7 +24,7 @@ import sys
 from typing import Any
 
 from nxdt.config.errors import ConfigError
-from nxdt.training.estimate import flops_line, memory_line, plan
+from nxdt.training.estimate import batch_lines, flops_line, memory_line, plan
 
 
 def format_plan(p: dict[str, Any]) -> str:
@@ -45,8 +47,9 @@ def format_plan(p: dict[str, Any]) -> str:
         f"  sharding     {p['sharding']}   activation checkpointing: {p['activations_checkpoint'] or 'off'}",
         memory_line(mem),
         flops_line(p),
-        f"  batch        global={p['global_batch_size']}  micro={p['micro_batch_size']}  "
-        f"microbatches/step={p['num_microbatches']}  seq={p['seq_length']}  tokens/step={p['tokens_per_step']:,}",
+        # the start summary's lines: global batch, tokens per step, max_steps and the tokens in all
+        *batch_lines(p["global_batch_size"], p["micro_batch_size"], p["num_microbatches"], p["seq_length"],
+                     p["max_steps"], p["max_tokens"]),
     ]
     return "\n".join(lines)
 

@@ -1,5 +1,6 @@
-"""Callbacks that show a run to a person: the start summary, throughput and MFU, measured peak
-memory (the progress bar: training/progress.py). The figures they print are `nxdt plan`'s
+"""Callbacks that show a run to a person: the start summary, throughput and MFU, the time estimate
+once the first steps are timed (training/eta.py), measured peak memory (the progress bar:
+training/progress.py). The figures they print are `nxdt plan`'s
 (nxdt.training.estimate), so the summary and the plan agree for the same config."""
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from nxdt.hardware import Peak, device_peak
 from nxdt.models.param_count import ParameterCount, activated_lines
-from nxdt.training.estimate import flops_line, memory_line, plan
+from nxdt.training.estimate import batch_lines, flops_line, memory_line, plan
+from nxdt.training.eta import FirstStepsTiming
 
 GIB = 1024**3
 
@@ -56,7 +58,8 @@ def _logger(pl_module):
 
 class ThroughputMonitor(Callback):
     """After each optimizer step: `step_time` (s), `throughput` (tokens/s, all ranks together),
-    `tflops` (model TFLOP/s per device) and `mfu` (% of the device's peak)."""
+    `tflops` (model TFLOP/s per device) and `mfu` (% of the device's peak). Once the first steps
+    are timed, rank 0 prints the run's time estimate from these step times (nxdt.training.eta)."""
 
     def __init__(self, tokens_per_step: int | None, figures: RunFigures | None = None) -> None:
         self.tokens_per_step = tokens_per_step
@@ -65,6 +68,7 @@ class ThroughputMonitor(Callback):
         self.flops_per_token: int | None = None
         self.peak: Peak | None = None
         self._steps = self._above_peak = 0  # steps with an mfu, and those over 100%
+        self.timing = FirstStepsTiming()
 
     def on_fit_start(self, trainer, pl_module) -> None:
         if self.figures is None:
@@ -81,6 +85,7 @@ class ThroughputMonitor(Callback):
         step_time = time.perf_counter() - self._start
         log = _logger(pl_module)
         log("step_time", step_time)
+        self._estimate(trainer, step_time)
         if not self.tokens_per_step:
             return
         log("throughput", self.tokens_per_step / step_time, prog_bar=True)
@@ -92,6 +97,15 @@ class ThroughputMonitor(Callback):
                 log("mfu", mfu, prog_bar=True)
                 self._steps += 1
                 self._above_peak += mfu > 100
+
+    def _estimate(self, trainer, step_time: float) -> None:
+        """The time estimate, once: from this fit's step times (printed by rank 0)."""
+        steps_done = getattr(trainer, "global_step", None)  # None: a stand-in trainer without steps
+        if steps_done is None:
+            return
+        line = self.timing.add(steps_done, step_time, trainer.max_steps, time.time())
+        if line and trainer.is_global_zero:
+            print(line, flush=True)
 
     def on_train_end(self, trainer, pl_module) -> None:
         """Most steps faster than a CPU peak measured here: the probe ran under other load. Drop
@@ -220,9 +234,10 @@ def format_summary(cfg, layout, p: dict[str, Any], log_dir: str | None, peak: Pe
         + (f"  ep={layout.ep}" if layout.ep > 1 else ""),
         f"  parameters   {n:,}  ({n / 1e6:.1f} M)  {p['parameters_per_rank']:,} on the fullest rank",
         *activated_lines(counts),
-        f"  batch        global={layout.global_batch_size}  micro={layout.micro_batch_size}  "
-        f"microbatches/step={layout.num_microbatches}  seq={cfg.data.seq_length}",
-        f"  tokens/step  {layout.tokens_per_step:,}   max_steps={cfg.trainer.max_steps}",
+        # nxdt plan's batch lines, from this run's layout: global batch, tokens per step, max_steps
+        # (from trainer.max_tokens when given) and the tokens the run trains
+        *batch_lines(layout.global_batch_size, layout.micro_batch_size, layout.num_microbatches,
+                     layout.seq_length, cfg.trainer.max_steps, cfg.trainer.max_tokens),
         memory_line(p["memory_per_rank_bytes"], "  (estimate, fullest rank)"),
         flops_line(p),
     ]
@@ -235,7 +250,8 @@ def format_summary(cfg, layout, p: dict[str, Any], log_dir: str | None, peak: Pe
 
 
 class RunSummary(Callback):
-    """Prints a one-screen summary (layout, parameters, tokens per step, memory, FLOPs) at fit start."""
+    """Prints a one-screen summary (layout, parameters, batch, tokens per step, max_steps and the
+    tokens in all, memory, FLOPs) at fit start."""
 
     def __init__(self, cfg, layout, log_dir: str | None, figures: RunFigures | None = None) -> None:
         self.cfg, self.layout, self.log_dir = cfg, layout, log_dir

@@ -301,10 +301,47 @@ def plan(cfg, vocab_size: int | None = None) -> dict[str, Any]:
         "num_microbatches": layout.num_microbatches,
         "seq_length": layout.seq_length,
         "tokens_per_step": layout.tokens_per_step,
+        "max_steps": cfg.trainer.max_steps,  # set from trainer.max_tokens by validation when that is given
+        "max_tokens": cfg.trainer.max_tokens,
+        "total_tokens": total_tokens(cfg.trainer.max_steps, layout.tokens_per_step),
         "flops_per_token": flops.total,
         "flops_per_token_split": {"matmul": flops.matmul, "attention": flops.attention},
         "model_tflop_per_step": flops.total * layout.tokens_per_step / 1e12 if layout.tokens_per_step else None,
     }
+
+
+def total_tokens(max_steps: int, tokens_per_step: int | None) -> int | None:
+    """The tokens a run trains: max_steps x tokens per step (at least trainer.max_tokens, which
+    validation rounds up to whole steps)."""
+    return max_steps * tokens_per_step if tokens_per_step else None
+
+
+def token_count(n: int) -> str:
+    """4,194,304 -> '4.19M', 10**11 -> '100B': a token count as budgets are written."""
+    for suffix, scale in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("k", 10**3)):
+        if n >= scale * 0.9995:  # 999,999 -> '1M', not '1e+03k'
+            return f"{n / scale:.3g}{suffix}"
+    return str(n)
+
+
+def batch_lines(global_batch: int, micro: int, microbatches: int, seq: int | None, max_steps: int,
+                max_tokens: int | None) -> list[str]:
+    """The batch, tokens per step and steps lines of `nxdt plan` and the start summary, with the
+    figures LLaMA-MoE's logs open with (global batch size, #tokens/batch, max_steps) and the tokens
+    the run will train. `max_tokens`: the budget max_steps was set from (None: max_steps as given)."""
+    per_step = global_batch * seq if seq else None
+    lines = [f"  batch        global batch size: {global_batch}  micro={micro}  microbatches/step={microbatches}"
+             f"  seq={seq}"]
+    if per_step:
+        lines.append(f"  tokens/step  {per_step:,}  (#tokens/batch: {global_batch} x {seq})")
+    steps = f"  steps        max_steps: {max_steps}"
+    if max_tokens is not None:
+        steps += f" (from trainer.max_tokens={max_tokens})"
+    if per_step:
+        total = total_tokens(max_steps, per_step)
+        short = f" ({token_count(total)})" if total >= 1000 else ""
+        steps += f"  x {per_step:,} tokens/step = {total:,} tokens{short}"
+    return [*lines, steps]
 
 
 def si(value: float, unit: str) -> str:

@@ -280,6 +280,10 @@ def train(cfg, hydra_job=None):
     # memory first: a sampled step's scan and profiler start are not in the step time
     callbacks += [MemoryMonitor(cfg, figures), ThroughputMonitor(layout.tokens_per_step, figures),
                   RunSummary(cfg, layout, str(dirs.log_dir), figures)]
+    if cfg.data.dynamic_data_selection != "none":  # held-out losses move the blend's weights
+        from nxdt.training.dynamic_selection import DynamicDataSelection
+
+        callbacks.append(DynamicDataSelection())
     if cfg.trainer.enable_progress_bar:
         callbacks.append(StepProgressBar())
     callbacks += user_callbacks  # before the checkpoint callback (sorted last below)

@@ -1,0 +1,76 @@
+"""The fine-tuning sections of the schema: `model_alignment_strategy` (sft, peft, dpo, orpo) and
+NxDT's `data.alignment_strategy`. Conventions as in `nxdt.config.schema`, which re-exports these
+classes. Standard library only."""
+
+from dataclasses import dataclass
+from typing import List, Literal, Optional
+
+from nxdt.config.fields import doc
+
+TRUNCATION_MODES = ("keep_start", "keep_end")
+
+
+@dataclass
+class SFTConfig:
+    packing: bool = doc(False, "several examples per sequence, each attending only to itself (also data.packing)")
+    prompt_template: Optional[str] = doc(
+        None, "nxdt: the prompt as a template with '{input}', e.g. '### Question:\\n{input}\\n### Answer:\\n'")
+
+
+@dataclass
+class PeftConfig:
+    lora_rank: int = doc(16, "LoRA rank r: adapters A (r x in) and B (out x r) per target linear", gt=0)
+    lora_alpha: float = doc(32.0, "LoRA scaling numerator: the update is B A x * lora_alpha / lora_rank", gt=0)
+    lora_dropout: float = doc(0.05, "dropout on the adapters' input (0 = none)", ge=0, lt=1)
+    lora_bias: Literal["none", "all", "lora_only"] = doc(
+        "none", "biases trained too: none | all (every bias) | lora_only (the biases of the targeted linears)")
+    lora_verbose: bool = doc(True, "print trainable vs total parameters at start")
+    target_modules: List[str] = doc(
+        ["qkv_proj"], "linears that get adapters: NxDT's fused qkv_proj, gate_up_proj or the plain q_proj, "
+                      "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj")
+    load_lora_from_ckpt: bool = doc(
+        False, "with model.weight_init_only: also load the adapters from exp_manager.resume_from_checkpoint "
+               "(else they start fresh)")
+    save_lora_base: bool = doc(False, "checkpoints hold the frozen base weights too (default: adapters only)")
+    merge_lora: bool = doc(
+        False, "at the end of training also save the merged model (adapters folded into the base) as a "
+               "weights checkpoint <checkpoint>-merged")
+    save_lora_config_adapter: bool = doc(True, "write PEFT's adapter_config.json into every checkpoint")
+    merge_sharded_lora: bool = doc(
+        False, "NxDT: merge per-rank adapter files; nxdt's checkpoints are read whole at any layout (inert)")
+
+
+@dataclass
+class DPOConfig:
+    kl_beta: float = doc(0.1, "DPO beta: strength of the implicit KL penalty towards the reference model", gt=0)
+    loss_type: Literal["sigmoid", "hinge", "ipo"] = doc("sigmoid", "sigmoid (DPO), hinge (SLiC) or ipo (IPO)")
+    max_dpo_prompt_length: Optional[int] = doc(
+        None, "prompt tokens kept (truncation_mode says which); null = up to data.seq_length - 1", ge=1)
+    precompute_ref_log_probs: bool = doc(
+        True, "reference log-probs computed once before training and checkpointed with the data state; "
+              "false needs LoRA (the frozen base is the reference)")
+    truncation_mode: Optional[Literal[TRUNCATION_MODES]] = doc(
+        "keep_start", "over-long prompts keep their start or end; null = an over-long prompt is an error")
+
+
+@dataclass
+class ORPOConfig:
+    beta: float = doc(0.1, "ORPO lambda: weight of the odds-ratio term added to the chosen responses' SFT loss", ge=0)
+    max_prompt_length: Optional[int] = doc(
+        None, "prompt tokens kept (truncation_mode says which); null = up to data.seq_length - 1", ge=1)
+    truncation_mode: Optional[Literal[TRUNCATION_MODES]] = doc(
+        "keep_start", "over-long prompts keep their start or end; null = an over-long prompt is an error")
+
+
+@dataclass
+class AlignmentConfig:
+    sft: Optional[SFTConfig] = doc(None, "supervised fine-tuning on {input, output} rows")
+    peft: Optional[PeftConfig] = doc(None, "LoRA adapters on a frozen base (combines with sft, dpo, orpo)")
+    dpo: Optional[DPOConfig] = doc(None, "direct preference optimization on {prompt, chosen, rejected} rows")
+    orpo: Optional[ORPOConfig] = doc(None, "odds-ratio preference optimization (no reference model)")
+
+
+@dataclass
+class DataAlignmentConfig:
+    dpo: Optional[DPOConfig] = doc(None, "NxDT's DPO config puts model_alignment_strategy.dpo here")
+    orpo: Optional[ORPOConfig] = doc(None, "accepted here too, like dpo")

@@ -1,0 +1,316 @@
+"""fms-fsdp arrow / parquet shard folders as documents (nxdt.data.arrow_shards) and the check of
+token ids against the tokenizer's vocabulary (nxdt.data.vocab_check). Fixtures are written with
+pyarrow directly, as fms-fsdp's tooling writes them."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import types
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from nxdt.config.errors import ConfigError
+from nxdt.config.load import config_from_dict
+from nxdt.data.arrow_shards import ArrowShardDocuments
+from nxdt.data.select import build_datamodule
+
+S = 16
+SEP, BOS = 1, 2  # SEP: the bundled tokenizer's eos (data.sep_token null), BOS: any other id
+VOCAB = 8192  # len() of the bundled tokenizer the configs default to
+
+
+def base_cfg(**data):  # as tests/test_data_modules.py
+    return config_from_dict({
+        "seed": 7, "model_source": "megatron", "model": {"vocab_size": None},
+        "trainer": {"max_steps": 4, "val_check_interval": 2, "limit_val_batches": 1, "limit_test_batches": 1},
+        "data": {"seq_length": S, "micro_batch_size": 2, "global_batch_size": 4, "num_workers": 0,
+                 "splits_string": "980,10,10", **data},
+    })
+
+
+def fake_trainer(rank=0, size=1, consumed=0):
+    return types.SimpleNamespace(strategy=types.SimpleNamespace(dp_rank=rank, dp_size=size),
+                                 lightning_module=types.SimpleNamespace(consumed_samples=consumed))
+
+
+def _docs(first: int, count: int, seed: int) -> list[list[int]]:
+    """`count` documents of consecutive ids from `first` on (so a sample shows where it was cut from)."""
+    rng = np.random.RandomState(seed)
+    out, nxt = [], first
+    for _ in range(count):
+        n = int(rng.randint(3, 30))
+        out.append(list(range(nxt, nxt + n)))
+        nxt += n
+    return out
+
+
+def write_fms_folder(folder, docs: list[list[int]], kind=pa.uint32(), files=2, **options) -> None:
+    """fms-fsdp's layout: `files` Arrow IPC files (the later ones in a sub-folder), one record batch per document."""
+    schema = pa.schema([pa.field("tokens", kind)])
+    per = -(-len(docs) // files)
+    for f in range(files):
+        path = folder / ("" if f == 0 else f"sub{f}") / f"shard_{f}.arrow"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with pa.ipc.new_file(str(path), schema, **options) as writer:
+            for doc in docs[f * per : (f + 1) * per]:
+                writer.write(pa.record_batch([pa.array(doc, kind)], schema=schema))
+
+
+def virtual(doc: list[int], bos=BOS, sep=SEP) -> list[int]:
+    """fms-fsdp's document: an existing leading / trailing bos or sep dropped, then [bos] + doc + [sep]."""
+    drop = {t for t in (bos, sep) if t is not None}
+    if doc and doc[0] in drop:
+        doc = doc[1:]
+    if doc and doc[-1] in drop:
+        doc = doc[:-1]
+    return ([bos] if bos is not None else []) + doc + ([sep] if sep is not None else [])
+
+
+# ----------------------------------------------------------------------------- the documents
+
+
+def test_fms_folder_documents_are_bos_doc_sep(tmp_path):
+    docs = _docs(100, 9, 0)
+    docs[1] = [BOS] + docs[1] + [SEP]  # already framed: not doubled
+    docs[4] = [SEP] + docs[4]  # fms-fsdp drops either token at either end
+    docs[6] = [SEP]  # nothing left but the added tokens
+    write_fms_folder(tmp_path / "ds", docs)
+    (tmp_path / "ds" / "notes.txt").write_text("not a shard")
+    ix = ArrowShardDocuments(str(tmp_path / "ds") + "/", "tokens", sep_token=SEP, bos_token=BOS)
+    assert ix.prefix == str(tmp_path / "ds") and ix.files == ["shard_0.arrow", "sub1/shard_1.arrow"]
+    want = [virtual(d) for d in docs]
+    assert len(ix) == ix.num_documents == 9 and ix.doc_idx.tolist() == list(range(10))
+    assert ix.sizes.tolist() == [len(w) for w in want]
+    assert want[1] == [BOS] + docs[1][1:-1] + [SEP] and want[6] == [BOS, SEP]
+    assert [ix.get(i).tolist() for i in range(9)] == want
+    assert ix.document(4).tolist() == want[4] and ix[-1].tolist() == want[8]
+    for i, w in enumerate(want):  # every window: the bos only, the sep only, both, the middle
+        for offset in range(len(w)):
+            for length in {0, min(1, len(w) - offset), min(2, len(w) - offset), len(w) - offset}:
+                assert ix.get(i, offset, length).tolist() == w[offset : offset + length], (i, offset, length)
+    assert ix.dtype == np.uint32 and ix.get(2, 1, 3).dtype == np.uint32
+    assert not ix.get(2, 1, 3).flags.writeable  # a view into the memory-mapped file, not a copy
+    with pytest.raises(IndexError):
+        ix.get(0, 2, len(want[0]))
+    assert ix.max_token_id() == max(max(d) for d in docs)
+    # DataLoader workers (spawn) get a re-opened copy
+    again = pickle.loads(pickle.dumps(ix))
+    assert again.sizes.tolist() == ix.sizes.tolist() and again.get(5).tolist() == want[5]
+    # no bos: [doc] + [sep], and only the sep is stripped
+    plain = ArrowShardDocuments(str(tmp_path / "ds"), sep_token=SEP)
+    assert [plain.get(i).tolist() for i in range(9)] == [virtual(d, bos=None) for d in docs]
+    assert plain.get(1).tolist()[0] == BOS  # a leading BOS is data when bos_token is null
+
+
+def test_stream_parquet_and_compressed_shards(tmp_path):
+    """datasets.save_to_disk's IPC stream and parquet: one document per row of a list<int> column;
+    a compressed IPC file is decoded (cannot be mapped) but reads the same."""
+    docs = _docs(10, 12, 1)
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    listed = pa.list_(pa.int32())
+    schema = pa.schema([pa.field("ids", listed), pa.field("text", pa.string())])
+    with pa.ipc.new_stream(str(folder / "a_stream.arrow"), schema) as writer:  # rows 0-5, two batches
+        for rows in (docs[0:4], docs[4:6]):
+            writer.write(pa.record_batch([pa.array(rows, listed), pa.array(["x"] * len(rows))], schema=schema))
+    pq.write_table(pa.table({"ids": pa.array(docs[6:10], listed)}), str(folder / "b.parquet"), row_group_size=3)
+    flat = pa.schema([pa.field("ids", pa.int64())])
+    with pa.ipc.new_file(str(folder / "c.arrow"), flat, options=pa.ipc.IpcWriteOptions(compression="zstd")) as w:
+        for doc in docs[10:]:
+            w.write(pa.record_batch([pa.array(doc, pa.int64())], schema=flat))
+    ix = ArrowShardDocuments(str(folder), "ids", sep_token=SEP, bos_token=None)
+    assert ix.files == ["a_stream.arrow", "b.parquet", "c.arrow"]
+    assert [ix.get(i).tolist() for i in range(len(ix))] == [d + [SEP] for d in docs]
+    assert ix.sizes.tolist() == [len(d) + 1 for d in docs] and ix.dtype == np.int64
+    assert ix.get(7, 2, 3).tolist() == docs[7][2:5]
+    assert [ix.file_max_token_id(f) for f in ix.files] == [docs[5][-1], docs[9][-1], docs[11][-1]]
+
+
+def test_bad_shards_are_one_line(tmp_path):
+    def refuse(folder, match, col="tokens"):
+        with pytest.raises(ConfigError, match=match) as info:
+            ArrowShardDocuments(str(folder), col, sep_token=SEP)
+        assert "\n" not in str(info.value)
+
+    (tmp_path / "empty" / "deep").mkdir(parents=True)
+    (tmp_path / "empty" / "deep" / "x.json").write_text("{}")
+    refuse(tmp_path / "empty", rf"^data.datasets: {tmp_path / 'empty'} has no .arrow or .parquet shards$")
+    write_fms_folder(tmp_path / "ok", [[5, 6, 7]], files=1)
+    refuse(tmp_path / "ok", rf"^{tmp_path / 'ok' / 'shard_0.arrow'}: no column 'input_ids' "
+                            r"\(data.col_name=input_ids\); its columns: tokens$", col="input_ids")
+    write_fms_folder(tmp_path / "floats", [[0.5, 1.5]], kind=pa.float32(), files=1)
+    refuse(tmp_path / "floats", rf"^{tmp_path / 'floats' / 'shard_0.arrow'}: column 'tokens' is float, "
+                                r"not integer token ids \(data.col_name=tokens\)$")
+    pq.write_table(pa.table({"tokens": pa.array([1, 2, 3])}), str(tmp_path / "ok" / "flat.parquet"))
+    refuse(tmp_path / "ok", r"flat.parquet: column 'tokens' is int64; a parquet shard needs one document per row")
+    (tmp_path / "none").mkdir()
+    pa.ipc.new_file(str(tmp_path / "none" / "s.arrow"), pa.schema([pa.field("tokens", pa.int32())])).close()
+    refuse(tmp_path / "none", rf"^data.datasets: {tmp_path / 'none'} holds no documents")
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "s.arrow").write_bytes(b"not arrow at all")
+    refuse(tmp_path / "junk", rf"^{tmp_path / 'junk' / 's.arrow'}: cannot read it as an Arrow IPC file")
+
+
+# ----------------------------------------------------------------------------- logical shards over arrow
+
+
+def test_logical_shards_over_arrow_resume_from_two_ranks_on_one(tmp_path):
+    """As test_logical_shards_resume_from_two_ranks_on_one (test_data_modules.py), on arrow documents:
+    2 ranks read 3 steps, 1 rank resumes, every sample of the epoch is read exactly once."""
+    from nxdt.data.logical_shards import LogicalShardSampler, ShardedStreams, merge_tables
+
+    write_fms_folder(tmp_path / "a", _docs(100, 40, 1))
+    write_fms_folder(tmp_path / "b", _docs(4000, 24, 2))
+    opened = [ArrowShardDocuments(str(tmp_path / n), sep_token=SEP, bos_token=BOS) for n in "ab"]
+    parts = [(ix, np.arange(len(ix))) for ix in opened]
+    streams = ShardedStreams(parts, logical_shards=4, seq_length=8, seed=3)
+    # a shard's stream is its [bos] + doc + [sep] documents back to back
+    order, _ = streams._epoch(1, 2, 0)
+    stream = np.concatenate([opened[1].get(int(d)) for d in order]).tolist()
+    assert streams.tokens(1, 2, 1).tolist() == stream[8:17]
+    weights, gbs = [3.0, 1.0], 4
+    epoch = {(d, k, j) for d in range(2) for k in range(4) for j in range(int(streams.samples_per_epoch[d, k]))}
+
+    seen, reports = [], []
+    table0 = np.zeros((2, 4), dtype=np.int64)
+    for rank in (0, 1):
+        sampler = LogicalShardSampler(streams, table0, weights, gbs // 2, rank, 2, num_batches=10)
+        batches = list(sampler)  # prefetched 10 ...
+        seen += [key for batch in batches[:3] for key in batch]  # ... trained 3
+        reports.append((rank, 2, sampler.consumed_after(3)))
+    state = merge_tables(reports, 4)
+    assert state.sum() == 3 * gbs
+    steps_left = int(4 * streams.samples_per_epoch[1].sum()) // gbs + 8
+    for batch in LogicalShardSampler(streams, state, weights, gbs, 0, 1, num_batches=steps_left):
+        seen += list(batch)
+    first_epoch = [key for key in seen if key[2] < streams.samples_per_epoch[key[0], key[1]]]
+    assert len(first_epoch) == len(set(first_epoch)) and len(set(seen)) == len(seen)
+    assert set(first_epoch) == epoch, f"skipped: {sorted(epoch - set(first_epoch))[:5]}"
+
+
+def _runs_are_documents(row: list[int], low: int, high: int) -> bool:
+    """Between bos/sep tokens a sample holds consecutive ids of one dataset's range [low, high)."""
+    run = []
+    for t in row + [SEP]:
+        if t in (SEP, BOS):
+            if any(b != a + 1 for a, b in zip(run, run[1:])) or any(not low <= x < high for x in run):
+                return False
+            run = []
+        else:
+            run.append(t)
+    return True
+
+
+def test_datamodule_reads_arrow_folders_under_data_path(tmp_path, monkeypatch):
+    from nxdt.config.path_checks import check_files
+
+    root = tmp_path / "data"
+    write_fms_folder(root / "a", _docs(100, 30, 3))
+    write_fms_folder(root / "b", _docs(4000, 30, 4), files=3)
+    cfg = base_cfg(datasets=["a", "b"], weights=[1, 1], data_path=str(root), logical_shards=2,
+                   bos_token=BOS, splits_string="80,10,10", index_mapping_dir=str(tmp_path / "maps"))
+    monkeypatch.chdir(tmp_path)
+    check_files(cfg)  # the pre-run path check takes shard folders under data.data_path
+    dm = build_datamodule(cfg, fake_trainer())
+    batches = list(dm.train_dataloader())
+    assert len(batches) == 4 and batches[0]["input_ids"].shape == (4, S)
+    ranges = {0: (100, 4000), 1: (4000, VOCAB)}
+    for batch in batches:
+        for inputs, labels in zip(batch["input_ids"].tolist(), batch["labels"].tolist()):
+            row = inputs + labels[-1:]
+            assert inputs[1:] == labels[:-1]
+            ds = 0 if any(100 <= t < 4000 for t in row) else 1
+            assert _runs_are_documents(row, *ranges[ds]), row
+    # both datasets, 1:1 (weights [1, 1]: the rows of a batch alternate)
+    assert dm.streams.names == ["a", "b"] and dm.streams.parts[1][0].prefix == str(root / "b")
+    from_b = [max(r) >= 4000 for b in batches for r in b["input_ids"].tolist()]
+    assert from_b == [False, True] * 8
+    # validation: GPTDataset over the arrow documents, its index mappings cached by the shard files
+    val = list(dm.val_dataloader())
+    assert len(val) == 3 and all(_runs_are_documents(r, 100, VOCAB) for b in val for r in b["input_ids"].tolist())
+    assert len(list((tmp_path / "maps").glob("a_validation_*_doc_idx.npy"))) == 1
+    # a folder without shards: one line before the run and from the data module
+    (root / "c").mkdir()
+    cfg.data.datasets = ["a", "c"]
+    with pytest.raises(ConfigError, match=rf"^data.datasets\[1\]: {root / 'c'} has no .arrow or .parquet shards$"):
+        check_files(cfg)
+    with pytest.raises(ConfigError, match=rf"^data.datasets: {root / 'c'} has no .arrow or .parquet shards$"):
+        build_datamodule(cfg, fake_trainer()).train_dataloader()
+    cfg.data.datasets = ["a", "missing"]
+    with pytest.raises(ConfigError, match=rf"^data.datasets\[1\]: not found: {root / 'missing'} \(a folder of"):
+        check_files(cfg)
+    # a Megatron PREFIX.bin/.idx beside a folder PREFIX is read as the Megatron data
+    (root / "m").mkdir()
+    _megatron(root / "m", [list(range(5, 40))] * 40)
+    cfg.data.datasets = ["a", "m"]
+    check_files(cfg)
+    assert type(build_datamodule(cfg, fake_trainer())._open("m")).__name__ == "IndexedDataset"
+
+
+# ----------------------------------------------------------------------------- the vocabulary
+
+
+def _megatron(prefix, docs, dtype=np.uint16) -> str:
+    from nxdt.data.indexed import IndexedDatasetBuilder
+
+    with IndexedDatasetBuilder(str(prefix), dtype=dtype) as builder:
+        for doc in docs:
+            builder.add_document(doc)
+    return str(prefix)
+
+
+def test_vocabulary_check_names_the_file_and_caches_the_scan(tmp_path, monkeypatch):
+    import nxdt.data.vocab_check as vocab_check
+
+    maps = tmp_path / "maps"
+    bad = _megatron(tmp_path / "bad", [list(range(5, 60)), [7, 9000, 8]] * 20)
+    cfg = base_cfg(data_prefix=[bad], index_mapping_dir=str(maps))
+    with pytest.raises(ConfigError) as info:
+        build_datamodule(cfg, fake_trainer()).train_dataloader()
+    assert str(info.value) == (
+        f"{bad}.bin: token ids reach 9000 but the tokenizer (data.tokenizer.type=null, the bundled tokenizer) "
+        f"has {VOCAB} tokens; re-tokenize it with this tokenizer (nxdt preprocess) or set data.tokenizer to "
+        "the one it was made with")
+    good = _megatron(tmp_path / "good", [list(range(5, 60)), [7, VOCAB - 1, 8]] * 20)
+    cfg.data.data_prefix = [good]
+    assert len(list(build_datamodule(cfg, fake_trainer()).train_dataloader())) == 4
+    cache = (maps / vocab_check.CACHE_NAME).read_text()
+    assert f"{good}.bin" in cache and f"{bad}.bin" in cache
+
+    # the second open reads the cache: no scan
+    def no_scan(*args):
+        raise AssertionError("rescanned")
+
+    monkeypatch.setattr(vocab_check, "scan_bin_max", no_scan)
+    build_datamodule(cfg, fake_trainer()).setup("fit")
+    # ... until the file changes (size / mtime)
+    os.utime(f"{good}.bin", ns=(1, 1))
+    with pytest.raises(AssertionError, match="rescanned"):
+        build_datamodule(cfg, fake_trainer()).setup("fit")
+    # a uint8 file cannot hold an id of 8192: never scanned
+    cfg.data.data_prefix = [_megatron(tmp_path / "small", [list(range(5, 250))] * 20, dtype=np.uint8)]
+    build_datamodule(cfg, fake_trainer()).setup("fit")
+    monkeypatch.undo()
+    # no cache where it cannot be written: the check still runs
+    (tmp_path / "afile").write_text("x")
+    from nxdt.data.indexed import IndexedDataset
+
+    with pytest.raises(ConfigError, match="token ids reach 9000"):
+        vocab_check.check_vocabulary(IndexedDataset(bad), VOCAB, cfg.data.tokenizer, str(tmp_path / "afile" / "d"))
+
+
+def test_vocabulary_check_on_arrow_shards(tmp_path):
+    write_fms_folder(tmp_path / "ds", [[5, 6], [7, 8], [9, 8200], [3, 4]])
+    cfg = base_cfg(datasets=["ds"], data_path=str(tmp_path), logical_shards=1)
+    with pytest.raises(ConfigError, match=rf"^{tmp_path / 'ds' / 'sub1' / 'shard_1.arrow'}: token ids reach 8200 "
+                                          rf"but the tokenizer \(data.tokenizer.type=null, the bundled tokenizer\) "
+                                          rf"has {VOCAB} tokens; re-tokenize"):
+        build_datamodule(cfg, fake_trainer()).train_dataloader()
+    write_fms_folder(tmp_path / "ok", [[5, 6, 7, 8, 9, 10]] * 10)
+    cfg.data.datasets, cfg.data.bos_token = ["ok"], VOCAB
+    with pytest.raises(ConfigError, match=rf"^data.bos_token: {VOCAB} is not below the tokenizer's vocabulary"):
+        build_datamodule(cfg, fake_trainer()).train_dataloader()
