@@ -6,35 +6,20 @@ from __future__ import annotations
 
 import os
 import pickle
-import types
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from test_data_modules import base_cfg, fake_trainer
 
 from nxdt.config.errors import ConfigError
-from nxdt.config.load import config_from_dict
 from nxdt.data.arrow_shards import ArrowShardDocuments
 from nxdt.data.select import build_datamodule
 
-S = 16
+S = 16  # seq_length of base_cfg (tests/test_data_modules.py)
 SEP, BOS = 1, 2  # SEP: the bundled tokenizer's eos (data.sep_token null), BOS: any other id
 VOCAB = 8192  # len() of the bundled tokenizer the configs default to
-
-
-def base_cfg(**data):  # as tests/test_data_modules.py
-    return config_from_dict({
-        "seed": 7, "model_source": "megatron", "model": {"vocab_size": None},
-        "trainer": {"max_steps": 4, "val_check_interval": 2, "limit_val_batches": 1, "limit_test_batches": 1},
-        "data": {"seq_length": S, "micro_batch_size": 2, "global_batch_size": 4, "num_workers": 0,
-                 "splits_string": "980,10,10", **data},
-    })
-
-
-def fake_trainer(rank=0, size=1, consumed=0):
-    return types.SimpleNamespace(strategy=types.SimpleNamespace(dp_rank=rank, dp_size=size),
-                                 lightning_module=types.SimpleNamespace(consumed_samples=consumed))
 
 
 def _docs(first: int, count: int, seed: int) -> list[list[int]]:

@@ -28,6 +28,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from nxdt.config.errors import ConfigError
+from nxdt.data.indexed import DocumentAccess
 
 SHARD_SUFFIXES = (".arrow", ".parquet")
 
@@ -149,12 +150,14 @@ def _strip(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray, drop: li
     return starts, lengths
 
 
-class ArrowShardDocuments:
+class ArrowShardDocuments(DocumentAccess):
     """The documents of a folder of arrow / parquet shards, with `IndexedDataset`'s interface.
 
     `ds.get(i, offset, length)` is tokens offset:offset+length of [bos] + document i + [sep];
     `ds.sizes` the lengths of those (bos and sep included); `len(ds)` the number of documents.
     """
+
+    unit = "documents"
 
     def __init__(self, folder: str, col_name: str = "tokens", sep_token: int | None = None,
                  bos_token: int | None = None):
@@ -223,15 +226,6 @@ class ArrowShardDocuments:
             return core.astype(self.dtype, copy=False)
         parts = ([[self.bos_token]] if with_bos else []) + [core] + ([[self.sep_token]] if with_sep else [])
         return np.concatenate([np.asarray(p, dtype=self.dtype) for p in parts])
-
-    def __getitem__(self, idx):
-        if isinstance(idx, slice):
-            return [self.get(i) for i in range(*idx.indices(len(self)))]
-        if idx < 0:
-            idx += len(self)
-        if not 0 <= idx < len(self):
-            raise IndexError(f"index {idx} out of range for {len(self)} documents")
-        return self.get(int(idx))
 
     def document(self, doc: int) -> np.ndarray:
         return self.get(doc)

@@ -156,13 +156,29 @@ class IndexedDatasetBuilder:
             self.abort()
 
 
-class IndexedDataset:
+class DocumentAccess:
+    """`ds[i]`, `ds[-1]` and `ds[a:b]` over `len(ds)` and `ds.get(i)`: shared by the document sources
+    (IndexedDataset here, nxdt.data.arrow_shards.ArrowShardDocuments)."""
+
+    def __getitem__(self, idx):
+        if isinstance(idx, slice):
+            return [self.get(i) for i in range(*idx.indices(len(self)))]
+        if idx < 0:
+            idx += len(self)
+        if not 0 <= idx < len(self):
+            raise IndexError(f"index {idx} out of range for {len(self)} {self.unit}")
+        return self.get(int(idx))
+
+
+class IndexedDataset(DocumentAccess):
     """Read a Megatron indexed dataset through `np.memmap` (nothing is loaded eagerly).
 
     `ds[i]` is sequence i as a numpy array; `ds.get(i, offset, length)` a slice of it;
     `ds.sizes` the int32 lengths; `ds.doc_idx` the document index (len = documents + 1).
     Any inconsistency raises `ConfigError` naming the file.
     """
+
+    unit = "sequences"
 
     def __init__(self, prefix: str, skip_warmup: bool = True):
         self.prefix = str(prefix)
@@ -239,15 +255,6 @@ class IndexedDataset:
             return np.zeros(0, self.dtype)
         start = int(self.pointers[idx]) + offset * self.dtype.itemsize
         return np.frombuffer(self._bin_map, dtype=self.dtype.newbyteorder("<"), count=length, offset=start)
-
-    def __getitem__(self, idx):
-        if isinstance(idx, slice):
-            return [self.get(i) for i in range(*idx.indices(len(self)))]
-        if idx < 0:
-            idx += len(self)
-        if not 0 <= idx < len(self):
-            raise IndexError(f"index {idx} out of range for {len(self)} sequences")
-        return self.get(int(idx))
 
     def document(self, doc: int) -> np.ndarray:
         """All tokens of document `doc` (its sequences concatenated)."""
