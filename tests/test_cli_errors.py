@@ -123,18 +123,3 @@ def test_nxdt_evaluate_bad_input(data_args, tmp_path):
     proc = run_cli([*BASE, *data_args, "trainer.devices=1", "trainer.max_epochs=0"])
     _assert_one_line_error(proc, "trainer.max_epochs=0", "no weights to evaluate", "exp_manager.resume_from_checkpoint")
 
-
-def test_data_with_ids_past_the_vocabulary_stops_before_training(tmp_path):
-    """Megatron data made with a bigger tokenizer (ids up to 9,000, the bundled tokenizer has 8,192):
-    one line naming the file, the largest id and the vocabulary, before the first step (it used to
-    be an IndexError deep in the embedding once training had started)."""
-    import numpy as np
-
-    from nxdt.data.indexed import IndexedDatasetBuilder
-
-    with IndexedDatasetBuilder(str(tmp_path / "big_vocab"), dtype=np.uint16) as builder:
-        for d in range(40):
-            builder.add_document(np.arange(40) + 100 * d + (9000 - 3940 if d == 39 else 0))
-    proc = run_cli([*BASE, "trainer.devices=1", f"data.data_prefix=[1.0,{tmp_path / 'big_vocab'}]"])
-    _assert_one_line_error(proc, f"{tmp_path / 'big_vocab'}.bin", "token ids reach 8999", "has 8192 tokens")
-    assert "reduced_train_loss" not in proc.stdout and "nxdt run" not in proc.stdout  # no summary, no step

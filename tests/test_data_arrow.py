@@ -4,6 +4,7 @@ pyarrow directly, as fms-fsdp's tooling writes them."""
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 
@@ -299,3 +300,36 @@ def test_vocabulary_check_on_arrow_shards(tmp_path):
     cfg.data.datasets, cfg.data.bos_token = ["ok"], VOCAB
     with pytest.raises(ConfigError, match=rf"^data.bos_token: {VOCAB} is not below the tokenizer's vocabulary"):
         build_datamodule(cfg, fake_trainer()).train_dataloader()
+
+
+def test_data_with_ids_past_the_vocabulary_stops_the_run_before_training(tmp_path, capsys):
+    """Through the training entry (in-process): Megatron data made with a bigger tokenizer (ids up to
+    8,999; the bundled tokenizer has 8,192) is one line naming the file, the largest id and the
+    vocabulary, exit 2, before the summary and the first step (it used to be an IndexError deep in
+    the embedding once training had started)."""
+    from conftest import TINY_OVERRIDES
+
+    from nxdt.config.load import main_guard
+    from nxdt.data.indexed import IndexedDatasetBuilder
+    from nxdt.exp.exp_manager import close_rank_log_file
+    from nxdt.training.run import main
+
+    prefix = tmp_path / "big_vocab"
+    with IndexedDatasetBuilder(str(prefix), dtype=np.uint16) as builder:
+        for d in range(40):
+            builder.add_document(np.arange(40) + 100 * d + (9000 - 3940 if d == 39 else 0))
+    environ = dict(os.environ)
+    try:
+        with pytest.raises(SystemExit) as stop:
+            main_guard(main)(["--config-name", "tiny_llama_cpu", *TINY_OVERRIDES, "trainer.devices=1",
+                              f"data.data_prefix=[1.0,{prefix}]", f"exp_manager.explicit_log_dir={tmp_path / 'log'}"])
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+        close_rank_log_file()  # the run's log file (and the warnings routed to it) end here
+        logging.captureWarnings(False)
+    out = capsys.readouterr()
+    errors = [line for line in out.err.splitlines() if line.startswith("error:")]
+    assert stop.value.code == 2 and len(errors) == 1 and "Traceback" not in out.err, out.err[-2000:]
+    assert f"{prefix}.bin" in errors[0] and "token ids reach 8999" in errors[0] and "has 8192 tokens" in errors[0]
+    assert "nxdt run" not in out.out and "reduced_train_loss" not in out.out  # no summary, no step
