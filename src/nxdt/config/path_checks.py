@@ -15,7 +15,7 @@ from typing import Any
 from nxdt.config.blend import parse_data_prefix
 from nxdt.config.errors import ConfigError
 
-# what a data.datasets folder must hold (nxdt.data.arrow_shards.SHARD_SUFFIXES; no pyarrow here)
+# the files of a data.datasets shard folder (nxdt.data.arrow_shards reads them)
 SHARD_SUFFIXES = (".arrow", ".parquet")
 # how to make the Megatron .bin/.idx files that data.data_prefix names
 MAKE_DATA_HINT = ("make them with: nxdt preprocess --input CORPUS.jsonl --tokenizer DIR --output-prefix PREFIX; "
@@ -35,12 +35,23 @@ def _has_shards(folder: Path) -> bool:
     return any(name.endswith(SHARD_SUFFIXES) for _, _, names in os.walk(folder) for name in names)
 
 
+def dataset_path(entry: Any, data_path: Any) -> str:
+    """A data.datasets entry as a path: a relative one is under data.data_path (fms-fsdp) when set."""
+    return os.path.join(os.path.expanduser(str(data_path)), str(entry)) if data_path else str(entry)
+
+
+def is_shard_folder(path: str) -> bool:
+    """A dataset read as a folder of arrow / parquet shards: a directory, unless PREFIX.bin and
+    PREFIX.idx sit beside it (then it is Megatron data, as before shard folders existed)."""
+    return os.path.isdir(path) and not all(os.path.isfile(f"{path}{ext}") for ext in (".bin", ".idx"))
+
+
 def _check_dataset(entry: Any, data_path: Any, key: str) -> None:
-    """One data.datasets entry (relative ones under data.data_path): a folder holding arrow / parquet
-    shards (fms-fsdp), else a Megatron prefix with its .bin and .idx."""
-    p = Path(os.path.expanduser(str(data_path))) / str(entry) if data_path else Path(str(entry))
+    """One data.datasets entry: a folder holding arrow / parquet shards (fms-fsdp), else a Megatron
+    prefix with its .bin and .idx."""
+    p = Path(dataset_path(entry, data_path))
     megatron = [Path(f"{p}{ext}").is_file() for ext in (".bin", ".idx")]
-    if p.is_dir() and not all(megatron):  # PREFIX.bin/.idx beside a folder PREFIX: the data module reads those
+    if is_shard_folder(str(p)):
         if not _has_shards(p):
             raise ConfigError(f"{key}: {p.absolute()} has no .arrow or .parquet shards")
         return

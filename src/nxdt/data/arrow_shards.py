@@ -28,9 +28,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from nxdt.config.errors import ConfigError
+from nxdt.config.path_checks import SHARD_SUFFIXES
 from nxdt.data.indexed import DocumentAccess
-
-SHARD_SUFFIXES = (".arrow", ".parquet")
 
 
 def shard_files(folder: str) -> list[str]:

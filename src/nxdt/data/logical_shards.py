@@ -134,7 +134,6 @@ def pick(consumed: np.ndarray, owned: list[int], weights: np.ndarray, samples_pe
     return d, k, j
 
 
-
 class LogicalShardSampler:
     """Batches of (dataset, shard, index) keys for one dp rank, from a consumed table (see module doc)."""
 

@@ -25,6 +25,7 @@ import torch
 
 from nxdt.config.blend import SPLIT_NAMES, DataBlend, data_blend
 from nxdt.config.errors import ConfigError
+from nxdt.config.path_checks import dataset_path, is_shard_folder
 from nxdt.data.gpt_dataset import (
     BlendedDataset,
     GPTDataset,
@@ -32,7 +33,7 @@ from nxdt.data.gpt_dataset import (
     get_train_valid_test_split_,
 )
 from nxdt.data.common import NxdtDataModuleBase
-from nxdt.data.indexed import IndexedDataset, dataset_exists
+from nxdt.data.indexed import IndexedDataset
 from nxdt.data.tokenizers import build_tokenizer, eod_id
 from nxdt.data.vocab_check import check_vocabulary
 
@@ -80,10 +81,9 @@ class MegatronDataModule(NxdtDataModuleBase):
             self._opened: dict[str, IndexedDataset] = {}
         if prefix not in self._opened:
             d = self.data
-            path = prefix
-            if d.datasets is not None and d.data_path:  # fms-fsdp: data_path/<dataset>
-                path = os.path.join(os.path.expanduser(d.data_path), prefix)
-            if os.path.isdir(path) and not dataset_exists(path):  # a PREFIX.bin/.idx beside a folder wins
+            # fms-fsdp: data.datasets entries under data.data_path
+            path = dataset_path(prefix, d.data_path if d.datasets is not None else None)
+            if is_shard_folder(path):
                 from nxdt.data.arrow_shards import ArrowShardDocuments  # pyarrow only for shard folders
 
                 sep = d.sep_token if d.sep_token is not None else self.eod_id
