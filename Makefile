@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.nxdt-installed
 DATA   := data/kjv/kjv_text_document
 NPROC  ?= 2
 
-.PHONY: setup data demo test test-fast clean
+.PHONY: setup data demo test test-fast slurm-local clean
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ test: setup
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
+
+# A one-node Slurm cluster on this machine (root; Debian's slurm-wlm + munge), for tests/test_slurm.py
+slurm-local:
+	bash .ci/start-local-slurm.sh
 
 clean:
 	rm -rf data nxdt_experiments .pytest_cache

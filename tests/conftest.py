@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import gzip
+import io
 import importlib.util
 import json
 import os
@@ -10,6 +12,7 @@ import subprocess
 import tempfile
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -98,18 +101,20 @@ def run_worker(script: str, nproc: int, out_path: Path, out_env: str, timeout: i
 
 
 def run_pool(runs: dict[str, list[str]], nproc: int, out_dir: Path, expect: dict[str, int] | None = None,
-             timeout: int = 900, entry: str | None = None) -> dict[str, subprocess.CompletedProcess]:
+             timeout: int = 900, entry: str | None = None,
+             env: dict[str, dict[str, str]] | None = None) -> dict[str, subprocess.CompletedProcess]:
     """Run several examples/train.py command lines (name -> argv) of one world size in one launch,
     in order, in-process on each rank (tests/run_pool.py); each must exit 0, or as `expect` says
     (name -> exit status). Returns, per name, what `run_cli` would: the exit status and every
     rank's stdout and stderr (rank order). `entry`: another module whose `main(argv)` runs the
-    command lines (e.g. "nxdt.tools.evaluate")."""
+    command lines (e.g. "nxdt.tools.evaluate"). `env`: name -> environment variables for that run only."""
     expect = expect or {}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     spec = out_dir / "jobs.json"
     spec.write_text(json.dumps({"out": str(out_dir), "jobs": [{"name": k, "argv": v, "expect": expect.get(k, 0),
-                                                           **({"entry": entry} if entry else {})}
+                                                           **({"entry": entry} if entry else {}),
+                                                           **({"env": env[k]} if env and k in env else {})}
                                                           for k, v in runs.items()]}))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "NXDT_POOL_JOBS": str(spec)}
     env.pop("NXDT_RUN_VERSION", None)
@@ -178,3 +183,26 @@ def tensor_bytes(checkpoint: Path) -> dict[str, int]:
         if prefix in out and hasattr(md, "size"):
             out[prefix] += math.prod(md.size) * torch.empty(0, dtype=md.properties.dtype).element_size()
     return out
+
+
+def train_in_process(argv: list[str], env: dict[str, str] | None = None) -> SimpleNamespace:
+    """`nxdt train` in this process, through the entry examples/train.py calls (main_guard(main)):
+    exit status, stdout, stderr. The environment is restored afterwards (Lightning leaves
+    MASTER_PORT & co. in it, the loggers MLFLOW_ALLOW_FILE_STORE)."""
+    from nxdt.config.load import main_guard
+    from nxdt.training.run import main
+
+    environ = dict(os.environ)
+    for name in ("WANDB_DIR", "WANDB_PROJECT", "MLFLOW_TRACKING_URI", "NXDT_RUN_VERSION"):
+        os.environ.pop(name, None)
+    os.environ.update(env or {})
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = int(main_guard(main)(argv) or 0)
+    except SystemExit as stop:
+        rc = int(stop.code)
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+    return SimpleNamespace(rc=rc, out=out.getvalue(), err=err.getvalue())

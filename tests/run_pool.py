@@ -14,7 +14,8 @@ would wait in a collective for it; torchrun then stops them and `run_pool` names
 
 Used by `conftest.run_pool`; run as `torchrun ... tests/run_pool.py` with NXDT_POOL_JOBS naming
 a JSON file {"jobs": [{"name": ..., "argv": [...], "expect": 0}, ...], "out": dir}. A job's
-optional "entry" names another module whose `main(argv)` runs it (e.g. "nxdt.tools.evaluate").
+optional "entry" names another module whose `main(argv)` runs it (e.g. "nxdt.tools.evaluate"),
+its optional "env" environment variables set for that run only.
 """
 
 from __future__ import annotations
@@ -47,13 +48,14 @@ def _captured(out: Path, err: Path):
             os.close(saved[1])
 
 
-def _run_one(argv: list[str], entry: str = "nxdt.training.run") -> int:
+def _run_one(argv: list[str], entry: str = "nxdt.training.run", env: dict | None = None) -> int:
     import importlib
 
     from nxdt.config.load import main_guard
 
     main = importlib.import_module(entry).main
     environ = dict(os.environ)  # a run's config may set environment variables (apply_env)
+    os.environ.update(env or {})
     try:
         return int(main_guard(main)(argv) or 0)
     except SystemExit as stop:
@@ -81,7 +83,7 @@ def main() -> None:
         run_dir = Path(spec["out"]) / job["name"]
         run_dir.mkdir(parents=True, exist_ok=True)
         with _captured(run_dir / f"rank{rank}.out", run_dir / f"rank{rank}.err"):
-            rc = _run_one(job["argv"], job.get("entry", "nxdt.training.run"))
+            rc = _run_one(job["argv"], job.get("entry", "nxdt.training.run"), job.get("env"))
         (run_dir / f"rank{rank}.rc").write_text(str(rc))
         if rc != job.get("expect", 0):
             sys.stderr.write(f"run_pool: run '{job['name']}' exited {rc} on rank {rank}\n")

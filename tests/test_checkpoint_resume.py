@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -45,8 +46,9 @@ def _args(prefix: str, log_dir, devices: int = 2, extra: list[str] = ()) -> list
 def _popen(args: list[str], nproc: int = 2, env: dict | None = None, log: Path | None = None) -> subprocess.Popen:
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     full_env.pop("NXDT_RUN_VERSION", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(TRAIN_SCRIPT), *args]
+    cmd = ([sys.executable, str(TRAIN_SCRIPT), *args] if nproc == 1 else
+           [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            str(TRAIN_SCRIPT), *args])
     out = open(log, "w") if log else subprocess.DEVNULL
     return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, cwd=REPO,
                             start_new_session=True)
@@ -73,11 +75,7 @@ def _descendants(pid: int) -> list[int]:
 def _kill_when(proc: subprocess.Popen, ready, timeout: float = 300) -> None:
     """SIGKILL torchrun and both ranks at once, as a lost node would, once ready() is true; return
     when all of them are gone (nothing of the run writes after this)."""
-    deadline = time.time() + timeout
-    while not ready():
-        assert proc.poll() is None, "the run ended before the kill point"
-        assert time.time() < deadline, "kill point never reached"
-        time.sleep(0.05)
+    _wait_for(proc, ready, timeout)
     victims = [*_descendants(proc.pid), proc.pid]
     assert len(victims) >= 3, victims  # torchrun and its two ranks
     for pid in victims:
@@ -107,25 +105,73 @@ ASYNC_BF16 = ["exp_manager.async_checkpointing=true", "exp_manager.save_bf16=tru
               "exp_manager.checkpoint_callback_params.use_master_weights_in_ckpt=true"]
 
 
+def _snapshot(checkpoint_dir: Path) -> dict[str, tuple[int, int]]:
+    """(size, mtime) of every file of every complete checkpoint."""
+    return {str(f.relative_to(checkpoint_dir)): (f.stat().st_size, f.stat().st_mtime_ns)
+            for c in checkpoint_dir.iterdir() if (c / "COMPLETE").is_file() for f in c.iterdir()}
+
+
+def _alive(pids: list[int]) -> list[int]:
+    return [pid for pid in pids if Path(f"/proc/{pid}").exists() and _state(pid) != "Z"]
+
+
 @pytest.fixture(scope="module")
 def killed(kjv_prefix, tmp_path_factory):
-    """Two real 2-rank torchrun launches, each SIGKILLed (torchrun and both ranks) mid-run:
-    - between saves: once the step-4 checkpoint is complete;
-    - during an async save: the step-4 save is made slow and the run killed while it is in flight
-      (training has gone on meanwhile), once step 2's checkpoint is complete. This run saves with
-      save_bf16 + use_master_weights_in_ckpt.
-    What the kill left on disk is recorded before anything reruns."""
+    """Real 2-rank torchrun launches, each ended mid-run, and what they left on disk:
+    - between saves: once the step-4 checkpoint is complete the run is held inside its step-6
+      save (the writer paused after writing); a second launch into the same log dir must exit 2
+      naming the first; then only the launcher gets `kill -9` (its process group, as an OOM killer
+      or `kill -9 -PGID` does), and both ranks must end by themselves within 15 s, leaving the
+      complete checkpoints untouched;
+    - during an async save: the writer is paused inside the step-4 save (the shards of both ranks
+      written, .metadata and COMPLETE not) and torchrun and both ranks are SIGKILLed at once, as a
+      lost node would be, once step 2's checkpoint is complete. This run saves with save_bf16 +
+      use_master_weights_in_ckpt;
+    - preempted: rank 0 sends SIGTERM to torchrun after step 3 (torchrun forwards it to both
+      ranks, as under Slurm or Kubernetes): the ranks finish the step, save, exit 0."""
     between, during = tmp_path_factory.mktemp("killed_between_saves"), tmp_path_factory.mktemp("killed_during_save")
-    proc = _popen(_args(kjv_prefix, between), log=between / "killed.log")
-    _kill_when(proc, lambda: (_ckpt(between, 4) / "COMPLETE").is_file())
-    left = {"between": {"step8_exists": _ckpt(between, 8).exists()}}
+    proc = _popen(_args(kjv_prefix, between), env={"NXDT_TEST_SAVE_HOOK": "6:pause:600"}, log=between / "killed.log")
+    tmp6 = _ckpt(between, 6).parent / (".tmp-" + _ckpt(between, 6).name)
+    _wait_for(proc, lambda: (_ckpt(between, 4) / "COMPLETE").is_file() and len(list(tmp6.glob("*.distcp"))) == 2)
+    second = subprocess.run([sys.executable, str(TRAIN_SCRIPT), *_args(kjv_prefix, between, devices=1)],
+                            capture_output=True, text=True, cwd=REPO, timeout=300,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+    workers, before = _descendants(proc.pid), _snapshot(between / "checkpoints")
+    os.killpg(proc.pid, signal.SIGKILL)  # torchrun only: its ranks run in sessions of their own
+    proc.wait()
+    t0 = time.time()
+    while _alive(workers) and time.time() - t0 < 30:
+        time.sleep(0.1)
+    left = {"between": {"step8_exists": _ckpt(between, 8).exists(), "workers": len(workers),
+                        "workers_alive_after_s": time.time() - t0, "still_alive": _alive(workers),
+                        "second_launch": second, "untouched": _snapshot(between / "checkpoints") == before,
+                        "complete": sorted(c.name for c in (between / "checkpoints").iterdir()
+                                           if (c / "COMPLETE").is_file())}}
 
     tmp4 = _ckpt(during, 4).parent / (".tmp-" + _ckpt(during, 4).name)
-    proc = _popen(_args(kjv_prefix, during, extra=ASYNC_BF16), env={"NXDT_TEST_SLOW_ASYNC_SAVE": "4:600"},
+    proc = _popen(_args(kjv_prefix, during, extra=ASYNC_BF16), env={"NXDT_TEST_SAVE_HOOK": "4:pause:600"},
                   log=during / "killed.log")
-    _kill_when(proc, lambda: len(list(tmp4.glob("rank_*.json"))) == 2 and (_ckpt(during, 2) / "COMPLETE").is_file())
+    _kill_when(proc, lambda: len(list(tmp4.glob("*.distcp"))) == 2 and (_ckpt(during, 2) / "COMPLETE").is_file())
     left["during"] = {"step4_exists": _ckpt(during, 4).exists(), "tmp4_is_dir": tmp4.is_dir()}
-    return {"between": between, "during": during, "left": left}
+
+    preempted = tmp_path_factory.mktemp("preempted")
+    proc = _popen(_args(kjv_prefix, preempted, extra=[f"trainer.callbacks=[{{_target_:fault_callbacks.SignalAt,"
+                                                      f"step:{PREEMPT_AT},signal:SIGTERM,to:launcher}}]"]),
+                  env={"PYTHONPATH": str(REPO / "tests")}, log=preempted / "preempted.log")
+    proc.wait(timeout=300)
+    left["preempted"] = {"log": (preempted / "preempted.log").read_text(), "returncode": proc.returncode}
+    return {"between": between, "during": during, "preempted": preempted, "left": left}
+
+
+PREEMPT_AT = 3  # between two periodic saves (every 2 steps)
+
+
+def _wait_for(proc: subprocess.Popen, ready, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while not ready():
+        assert proc.poll() is None, "the run ended before the point waited for"
+        assert time.time() < deadline, "the point waited for was never reached"
+        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -135,8 +181,16 @@ def runs(killed, kjv_prefix, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("reference")
     argv = {"reference": _args(kjv_prefix, log_dir),
             "rerun_between": _args(kjv_prefix, killed["between"]),
-            "rerun_during": _args(kjv_prefix, killed["during"], extra=ASYNC_BF16)}
-    return {"reference_dir": log_dir, **run_pool(argv, 2, tmp_path_factory.mktemp("pool"))}
+            "rerun_during": _args(kjv_prefix, killed["during"], extra=ASYNC_BF16),
+            "rerun_preempted": _args(kjv_prefix, killed["preempted"])}
+    # rank 1's write of the step-4 checkpoint fails (ENOSPC), in a sync and in an async save
+    failing = tmp_path_factory.mktemp("failed_saves")
+    argv["enospc_rank1"] = _args(kjv_prefix, failing / "sync", extra=["exp_manager.checkpoint_callback_params.save_top_k=1"])
+    argv["enospc_rank1_async"] = _args(kjv_prefix, failing / "async", extra=["exp_manager.async_checkpointing=true"])
+    hook = {"NXDT_TEST_SAVE_HOOK": "4:enospc@1"}
+    procs = run_pool(argv, 2, tmp_path_factory.mktemp("pool"), expect={"enospc_rank1": 1, "enospc_rank1_async": 1},
+                     env={"enospc_rank1": hook, "enospc_rank1_async": hook})
+    return {"reference_dir": log_dir, "failing": failing, **procs}
 
 
 @pytest.fixture(scope="module")
@@ -155,12 +209,55 @@ def test_reference_writes_complete_checkpoints(reference):
     assert not list((Path(log_dir) / "checkpoints").glob(".tmp-*"))
 
 
-def test_sigkill_between_saves_resumes_bit_for_bit(reference, killed, runs):
+def test_a_second_launch_is_refused_and_ranks_end_with_their_launcher(reference, killed, runs):
+    """While the first run lives, a second launch into its log dir exits 2 with one line naming it.
+    After `kill -9` of the launcher alone, both ranks exit within 15 s and the complete checkpoints
+    stay as they were; the relaunch takes over the dead run's lock with a notice and logs the
+    uninterrupted run's losses, bit for bit, from the step-4 checkpoint (step 6 never completed)."""
     _, expected = reference
-    assert not killed["left"]["between"]["step8_exists"]
-    assert "resuming from" in runs["rerun_between"].stdout
-    got = _losses(killed["between"])
-    assert got == expected  # every step, exactly
+    left = killed["left"]["between"]
+    second = left["second_launch"]
+    assert second.returncode == 2, second.stderr[-2000:]
+    assert [line for line in second.stderr.splitlines() if line.startswith("error:")] == [
+        line for line in second.stderr.splitlines() if f"log dir {killed['between']} is in use by another run (pid " in line]
+    assert "is in use by another run" in second.stderr
+    assert left["workers"] >= 2 and not left["still_alive"] and left["workers_alive_after_s"] < 15, left
+    assert left["untouched"] and left["complete"] == [_ckpt(killed["between"], s).name for s in (2, 4)], left
+    assert not left["step8_exists"]
+    out = runs["rerun_between"].stdout
+    assert "note: taking over the run lock of a run that is gone (pid " in out
+    assert f"resuming from {_ckpt(killed['between'], 4)}" in out
+    assert _losses(killed["between"]) == expected  # every step, exactly
+
+
+def test_a_write_error_on_one_rank_fails_the_save_on_every_rank(runs):
+    """Rank 1 cannot write its step-4 shards: both ranks stop (exit 1, checked by run_pool) with the
+    same error, which rank 0 prints once naming rank 1; no step-4 checkpoint or partial directory;
+    step 2 stays complete and is the resume point. The same from an async save's background thread."""
+    for name, kind in (("enospc_rank1", "sync"), ("enospc_rank1_async", "async")):
+        run_dir = runs["failing"] / kind
+        errors = [line for line in runs[name].stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1, runs[name].stderr[-3000:]
+        assert errors[0].startswith(f"error: checkpoint save to {_ckpt(run_dir, 4)} failed: rank 1: OSError: "
+                                    "[Errno 28] No space left on device"), errors
+        assert errors[0].endswith(f"the resume point stays {_ckpt(run_dir, 2)}"), errors
+        assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [_ckpt(run_dir, 2).name], name
+        assert (_ckpt(run_dir, 2) / "COMPLETE").is_file()
+
+
+def test_sigterm_to_torchrun_saves_at_the_step_and_the_relaunch_is_bit_exact(reference, killed, runs):
+    """SIGTERM reaches torchrun after step 3; it forwards it to both ranks, which finish their step,
+    save a complete checkpoint there, say so once and exit 0. The relaunch continues from it and
+    every step's loss equals the uninterrupted run's."""
+    _, expected = reference
+    run_dir, left = killed["preempted"], killed["left"]["preempted"]
+    said = [line for line in left["log"].splitlines() if line.startswith("preempted (SIGTERM) at step ")]
+    assert len(said) == 1, left["log"][-3000:]
+    step = int(said[0].split("at step ")[1].split(":")[0])
+    assert PREEMPT_AT <= step < STEPS and (_ckpt(run_dir, step) / "COMPLETE").is_file(), said
+    assert not (run_dir / "nxdt.lock").exists()  # released
+    assert f"resuming from {_ckpt(run_dir, step)}" in runs["rerun_preempted"].stdout
+    assert _losses(run_dir) == expected
 
 
 def test_sigkill_during_async_save_resumes_from_previous(reference, killed, runs):
@@ -181,8 +278,41 @@ def test_sigkill_during_async_save_resumes_from_previous(reference, killed, runs
           "on disk); resumed losses equal bit for bit")
 
 
+RANDOM_KILL_ARGS = ["exp_manager.async_checkpointing=true", "trainer.max_steps=12"]
+
+
+def _newest_complete(log_dir: Path) -> int:
+    steps = [int(c.name.split("step=")[1].split("-")[0]) for c in (log_dir / "checkpoints").glob("tiny_llama--*")
+             if (c / "COMPLETE").is_file()] if (log_dir / "checkpoints").is_dir() else []
+    return max(steps, default=0)
+
+
 @pytest.fixture(scope="module")
-def one_process(reference, kjv_prefix, tmp_path_factory):
+def random_kills(kjv_prefix, tmp_path_factory):
+    """A seeded random-kill loop on one process with async saves every 2 steps: each launch is
+    SIGKILLed a random 0-0.4 s after it completed a checkpoint newer than the one it started from
+    (so every launch makes progress), three times or until a launch finishes first. The kills land
+    in steps, in background writes and around the rename. The last relaunch is in `one_process`."""
+    rng = random.Random(20)
+    log_dir = tmp_path_factory.mktemp("random_kills")
+    kills = []
+    for attempt in range(3):
+        start = _newest_complete(log_dir)
+        proc = _popen(_args(kjv_prefix, log_dir, devices=1, extra=RANDOM_KILL_ARGS), nproc=1,
+                      log=log_dir / f"launch{attempt}.log")
+        while _newest_complete(log_dir) <= start and proc.poll() is None:
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0, 0.4))
+        if proc.poll() is not None:
+            break  # it finished before the kill point
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        kills.append(_newest_complete(log_dir))
+    return log_dir, kills
+
+
+@pytest.fixture(scope="module")
+def one_process(reference, random_kills, kjv_prefix, tmp_path_factory):
     """The single-process runs from the reference's checkpoints, in one launch (conftest.run_pool):
     dp2 → dp1 saving bf16 without masters, a resume from that, and two bad checkpoints (a
     truncated shard; a model of another shape), which must exit 2 and stay as they were."""
@@ -203,8 +333,21 @@ def one_process(reference, kjv_prefix, tmp_path_factory):
         "other_shape": _args(kjv_prefix, root / "b", devices=1,
                              extra=[f"exp_manager.resume_from_checkpoint={good}", "model.ffn_hidden_size=160"]),
     }
+    argv["random_kills_reference"] = _args(kjv_prefix, root / "uninterrupted", devices=1, extra=RANDOM_KILL_ARGS)
+    argv["random_kills_final"] = _args(kjv_prefix, random_kills[0], devices=1, extra=RANDOM_KILL_ARGS)
     procs = run_pool(argv, 1, root / "pool", expect={"truncated": 2, "other_shape": 2})
-    return {"dirs": {"dp1": dp1, "again": again, "truncated": truncated, "good": good, "shard": shard}, **procs}
+    return {"dirs": {"dp1": dp1, "again": again, "truncated": truncated, "good": good, "shard": shard,
+                     "uninterrupted": root / "uninterrupted"}, **procs}
+
+
+def test_seeded_random_kills_resume_bit_for_bit(random_kills, one_process):
+    """After every kill the run resumes from its newest complete checkpoint; the whole curve equals
+    an uninterrupted run's, step by step, bit for bit."""
+    log_dir, kills = random_kills
+    assert len(kills) >= 2, kills
+    expected = _losses(one_process["dirs"]["uninterrupted"])
+    assert sorted(expected) == list(range(12))
+    assert _losses(log_dir) == expected
 
 
 def test_reshard_dp2_to_dp1_then_bf16_without_masters(reference, one_process):

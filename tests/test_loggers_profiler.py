@@ -22,19 +22,16 @@ import csv
 import io
 import json
 import logging
-import os
 import struct
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from conftest import TINY_OVERRIDES, read_scalars
+from conftest import TINY_OVERRIDES, read_scalars, train_in_process
 from lightning.pytorch.callbacks import Callback
 
-from nxdt.config.load import main_guard
 from nxdt.exp.exp_manager import close_rank_log_file
-from nxdt.training.run import main
 
 STEPS = 5
 LONG_TAG = "t" * 300  # longer than MLflow's parameter values (as Lightning logs them): cut with '…'
@@ -59,25 +56,6 @@ class RecordingCallback(Callback):
         self.steps.append(trainer.global_step)
 
 
-def _train(argv: list[str], env: dict[str, str] | None = None) -> SimpleNamespace:
-    """`nxdt train` in this process: exit status, stdout, stderr. The environment is restored
-    afterwards (Lightning leaves MASTER_PORT & co. in it, the loggers MLFLOW_ALLOW_FILE_STORE)."""
-    environ = dict(os.environ)
-    for name in ("WANDB_DIR", "WANDB_PROJECT", "MLFLOW_TRACKING_URI", "NXDT_RUN_VERSION"):
-        os.environ.pop(name, None)
-    os.environ.update(env or {})
-    out, err = io.StringIO(), io.StringIO()
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            rc = int(main_guard(main)(argv) or 0)
-    except SystemExit as stop:
-        rc = int(stop.code)
-    finally:
-        os.environ.clear()
-        os.environ.update(environ)
-    return SimpleNamespace(rc=rc, out=out.getvalue(), err=err.getvalue())
-
-
 def _args(log_dir: Path, prefix: str, *extra: str) -> list[str]:
     return ["--config-name", "tiny_llama_cpu", *TINY_OVERRIDES, "trainer.devices=1", f"trainer.max_steps={STEPS}",
             "model.optim.sched.warmup_steps=1", f"data.data_prefix=[1.0,{prefix}]",
@@ -91,7 +69,7 @@ def run(kjv_prefix, tmp_path_factory):
     home = root / "wandb_home"  # W&B's settings, cache and artifacts: not the user's home
     env = {**WANDB_ENV, "WANDB_CONFIG_DIR": str(home), "WANDB_CACHE_DIR": str(home), "WANDB_DATA_DIR": str(home)}
     RecordingCallback.built.clear()
-    result = _train(_args(log_dir, kjv_prefix,
+    result = train_in_process(_args(log_dir, kjv_prefix,
                           "exp_manager.create_csv_logger=true", "exp_manager.create_wandb_logger=true",
                           "exp_manager.create_mlflow_logger=true", "exp_manager.create_checkpoint_callback=true",
                           "exp_manager.profiler.enabled=true", "exp_manager.profiler.wait=1",
@@ -197,8 +175,9 @@ def test_user_callback_built_with_its_arguments_saw_every_step_in_order(run):
     assert (callback.tag, callback.every) == (LONG_TAG, 3)
     assert callback.steps == list(range(1, STEPS + 1))
     order = callback.order
-    # the profiler first (its step boundary outside the measured step time), the user's last but the checkpoint
-    assert order[0] == "StepProfiler" and order[-2:] == ["RecordingCallback", "NxdtCheckpoint"], order
+    # the profiler first (its step boundary outside the measured step time), the user's last but the
+    # checkpoint and the fault tolerance (a preemption save after the step's own)
+    assert order[0] == "StepProfiler" and order[-3:] == ["RecordingCallback", "NxdtCheckpoint", "FaultTolerance"], order
 
 
 def test_profiler_trace_holds_exactly_the_active_steps(run):
@@ -228,7 +207,7 @@ def test_bad_input_is_one_line_before_anything_is_written(tmp_path, kjv_prefix, 
     log_dir = tmp_path / "run"
     extra = ["exp_manager.profiler.enabled=true", "exp_manager.create_wandb_logger=true",
              "exp_manager.create_mlflow_logger=true"]
-    result = _train(_args(log_dir, kjv_prefix, *extra, override), WANDB_ENV)
+    result = train_in_process(_args(log_dir, kjv_prefix, *extra, override), WANDB_ENV)
     assert result.rc == 2, result.err[-2000:]
     lines = [line for line in result.err.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and lines[0].startswith(message), result.err[-2000:]

@@ -22,6 +22,7 @@ from nxdt.checkpoint.retention import (
     to_keep,
     write_score,
 )
+from nxdt.checkpoint.save_errors import CheckpointSaveError
 from nxdt.config.alignment import alignment_of
 from nxdt.config.errors import ConfigError
 
@@ -47,10 +48,16 @@ class NxdtCheckpoint(Callback):
 
     The write itself (sharded, atomic, maybe asynchronous) is `nxdt.checkpoint.checkpointer.Checkpointer`,
     reached through `trainer.save_checkpoint` → `NxdtStrategy.save_checkpoint`.
+
+    A save that fails (on any rank: every rank raises the same CheckpointSaveError) stops the run
+    (`on_error="stop"`: the error propagates, one line, exit 1) or is reported and training goes
+    on (`"continue"`); either way the newest complete checkpoint stays the resume point, since
+    pruning only ever runs after a newer checkpoint is complete.
     """
 
     def __init__(self, dirpath: Path, filename: str, save_top_k: int = 1, save_last: bool = False,
-                 every_n_train_steps: int | None = None, monitor: str | None = "step", mode: str = "max") -> None:
+                 every_n_train_steps: int | None = None, monitor: str | None = "step", mode: str = "max",
+                 on_error: str = "stop") -> None:
         self.dirpath = Path(dirpath)
         self.filename = filename
         self.save_top_k = int(save_top_k)
@@ -58,6 +65,7 @@ class NxdtCheckpoint(Callback):
         self.every_n_train_steps = every_n_train_steps or 0
         self.monitor = monitor or "step"
         self.mode = mode
+        self.on_error = on_error
         self._last_saved_step = -1
         self._unscored: tuple[int, Path] | None = None  # saved, waiting for its step's validation
         self._validated_step = -1
@@ -95,7 +103,11 @@ class NxdtCheckpoint(Callback):
         # after the save resumes past them (nxdt.training.step_scalars writes them as they are logged)
         for logger in trainer.loggers:
             logger.save()
-        trainer.save_checkpoint(str(path), weights_only=False)
+        try:
+            trainer.save_checkpoint(str(path), weights_only=False)
+        except CheckpointSaveError as err:
+            self._failed(trainer, err)
+            return
         if not self.by_metric or not trainer.is_global_zero:
             return
         if is_validation_metric(self.monitor) and self._validated_step != step:
@@ -117,9 +129,24 @@ class NxdtCheckpoint(Callback):
             self._score(trainer, *self._unscored)
         self._unscored = None
 
+    def wait_for_save(self, trainer) -> None:
+        """Every rank: until the in-flight save is complete; its failure is handled as `on_error` says."""
+        try:
+            trainer.strategy.checkpointer.wait()
+        except CheckpointSaveError as err:
+            self._failed(trainer, err)
+
+    def _failed(self, trainer, err: CheckpointSaveError) -> None:
+        found = complete_checkpoints(self.dirpath, warn=False)
+        point = f"the resume point stays {found[-1][1]}" if found else "there is no complete checkpoint yet"
+        if self.on_error != "continue":
+            raise CheckpointSaveError(err.path, f"{err.reason}; {point}") from None
+        if trainer.is_global_zero:
+            print(f"warning: {err}; training goes on (exp_manager.on_checkpoint_error=continue); {point}", flush=True)
+
     def on_train_end(self, trainer, pl_module) -> None:
         self.save(trainer)  # the final checkpoint
-        trainer.strategy.checkpointer.wait()
+        self.wait_for_save(trainer)
         trainer.strategy.barrier("nxdt-final-checkpoint")
         peft = alignment_of(pl_module.cfg).peft
         if peft is not None and peft.merge_lora:  # also the merged model, a weights-only start

@@ -21,6 +21,9 @@ other object with pickle.
 Saves may run asynchronously (`exp_manager.async_checkpointing`): the tensors are staged to CPU
 and written by a background thread while training goes on; at most one save is in flight, and
 the marker + rename happen when it has finished (polled after each step, waited for at the end).
+
+A save that fails on any rank fails on every rank (nxdt.checkpoint.save_errors): no `COMPLETE`
+marker, its `.tmp-` directory removed, the previous checkpoint still the newest complete one.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 
 from nxdt.config.errors import ConfigError
+from nxdt.checkpoint.save_errors import CheckpointException, CheckpointSaveError, agree, attempt, describe, writer_class
 from nxdt.checkpoint.lora_state import tensors_to_load, tensors_to_save, write_adapter_config
 from nxdt.checkpoint.dtype import flags, model_keys_for_export, weights_for_load, weights_for_save
 from nxdt.checkpoint.state import (
@@ -68,23 +72,10 @@ FORMAT = "nxdt-checkpoint"
 FORMAT_VERSION = 1
 CONFIG = "config.yaml"
 TMP_PREFIX = ".tmp-"
-# test hook: sleep this many seconds inside the background write of the async save at this step
-SLOW_SAVE_ENV = "NXDT_TEST_SLOW_ASYNC_SAVE"  # "<step>:<seconds>"
 
 
 def rank_file(rank: int) -> str:
     return f"rank_{rank:05d}.json"
-
-
-# --------------------------------------------------------------------------- the writer
-class _SlowWriter(FileSystemWriter):
-    """Test hook (SLOW_SAVE_ENV): a writer that sleeps before writing, inside the async save."""
-
-    delay = 0.0
-
-    def write_data(self, plan, planner):
-        time.sleep(self.delay)
-        return super().write_data(plan, planner)
 
 
 class Checkpointer:
@@ -99,12 +90,21 @@ class Checkpointer:
         self.use_xser = use_xser
         self.on_complete = None
         self._pending: tuple[Future, Path, Path, int] | None = None
+        self._error: str | None = None  # this rank's error from a finished async save, not yet agreed on
+        # the async save every rank started and will agree on in wait(): set on every rank alike,
+        # whichever step each rank's poll() saw it finish at
+        self._to_agree: Path | None = None
         self._group = None
         self._noted: set[str] = set()  # notices already printed (once per run)
 
     @property
     def in_flight(self) -> bool:
         return self._pending is not None
+
+    @property
+    def failed_here(self) -> bool:
+        """An async save failed on this rank (seen by `poll`); `wait` raises it on every rank."""
+        return self._error is not None
 
     def _process_group(self):
         # A dedicated group: the background thread's collectives must not interleave with the
@@ -121,11 +121,9 @@ class Checkpointer:
         if path.is_dir() and is_complete(path):
             return  # already saved (e.g. the final save at a step that was just saved)
         tmp = path.parent / f"{TMP_PREFIX}{path.name}"
-        if rank == 0:
-            if tmp.exists():  # our own leftover from an interrupted attempt at this very step
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
-        strategy.barrier("nxdt-checkpoint-mkdir")
+        group = self._process_group()
+        # every rank learns of a failure on any rank at each phase (a lone raise would hang the others)
+        agree(path, attempt(lambda: _make_tmp(tmp)) if rank == 0 else None, group, rank)
 
         module = strategy.lightning_module
         checkpoint = dict(checkpoint)
@@ -149,51 +147,61 @@ class Checkpointer:
             "scalars": to_json(scalars, "optimizer state"),
             "trainer": to_json(checkpoint, "trainer state"),
         }
-        write_json(tmp / rank_file(rank), per_rank)
-        if rank == 0:
-            meta = {
-                "format": FORMAT,
-                "version": FORMAT_VERSION,
-                "world_size": strategy.world_size,
-                "layout": layout_of(module),
-                "step": int(checkpoint.get("global_step", 0)),
-                "consumed_samples": int(checkpoint.get("consumed_samples", 0)),
-                "torch_version": torch.__version__,
-                "lightning_version": checkpoint.get("pytorch-lightning_version"),
-                "model_source": cfg.model_source if cfg is not None else None,
-                "model_shapes": shapes,
-                "save_bf16": save_bf16,
-                "master_weights": any(k.startswith("master.") for k in tensors),
-                "lora": lora_meta,
-            }
-            write_json(tmp / META, meta)
-            if lora_meta is not None:
-                write_adapter_config(tmp, cfg, shapes)
-                model_bytes = sum(math.prod(shapes[k]) * tensors[k].element_size() for k in shapes
-                                  if k.startswith("model.") and k in tensors)
-                print(f"checkpoint {path.name}: " + ("LoRA adapters only" if lora_meta["adapter_only"] else
-                      "LoRA adapters and base") + f", {model_bytes / 2**20:.2f} MiB of model tensors", flush=True)
-            if cfg is not None:  # the resolved YAML: rerunnable with --config-path/--config-name
-                from nxdt.config.typed import to_yaml
 
-                (tmp / CONFIG).write_text(to_yaml(cfg), encoding="utf-8")
+        def write_state() -> None:
+            write_json(tmp / rank_file(rank), per_rank)
+            if rank == 0:
+                self._write_meta(tmp, strategy, checkpoint, cfg, shapes, save_bf16, tensors, lora_meta)
 
+        agree(path, attempt(write_state), group, rank)
         if self.use_xser:
             _xser_save(tensors, tmp, rank)
             self._finalize(strategy, tmp, path, rank, barrier=True)
             return
         import torch.distributed.checkpoint as dcp
 
-        writer_cls, slow = FileSystemWriter, _slow_delay(int(checkpoint.get("global_step", -1)))
-        if self.async_save and slow:
-            writer_cls = type("SlowWriter", (_SlowWriter,), {"delay": slow})
-        writer = writer_cls(str(tmp), sync_files=True)
+        writer = writer_class(int(checkpoint.get("global_step", -1)), rank)(str(tmp), sync_files=True)
         if self.async_save:
-            future = dcp.async_save(tensors, storage_writer=writer, process_group=self._process_group())
-            self._pending = (future, tmp, path, rank)
-        else:
-            dcp.save(tensors, storage_writer=writer, process_group=self._process_group())
-            self._finalize(strategy, tmp, path, rank, barrier=False)
+            future = dcp.async_save(tensors, storage_writer=writer, process_group=group)
+            self._pending, self._to_agree = (future, tmp, path, rank), path
+            return
+        try:
+            dcp.save(tensors, storage_writer=writer, process_group=group)
+        except CheckpointException as err:  # DCP raised it on every rank
+            _remove_tmp(tmp, rank)
+            raise CheckpointSaveError(path, describe(err)) from None
+        agree(path, attempt(lambda: self._finalize(strategy, tmp, path, rank, barrier=False)), group, rank)
+
+    @staticmethod
+    def _write_meta(tmp, strategy, checkpoint, cfg, shapes, save_bf16, tensors, lora_meta) -> None:
+        """Rank 0: meta.json, the adapter config (LoRA) and config.yaml."""
+        module = strategy.lightning_module
+        meta = {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "world_size": strategy.world_size,
+            "layout": layout_of(module),
+            "step": int(checkpoint.get("global_step", 0)),
+            "consumed_samples": int(checkpoint.get("consumed_samples", 0)),
+            "torch_version": torch.__version__,
+            "lightning_version": checkpoint.get("pytorch-lightning_version"),
+            "model_source": cfg.model_source if cfg is not None else None,
+            "model_shapes": shapes,
+            "save_bf16": save_bf16,
+            "master_weights": any(k.startswith("master.") for k in tensors),
+            "lora": lora_meta,
+        }
+        write_json(tmp / META, meta)
+        if lora_meta is not None:
+            write_adapter_config(tmp, cfg, shapes)
+            model_bytes = sum(math.prod(shapes[k]) * tensors[k].element_size() for k in shapes
+                              if k.startswith("model.") and k in tensors)
+            print(f"checkpoint {tmp.name.removeprefix(TMP_PREFIX)}: " + ("LoRA adapters only" if lora_meta["adapter_only"] else
+                  "LoRA adapters and base") + f", {model_bytes / 2**20:.2f} MiB of model tensors", flush=True)
+        if cfg is not None:  # the resolved YAML: rerunnable with --config-path/--config-name
+            from nxdt.config.typed import to_yaml
+
+            (tmp / CONFIG).write_text(to_yaml(cfg), encoding="utf-8")
 
     def _finalize(self, strategy, tmp: Path, path: Path, rank: int, barrier: bool) -> None:
         # DCP's coordinator (rank 0) writes .metadata only after gathering every rank's write
@@ -208,33 +216,49 @@ class Checkpointer:
                 self.on_complete(path)
 
     def poll(self) -> None:
-        """Finalize a finished async save (call after each step); raises if it failed."""
+        """After each step: finalize a finished async save; a failure is kept (`failed_here`) for
+        `wait` to raise on every rank (no collective here: ranks may see it finish at different steps)."""
         if self._pending is not None and _future(self._pending[0]).done():
-            self.wait()
+            self._complete()
 
     def wait(self) -> None:
-        """Block until the in-flight save (if any) has finished, then finalize it."""
-        if self._pending is None:
-            return
+        """Block until the in-flight save (if any) has finished and finalize it; then, on every rank
+        (all ranks call this at the same point), raise CheckpointSaveError if it failed on any."""
+        if self._pending is not None:
+            self._complete()
+        path, self._to_agree = self._to_agree, None
+        error, self._error = self._error, None
+        if path is not None:
+            agree(path, error, self._process_group(), dist.get_rank() if dist.is_initialized() else 0)
+
+    def _complete(self) -> None:
         future, tmp, path, rank = self._pending
         self._pending = None
         try:
             _future(future).result()
-        except Exception as err:
-            raise RuntimeError(f"asynchronous checkpoint save to {path} failed on rank {rank}: {err}") from err
-        self._finalize(None, tmp, path, rank, barrier=False)
+        except BaseException as err:  # DCP's CheckpointException is a BaseException
+            if not isinstance(err, (Exception, CheckpointException)):
+                raise
+            _remove_tmp(tmp, rank)
+            self._error = describe(err)
+            return
+        self._error = attempt(lambda: self._finalize(None, tmp, path, rank, barrier=False))
+
+
+def _make_tmp(tmp: Path) -> None:
+    if tmp.exists():  # our own leftover from an interrupted attempt at this very step
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+
+
+def _remove_tmp(tmp: Path, rank: int) -> None:
+    """Rank 0, after a failed save: free the space a partial write took (never a complete checkpoint)."""
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _future(response):
     return getattr(response, "upload_completion", response)  # AsyncSaveResponse or Future
-
-
-def _slow_delay(step: int) -> float:
-    spec = os.environ.get(SLOW_SAVE_ENV)
-    if not spec:
-        return 0.0
-    at, seconds = spec.split(":")
-    return float(seconds) if int(at) == step else 0.0
 
 
 def _fsync_dir(path: Path) -> None:

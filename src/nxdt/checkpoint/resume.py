@@ -15,7 +15,6 @@ by `ResumeHelper` (weights only).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +24,7 @@ from lightning.pytorch.callbacks import Callback
 from nxdt.checkpoint.callbacks import NxdtCheckpoint, check_checkpoint_params
 from nxdt.checkpoint.retention import complete_checkpoints
 from nxdt.config.errors import ConfigError
+from nxdt.config.load import global_rank as _global_rank
 
 if TYPE_CHECKING:
     from nxdt.exp.exp_manager import ExpDirs
@@ -54,7 +54,7 @@ def setup_checkpointing(cfg, dirs) -> tuple[ResumePlan, list]:
         callbacks.append(NxdtCheckpoint(
             dirpath=dirs.checkpoint_dir, filename=params.filename, save_top_k=params.save_top_k,
             save_last=params.save_last, every_n_train_steps=params.every_n_train_steps,
-            monitor=params.monitor, mode=params.mode))
+            monitor=params.monitor, mode=params.mode, on_error=exp.on_checkpoint_error))
     return plan, callbacks
 
 
@@ -140,10 +140,6 @@ def load_plan_weights(strategy, plan: ResumePlan, cfg) -> None:
     if plan.base is not None:
         load_checkpoint(strategy, plan.base, cfg, weights_only=True, frozen_only=True)
     load_checkpoint(strategy, plan.path, cfg, weights_only=plan.weights_only, model_only=not plan.weights_only)
-
-
-def _global_rank() -> int:
-    return int(os.environ.get("RANK", os.environ.get("GLOBAL_RANK", "0")))
 
 
 class ResumeHelper(Callback):

@@ -296,9 +296,21 @@ def _hydra_compose(config_dir: Path, config_name: str, overrides: list[str], con
     return user
 
 
-def is_rank_zero(environ: Any = None) -> bool:
+def global_rank(environ: Any = None) -> int:
+    """This process's global rank, from its launcher's environment (before any process group exists).
+
+    torchrun sets RANK. Lightning's own launcher (`trainer.devices=2` without torchrun) sets only
+    LOCAL_RANK (and NODE_RANK) in the processes it starts, and nothing in the first one: there the
+    rank is LOCAL_RANK + NODE_RANK, exact on one node and zero only for rank 0 on several."""
     environ = os.environ if environ is None else environ
-    return environ.get("RANK", "0") in ("", "0")
+    for name in ("RANK", "GLOBAL_RANK"):
+        if environ.get(name, "") != "":
+            return int(environ[name])
+    return int(environ.get("LOCAL_RANK", "") or 0) + int(environ.get("NODE_RANK", "") or 0)
+
+
+def is_rank_zero(environ: Any = None) -> bool:
+    return global_rank(environ) == 0
 
 
 def report(message: str, stream: Any = None) -> None:

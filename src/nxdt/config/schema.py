@@ -176,6 +176,16 @@ class ExpManagerConfig:
     resume_from_checkpoint: Optional[str] = doc(None, "checkpoint directory to load at start")
     ckpt_ptl_version: Optional[str] = doc(None, "Lightning version recorded in (or expected of) checkpoints")
     samples: SamplesConfig = doc(SamplesConfig, "text generated during training (prompts, interval), to TensorBoard and the log")
+    # ---- fault tolerance (docs/fault-tolerance.md)
+    preemption_signals: List[str] = doc(
+        ["SIGTERM", "SIGUSR1"], "signals that mean 'preempted': finish the step, save a checkpoint, exit 0 "
+                                "(Slurm: --signal=USR1@120); [] = the signal's default action")
+    requeue_on_preemption: bool = doc(True, "in a Slurm batch job, rank 0 runs 'scontrol requeue' after the preemption save")
+    on_checkpoint_error: Literal["stop", "continue"] = doc(
+        "stop", "a save that fails (disk full, a rank's write error): stop the run with one line, or log it and "
+                "keep training (the last complete checkpoint stays the resume point either way)")
+    run_lock: bool = doc(True, "hold <log_dir>/nxdt.lock while the run lives: a second launch into the log dir exits 2")
+    run_lock_lease: int = doc(600, "seconds without a heartbeat after which a lock held from another host counts as stale", ge=10)
 
 
 # --------------------------------------------------------------------------- distributed_strategy

@@ -36,6 +36,7 @@ from nxdt.config.alignment import alignment_notices, alignment_of, check_alignme
 from nxdt.config.arch_checks import check_architecture, check_hf_layouts
 from nxdt.config.moe_checks import canonical_gate_type, check_expert_parallel, check_moe, check_moe_layouts_supported
 from nxdt.config.inert import NOT_SUPPORTED_YET, backend_of, inert_notice
+from nxdt.config.signals import parse_signals
 from nxdt.config.sample_checks import check_samples
 from nxdt.config.optim_keys import check_optim_parallel, sched_rules
 from nxdt.config.sharding import sharding_mode_of
@@ -487,6 +488,7 @@ def check_cross(cfg: Any, world_size: int | None = None) -> None:
     check_architecture(cfg, head_dim)
     check_alignment(cfg)
     check_samples(cfg)
+    parse_signals(cfg.exp_manager.preemption_signals)
     if not re.fullmatch(r"\s*\d+(\.\d+)?\s*(,\s*\d+(\.\d+)?\s*){2}", data.splits_string):
         raise ConfigError(f"data.splits_string: expected three comma-separated numbers like '980,10,10', "
                           f"got '{data.splits_string}'")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nxdt.config.typed import to_container, to_yaml
+from nxdt.config.load import global_rank as _global_rank
 
 
 VERSION_ENV = "NXDT_RUN_VERSION"
@@ -82,10 +83,6 @@ def resolve_dirs(cfg) -> ExpDirs:
     return ExpDirs(log_dir=log_dir.absolute(), checkpoint_dir=(log_dir / "checkpoints").absolute())
 
 
-def _global_rank() -> int:
-    return int(os.environ.get("RANK", os.environ.get("GLOBAL_RANK", "0")))
-
-
 def _local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
@@ -127,13 +124,13 @@ def setup_rank_log_file(log_dir: Path, log_local_rank_0_only: bool) -> Path | No
     return path
 
 
-def setup_exp_manager(cfg, dirs: ExpDirs, global_rank: int) -> list:
+def setup_exp_manager(cfg, dirs: ExpDirs, global_rank: int, loggers: list) -> list:
     """Create the log dir (rank 0 writes the resolved config.yaml there), this rank's log file and
-    the loggers; returns the loggers. Call after `nxdt.checkpoint.resume.setup_checkpointing`, whose
-    checks (a resume that cannot happen) must fail before anything is written; the loggers' own
-    checks (a missing package, an unknown argument) run here first, for the same reason."""
+    the loggers (`loggers`: already built by `build_loggers`); returns the loggers. Call after
+    `nxdt.checkpoint.resume.setup_checkpointing`, whose checks (a resume that cannot happen) must
+    fail before anything is written; the loggers' own checks (a missing package, an unknown
+    argument) run in `build_loggers` first, for the same reason."""
     exp = cfg.exp_manager
-    loggers = build_loggers(cfg, dirs)  # checks first: nothing written yet
     if global_rank == 0:
         dirs.log_dir.mkdir(parents=True, exist_ok=True)
         # the resolved YAML, rerunnable with --config-path <log_dir> --config-name config

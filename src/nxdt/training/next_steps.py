@@ -42,18 +42,19 @@ def launch_prefix(environ=None) -> list[str]:
 
 
 def format_next_steps(checkpoint: Path | None, log_dir: Path, argv: list[str], max_steps: int,
-                      environ=None) -> str:
-    """The closing lines of a run (rank 0)."""
+                      environ=None, preempted: bool = False) -> str:
+    """The closing lines of a run (rank 0). A finished run's resume command trains as many steps
+    again; a preempted run's continues to its own max_steps."""
     lines = []
     if checkpoint is not None:
         args = [a for a in argv if not a.startswith(_REPLACED)]
         resume = [*launch_prefix(environ), *map(shlex.quote, args),
                   shlex.quote(f"exp_manager.resume_from_checkpoint={shown(checkpoint)}"),
-                  f"trainer.max_steps={2 * max_steps}"]
+                  f"trainer.max_steps={max_steps if preempted else 2 * max_steps}"]
         nxdt = _tool("nxdt")
         lines += [
             f"checkpoint   {shown(checkpoint)}",
-            f"resume       {' '.join(resume)}",
+            f"{'continue' if preempted else 'resume':<12} {' '.join(resume)}",
             f"sample       {nxdt} generate --checkpoint {shlex.quote(shown(checkpoint))} --prompt 'And God said' --stream",
             f"evaluate     {nxdt} evaluate --checkpoint {shlex.quote(shown(checkpoint))}",
         ]

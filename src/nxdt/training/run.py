@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from nxdt.config.load import global_rank as _global_rank
 
 REPO_CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
 
@@ -16,10 +17,6 @@ REPO_CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
 def _world_size_from_env() -> int | None:
     value = os.environ.get("WORLD_SIZE")
     return int(value) if value else None
-
-
-def _global_rank() -> int:
-    return int(os.environ.get("RANK", os.environ.get("GLOBAL_RANK", "0")))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,8 +67,11 @@ def run_job(cl, overrides: list[str], log_dir=None, job_num: int = 0, loaded=Non
 
     cfg, record = loaded or load_job(cl, overrides, log_dir)
     apply_env(cfg)  # the Neuron-only keys it finds inert are in load_config's notice (nxdt.config.inert)
+    from nxdt.checkpoint.save_errors import CheckpointSaveError
     from nxdt.precision.precision import NumericalInstabilityError
+    from nxdt.training.launcher_watchdog import watch_launcher
 
+    watch_launcher()  # a rank whose launcher is gone (kill -9 of torchrun) exits instead of living on
     try:
         if cfg.trainer.max_epochs == 0:  # evaluate only: the checkpoint the run would start from
             from nxdt.training.evaluate import evaluate_only
@@ -83,6 +83,10 @@ def run_job(cl, overrides: list[str], log_dir=None, job_num: int = 0, loaded=Non
         if _global_rank() == 0:
             print(f"error: {err}", file=sys.stderr, flush=True)
         return 3
+    except CheckpointSaveError as err:  # a save failed on some rank: one line, exit 1
+        if _global_rank() == 0:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 
@@ -254,13 +258,7 @@ def train(cfg, hydra_job=None):
     import lightning.pytorch as pl
 
     from nxdt.checkpoint.resume import setup_checkpointing
-    from nxdt.checkpoint.callbacks import NxdtCheckpoint
-    from nxdt.data.select import build_datamodule
-    from nxdt.exp.exp_manager import resolve_dirs, setup_exp_manager
-    from nxdt.training.callbacks import MemoryMonitor, RunFigures, RunSummary, ThroughputMonitor
-    from nxdt.training.finetuning import check_lora_targets
-    from nxdt.training.module import NxdtLightningModule
-    from nxdt.training.progress import StepProgressBar
+    from nxdt.exp.exp_manager import build_loggers, resolve_dirs
     from nxdt.training.user_callbacks import extra_callbacks
 
     quiet_lightning()
@@ -273,7 +271,41 @@ def train(cfg, hydra_job=None):
     # after it); the user's trainer.callbacks after nxdt's own. Both may refuse, before anything is written
     profiler, user_callbacks = extra_callbacks(cfg, dirs.log_dir, layout.world_size, _global_rank())
     callbacks = profiler + callbacks
-    loggers = setup_exp_manager(cfg, dirs, _global_rank())
+    loggers = build_loggers(cfg, dirs)  # a missing package or a bad logger argument: refused, nothing written
+    lock = take_run_lock(cfg, dirs.log_dir)  # one writer per log dir; before anything is written
+    try:
+        return _train(cfg, hydra_job, layout, mesh_shape, dirs, resume, callbacks, user_callbacks, loggers, lock)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def take_run_lock(cfg, log_dir):
+    """Rank 0 takes <log_dir>/nxdt.lock (the other ranks only check it); None when exp_manager.run_lock=false
+    or on other ranks. ConfigError: another live run holds it, it cannot be parsed, or the dir is not writable."""
+    from nxdt.exp.run_lock import RunLock, check_run_lock
+
+    exp = cfg.exp_manager
+    if not exp.run_lock:
+        return None
+    if _global_rank() != 0:
+        check_run_lock(log_dir, exp.run_lock_lease)
+        return None
+    return RunLock.acquire(log_dir, exp.run_lock_lease, notice=lambda line: print(line, flush=True))
+
+
+def _train(cfg, hydra_job, layout, mesh_shape, dirs, resume, callbacks, user_callbacks, loggers, lock):
+    """train() once the log dir is ours: the loggers, callbacks, trainer, data and model; then fit."""
+    from nxdt.checkpoint.callbacks import NxdtCheckpoint
+    from nxdt.data.select import build_datamodule
+    from nxdt.exp.exp_manager import setup_exp_manager
+    from nxdt.training.callbacks import MemoryMonitor, RunFigures, RunSummary, ThroughputMonitor
+    from nxdt.training.fault_tolerance import FaultTolerance, requeue_slurm_job
+    from nxdt.training.finetuning import check_lora_targets
+    from nxdt.training.module import NxdtLightningModule
+    from nxdt.training.progress import StepProgressBar
+
+    setup_exp_manager(cfg, dirs, _global_rank(), loggers)
     if hydra_job is not None and _global_rank() == 0:
         write_hydra_job(dirs.log_dir, *hydra_job)
     figures = RunFigures(cfg)  # nxdt plan's figures and the device's peak, once, at fit start
@@ -290,6 +322,9 @@ def train(cfg, hydra_job=None):
     # checkpointing last (Lightning's order for its own checkpoint callbacks): a step's scalars,
     # throughput included, are all logged before the step's checkpoint is saved
     callbacks.sort(key=lambda callback: isinstance(callback, NxdtCheckpoint))
+    # after the step's own save: a preemption save then finds the step saved, or saves it
+    fault_tolerance = FaultTolerance(cfg)
+    callbacks.append(fault_tolerance)
     trainer = build_trainer(cfg, layout, mesh_shape, loggers, callbacks)
     # custom (data.data_module) > SFT > dummy > data.datasets > HF (train_dir) > Megatron
     datamodule = build_datamodule(cfg, trainer)
@@ -300,16 +335,25 @@ def train(cfg, hydra_job=None):
 
         trainer.callbacks.append(SampleGenerator(cfg, sample_tokenizer(cfg, datamodule), datamodule.vocab_size))
     ckpt_path = resume.full_resume  # weights only: ResumeHelper loads them
-    trainer.fit(module, datamodule=datamodule, ckpt_path=str(ckpt_path) if ckpt_path else None)
+    fault_tolerance.install()  # a preemption signal during fit's setup (model build, checkpoint load) counts too
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=str(ckpt_path) if ckpt_path else None)
+    finally:
+        fault_tolerance.restore()  # the signal handlers from before the run
+    if fault_tolerance.preempted_at is not None:
+        if lock is not None:
+            lock.release()  # before the requeue: the job's next instance may start as soon as this one ends
+        if trainer.is_global_zero and fault_tolerance.requeue:
+            requeue_slurm_job()
     if trainer.is_global_zero:
         final = {k: float(v) for k, v in trainer.callback_metrics.items() if k in ("reduced_train_loss", "val_loss")}
         if final:
             print("final " + "  ".join(f"{k}={v:.4f}" for k, v in sorted(final.items())), flush=True)
-        print_next_steps(cfg, dirs, hydra_job)
+        print_next_steps(cfg, dirs, hydra_job, preempted=fault_tolerance.preempted_at is not None)
     return trainer, module
 
 
-def print_next_steps(cfg, dirs, hydra_job) -> None:
+def print_next_steps(cfg, dirs, hydra_job, preempted: bool = False) -> None:
     """Rank 0, at the end: the checkpoint and the commands that resume, sample, evaluate and report."""
     from nxdt.checkpoint.retention import complete_checkpoints
     from nxdt.training.next_steps import format_next_steps
@@ -319,7 +363,8 @@ def print_next_steps(cfg, dirs, hydra_job) -> None:
     argv = cl.argv if cl is not None and not cl.multirun else None
     checkpoint = found[-1][1] if found and argv is not None else None
     print(f"logs         {dirs.log_dir}", flush=True)
-    print(format_next_steps(checkpoint, dirs.log_dir, argv or [], cfg.trainer.max_steps), flush=True)
+    print(format_next_steps(checkpoint, dirs.log_dir, argv or [], cfg.trainer.max_steps, preempted=preempted),
+          flush=True)
 
 
 def write_hydra_job(log_dir, cl, record: dict, job_num: int, overrides: list[str]) -> None:

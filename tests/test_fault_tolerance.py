@@ -1,0 +1,235 @@
+"""Crash safety in one process (issue 20): preemption signals, failed saves, the run lock, bad input.
+
+The multi-process faults (a dead launcher, two launches into one directory, SIGTERM to torchrun,
+kill -9 inside a save, a seeded random-kill loop) are in tests/test_checkpoint_resume.py, which
+shares their reference runs; a real Slurm job is in tests/test_slurm.py.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, TINY_OVERRIDES, read_scalars, train_in_process
+
+from nxdt.config.errors import ConfigError
+from nxdt.config.load import load_config
+from nxdt.config.signals import parse_signals
+from nxdt.exp.exp_manager import close_rank_log_file
+from nxdt.exp.run_lock import LOCK, RunLock, check_run_lock, holder_record, read_lock
+
+STEPS = 8
+sys.path.insert(0, str(REPO / "tests"))  # fault_callbacks.SignalAt, for trainer.callbacks
+
+
+def _args(log_dir: Path, prefix: str, *extra: str) -> list[str]:
+    return ["--config-name", "tiny_llama_cpu", *TINY_OVERRIDES, "trainer.devices=1", f"trainer.max_steps={STEPS}",
+            "model.optim.lr=1e-2", "model.optim.sched.warmup_steps=2", f"data.data_prefix=[1.0,{prefix}]",
+            f"exp_manager.explicit_log_dir={log_dir}", "exp_manager.create_checkpoint_callback=true",
+            "exp_manager.checkpoint_callback_params.every_n_train_steps=2",
+            "exp_manager.resume_if_exists=true", "exp_manager.resume_ignore_no_checkpoint=true", *extra]
+
+
+def _ckpt(log_dir: Path, step: int) -> Path:
+    return log_dir / "checkpoints" / f"tiny_llama--step={step}-consumed_samples={8.0 * step}"
+
+
+@pytest.fixture(autouse=True)
+def _close_log_file():
+    yield
+    close_rank_log_file()  # the in-process runs' log files (and warnings routed to them)
+    logging.captureWarnings(False)
+
+
+@pytest.fixture(scope="module")
+def reference(kjv_prefix, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("ft") / "reference"
+    result = train_in_process(_args(log_dir, kjv_prefix, "exp_manager.checkpoint_callback_params.save_top_k=-1"))
+    assert result.rc == 0, result.err[-3000:]
+    losses = read_scalars(log_dir)["reduced_train_loss"]
+    assert sorted(losses) == list(range(STEPS))
+    return losses
+
+
+# --------------------------------------------------------------------------- preemption
+def test_preemption_signal_saves_exits_0_and_the_relaunch_continues_bit_for_bit(reference, kjv_prefix, tmp_path):
+    """SIGUSR1 (Slurm's --signal=USR1@120) at step 3, between two periodic saves: the step is
+    finished, a complete step-3 checkpoint saved, exit 0; the relaunch resumes from it and logs
+    every step's loss exactly as the uninterrupted run; the handlers before the run are back."""
+    log_dir = tmp_path / "preempted"
+    before = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)
+    callback = "trainer.callbacks=[{_target_:fault_callbacks.SignalAt,step:3,signal:SIGUSR1}]"
+    first = train_in_process(_args(log_dir, kjv_prefix, callback))
+    assert first.rc == 0, first.err[-3000:]
+    assert f"preempted (SIGUSR1) at step 3: checkpoint {_ckpt(log_dir, 3).name} saved" in first.out
+    assert (_ckpt(log_dir, 3) / "COMPLETE").is_file() and not _ckpt(log_dir, 4).exists()
+    assert sorted(read_scalars(log_dir)["reduced_train_loss"]) == [0, 1, 2]
+    relaunch = [line for line in first.out.splitlines() if line.startswith("continue     ")]
+    assert len(relaunch) == 1 and relaunch[0].endswith(f"exp_manager.resume_from_checkpoint={_ckpt(log_dir, 3)} "
+                                                       f"trainer.max_steps={STEPS}"), relaunch  # not 2 x max_steps
+    assert (signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)) == before
+    assert not (log_dir / LOCK).exists()  # released
+
+    second = train_in_process(_args(log_dir, kjv_prefix))
+    assert second.rc == 0, second.err[-3000:]
+    assert f"resuming from {_ckpt(log_dir, 3)}" in second.out
+    assert read_scalars(log_dir)["reduced_train_loss"] == reference  # every step, bit for bit
+
+
+def test_preemption_signal_names_are_checked():
+    assert [s.name for s in parse_signals(["SIGTERM", "usr1", "TERM"])] == ["SIGTERM", "SIGUSR1"]
+    conf = str(REPO / "conf")
+    for value, says in (("[SIGTREM]", "exp_manager.preemption_signals[0]: 'SIGTREM' is not a signal name; "
+                                      "did you mean SIGTERM?"),
+                        ("[SIGTERM,KILL]", "exp_manager.preemption_signals[1]: SIGKILL cannot be caught")):
+        with pytest.raises(ConfigError) as err:
+            load_config(["--config-path", conf, "--config-name", "tiny_llama_cpu",
+                         f"exp_manager.preemption_signals={value}"], check_paths=False, quiet=True)
+        assert str(err.value).startswith(says), str(err.value)
+
+
+# --------------------------------------------------------------------------- failed saves
+def test_a_failed_save_stops_the_run_keeps_the_previous_checkpoint_and_names_path_and_error(kjv_prefix, tmp_path):
+    """The step-4 write fails with ENOSPC (save_top_k=1, so step 2 is the only other checkpoint):
+    one line naming the checkpoint, the rank and the error, and the resume point; exit 1; no step-4
+    directory or marker, its partial write removed; step 2 kept and complete; the lock released."""
+    log_dir = tmp_path / "enospc"
+    result = train_in_process(_args(log_dir, kjv_prefix), env={"NXDT_TEST_SAVE_HOOK": "4:enospc"})
+    assert result.rc == 1, result.err[-3000:]
+    errors = [line for line in result.err.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: checkpoint save to {_ckpt(log_dir, 4)} failed: rank 0: OSError: [Errno 28] No space "
+                      f"left on device: '{_ckpt(log_dir, 4).parent / ('.tmp-' + _ckpt(log_dir, 4).name)}'; "
+                      f"the resume point stays {_ckpt(log_dir, 2)}"], result.err[-2000:]
+    assert sorted(p.name for p in (log_dir / "checkpoints").iterdir()) == [_ckpt(log_dir, 2).name]
+    assert (_ckpt(log_dir, 2) / "COMPLETE").is_file()
+    assert sorted(read_scalars(log_dir)["reduced_train_loss"]) == [0, 1, 2, 3]
+    assert not (log_dir / LOCK).exists()
+
+
+def test_an_async_save_error_surfaces_at_the_next_step_and_continue_keeps_training(kjv_prefix, tmp_path):
+    """async_checkpointing: the step-4 write fails in the background thread. With the default
+    (stop) the run ends at a later step's end with the error, never silently; with
+    on_checkpoint_error=continue it says so once and trains on, and the next save (step 6) is
+    complete, while retention (save_top_k=1) kept step 2 until then."""
+    env = {"NXDT_TEST_SAVE_HOOK": "4:enospc"}
+    stopped = train_in_process(_args(tmp_path / "stop", kjv_prefix, "exp_manager.async_checkpointing=true"), env)
+    assert stopped.rc == 1 and "error: checkpoint save to" in stopped.err and "No space left" in stopped.err
+    steps = sorted(read_scalars(tmp_path / "stop")["reduced_train_loss"])
+    assert 4 <= steps[-1] < STEPS - 1, steps  # stopped after the step that saw it, before the end
+    assert (_ckpt(tmp_path / "stop", 2) / "COMPLETE").is_file() and not _ckpt(tmp_path / "stop", 4).exists()
+
+    log_dir = tmp_path / "continue"
+    went_on = train_in_process(_args(log_dir, kjv_prefix, "exp_manager.async_checkpointing=true",
+                                     "exp_manager.on_checkpoint_error=continue"), env)
+    assert went_on.rc == 0, went_on.err[-3000:]
+    warnings = [line for line in went_on.out.splitlines() if line.startswith("warning: checkpoint save")]
+    assert len(warnings) == 1 and warnings[0].endswith(
+        f"training goes on (exp_manager.on_checkpoint_error=continue); the resume point stays {_ckpt(log_dir, 2)}")
+    assert sorted(read_scalars(log_dir)["reduced_train_loss"]) == list(range(STEPS))
+    assert sorted(p.name for p in (log_dir / "checkpoints").iterdir()) == [_ckpt(log_dir, 8).name]
+
+
+# --------------------------------------------------------------------------- the run lock
+def _write_lock(log_dir: Path, **holder) -> Path:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    path = log_dir / LOCK
+    path.write_text(json.dumps({**holder_record(["train.py"]), "run_id": "other-run", "launcher_pid": None,
+                                **holder}))
+    return path
+
+
+def test_run_lock_is_taken_released_and_refuses_a_live_holder(tmp_path):
+    lock = RunLock.acquire(tmp_path / "run", lease_s=600, command=["train.py", "a=1"])
+    holder = json.loads((tmp_path / "run" / LOCK).read_text())
+    assert (holder["host"], holder["pid"], holder["command"]) == (socket.gethostname(), os.getpid(), "train.py a=1")
+    lock.release()
+    assert not (tmp_path / "run" / LOCK).exists()
+
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        from nxdt.exp.run_lock import _pid_start
+
+        for _ in range(50):  # its /proc entry is there once it runs
+            if _pid_start(live.pid) is not None:
+                break
+            time.sleep(0.05)
+        path = _write_lock(tmp_path / "busy", pid=live.pid, pid_start=_pid_start(live.pid))
+        text = path.read_text()
+        for take in (lambda: RunLock.acquire(tmp_path / "busy", 600), lambda: check_run_lock(tmp_path / "busy", 600)):
+            with pytest.raises(ConfigError) as err:
+                take()
+            assert str(err.value).startswith(f"log dir {tmp_path / 'busy'} is in use by another run (pid {live.pid} "
+                                              f"on {socket.gethostname()}, started ")
+        assert path.read_text() == text  # nothing changed
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_a_stale_lock_is_taken_over_with_a_notice(tmp_path):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    _write_lock(tmp_path / "dead", pid=gone.pid, pid_start=12345)
+    notes = []
+    RunLock.acquire(tmp_path / "dead", 600, notice=notes.append).release()
+    assert len(notes) == 1 and notes[0].startswith(f"note: taking over the run lock of a run that is gone (pid {gone.pid}")
+
+    # another host: alive while its heartbeat is younger than the lease, stale after
+    path = _write_lock(tmp_path / "remote", host="another-node", pid=1)
+    with pytest.raises(ConfigError, match="in use by another run .pid 1 on another-node"):
+        RunLock.acquire(tmp_path / "remote", 600)
+    os.utime(path, (time.time() - 700, time.time() - 700))
+    check_run_lock(tmp_path / "remote", 600)  # the other ranks see it stale too
+    notes.clear()
+    RunLock.acquire(tmp_path / "remote", 600, notice=notes.append).release()
+    assert len(notes) == 1 and "pid 1 on another-node" in notes[0]
+
+
+def test_bad_lock_and_unwritable_log_dir_are_one_line_and_nothing_is_deleted(tmp_path, monkeypatch):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / LOCK).write_text("{not json")
+    with pytest.raises(ConfigError) as err:
+        RunLock.acquire(bad, 600)
+    assert str(err.value).startswith(f"run lock {bad / LOCK} cannot be parsed (")
+    assert str(err.value).endswith(f"if no run uses {bad}, delete {LOCK} and launch again")
+    assert (bad / LOCK).read_text() == "{not json"
+
+    def read_only(self, *args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    with pytest.raises(ConfigError) as err:
+        RunLock.acquire(tmp_path / "ro" / "run", 600)
+    assert str(err.value) == (f"exp_manager: cannot write to the log dir {tmp_path / 'ro' / 'run'}: Read-only file "
+                              "system (set exp_manager.explicit_log_dir or exp_manager.exp_dir to a writable place)")
+
+
+def test_a_second_launch_into_a_live_runs_log_dir_exits_2_and_writes_nothing(kjv_prefix, tmp_path):
+    log_dir = tmp_path / "taken"
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        time.sleep(0.3)
+        from nxdt.exp.run_lock import _pid_start
+
+        _write_lock(log_dir, pid=live.pid, pid_start=_pid_start(live.pid), command="python examples/train.py x=1")
+        result = train_in_process(_args(log_dir, kjv_prefix))
+    finally:
+        live.kill()
+        live.wait()
+    assert result.rc == 2
+    errors = [line for line in result.err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"is in use by another run (pid {live.pid}" in errors[0]
+    assert errors[0].endswith("python examples/train.py x=1); wait for it to end, or set "
+                              "exp_manager.explicit_log_dir to another directory")
+    assert sorted(p.name for p in log_dir.iterdir()) == [LOCK]  # no config.yaml, logs or checkpoints
+    assert read_lock(log_dir).holder["pid"] == live.pid
