@@ -30,8 +30,12 @@ demo: setup data
 	$(BIN)/torchrun --standalone --nproc_per_node $(NPROC) examples/train.py --config-name tiny_llama_cpu \
 		exp_manager.create_checkpoint_callback=true $(ARGS)
 
+# two pytest workers on the 2-core machines this runs on: one takes the longest module while the
+# other works through the rest (tests/conftest.py starts the long modules first)
+TEST_WORKERS ?= 2
+
 test: setup
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)

@@ -39,6 +39,9 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args()
+    from nxdt.hardware import machine_line
+
+    print(machine_line(), flush=True)
 
     torch.manual_seed(0)
     model = NxdtLlamaForCausalLM(LlamaArgs(vocab_size=a.vocab, hidden_size=a.hidden, num_layers=a.layers,

@@ -242,9 +242,9 @@ def main(argv=None) -> int:
 
     import torch
 
-    from nxdt.hardware import cpu_model
+    from nxdt.hardware import machine_line
 
-    print(f"\nCPU: {cpu_model()}; torch CPU capability: {torch.backends.cpu.get_cpu_capability()}")
+    print("\n" + machine_line())
     print(f"bundled corpus: {args.chapters} chapters; seq {SEQ}, global batch {GBS}; 1 process, num_workers=0")
     print(f"training (tiny demo model, 1 process): {train:,.1f} samples/s = {train * SEQ:,.0f} tokens/s\n")
     print(f"{'what':<30} {'rate':>14}   {'x training':>10}")

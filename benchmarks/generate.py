@@ -258,17 +258,6 @@ def report(groups: dict[int, list[Way]], agree: dict[int, str], n: int, judge: b
 # --------------------------------------------------------------------------- main
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--quick", action="store_true", help="a small model, 64 new tokens, 3 repeats (a smoke run)")
@@ -296,8 +285,9 @@ def main(argv=None) -> int:
     import transformers
     transformers.logging.set_verbosity_error()
 
-    print(f"CPU: {cpu_model()} ({os.cpu_count()} logical CPUs), torch CPU capability "
-          f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} torch threads")
+    from nxdt.hardware import machine_line
+
+    print(f"{machine_line()}; {os.cpu_count()} logical CPUs")
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, python {platform.python_version()}")
     print(f"model: {s.describe()}; batches {', '.join(map(str, batches))}; greedy, no EOS; "
           f"{repeats} interleaved repeats, medians")

@@ -362,8 +362,10 @@ def main(argv=None) -> int:
         peft_version = f"peft {peft.__version__}"
     except ImportError:
         peft_version = "peft not installed"
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {peft_version}; "
-          f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} torch threads")
+    from nxdt.hardware import machine_line
+
+    print(machine_line())
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {peft_version}")
     print(f"model: {s.describe()}; LoRA rank {args.rank}, alpha {args.alpha:g}, "
           f"on q/k/v/o/gate/up/down of every block")
     print(f"AdamW lr {OPTIM['lr']:g}; ~{args.target_s:g} s of steps x {args.repeats} interleaved repeats per way, "

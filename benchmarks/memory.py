@@ -123,6 +123,10 @@ def main():
     from nxdt.parallel.mesh import MeshShape, build_mesh
 
     world = dist.get_world_size()
+    if dist.get_rank() == 0:
+        from nxdt.hardware import machine_line
+
+        print(machine_line(), flush=True)
     meshes = {"replicate": build_mesh(MeshShape(dp_replicate=world), "cpu"),
               "shard": build_mesh(MeshShape(dp_shard=world), "cpu")}
     rows = []

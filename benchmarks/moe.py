@@ -300,6 +300,9 @@ def main(argv=None) -> None:
     shapes = QUICK if args.quick else FULL
     import transformers
 
+    from nxdt.hardware import machine_line
+
+    print(machine_line())
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} threads, fp32; "
           f"~{args.target_s:g} s of steps x {args.repeats} interleaved repeats per way, medians")
     for section in args.sections.split(","):

@@ -49,6 +49,10 @@ def main(argv=None) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)  # two ranks on a 2-core machine
     rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        from nxdt.hardware import machine_line
+
+        print(machine_line(), flush=True)
     from torch.distributed.device_mesh import init_device_mesh
 
     from nxdt.models.moe import LlamaMoE, MoEArgs

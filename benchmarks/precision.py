@@ -107,6 +107,9 @@ def main() -> None:
     if args.worker:
         worker(args.worker, json.loads(args.model_json), args.steps, args.warmup)
         return
+    from nxdt.hardware import machine_line
+
+    print(machine_line(), flush=True)
     model_args = QUICK if args.quick else REFERENCE
     repeats = args.repeats or (1 if args.quick else 3)
     steps = args.steps or (6 if args.quick else 8)

@@ -408,6 +408,9 @@ def main(argv=None) -> int:
     data_prefix = prepare_data(data_dir)
     import torch
 
+    from nxdt.hardware import machine_line
+
+    print(machine_line(), flush=True)
     print(f"model: vocab 8192, hidden 256, 6 layers, 8/4 heads, ffn 704, seq {SEQ}, micro batch {MICRO_BATCH}, "
           f"{THREADS} threads; {args.steps} timed steps after {args.warmup_steps} warm-up, "
           f"{args.repeats} repeat(s), ways {','.join(ways)}; torch {torch.__version__}, {os.cpu_count()} cpus",

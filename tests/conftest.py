@@ -51,6 +51,20 @@ TINY_OVERRIDES = [
 ]
 
 
+# The longest modules first (each runs whole on one pytest worker, `--dist loadfile`), so that
+# with two workers one takes the parallel layouts while the other runs the checkpoint chains and
+# then the rest: the suite ends when the longest module does, not later.
+LONG_MODULES = ("test_parallel_layouts.py", "test_checkpoint_reshard.py", "test_checkpoint_resume.py", "test_slurm.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item) -> int:
+        name = item.path.name
+        return LONG_MODULES.index(name) if name in LONG_MODULES else len(LONG_MODULES)
+
+    items.sort(key=rank)  # stable: each module's tests keep their order
+
+
 @pytest.fixture(scope="session")
 def kjv_prefix(tmp_path_factory) -> str:
     """The first 120 chapters of the bundled corpus as Megatron .bin/.idx (built once per session)."""

@@ -14,6 +14,7 @@ import torch
 from conftest import REPO
 
 from nxdt import hardware
+from nxdt.config.layout import compute_layout
 from nxdt.config.load import load_config
 from nxdt.hardware import Peak, device_peak, table_peak
 from nxdt.models import build_model
@@ -187,8 +188,6 @@ def test_start_summary_prints_the_plans_figures(capsys, name):
     assert plan_main(["--config-path", CONF, "--config-name", name, *overrides, "--json"]) == 0
     cli = json.loads(capsys.readouterr().out)
     cfg = _cfg(*overrides, name=name)
-    from nxdt.config.layout import compute_layout
-
     module = SimpleNamespace(vocab_size=8192, device=torch.device("cpu"))  # the bundled tokenizer's size
     RunSummary(cfg, compute_layout(cfg), None).on_fit_start(None, module)
     text = capsys.readouterr().out
@@ -291,3 +290,56 @@ def test_memory_monitor_logs_sampled_steps_and_reports(monkeypatch, capsys):
     assert line.startswith("memory/rank  estimate 0.02 GiB (params 0.00, grads 0.00, optimizer 0.01, "
                            "activations 0.00) vs measured peak ")
     assert line.endswith("[live CPU tensor bytes, 2 sampled step(s)]")
+
+
+# --------------------------------------------------------------------------- what the device runs fast (issue 19)
+
+
+def _fake_cpu(monkeypatch, fp32: float, bf16: float, flags: set[str]) -> None:
+    monkeypatch.setattr(hardware, "cpu_matmul_peak", lambda dtype: {"fp32": fp32, "bf16": bf16}[dtype])
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(hardware, "cpu_model", lambda: "AMD EPYC 7R13")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+
+
+def test_a_bf16_preset_on_a_cpu_without_fast_bf16_gets_one_line_with_the_numbers(monkeypatch):
+    """An AVX2-only EPYC (fp32 ~58 GFLOP/s, bf16 ~0.8): the measured rates, the slowdown, the preset and
+    what to use instead; nothing for fp32, nor where bf16 is the faster (AMX)."""
+    _fake_cpu(monkeypatch, 0.058, 0.0008, {"avx2", "fma"})
+    assert hardware.low_precision_notice("cpu", "bf16", "mixed_precision") == (
+        "notice: precision.type=mixed_precision computes in bf16, which this CPU (AMD EPYC 7R13, AVX2 (no native "
+        "bf16)) runs without native kernels: measured matmul bf16 0.8 GFLOP/s vs fp32 58 GFLOP/s, 72.5x slower; "
+        "expect the steps to be up to that much slower than with precision.type=fp32 (the run goes on as configured)")
+    assert hardware.low_precision_notice("cpu", "fp32", "fp32") is None
+    _fake_cpu(monkeypatch, 0.143, 0.574, {"avx512f", "amx_bf16", "avx512_bf16"})
+    assert hardware.low_precision_notice("cpu", "bf16", "bf16SR") is None
+    assert hardware.machine_line() == ("cpu: AMD EPYC 7R13 | AVX2 + AMX-BF16, AVX512-BF16 | "
+                                       f"{torch.get_num_threads()} thread{'s' if torch.get_num_threads() != 1 else ''}"
+                                       " | matmul peak fp32 143 GFLOP/s, bf16 574 GFLOP/s")
+
+
+def test_the_start_summary_says_it_and_both_print_the_step_time_the_peak_allows(monkeypatch, capsys):
+    """The run's summary and `nxdt plan` print the peak and the step time at it (the step's model
+    FLOPs per device / peak); the run adds the precision notice under the summary."""
+    _fake_cpu(monkeypatch, 0.058, 0.0008, {"avx2"})
+    cfg = _cfg(*[o for o in TINY if not o.startswith("trainer.peak")], "precision.type=mixed_precision")
+    module = SimpleNamespace(vocab_size=VOCAB, device=torch.device("cpu"))
+    RunSummary(cfg, compute_layout(cfg), None).on_fit_start(None, module)
+    lines = capsys.readouterr().out.splitlines()
+    flop_per_step = plan(cfg, VOCAB)["model_tflop_per_step"] * 1e12  # 678,528 x 4 x 32 FLOP
+    assert lines[-3] == "  peak         0.8 GFLOP/s per device (measured bf16 matmul on AMD EPYC 7R13, " + \
+        f"{torch.get_num_threads()} thread{'s' if torch.get_num_threads() != 1 else ''})"
+    assert lines[-2] == (f"  step time    >= {flop_per_step / 0.8e9 * 1e3:.3g} ms at that peak (model FLOPs / peak: "
+                         "the bound at 100% MFU)")
+    assert lines[-1].startswith("notice: precision.type=mixed_precision computes in bf16") and "72.5x slower" in lines[-1]
+
+    assert plan_main(["--config-path", CONF, "--config-name", "tiny_llama_cpu", *TINY, "model.vocab_size=256",
+                      "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    assert (p["peak_tflops"], p["peak_source"]) == (50, "trainer.peak_tflops")
+    assert p["step_time_s"] == pytest.approx(p["model_tflop_per_step"] / 50)
+    assert plan_main(["--config-path", CONF, "--config-name", "tiny_llama_cpu", *TINY, "model.vocab_size=256"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-2:] == ["  peak         50 TFLOP/s per device (trainer.peak_tflops)",
+                        f"  step time    >= {p['step_time_s'] * 1e3:.3g} ms at that peak (model FLOPs / peak: the "
+                        "bound at 100% MFU)"]

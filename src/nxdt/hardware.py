@@ -222,3 +222,66 @@ def forget_cpu_peak(dtype: str) -> None:
     cached = _read_cache(path)
     if cached.pop(_cache_key(dtype), None) is not None:
         _write_cache(path, cached)
+
+
+# --------------------------------------------------------------------------- what a CPU runs natively
+# /proc/cpuinfo flags of the matmul units that compute each low-precision dtype natively
+NATIVE_FLAGS = {"bf16": ("amx_bf16", "avx512_bf16"), "fp16": ("amx_fp16", "avx512_fp16")}
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_capability() -> str:
+    """torch's CPU kernel level (`AVX2`, `AVX512`, ...) and the native low-precision units found,
+    e.g. `AVX512 + AMX-BF16, AVX512-BF16` or `AVX2 (no native bf16)`."""
+    level = torch.backends.cpu.get_cpu_capability()
+    flags = cpu_flags()
+    units = [flag.upper().replace("_", "-") for flags_of in NATIVE_FLAGS.values() for flag in flags_of if flag in flags]
+    return f"{level} + {', '.join(units)}" if units else f"{level} (no native bf16)"
+
+
+def _rate(tflops: float) -> str:
+    return f"{tflops:,.4g} TFLOP/s" if tflops >= 1 else f"{tflops * 1e3:,.4g} GFLOP/s"
+
+
+def machine_line(dtypes: tuple[str, ...] = ("fp32", "bf16")) -> str:
+    """One line for the top of a benchmark table: the CPU, its capability, this process's threads
+    and its measured matmul peak per dtype (cached per machine, like MFU's)."""
+    peaks = {dtype: cpu_matmul_peak(dtype) for dtype in dtypes}
+    text = ", ".join(f"{dtype} {_rate(tflops)}" for dtype, tflops in peaks.items())
+    if "fp32" in peaks and "bf16" in peaks and peaks["bf16"] < peaks["fp32"]:
+        text += f" (bf16 {peaks['fp32'] / peaks['bf16']:.3g}x slower)"
+    threads = torch.get_num_threads()
+    return f"cpu: {cpu_model()} | {cpu_capability()} | {threads} thread{'s' if threads != 1 else ''} | matmul peak {text}"
+
+
+def low_precision_notice(device: torch.device | str, compute_dtype: str, preset: str) -> str | None:
+    """One line when the precision preset computes in bf16/fp16 on a device that runs it slower than
+    fp32 (a CPU without AMX/AVX512-BF16 kernels: measured, both dtypes; a GPU without native bf16),
+    with the numbers and what to use instead; None when the preset fits the device."""
+    if compute_dtype == "fp32":
+        return None
+    kind = torch.device(device).type
+    if kind == "cpu":
+        fp32, low = cpu_matmul_peak("fp32"), cpu_matmul_peak(compute_dtype)
+        if low >= fp32:
+            return None
+        native = any(flag in cpu_flags() for flag in NATIVE_FLAGS.get(compute_dtype, ()))
+        return (f"notice: precision.type={preset} computes in {compute_dtype}, which this CPU ({cpu_model()}, "
+                f"{cpu_capability()}) runs {'slower than fp32' if native else 'without native kernels'}: measured "
+                f"matmul {compute_dtype} {_rate(low)} vs fp32 {_rate(fp32)}, {fp32 / low:.3g}x slower; expect the "
+                f"steps to be up to that much slower than with precision.type=fp32 (the run goes on as configured)")
+    if kind == "cuda" and compute_dtype == "bf16" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        name = torch.cuda.get_device_name(torch.device(device))
+        return (f"notice: precision.type={preset} computes in bf16, which {name} has no native support for "
+                f"(compute capability < 8.0): expect it to be slower than fp16 or fp32; use precision.type=fp32 "
+                f"(or an fp16 preset) here (the run goes on as configured)")
+    return None

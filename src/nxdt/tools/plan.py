@@ -11,6 +11,11 @@ nxdt.training.estimate; the run's start summary prints the same figures, the bat
 global batch size, tokens per step (#tokens/batch), max_steps (set by trainer.max_tokens when
 given) and the tokens the run trains (max_steps x tokens per step).
 
+The peak: `trainer.peak_tflops` when set, else this machine's device (a GPU's published figure, or
+the CPU's measured matmul peak in the preset's compute dtype, cached), and the step time it
+allows (the step's model FLOPs per device at that peak: the bound at 100% MFU). A bf16/fp16
+preset on a CPU that runs it slower than fp32 gets the run's one-line notice too.
+
 Vocabulary of a megatron-source model: `model.vocab_size` when set; else the tokenizer's size
 when it is on this machine; else a known size by tokenizer kind (GPT2BPETokenizer 50,257;
 otherwise the Llama-2 SentencePiece tokenizer, 32,000), reported as assumed. Either way the
@@ -24,10 +29,25 @@ import sys
 from typing import Any
 
 from nxdt.config.errors import ConfigError
-from nxdt.training.estimate import batch_lines, flops_line, memory_line, plan
+from nxdt.training.estimate import batch_lines, flops_line, memory_line, peak_lines, plan
 
 
-def format_plan(p: dict[str, Any]) -> str:
+def plan_peak(cfg):
+    """trainer.peak_tflops, else this machine's device peak (nxdt.hardware); None if unknown."""
+    import torch
+
+    from nxdt.config.precision_settings import precision_settings
+    from nxdt.hardware import device_peak
+
+    t = cfg.trainer
+    on_gpu = t.accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available()
+    device = "cuda" if on_gpu else "cpu" if t.accelerator in ("cpu", "auto") else None
+    if device is None and not t.peak_tflops:
+        return None
+    return device_peak(device or "cpu", precision_settings(cfg.precision).compute_dtype, t.peak_tflops, t.lnc)
+
+
+def format_plan(p: dict[str, Any], peak=None) -> str:
     from nxdt.models.param_count import ParameterCount, activated_lines
 
     lay, mem = p["layout"], p["memory_per_rank_bytes"]
@@ -50,6 +70,7 @@ def format_plan(p: dict[str, Any]) -> str:
         # the start summary's lines: global batch, tokens per step, max_steps and the tokens in all
         *batch_lines(p["global_batch_size"], p["micro_batch_size"], p["num_microbatches"], p["seq_length"],
                      p["max_steps"], p["max_tokens"]),
+        *peak_lines(p, peak, p["world_size"]),
     ]
     return "\n".join(lines)
 
@@ -69,8 +90,28 @@ def main(argv: list[str] | None = None) -> int:
         result = plan(cfg)
     except (ValueError, FileNotFoundError) as err:
         raise ConfigError(str(err)) from None
-    print(json.dumps(result) if as_json else format_plan(result))
+    peak = plan_peak(cfg)
+    if as_json:
+        step = result["model_tflop_per_step"] / result["world_size"] / peak.tflops if peak and result[
+            "model_tflop_per_step"] else None
+        print(json.dumps({**result, "peak_tflops": peak.tflops if peak else None,
+                          "peak_source": peak.source if peak else None, "step_time_s": step}))
+        return 0
+    print(format_plan(result, peak))
+    notice = _precision_notice(cfg, peak)
+    if notice:
+        print(notice)
     return 0
+
+
+def _precision_notice(cfg, peak) -> str | None:
+    """The run's notice for a bf16/fp16 preset on a CPU (or GPU) that runs it slower than fp32."""
+    if peak is None or peak.measured is None:  # only where this machine's CPU is the device planned for
+        return None
+    from nxdt.config.precision_settings import precision_settings
+    from nxdt.hardware import low_precision_notice
+
+    return low_precision_notice("cpu", precision_settings(cfg.precision).compute_dtype, cfg.precision.type)
 
 
 if __name__ == "__main__":

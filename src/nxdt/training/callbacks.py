@@ -16,7 +16,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from nxdt.hardware import Peak, device_peak
 from nxdt.models.param_count import ParameterCount, activated_lines
-from nxdt.training.estimate import batch_lines, flops_line, memory_line, plan
+from nxdt.training.estimate import batch_lines, flops_line, memory_line, peak_lines, plan
 from nxdt.training.eta import FirstStepsTiming
 
 GIB = 1024**3
@@ -49,6 +49,13 @@ class RunFigures:
             self._peak[key] = device_peak(device, precision_settings(self.cfg.precision).compute_dtype,
                                           t.peak_tflops, t.lnc)
         return self._peak[key]
+
+    def precision_notice(self, device: torch.device) -> str | None:
+        """The one line for a bf16/fp16 preset on a device that runs it slower than fp32 (nxdt.hardware)."""
+        from nxdt.config.precision_settings import precision_settings
+        from nxdt.hardware import low_precision_notice
+
+        return low_precision_notice(device, precision_settings(self.cfg.precision).compute_dtype, self.cfg.precision.type)
 
 
 def _logger(pl_module):
@@ -241,9 +248,7 @@ def format_summary(cfg, layout, p: dict[str, Any], log_dir: str | None, peak: Pe
         memory_line(p["memory_per_rank_bytes"], "  (estimate, fullest rank)"),
         flops_line(p),
     ]
-    if peak is not None:
-        rate = f"{peak.tflops:,.4g} TFLOP/s" if peak.tflops >= 1 else f"{peak.tflops * 1e3:,.4g} GFLOP/s"
-        lines.append(f"  peak         {rate} per device ({peak.source})")
+    lines += peak_lines(p, peak, layout.world_size)
     if log_dir:
         lines.append(f"  log dir      {log_dir}")
     return "\n".join(lines)
@@ -263,3 +268,6 @@ class RunSummary(Callback):
         text = format_summary(self.cfg, self.layout, p, self.log_dir, self.figures.peak(pl_module.device))
         lora = getattr(pl_module, "lora_summary", None)  # LoRA: trainable vs total (lora_verbose: per target)
         print(text + (f"\n  lora         {lora}" if lora else ""), flush=True)
+        notice = self.figures.precision_notice(pl_module.device)  # e.g. bf16 on a CPU without fast bf16
+        if notice:
+            print(notice, flush=True)

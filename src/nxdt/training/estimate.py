@@ -365,3 +365,22 @@ def flops_line(p: dict[str, Any]) -> str:
     if p["model_tflop_per_step"] is not None:
         line += f"  {si(p['model_tflop_per_step'] * 1e12, 'FLOP')}/step"
     return line
+
+
+def peak_lines(p: dict[str, Any], peak, world_size: int) -> list[str]:
+    """The device's peak and the step time it allows: the model FLOPs of a step on one device (the
+    step's FLOPs / world size) at that peak, the bound at 100% MFU (a run takes longer)."""
+    if peak is None:
+        return []
+    rate = f"{peak.tflops:,.4g} TFLOP/s" if peak.tflops >= 1 else f"{peak.tflops * 1e3:,.4g} GFLOP/s"
+    lines = [f"  peak         {rate} per device ({peak.source})"]
+    if p.get("model_tflop_per_step"):
+        seconds = p["model_tflop_per_step"] / max(world_size, 1) / peak.tflops
+        lines.append(f"  step time    >= {_duration(seconds)} at that peak (model FLOPs / peak: the bound at 100% MFU)")
+    return lines
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 1:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds:.3g} s" if seconds < 120 else f"{seconds / 60:.3g} min"
