@@ -7,6 +7,12 @@ is counted in tensor bytes, not RSS (glibc keeps freed buffers, see engineering 
 parameters / gradients / optimizer state are the local tensors each rank holds after a step;
 the activation peak is the most bytes saved for backward at once during a forward (a
 saved-tensor hook, so recomputed activations of checkpointed blocks count only while alive).
+
+    python benchmarks/memory.py --logits [--vocab 128256 --hidden 2048 --tokens 1024 --chunk 256]
+
+The output layer + cross entropy alone, one process, at Llama-3's vocabulary: the bytes saved for
+backward and the largest tensor alive, with the whole logits (`F.cross_entropy` on them) and with
+`model.fusions.cross_entropy_chunk_size` (nxdt.models.chunked_loss), and the time of forward + backward.
 """
 
 from __future__ import annotations
@@ -110,14 +116,80 @@ def measure(args, mesh, name, sharding, zero1, ac):
     return {"layout": name, "params": params, "grads": grads, "optimizer": optim, "activations": tracker.peak}
 
 
+def logits_memory(args) -> None:
+    """--logits: the loss head's memory, full logits vs chunked (see the module docstring)."""
+    import time
+
+    import torch.nn.functional as F
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from nxdt.hardware import machine_line
+    from nxdt.models.chunked_loss import chunked_cross_entropy
+
+    class LargestLogits(TorchDispatchMode):
+        """The largest logits-shaped tensor ([..., vocab]: logits, their softmax, their gradient) any op
+        returns; the weight and its gradient ([vocab, hidden]) are the same either way and not counted."""
+
+        def __init__(self):
+            super().__init__()
+            self.largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if (isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == args_vocab
+                        and t.numel() != args_vocab * args_hidden):  # not the weight (or its transpose)
+                    self.largest = max(self.largest, t.numel() * t.element_size())
+            return out
+
+    args_vocab, args_hidden = args.vocab, args.hidden
+
+    print(machine_line(), flush=True)
+    torch.manual_seed(0)
+    head = torch.nn.Linear(args.hidden, args.vocab, bias=False)
+    hidden = torch.randn(args.tokens, args.hidden, requires_grad=True)
+    labels = torch.randint(0, args.vocab, (args.tokens,))
+    ways = {"full logits": lambda: F.cross_entropy(head(hidden).float(), labels, reduction="none"),
+            f"chunked ({args.chunk} tokens)": lambda: chunked_cross_entropy(hidden, head, labels, args.chunk)}
+    print(f"output layer {args.hidden} -> {args.vocab:,}, {args.tokens:,} tokens, fp32; whole logits "
+          f"= tokens x vocab x 4 B = {args.tokens * args.vocab * 4 / 2**20:,.0f} MiB")
+    print(f"{'way':<22} {'saved for backward':>19} {'largest logits':>15} {'fwd+bwd':>9}")
+    rows = {}
+    for name, loss in ways.items():
+        saved = 0
+
+        def pack(t):
+            nonlocal saved
+            saved += t.numel() * t.element_size()
+            return t
+
+        hidden.grad = head.weight.grad = None
+        mode = LargestLogits()
+        start = time.perf_counter()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
+            loss().sum().backward()
+        rows[name] = (saved, mode.largest, time.perf_counter() - start)
+        print(f"{name:<22} {saved / 2**20:>15,.1f} MiB {mode.largest / 2**20:>11,.1f} MiB {rows[name][2]:>8.2f}s",
+              flush=True)
+    (full, *_), (chunked, *_) = rows.values()
+    print(f"saved for backward: {full / max(chunked, 1):,.0f}x less with chunks ({(full - chunked) / 2**20:,.0f} MiB)")
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--logits", action="store_true", help="the output layer + loss alone: full logits vs chunked")
+    ap.add_argument("--tokens", type=int, default=1024, help="--logits: tokens in the batch")
+    ap.add_argument("--chunk", type=int, default=256, help="--logits: tokens per chunk")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--batch", type=int, default=4)
     args = ap.parse_args()
+    if args.logits:
+        if args.vocab == 8192 and args.hidden == 256:  # the defaults of the layouts table: Llama-3's head instead
+            args.vocab, args.hidden = 128256, 2048
+        return logits_memory(args)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     dist.init_process_group("gloo")
     from nxdt.parallel.mesh import MeshShape, build_mesh

@@ -95,8 +95,10 @@ LAYOUTS = {
                                           "model.activations_checkpoint_recompute_mlp=true"], "dp=1  tp=2"),
     # checkpoint_num_layers=2: both blocks recomputed under one checkpoint, each its own dp unit
     "zero1_dp2_ac_chunk2": ("native", 2, ["distributed_strategy.zero1=true", *AC_CHUNK2, *SAMPLES], "dp=2  tp=1"),
-    "fsdp_dp2_ac_chunk2": ("native", 2, ["distributed_strategy.sharding_strategy=FSDP", *AC_CHUNK2, *SAMPLES],
-                           "dp=2  tp=1"),
+    # + the output layer and loss 24 tokens at a time (chunks across micro-batch rows; recomputed in
+    # backward inside FSDP's root unit)
+    "fsdp_dp2_ac_chunk2": ("native", 2, ["distributed_strategy.sharding_strategy=FSDP", *AC_CHUNK2, *SAMPLES,
+                                         "model.fusions.cross_entropy_chunk_size=24"], "dp=2  tp=1"),
     "hsdp_2x2_cpu_offload_full_ac": ("native", 4, ["distributed_strategy.sharding_strategy=HSDP",
                                                    "distributed_strategy.hsdp_replicate_size=2",
                                                    "distributed_strategy.cpu_offload=true",

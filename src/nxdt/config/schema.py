@@ -292,6 +292,9 @@ class FusionsConfig:
     softmax: bool = doc(True, "fused softmax (Neuron: NEURON_FUSE_SOFTMAX=1)")
     flash_attention: bool = doc(False, "NxDT: flash attention (its NKI kernel on Neuron)")
     ring_attention: bool = doc(False, "ring attention over the context-parallel group")
+    cross_entropy_chunk_size: Optional[int] = doc(
+        None, "run the output layer and the cross entropy this many tokens at a time, each chunk's logits "
+              "recomputed in backward: the [batch, seq, vocab] logits never exist whole; null = all at once", ge=1)
 
 
 @dataclass

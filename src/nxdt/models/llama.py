@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nxdt.models.chunked_loss import chunked_cross_entropy
 from nxdt.models.kv_cache import KVCache
 from nxdt.models.moe import LlamaMoE, MoEArgs, MoEExperts, MoERouter
 
@@ -545,12 +546,18 @@ class NxdtLlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                kv_cache: KVCache | None = None) -> torch.Tensor:
+                kv_cache: KVCache | None = None, labels: torch.Tensor | None = None,
+                loss_chunk_size: int | None = None) -> torch.Tensor:
         """`kv_cache` (nxdt.models.kv_cache): decode incrementally; the tokens are appended after the
-        cached ones and position_ids default to their columns."""
+        cached ones and position_ids default to their columns. `labels` with `loss_chunk_size`: the
+        per-token cross entropy [B, S] (fp32) instead of the logits, the output layer run a chunk of
+        tokens at a time (nxdt.models.chunked_loss: the whole logits never exist)."""
         hidden = self.model(input_ids, position_ids, kv_cache=kv_cache)
-        # a pipeline stage without the output layer passes its hidden states on
-        return self.lm_head(hidden) if self.lm_head is not None else hidden
+        if self.lm_head is None:  # a pipeline stage without the output layer passes its hidden states on
+            return hidden
+        if labels is not None and loss_chunk_size:
+            return chunked_cross_entropy(hidden, self.lm_head, labels, loss_chunk_size)
+        return self.lm_head(hidden)
 
     @torch.no_grad()
     def init_weights(self) -> None:

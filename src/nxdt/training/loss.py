@@ -21,13 +21,20 @@ def masked_token_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: tor
                       cp_group=None) -> torch.Tensor:
     """Mean cross entropy over the tokens whose loss_mask is 1 (fp32 for the softmax).
 
+    `logits` [B, S, V]; or, shaped like `labels`, the per-token losses the model already computed
+    (`model.fusions.cross_entropy_chunk_size`: its output layer run a chunk of tokens at a time,
+    nxdt.models.chunked_loss).
+
     Vocabulary-sharded logits (tensor parallel: a Shard(-1) DTensor) need the caller to run this
     and the backward under `loss_parallel()`: the softmax is then computed across the shards.
 
     With context parallelism (`cp_group`) the tokens are one slice of each sequence: the sum is
     divided by the whole sequence's token count / cp, so the mean over the cp ranks (which the
     dp × cp gradient and metric reductions take) is the whole sequence's mean."""
-    per_token = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
+    if logits.dim() == labels.dim():  # per-token losses (the chunked output layer's)
+        per_token = logits.flatten()
+    else:
+        per_token = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
     if is_vocab_parallel(logits):
         per_token = per_token.full_tensor()  # replicated per-token losses as a plain tensor
     mask = loss_mask.flatten().to(per_token.dtype)

@@ -131,7 +131,8 @@ class NxdtLightningModule(PreferenceSteps, pl.LightningModule):
 
     def _microbatch_loss(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
         return microbatch_loss(self.model, mb, self.precision, loss_fn=self._loss_fn(),
-                               device_type=self.device.type, cp_mesh=self._cp_mesh())
+                               device_type=self.device.type, cp_mesh=self._cp_mesh(),
+                               loss_chunk_size=self.cfg.model.fusions.cross_entropy_chunk_size)
 
     def on_train_start(self) -> None:
         self.precompute_reference_logps()  # DPO: once, before the first step (nxdt.training.preference_module)
@@ -159,7 +160,8 @@ class NxdtLightningModule(PreferenceSteps, pl.LightningModule):
         if self.pipeline is not None:
             return pipeline_forward_backward(self.pipeline, self.precision, **common)
         return microbatch_forward_backward(self.model, self.precision, self.layout.num_microbatches,
-                                           loss_fn=self._loss_fn(), backward=self.manual_backward, **common)
+                                           loss_fn=self._loss_fn(), backward=self.manual_backward,
+                                           loss_chunk_size=self.cfg.model.fusions.cross_entropy_chunk_size, **common)
 
     def log_step_scalar(self, name: str, value: Any, prog_bar: bool = False) -> None:
         """One scalar per optimizer step, through `nxdt.training.step_scalars` (self.log if switched off)."""

@@ -109,21 +109,23 @@ def loss_parallel_context(tp: int):
 
 
 def microbatch_loss(model: nn.Module, mb: Batch, precision: Precision, *, loss_fn: LossFn = masked_token_loss,
-                    device_type: str = "cpu", cp_mesh=None) -> torch.Tensor:
+                    device_type: str = "cpu", cp_mesh=None, loss_chunk_size: int | None = None) -> torch.Tensor:
     """One micro-batch's forward (under precision.autocast) and its loss; with `cp_mesh` (cp > 1)
-    on this rank's slice of every sequence."""
+    on this rank's slice of every sequence. `loss_chunk_size`: the model computes the per-token
+    losses itself, its output layer a chunk of tokens at a time (the whole logits never exist)."""
     if cp_mesh is not None:
         mb = shard_sequence(mb, cp_mesh)
+    chunked = {"labels": mb["labels"], "loss_chunk_size": loss_chunk_size} if loss_chunk_size else {}
     with precision.autocast(device_type):
-        logits = logits_of(model(input_ids=mb["input_ids"], position_ids=mb.get("position_ids")))
+        logits = logits_of(model(input_ids=mb["input_ids"], position_ids=mb.get("position_ids"), **chunked))
     return loss_fn(logits, mb["labels"], mb["loss_mask"])
 
 
 def microbatch_forward_backward(model: nn.Module, precision: Precision, num_microbatches: int, *,
                                 loss_fn: LossFn = masked_token_loss,
                                 backward: Callable[[torch.Tensor], None] | None = None, device_type: str = "cpu",
-                                tp: int = 1, cp_mesh=None, batch_size: int | None = None
-                                ) -> Callable[[Batch], torch.Tensor]:
+                                tp: int = 1, cp_mesh=None, batch_size: int | None = None,
+                                loss_chunk_size: int | None = None) -> Callable[[Batch], torch.Tensor]:
     """`forward_backward` without pipeline parallelism: gradient accumulation over micro-batches.
 
     Each micro-batch's loss is divided by their number (the step's loss is their mean) and
@@ -143,7 +145,7 @@ def microbatch_forward_backward(model: nn.Module, precision: Precision, num_micr
             set_aux_loss_scale(precision.loss_scale / len(microbatches))
             with loss_parallel_context(tp):
                 loss = microbatch_loss(model, mb, precision, loss_fn=loss_fn, device_type=device_type,
-                                       cp_mesh=cp_mesh) / len(microbatches)
+                                       cp_mesh=cp_mesh, loss_chunk_size=loss_chunk_size) / len(microbatches)
                 run_backward(precision.scale_loss(loss))
             total = loss.detach() if total is None else total + loss.detach()
         return total
