@@ -259,14 +259,22 @@ def build_optimizer(model: nn.Module, optim_cfg: Mapping,
 
 
 def _can_fuse(cls: type[Optimizer], kwargs: Mapping, groups: list[dict]) -> bool:
-    """Fused Adam(W) when the config chose no implementation and every parameter is a plain float tensor."""
+    """Fused Adam(W) when the config chose no implementation and every parameter is a float tensor on
+    CPU or CUDA: all plain, or all DTensors of one mesh (tensor parallel, FSDP2 shards: the kernel runs
+    on each local shard). The fused op takes no mix of the two (e.g. tp's replicated norms beside its
+    shards under pipelining), nor DTensors of several meshes (experts on the ep mesh)."""
+    from torch.distributed.tensor import DTensor
+
     if cls not in (torch.optim.Adam, torch.optim.AdamW) or "fused" in kwargs or "foreach" in kwargs:
         return False
     if kwargs.get("capturable") or kwargs.get("differentiable"):
         return False
     params = [p for g in groups for p in g["params"]]
+    meshes = {p.device_mesh for p in params if isinstance(p, DTensor)}
+    if meshes and (len(meshes) > 1 or not all(isinstance(p, DTensor) for p in params)):
+        return False
     return all(
-        type(p) in (torch.Tensor, nn.Parameter) and p.dtype in (torch.float32, torch.bfloat16, torch.float16)
-        and p.device.type in ("cpu", "cuda")
+        (type(p) in (torch.Tensor, nn.Parameter) or isinstance(p, DTensor))
+        and p.dtype in (torch.float32, torch.bfloat16, torch.float16) and p.device.type in ("cpu", "cuda")
         for p in params
     )
