@@ -598,3 +598,38 @@ def test_use_torch_compile_compiles_each_block_and_only_blocks():
     apply_compile(model)
     assert all(block._compiled_call_impl is not None for block in model.model.layers)
     assert model._compiled_call_impl is None and model.lm_head._compiled_call_impl is None
+
+
+def test_compile_keys_backend_check_and_xla(tmp_path, monkeypatch, kjv_prefix):
+    """model.fusions.torch_compile and fms-fsdp's model.use_torch_compile are one switch; inert (said once)
+    on XLA; asked for where torch cannot compile for the device (no C++ compiler for the CPU), the run
+    stops before anything starts with one line naming the key (exit 2). Compiled runs against eager:
+    tests/test_parallel_layouts.py (one process, tp2, fsdp2)."""
+    import shutil
+
+    from conftest import TINY_OVERRIDES, train_in_process
+
+    from nxdt.config.compile_settings import wants_compile
+    from nxdt.config.inert import inert_keys
+
+    for key in ("fusions.torch_compile", "use_torch_compile"):
+        cfg = tiny_cfg(**({"fusions": {"torch_compile": True}} if key.startswith("fusions") else {key: True}))
+        assert wants_compile(cfg)
+        assert [k for k, _, _ in inert_keys(cfg, backend="xla") if "compile" in k] == [f"model.{key}"]
+        assert not [k for k, _, _ in inert_keys(cfg, backend="cpu") if "compile" in k]
+    assert not wants_compile(tiny_cfg())
+
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None)
+    result = train_in_process(["--config-name", "tiny_llama_cpu", *TINY_OVERRIDES, "trainer.devices=1",
+                               f"data.data_prefix=[1.0,{kjv_prefix}]", f"exp_manager.explicit_log_dir={tmp_path / 'run'}",
+                               "model.fusions.torch_compile=true"])
+    assert result.rc == 2
+    assert [line for line in result.err.splitlines() if line.startswith("error:")] == [
+        "error: model.fusions.torch_compile: torch's inductor needs a C++ compiler to compile for the CPU (g++, "
+        "clang++ or $CXX); none found; install it, or set model.fusions.torch_compile=false (and "
+        "model.use_torch_compile=false)"]
+    assert not (tmp_path / "run").exists()
+    assert error("model.fusions.torch_compile=true", "distributed_strategy.tensor_model_parallel_size=2",
+                 "trainer.devices=2").startswith(
+        "model.fusions.torch_compile with distributed_strategy.tensor_model_parallel_size > 1 is not supported yet")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from nxdt.config.compile_settings import wants_compile
 from nxdt.config.errors import ConfigError
 from nxdt.config.layout import Layout
 from nxdt.config.sharding import sharding_mode
@@ -35,7 +36,7 @@ def check_context_parallel(cfg: Any, layout: Layout) -> None:
                 and cfg.model_alignment_strategy.sft.packing),
         "model.attention_dropout > 0": model.attention_dropout > 0,
         "model.sliding_window_size": model.sliding_window_size is not None,
-        "model.use_torch_compile": model.use_torch_compile,
+        "model.fusions.torch_compile": wants_compile(cfg),
         "HSDP (sharding_strategy hybrid)": sharding_mode(ds.sharding_strategy).hybrid
         or (ds.hsdp_replicate_size or 1) > 1,
         f"trainer.accelerator {cfg.trainer.accelerator}": cfg.trainer.accelerator

@@ -88,6 +88,7 @@ def _saves_checkpoints(cfg: Any) -> bool:
 
 _NO_CHECKPOINTS = "no checkpoints are saved: exp_manager.create_checkpoint_callback=false"
 _MANUAL_ONLY = "only precision.type manual reads it; the preset decides"
+_XLA_COMPILES = "torch-xla traces each step and its compiler compiles the whole graph; no torch.compile"
 _SDPA = "attention is always PyTorch's SDPA, which picks flash kernels itself on CUDA"
 _FUSED_QKV = "NxDT's fused q/k/v module, a Neuron layout; nxdt's separate q, k, v projections compute the same"
 _ROPE = "no rotary embedding: model.position_embedding_type is not rope"
@@ -168,6 +169,8 @@ INERT: list[tuple[str, Inert]] = [
      Inert("nxdt's checkpoints are read whole at any layout", notice=False)),
     # per backend
     ("model.fusions.softmax", Inert("a Neuron compiler fusion (NEURON_FUSE_SOFTMAX)", on=OFF_XLA)),
+    ("model.fusions.torch_compile", Inert(_XLA_COMPILES, on=("xla",))),
+    ("model.use_torch_compile", Inert(_XLA_COMPILES, on=("xla",))),
     ("exp_manager.profiler.cuda_memory_snapshot",
      Inert(_PROFILER_OFF, unless=lambda c: c.exp_manager.profiler.enabled)),
     ("exp_manager.profiler.cuda_memory_snapshot", Inert("it records the CUDA allocator", on=OFF_CUDA)),

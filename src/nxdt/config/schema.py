@@ -292,6 +292,10 @@ class FusionsConfig:
     softmax: bool = doc(True, "fused softmax (Neuron: NEURON_FUSE_SOFTMAX=1)")
     flash_attention: bool = doc(False, "NxDT: flash attention (its NKI kernel on Neuron)")
     ring_attention: bool = doc(False, "ring attention over the context-parallel group")
+    torch_compile: bool = doc(
+        False, "torch.compile each decoder block after tensor parallel and activation checkpointing, before "
+               "FSDP (torchtitan's order; fms-fsdp's use_torch_compile, also model.use_torch_compile); the first "
+               "step pays the compile time (printed); inert on XLA, which compiles the whole graph anyway")
     cross_entropy_chunk_size: Optional[int] = doc(
         None, "run the output layer and the cross entropy this many tokens at a time, each chunk's logits "
               "recomputed in backward: the [batch, seq, vocab] logits never exist whole; null = all at once", ge=1)
@@ -374,8 +378,8 @@ class ModelConfig:
     pipeline_cuts: Optional[List[str]] = doc(None, "pp x vpp - 1 layers that end a pipeline stage (NxD), e.g. [model.layers.15]; null = even split")
     # initialization / loading
     use_cpu_initialization: bool = doc(True, "initialize weights on CPU, then move to the device")
-    use_torch_compile: bool = doc(False, "torch.compile each decoder block (fms-fsdp's use_torch_compile; CPU/CUDA; "
-                                  "the first steps pay the compile time)")
+    use_torch_compile: bool = doc(False, "torch.compile each decoder block: fms-fsdp's name for "
+                                         "model.fusions.torch_compile (either turns it on)")
     weight_init_only: bool = doc(False, "with resume_from_checkpoint: load weights only (fine-tuning start)")
     # activation checkpointing
     activations_checkpoint_granularity: Optional[Literal["selective", "full"]] = doc(

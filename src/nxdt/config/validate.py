@@ -36,6 +36,7 @@ from nxdt.config.alignment import alignment_notices, alignment_of, check_alignme
 from nxdt.config.arch_checks import check_architecture, check_hf_layouts
 from nxdt.config.moe_checks import canonical_gate_type, check_expert_parallel, check_moe, check_moe_layouts_supported
 from nxdt.config.inert import NOT_SUPPORTED_YET, backend_of, inert_notice
+from nxdt.config.compile_settings import check_compile
 from nxdt.config.loss_checks import check_loss_chunking
 from nxdt.config.signals import parse_signals
 from nxdt.config.sample_checks import check_samples
@@ -445,6 +446,7 @@ def check_cross(cfg: Any, world_size: int | None = None) -> None:
     eff = _effective_model(cfg)
     check_pipeline(cfg, layout, eff["num_layers"])
     check_loss_chunking(cfg, layout)
+    check_compile(cfg, layout)
     check_context_parallel(cfg, layout)
     heads, kv, hidden, tp = eff["num_attention_heads"], eff["num_kv_heads"], eff["hidden_size"], layout.tp
     for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_kv_heads",

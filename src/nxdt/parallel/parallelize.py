@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from nxdt.config.compile_settings import wants_compile
 from nxdt.parallel.activation_checkpointing import apply_activation_checkpointing
 from nxdt.parallel.context_parallel import apply_context_parallel
 from nxdt.parallel.data_parallel import (
@@ -48,7 +49,7 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh, cfg, device: torch.dev
     apply_activation_checkpointing(model, cfg.model)
     # 3. torch.compile each block, after AC and before FSDP (per-block compile keeps FSDP's
     #    per-block hooks outside the compiled graphs, and identical blocks share one graph)
-    if cfg.model.use_torch_compile:
+    if wants_compile(cfg):  # model.fusions.torch_compile (or fms-fsdp's model.use_torch_compile)
         apply_compile(model)
     # 4. data parallel over (dp_replicate, dp_shard): replicate / FSDP2 / HSDP
     apply_data_parallel(model, mesh, data_parallel_config(ds, cfg.precision))
@@ -61,3 +62,21 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh, cfg, device: torch.dev
 def apply_compile(model: nn.Module) -> None:
     for block in transformer_blocks(model):
         block.compile()
+
+
+def compile_backend_missing(device_type: str) -> str | None:
+    """Why torch.compile's default backend (inductor) cannot compile for `device_type` here, or None:
+    on CPU it needs a C++ compiler, on CUDA triton."""
+    if device_type == "cpu":
+        import os
+        import shutil
+
+        candidates = [os.environ.get("CXX"), "g++", "c++", "clang++"]
+        if not any(name and shutil.which(name) for name in candidates):
+            return "torch's inductor needs a C++ compiler to compile for the CPU (g++, clang++ or $CXX); none found"
+    elif device_type == "cuda":
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            return "torch's inductor needs triton to compile for CUDA (pip install triton); it is not installed"
+    return None

@@ -271,3 +271,23 @@ class RunSummary(Callback):
         notice = self.figures.precision_notice(pl_module.device)  # e.g. bf16 on a CPU without fast bf16
         if notice:
             print(notice, flush=True)
+
+
+class CompileTimer(Callback):
+    """model.fusions.torch_compile: the blocks compile during the first step's forward and backward;
+    rank 0 prints how long that step took, once (the steps after it reuse the compiled graphs)."""
+
+    def __init__(self) -> None:
+        self._start: float | None = None
+        self.first_step_s: float | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.first_step_s is None and self._start is None:
+            self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.first_step_s is None and self._start is not None:
+            self.first_step_s = time.perf_counter() - self._start
+            if trainer.is_global_zero:
+                print(f"torch.compile: the first step took {self.first_step_s:.1f} s (each decoder block compiled "
+                      "for its forward and backward; the steps after it reuse the graphs)", flush=True)

@@ -263,6 +263,7 @@ def train(cfg, hydra_job=None):
 
     quiet_lightning()
     layout, mesh_shape = layout_and_mesh(cfg)
+    check_compile_backend(cfg)  # before anything is written or any process group starts
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
 
     dirs = resolve_dirs(cfg)
@@ -278,6 +279,25 @@ def train(cfg, hydra_job=None):
     finally:
         if lock is not None:
             lock.release()
+
+
+def check_compile_backend(cfg) -> None:
+    """model.fusions.torch_compile where torch cannot compile for the run's device: one line (exit 2)."""
+    from nxdt.config.compile_settings import wants_compile
+    from nxdt.config.errors import ConfigError
+    from nxdt.training import xla
+
+    if not wants_compile(cfg) or xla.use_xla(cfg):
+        return
+    import torch
+
+    from nxdt.parallel.parallelize import compile_backend_missing
+
+    on_gpu = cfg.trainer.accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available()
+    why = compile_backend_missing("cuda" if on_gpu else "cpu")
+    if why:
+        raise ConfigError(f"model.fusions.torch_compile: {why}; install it, or set model.fusions.torch_compile=false "
+                          "(and model.use_torch_compile=false)")
 
 
 def take_run_lock(cfg, log_dir):
@@ -299,11 +319,13 @@ def _train(cfg, hydra_job, layout, mesh_shape, dirs, resume, callbacks, user_cal
     from nxdt.checkpoint.callbacks import NxdtCheckpoint
     from nxdt.data.select import build_datamodule
     from nxdt.exp.exp_manager import setup_exp_manager
-    from nxdt.training.callbacks import MemoryMonitor, RunFigures, RunSummary, ThroughputMonitor
+    from nxdt.config.compile_settings import wants_compile
+    from nxdt.training.callbacks import CompileTimer, MemoryMonitor, RunFigures, RunSummary, ThroughputMonitor
     from nxdt.training.fault_tolerance import FaultTolerance, requeue_slurm_job
     from nxdt.training.finetuning import check_lora_targets
     from nxdt.training.module import NxdtLightningModule
     from nxdt.training.progress import StepProgressBar
+    from nxdt.training.xla import use_xla
 
     setup_exp_manager(cfg, dirs, _global_rank(), loggers)
     if hydra_job is not None and _global_rank() == 0:
@@ -318,6 +340,8 @@ def _train(cfg, hydra_job, layout, mesh_shape, dirs, resume, callbacks, user_cal
         callbacks.append(DynamicDataSelection())
     if cfg.trainer.enable_progress_bar:
         callbacks.append(StepProgressBar())
+    if wants_compile(cfg) and not use_xla(cfg):  # the compile time, once, after the first step
+        callbacks.append(CompileTimer())
     callbacks += user_callbacks  # before the checkpoint callback (sorted last below)
     # checkpointing last (Lightning's order for its own checkpoint callbacks): a step's scalars,
     # throughput included, are all logged before the step's checkpoint is saved
