@@ -7,6 +7,7 @@ shares their reference runs; a real Slurm job is in tests/test_slurm.py.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -24,7 +25,7 @@ from conftest import REPO, TINY_OVERRIDES, read_scalars, train_in_process
 from nxdt.config.errors import ConfigError
 from nxdt.config.load import load_config
 from nxdt.config.signals import parse_signals
-from nxdt.exp.exp_manager import close_rank_log_file
+from nxdt.exp.exp_manager import close_rank_log_file, process_start_ticks
 from nxdt.exp.run_lock import LOCK, RunLock, check_run_lock, holder_record, read_lock
 
 STEPS = 8
@@ -147,6 +148,21 @@ def _write_lock(log_dir: Path, **holder) -> Path:
     return path
 
 
+@contextlib.contextmanager
+def _live_process():
+    """Another live process on this host, and its start time (as a lock records it)."""
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        for _ in range(100):  # its /proc entry is there once it runs
+            if process_start_ticks(live.pid) is not None:
+                break
+            time.sleep(0.05)
+        yield live.pid, process_start_ticks(live.pid)
+    finally:
+        live.kill()
+        live.wait()
+
+
 def test_run_lock_is_taken_released_and_refuses_a_live_holder(tmp_path):
     lock = RunLock.acquire(tmp_path / "run", lease_s=600, command=["train.py", "a=1"])
     holder = json.loads((tmp_path / "run" / LOCK).read_text())
@@ -154,25 +170,15 @@ def test_run_lock_is_taken_released_and_refuses_a_live_holder(tmp_path):
     lock.release()
     assert not (tmp_path / "run" / LOCK).exists()
 
-    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        from nxdt.exp.run_lock import _pid_start
-
-        for _ in range(50):  # its /proc entry is there once it runs
-            if _pid_start(live.pid) is not None:
-                break
-            time.sleep(0.05)
-        path = _write_lock(tmp_path / "busy", pid=live.pid, pid_start=_pid_start(live.pid))
+    with _live_process() as (pid, started):
+        path = _write_lock(tmp_path / "busy", pid=pid, pid_start=started)
         text = path.read_text()
         for take in (lambda: RunLock.acquire(tmp_path / "busy", 600), lambda: check_run_lock(tmp_path / "busy", 600)):
             with pytest.raises(ConfigError) as err:
                 take()
-            assert str(err.value).startswith(f"log dir {tmp_path / 'busy'} is in use by another run (pid {live.pid} "
+            assert str(err.value).startswith(f"log dir {tmp_path / 'busy'} is in use by another run (pid {pid} "
                                               f"on {socket.gethostname()}, started ")
         assert path.read_text() == text  # nothing changed
-    finally:
-        live.kill()
-        live.wait()
 
 
 def test_a_stale_lock_is_taken_over_with_a_notice(tmp_path):
@@ -216,20 +222,13 @@ def test_bad_lock_and_unwritable_log_dir_are_one_line_and_nothing_is_deleted(tmp
 
 def test_a_second_launch_into_a_live_runs_log_dir_exits_2_and_writes_nothing(kjv_prefix, tmp_path):
     log_dir = tmp_path / "taken"
-    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        time.sleep(0.3)
-        from nxdt.exp.run_lock import _pid_start
-
-        _write_lock(log_dir, pid=live.pid, pid_start=_pid_start(live.pid), command="python examples/train.py x=1")
+    with _live_process() as (pid, started):
+        _write_lock(log_dir, pid=pid, pid_start=started, command="python examples/train.py x=1")
         result = train_in_process(_args(log_dir, kjv_prefix))
-    finally:
-        live.kill()
-        live.wait()
     assert result.rc == 2
     errors = [line for line in result.err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and f"is in use by another run (pid {live.pid}" in errors[0]
+    assert len(errors) == 1 and f"is in use by another run (pid {pid}" in errors[0]
     assert errors[0].endswith("python examples/train.py x=1); wait for it to end, or set "
                               "exp_manager.explicit_log_dir to another directory")
     assert sorted(p.name for p in log_dir.iterdir()) == [LOCK]  # no config.yaml, logs or checkpoints
-    assert read_lock(log_dir).holder["pid"] == live.pid
+    assert read_lock(log_dir).holder["pid"] == pid

@@ -64,6 +64,14 @@ class Peak:
     """The dtype of a CPU figure measured on this machine (cpu_matmul_peak), None for a table's."""
 
 
+def local_device_type(accelerator: str) -> str | None:
+    """The device `trainer.accelerator` means on this machine: "cuda" (gpu / cuda / auto with a GPU),
+    "cpu" (cpu, or auto without one), None for anything else (a GPU asked for and none here, xla)."""
+    if accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available():
+        return "cuda"
+    return "cpu" if accelerator in ("cpu", "auto") else None
+
+
 def table_peak(name: str, dtype: str) -> float | None:
     """The table's TFLOP/s for a device name (torch.cuda.get_device_name, or "trn1" / "trn2")
     and a compute dtype (fp32 | tf32 | bf16 | fp16); None for a device not in the table."""

@@ -309,6 +309,12 @@ def global_rank(environ: Any = None) -> int:
     return int(environ.get("LOCAL_RANK", "") or 0) + int(environ.get("NODE_RANK", "") or 0)
 
 
+def started_by_launcher(environ: Any = None) -> bool:
+    """Started by a launcher whose process is our parent: torchrun, or Lightning's own subprocess
+    launcher (both set LOCAL_RANK; a plain `python examples/train.py` has none)."""
+    return "LOCAL_RANK" in (os.environ if environ is None else environ)
+
+
 def is_rank_zero(environ: Any = None) -> bool:
     return global_rank(environ) == 0
 

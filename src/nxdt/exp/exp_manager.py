@@ -29,12 +29,22 @@ class ExpDirs:
     checkpoint_dir: Path
 
 
+def process_start_ticks(pid: int) -> int | None:
+    """When `pid` started, in clock ticks since boot (/proc/<pid>/stat field 22); None where it
+    cannot be read (the process is gone, or not Linux)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _launcher_start_time() -> str | None:
     """When this process's parent (the torchrun agent on this node) started, as a timestamp: the
     same for every local rank, with no communication. None off Linux."""
+    start_ticks = process_start_ticks(os.getppid())
+    if start_ticks is None:
+        return None
     try:
-        stat = Path(f"/proc/{os.getppid()}/stat").read_text()
-        start_ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22: starttime, in clock ticks
         uptime = float(Path("/proc/uptime").read_text().split()[0])
         started = time.time() - uptime + start_ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):

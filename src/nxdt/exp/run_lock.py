@@ -34,21 +34,15 @@ from pathlib import Path
 from typing import Any
 
 from nxdt.config.errors import ConfigError
+from nxdt.config.load import started_by_launcher
+from nxdt.exp.exp_manager import process_start_ticks
 
 LOCK = "nxdt.lock"
 
 
-def _pid_start(pid: int) -> int | None:
-    """The start time of `pid` in clock ticks since boot (/proc), None where it cannot be read."""
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def _pid_alive(pid: int, start: int | None) -> bool:
     if start is not None and Path("/proc").is_dir():
-        return _pid_start(pid) == start  # gone, or the number reused by a later process
+        return process_start_ticks(pid) == start  # gone, or the number reused by a later process
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -62,19 +56,14 @@ def _run_id() -> str:
     return os.environ.get("TORCHELASTIC_RUN_ID", "none") or "none"
 
 
-def _launched() -> bool:
-    """Started by a launcher (torchrun, Lightning's), whose pid is our parent."""
-    return "LOCAL_RANK" in os.environ
-
-
 def holder_record(command: list[str] | None = None) -> dict[str, Any]:
     """What a lock taken by this process says about its holder."""
     pid = os.getpid()
     return {
         "host": socket.gethostname(),
         "pid": pid,
-        "pid_start": _pid_start(pid),
-        "launcher_pid": os.getppid() if _launched() else None,
+        "pid_start": process_start_ticks(pid),
+        "launcher_pid": os.getppid() if started_by_launcher() else None,
         "run_id": _run_id(),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         "command": shlex.join(command if command is not None else [sys.executable, *sys.argv]),
@@ -106,7 +95,7 @@ class LockState:
         if self.held_by_me() or self.same_launch():
             return True
         # the holder is our launcher's rank 0 (torchrun on this host), or our parent (Lightning's launcher)
-        return h.get("host") == here and _launched() and os.getppid() in (h.get("launcher_pid"), h.get("pid"))
+        return h.get("host") == here and started_by_launcher() and os.getppid() in (h.get("launcher_pid"), h.get("pid"))
 
     def is_stale(self, lease_s: float) -> bool:
         h = self.holder

@@ -34,14 +34,11 @@ from nxdt.training.estimate import batch_lines, flops_line, memory_line, peak_li
 
 def plan_peak(cfg):
     """trainer.peak_tflops, else this machine's device peak (nxdt.hardware); None if unknown."""
-    import torch
-
     from nxdt.config.precision_settings import precision_settings
-    from nxdt.hardware import device_peak
+    from nxdt.hardware import device_peak, local_device_type
 
     t = cfg.trainer
-    on_gpu = t.accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available()
-    device = "cuda" if on_gpu else "cpu" if t.accelerator in ("cpu", "auto") else None
+    device = local_device_type(t.accelerator)
     if device is None and not t.peak_tflops:
         return None
     return device_peak(device or "cpu", precision_settings(cfg.precision).compute_dtype, t.peak_tflops, t.lnc)

@@ -76,9 +76,8 @@ class FaultTolerance(Callback):
         self.install()  # Lightning registered its SIGTERM handler (stop without saving) in between
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        # NxdtCheckpoint (before this callback) has polled the async save this step
         checkpointer = getattr(trainer.strategy, "checkpointer", None)
-        if checkpointer is not None:
-            checkpointer.poll()
         signalled, save_failed = self._agree(self.received is not None,
                                              checkpointer is not None and checkpointer.failed_here)
         checkpoint = _checkpoint_callback(trainer)

@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 import threading
 
+from nxdt.config.load import started_by_launcher
+
 POLL_S = 1.0
 _started = False
 preemption_save_in_progress = threading.Event()
@@ -27,7 +29,7 @@ preemption_save_in_progress = threading.Event()
 def watch_launcher() -> bool:
     """Start the watchdog once per process (ranks started by a launcher only); True if it runs."""
     global _started
-    if _started or "LOCAL_RANK" not in os.environ:
+    if _started or not started_by_launcher():
         return _started
     launcher = os.getppid()
     if launcher <= 1:  # already orphaned (or started by init): nothing to watch

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+
 from nxdt.config.load import global_rank as _global_rank
 
 REPO_CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
@@ -79,14 +80,11 @@ def run_job(cl, overrides: list[str], log_dir=None, job_num: int = 0, loaded=Non
             evaluate_only(cfg)
         else:
             train(cfg, hydra_job=(cl, record, job_num, overrides))
-    except NumericalInstabilityError as err:  # NaN/inf or fp16 overflow stop: one line, exit 3
+    except (NumericalInstabilityError, CheckpointSaveError) as err:
+        # one line: a NaN/inf or fp16 overflow stop (exit 3), a save that failed on some rank (exit 1)
         if _global_rank() == 0:
             print(f"error: {err}", file=sys.stderr, flush=True)
-        return 3
-    except CheckpointSaveError as err:  # a save failed on some rank: one line, exit 1
-        if _global_rank() == 0:
-            print(f"error: {err}", file=sys.stderr, flush=True)
-        return 1
+        return 3 if isinstance(err, NumericalInstabilityError) else 1
     return 0
 
 
@@ -289,12 +287,11 @@ def check_compile_backend(cfg) -> None:
 
     if not wants_compile(cfg) or xla.use_xla(cfg):
         return
-    import torch
-
+    from nxdt.hardware import local_device_type
     from nxdt.parallel.parallelize import compile_backend_missing
 
-    on_gpu = cfg.trainer.accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available()
-    why = compile_backend_missing("cuda" if on_gpu else "cpu")
+    device = local_device_type(cfg.trainer.accelerator)
+    why = compile_backend_missing(device) if device else None
     if why:
         raise ConfigError(f"model.fusions.torch_compile: {why}; install it, or set model.fusions.torch_compile=false "
                           "(and model.use_torch_compile=false)")
