@@ -2,7 +2,8 @@
 equal to `F.cross_entropy` on the full logits (values and gradients within 1e-6), never saving
 the whole logits for backward, the same training curve as the full loss, and its bad input.
 The FSDP + activation-checkpointing layout with it is in tests/test_parallel_layouts.py
-(`fsdp_dp2_ac_chunk2`, against one process without it). In-process, a few seconds."""
+(`fsdp_dp2_ac_chunk2`; with tensor parallelism `tp2_dp2_zero1`, and with sequence parallel
+`tp2_sp_selective_ac`: each against one process without it). In-process, a few seconds."""
 
 from __future__ import annotations
 
@@ -87,9 +88,6 @@ def test_a_run_with_it_logs_the_full_losses_curve(kjv_prefix, tmp_path):
 @pytest.mark.parametrize(("overrides", "says"), [
     (["model.fusions.cross_entropy_chunk_size=0"], "model.fusions.cross_entropy_chunk_size"),
     (["model.fusions.cross_entropy_chunk_size=-4"], "model.fusions.cross_entropy_chunk_size"),
-    (["model.fusions.cross_entropy_chunk_size=512", "distributed_strategy.tensor_model_parallel_size=2",
-      "trainer.devices=2"], "model.fusions.cross_entropy_chunk_size with distributed_strategy.tensor_model_parallel_size"
-                            " > 1 (the output layer is vocabulary-parallel there"),
     (["model.fusions.cross_entropy_chunk_size=512", "distributed_strategy.pipeline_model_parallel_size=2",
       "trainer.devices=2"], "model.fusions.cross_entropy_chunk_size with distributed_strategy.pipeline_model_parallel_size"),
 ])

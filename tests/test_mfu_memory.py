@@ -156,7 +156,8 @@ def test_cpu_probe_is_positive_time_boxed_and_cached(tmp_path, monkeypatch):
     first = hardware.cpu_matmul_peak("fp32")
     assert 1e-4 < first < 100  # between 0.1 GFLOP/s and 100 TFLOP/s
     cache = tmp_path / "nxdt" / "cpu_peak.json"
-    key = f"{hardware.cpu_model()} | torch {torch.__version__} | {torch.get_num_threads()} threads | fp32"
+    key = (f"{hardware.cpu_model()} | {hardware.cpu_capability()} | torch {torch.__version__} | "
+           f"{torch.get_num_threads()} threads | fp32")
     assert json.loads(cache.read_text()) == {key: first}
     monkeypatch.setattr(hardware, "probe_matmul_tflops", lambda dtype: pytest.fail("measured again"))
     assert hardware.cpu_matmul_peak("fp32") == first  # read from the file
@@ -175,6 +176,30 @@ def test_cpu_probe_is_positive_time_boxed_and_cached(tmp_path, monkeypatch):
     start = time.perf_counter()  # fp16 has no fast kernel on many CPUs (4 GFLOP/s on an EPYC): still bounded
     assert hardware.probe_matmul_tflops("fp16", budget_s=0.2) > 0
     assert time.perf_counter() - start < 1.5
+
+
+def test_a_stored_slow_bf16_figure_is_measured_again_before_the_notice(tmp_path, monkeypatch):
+    """A bf16 figure stored while other work loaded the CPU (47 GFLOP/s where it runs 420) must not
+    tell the user bf16 is slower: the notice probes again first and keeps the higher figure; a CPU
+    that really is slower (AVX2) still gets the line."""
+    monkeypatch.setenv(hardware.CACHE_ENV, str(tmp_path / "peak.json"))
+    stored = {hardware._cache_key("fp32"): 0.170, hardware._cache_key("bf16"): 0.047}
+    (tmp_path / "peak.json").write_text(json.dumps(stored))
+    probed = []
+
+    def probe(dtype, budget_s=hardware.PROBE_SECONDS):
+        probed.append(dtype)
+        return {"fp32": 0.2, "bf16": 0.42}[dtype]
+
+    monkeypatch.setattr(hardware, "probe_matmul_tflops", probe)
+    assert hardware.low_precision_notice("cpu", "bf16", "bf16SR") is None
+    assert probed == ["bf16"]
+    assert json.loads((tmp_path / "peak.json").read_text())[hardware._cache_key("bf16")] == 0.42
+    assert hardware.low_precision_notice("cpu", "bf16", "bf16SR") is None and probed == ["bf16"]  # stored now
+    monkeypatch.setattr(hardware, "probe_matmul_tflops", lambda dtype, budget_s=0: {"fp32": 0.058, "bf16": 0.0008}[dtype])
+    (tmp_path / "peak.json").write_text(json.dumps({hardware._cache_key("fp32"): 0.058,
+                                                    hardware._cache_key("bf16"): 0.0008}))
+    assert "72.5x slower" in hardware.low_precision_notice("cpu", "bf16", "bf16SR")
 
 
 # --------------------------------------------------------------------------- one estimator
@@ -296,7 +321,7 @@ def test_memory_monitor_logs_sampled_steps_and_reports(monkeypatch, capsys):
 
 
 def _fake_cpu(monkeypatch, fp32: float, bf16: float, flags: set[str]) -> None:
-    monkeypatch.setattr(hardware, "cpu_matmul_peak", lambda dtype: {"fp32": fp32, "bf16": bf16}[dtype])
+    monkeypatch.setattr(hardware, "cpu_matmul_peak", lambda dtype, remeasure=False: {"fp32": fp32, "bf16": bf16}[dtype])
     monkeypatch.setattr(hardware, "cpu_flags", lambda: flags)
     monkeypatch.setattr(hardware, "cpu_model", lambda: "AMD EPYC 7R13")
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")

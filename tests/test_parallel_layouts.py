@@ -92,8 +92,10 @@ SAMPLES = ["exp_manager.samples.prompts=[And God said,In the beginning]", "exp_m
 # name: (model, ranks, overrides, the layout line the run prints)
 LAYOUTS = {
     "tp2": ("native", 2, [f"{TP}=2"], "dp=1  tp=2"),
+    # + the vocabulary-parallel output layer and loss in chunks of ~24 tokens along the sequence slices
     "tp2_sp_selective_ac": ("native", 2, [f"{TP}=2", SP, *SAMPLES, "model.activations_checkpoint_granularity=selective",
-                                          "model.activations_checkpoint_recompute_mlp=true"], "dp=1  tp=2"),
+                                          "model.activations_checkpoint_recompute_mlp=true",
+                                          "model.fusions.cross_entropy_chunk_size=24"], "dp=1  tp=2"),
     # checkpoint_num_layers=2: both blocks recomputed under one checkpoint, each its own dp unit
     "zero1_dp2_ac_chunk2": ("native", 2, ["distributed_strategy.zero1=true", *AC_CHUNK2, *SAMPLES], "dp=2  tp=1"),
     # + the output layer and loss 24 tokens at a time (chunks across micro-batch rows; recomputed in
@@ -104,7 +106,9 @@ LAYOUTS = {
                                                    "distributed_strategy.hsdp_replicate_size=2",
                                                    "distributed_strategy.cpu_offload=true",
                                                    "model.activations_checkpoint_granularity=full"], "dp=4  tp=1"),
-    "tp2_dp2_zero1": ("native", 4, [f"{TP}=2", "distributed_strategy.zero1=true"], "dp=2  tp=2"),
+    # + the vocabulary-parallel output layer and loss 24 tokens at a time (no sequence parallel)
+    "tp2_dp2_zero1": ("native", 4, [f"{TP}=2", "distributed_strategy.zero1=true",
+                                    "model.fusions.cross_entropy_chunk_size=24"], "dp=2  tp=2"),
     # 4 query heads, 2 K/V heads on 4 tp ranks: each K/V head is shared by two ranks. Micro-batches
     # of 4 (two per step): every tp4 collective waits for 4 ranks on this machine's 2 cores
     "tp4_sp_kv_replicated_ac_chunk2": ("native", 4, [f"{TP}=4", SP, *AC_CHUNK2, MBS4], "dp=1  tp=4"),

@@ -15,10 +15,11 @@ from conftest import TINY_OVERRIDES, read_scalars, run_pool
 
 from nxdt.config import ConfigError, apply_env, load_config
 from nxdt.models import build_model
+from nxdt.parallel.activation_checkpointing import apply_activation_checkpointing, checkpointed_modules
 from nxdt.precision.precision import DynamicLossScaler, NumericalInstabilityError, Precision, settings_from_cfg
 from nxdt.training.harness import build_harness
 from nxdt.training.loss import masked_token_loss
-from nxdt.training.step import microbatch_forward_backward, train_step
+from nxdt.training.step import microbatch_forward_backward, split_microbatches, train_step
 from nxdt.precision.stochastic_rounding import round_to, stochastic_round_to_bf16
 
 VOCAB = 256
@@ -230,6 +231,53 @@ def test_preset_loss_curve_tracks_fp32(name, fp32_curve):
     assert fp32_curve[-1] < fp32_curve[0] - 1.0  # the reference itself learns
     assert gap < tol
     assert prec.skipped_steps == 0
+
+
+class _WeightCasts(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the bf16 copies made of each parameter (by its storage) while active."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.params = {p.data_ptr() for p in model.parameters()}
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if (func is torch.ops.aten._to_copy.default and args[0].data_ptr() in self.params
+                and out.dtype == torch.bfloat16):
+            self.count += 1
+        return out
+
+
+@pytest.mark.parametrize("granularity", [None, "full"])
+def test_autocast_casts_each_weight_once_a_step_not_once_a_microbatch(granularity):
+    """Issue 19 item 5: four micro-batches of gradient accumulation (and activation checkpointing's
+    recomputation) under precision.type=autocast reuse one bf16 copy of each weight a step; the
+    loss and every gradient equal autocast around each micro-batch alone, bit for bit."""
+    ac = [f"model.activations_checkpoint_granularity={granularity}"] if granularity else []
+    cfg = make_cfg("precision.type=autocast", *ac)
+    h = build_harness(cfg, VOCAB)
+    if granularity:
+        apply_activation_checkpointing(h.model, cfg.model)
+        assert checkpointed_modules(h.model)
+    batch = _as_batch(_data(1)[0].repeat(2, 1))  # 8 rows: 4 micro-batches of 2
+    linear_weights = sum(1 for m in h.model.modules() if isinstance(m, torch.nn.Linear))
+    counter = _WeightCasts(h.model)
+    with counter:
+        loss = microbatch_forward_backward(h.model, h.precision, 4)(batch)
+    assert counter.count == linear_weights  # once each (before: 32, and 60 with the recomputation)
+    grads = {n: p.grad.clone() for n, p in h.model.named_parameters()}
+
+    h.model.zero_grad(set_to_none=True)
+    reference = 0.0
+    for mb in split_microbatches(batch, 4):  # the textbook way: autocast around each forward
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = h.model(input_ids=mb["input_ids"])
+        mb_loss = masked_token_loss(logits, mb["labels"], mb["loss_mask"]) / 4
+        mb_loss.backward()
+        reference = reference + mb_loss.detach()
+    assert torch.equal(loss, reference)
+    assert all(torch.equal(p.grad, grads[n]) for n, p in h.model.named_parameters())
 
 
 def test_preset_settings_and_dtypes():

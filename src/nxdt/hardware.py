@@ -182,7 +182,10 @@ def probe_matmul_tflops(dtype: str, budget_s: float = PROBE_SECONDS) -> float:
 
 
 def _cache_key(dtype: str) -> str:
-    return f"{cpu_model()} | torch {torch.__version__} | {torch.get_num_threads()} threads | {dtype}"
+    # the capability too: VMs often name only the family ("AMD EPYC"), and one family holds CPUs
+    # with and without native bf16 (70x apart)
+    return (f"{cpu_model()} | {cpu_capability()} | torch {torch.__version__} | "
+            f"{torch.get_num_threads()} threads | {dtype}")
 
 
 def _read_cache(path: Path | None) -> dict[str, float]:
@@ -207,14 +210,15 @@ def _write_cache(path: Path | None, cached: dict[str, float]) -> None:
         pass  # a read-only home: the figure is still right, only not remembered
 
 
-def cpu_matmul_peak(dtype: str) -> float:
+def cpu_matmul_peak(dtype: str, remeasure: bool = False) -> float:
     """TFLOP/s of one process's matmuls in `dtype`, read from the cache or measured and stored.
-    The key is the CPU model, torch version, thread count and dtype: anything that changes the
-    kernels or their parallelism measures again. A new measurement never lowers a stored one
-    (ranks of one run measure at once; a probe slowed by other load is the lower one)."""
+    The key is the CPU model and capability, torch version, thread count and dtype: anything that
+    changes the kernels or their parallelism measures again. A new measurement never lowers a
+    stored one (ranks of one run measure at once; a probe slowed by other load is the lower one);
+    `remeasure=True` probes even when a figure is stored (and keeps the higher)."""
     key, path = _cache_key(dtype), cache_path()
     cached = _read_cache(path)
-    if isinstance(cached.get(key), (int, float)) and cached[key] > 0:
+    if not remeasure and isinstance(cached.get(key), (int, float)) and cached[key] > 0:
         return float(cached[key])
     tflops = probe_matmul_tflops(dtype)
     latest = _read_cache(path)  # another rank may have written meanwhile
@@ -260,10 +264,11 @@ def _rate(tflops: float) -> str:
     return f"{tflops:,.4g} TFLOP/s" if tflops >= 1 else f"{tflops * 1e3:,.4g} GFLOP/s"
 
 
-def machine_line(dtypes: tuple[str, ...] = ("fp32", "bf16")) -> str:
+def machine_line(dtypes: tuple[str, ...] = ("fp32", "bf16"), peaks: dict[str, float] | None = None) -> str:
     """One line for the top of a benchmark table: the CPU, its capability, this process's threads
-    and its measured matmul peak per dtype (cached per machine, like MFU's)."""
-    peaks = {dtype: cpu_matmul_peak(dtype) for dtype in dtypes}
+    and its measured matmul peak per dtype (cached per machine, like MFU's; `peaks`: TFLOP/s per
+    dtype the caller measured itself)."""
+    peaks = peaks or {dtype: cpu_matmul_peak(dtype) for dtype in dtypes}
     text = ", ".join(f"{dtype} {_rate(tflops)}" for dtype, tflops in peaks.items())
     if "fp32" in peaks and "bf16" in peaks and peaks["bf16"] < peaks["fp32"]:
         text += f" (bf16 {peaks['fp32'] / peaks['bf16']:.3g}x slower)"
@@ -280,6 +285,8 @@ def low_precision_notice(device: torch.device | str, compute_dtype: str, preset:
     kind = torch.device(device).type
     if kind == "cpu":
         fp32, low = cpu_matmul_peak("fp32"), cpu_matmul_peak(compute_dtype)
+        if low < fp32:  # before telling a user to change the preset: is the stored figure a probe
+            low = cpu_matmul_peak(compute_dtype, remeasure=True)  # slowed by other load? (half a second)
         if low >= fp32:
             return None
         native = any(flag in cpu_flags() for flag in NATIVE_FLAGS.get(compute_dtype, ()))

@@ -1,10 +1,10 @@
 """`model.fusions.cross_entropy_chunk_size`: where the chunked output layer + cross entropy is built.
 
-It runs inside nxdt's native model (nxdt.models.chunked_loss), on the next-token loss, with the
-whole output layer on each rank. Elsewhere it is refused as not supported yet, with what to use:
-with tp > 1 the output layer already stays vocabulary-sharded (torch's loss_parallel: each rank
-holds vocab / tp of the logits); a pipeline's last stage computes its loss inside the schedule;
-transformers' models and the preference losses (which need per-sequence log-probs) take logits.
+It runs inside nxdt's native model (nxdt.models.chunked_loss), on the next-token loss, with any
+data parallelism, context parallelism and tensor parallelism (the output layer vocabulary-parallel,
+with or without sequence parallel). Elsewhere it is refused as not supported yet: a pipeline's last
+stage computes its loss inside the schedule; transformers' models and the preference losses (which
+need per-sequence log-probs) take logits.
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ def check_loss_chunking(cfg: Any, layout: Any) -> None:
         return
     alignment = alignment_of(cfg)
     why = ("model_source=hf (transformers' models compute their own logits)" if cfg.model_source == "hf" else
-           "distributed_strategy.tensor_model_parallel_size > 1 (the output layer is vocabulary-parallel there: "
-           "each rank already holds only vocab / tp of the logits)" if layout.tp > 1 else
            "distributed_strategy.pipeline_model_parallel_size > 1 (the last stage's loss runs inside the "
            "pipeline schedule)" if layout.pp > 1 else
            "DPO / ORPO (their losses take per-sequence log-probs from the logits)" if alignment.preference is not None

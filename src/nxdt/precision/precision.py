@@ -4,8 +4,9 @@
                       p.attach(model)                  after parallelize (fp32 grad accumulation hooks)
     each step (nxdt.training.step.train_step):
                       p.begin_step(model)              before the first micro-batch
-                      with p.autocast(device_type): forward
-                      backward(p.scale_loss(loss))
+                      with p.step_autocast(device_type):      autocast preset: one weight cast a step
+                          with p.autocast(device_type): forward     (for every micro-batch)
+                          with p.backward_context(device_type): backward(p.scale_loss(loss))
                       p.finish_grads(model)            fp32 master weights + fp32 grads back in place, unscaled
                       ok = p.check_step(step, loss, grad_norm, model)   NaN/inf guard, fp16 overflow → skip
                       p.optimizer_step(optimizer) if ok else p.skip_step(optimizer, model)
@@ -284,6 +285,30 @@ class Precision:
         s = self.settings
         if s.mode == "autocast" or (self.delegated and s.mode == "master"):
             return torch.autocast(device_type=device_type, dtype=s.compute_dtype)
+        return nullcontext()
+
+    def _caches_casts_per_step(self) -> bool:
+        # not when a data-parallel wrapper owns the weights (FSDP2): its unsharded weights would
+        # stay alive in the cast cache across micro-batches, undoing the sharding
+        return self.settings.mode == "autocast" and not self.delegated
+
+    def step_autocast(self, device_type: str):
+        """Context around all micro-batches of a step, forward and backward (autocast preset).
+
+        torch.autocast keeps the low-precision copy of every weight it casts until its outermost
+        context exits: one context around the whole step casts each weight once per step, not once
+        per micro-batch, and activation checkpointing's recomputation reuses the copies too. The
+        backward runs inside `backward_context` (autocast off, as torch prescribes for backward;
+        the nesting keeps the cache). Nothing for the other presets (master mode casts once per
+        step in begin_step)."""
+        if self._caches_casts_per_step():
+            return torch.autocast(device_type=device_type, dtype=self.settings.compute_dtype)
+        return nullcontext()
+
+    def backward_context(self, device_type: str):
+        """Inside step_autocast: autocast off for the backward, its cast cache kept."""
+        if self._caches_casts_per_step():
+            return torch.autocast(device_type=device_type, enabled=False)
         return nullcontext()
 
     def begin_step(self, model: nn.Module) -> None:

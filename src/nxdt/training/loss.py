@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from nxdt.parallel.context_parallel import global_token_count
 from nxdt.parallel.mesh import submesh
-from nxdt.parallel.tensor_parallel import is_vocab_parallel
 
 
 def masked_token_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
@@ -35,8 +35,8 @@ def masked_token_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: tor
         per_token = logits.flatten()
     else:
         per_token = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
-    if is_vocab_parallel(logits):
-        per_token = per_token.full_tensor()  # replicated per-token losses as a plain tensor
+    if isinstance(per_token, DTensor):  # tensor parallel: replicated per-token losses, as a plain tensor
+        per_token = per_token.full_tensor()
     mask = loss_mask.flatten().to(per_token.dtype)
     count = mask.sum()
     if cp_group is not None:

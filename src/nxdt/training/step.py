@@ -140,14 +140,16 @@ def microbatch_forward_backward(model: nn.Module, precision: Precision, num_micr
     def forward_backward(batch: Batch) -> torch.Tensor:
         microbatches = split_microbatches(batch, num_microbatches, batch_size)
         total = None
-        for i, mb in enumerate(microbatches):
-            set_gradient_sync(model, i == len(microbatches) - 1)
-            set_aux_loss_scale(precision.loss_scale / len(microbatches))
-            with loss_parallel_context(tp):
-                loss = microbatch_loss(model, mb, precision, loss_fn=loss_fn, device_type=device_type,
-                                       cp_mesh=cp_mesh, loss_chunk_size=loss_chunk_size) / len(microbatches)
-                run_backward(precision.scale_loss(loss))
-            total = loss.detach() if total is None else total + loss.detach()
+        with precision.step_autocast(device_type):  # each weight cast once a step, not once a micro-batch
+            for i, mb in enumerate(microbatches):
+                set_gradient_sync(model, i == len(microbatches) - 1)
+                set_aux_loss_scale(precision.loss_scale / len(microbatches))
+                with loss_parallel_context(tp):
+                    loss = microbatch_loss(model, mb, precision, loss_fn=loss_fn, device_type=device_type,
+                                           cp_mesh=cp_mesh, loss_chunk_size=loss_chunk_size) / len(microbatches)
+                    with precision.backward_context(device_type):
+                        run_backward(precision.scale_loss(loss))
+                total = loss.detach() if total is None else total + loss.detach()
         return total
 
     return forward_backward
