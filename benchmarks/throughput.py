@@ -6,7 +6,7 @@
     .venv/bin/python benchmarks/throughput.py --quick            # a smoke run (short, 1 repeat)
     .venv/bin/python benchmarks/throughput.py --ways nxdt,nxdt-compile,hf,hf-compile
     .venv/bin/python benchmarks/throughput.py --device cuda --shape llama-3.2-1b          # on a GPU machine
-    .venv/bin/python benchmarks/throughput.py --device cuda --shape llama-3.1-8b --nproc 8  # FSDP over 8 GPUs
+    .venv/bin/python benchmarks/throughput.py --device cuda --shape llama-3.1-8b --ranks 8  # FSDP over 8 GPUs
 
 It is not a test. Every way trains the same Llama on the same batches (the bundled corpus,
 tokenized with the bundled tokenizer into a temporary directory, read through nxdt's
@@ -185,9 +185,9 @@ def compose(args, extra=()):
     from nxdt.config.load import load_config
 
     total = args.warmup_steps + args.steps
-    argv = common_overrides(SHAPES[args.shape], args.data_prefix, args.exp_dir, total, args.device, args.nproc,
+    argv = common_overrides(SHAPES[args.shape], args.data_prefix, args.exp_dir, total, args.device, args.ranks,
                             args.fsdp)
-    return load_config([*argv, *extra], world_size=args.nproc, default_config_dir=CONF_DIR, check_paths=True,
+    return load_config([*argv, *extra], world_size=args.ranks, default_config_dir=CONF_DIR, check_paths=True,
                        quiet=True)
 
 
@@ -363,7 +363,7 @@ def worker(args) -> int:
     steady = intervals[max(args.warmup_steps - 1, 0):]
     cpu = [b - a for a, b in zip(stamps.cpu, stamps.cpu[1:])][max(args.warmup_steps - 1, 0):]
     shape = SHAPES[args.shape]
-    tokens_per_step = shape.micro_batch * shape.seq * args.nproc
+    tokens_per_step = shape.micro_batch * shape.seq * args.ranks
     result = {
         "way": args.worker, "steps": len(steady), "step_times": steady,
         "threads": torch.get_num_threads(), "tokens_per_s": tokens_per_step * len(steady) / sum(steady),
@@ -417,11 +417,11 @@ def run_way(way: str, args, work: Path, tag: str) -> dict | None:
     if args.device == "cpu":
         env.update(OMP_NUM_THREADS=str(THREADS), MKL_NUM_THREADS=str(THREADS))
     launcher = [sys.executable]
-    if args.nproc > 1:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
+    if args.ranks > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}"]
     cmd = [*launcher, __file__, "--worker", way, "--out", str(out), "--data-prefix", args.data_prefix,
            "--exp-dir", str(exp_dir), "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps),
-           "--shape", args.shape, "--device", args.device, "--nproc", str(args.nproc)]
+           "--shape", args.shape, "--device", args.device, "--ranks", str(args.ranks)]
     if args.fsdp:
         cmd.append("--fsdp")
     start = time.perf_counter()
@@ -526,8 +526,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="small", choices=sorted(SHAPES), help="the model (see SHAPES)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--nproc", type=int, default=1, help="ranks per way (torchrun; cuda: one per GPU)")
-    p.add_argument("--fsdp", action="store_true", help="FSDP over the ranks (default with --nproc > 1)")
+    p.add_argument("--ranks", type=int, default=1, help="ranks per way (torchrun; cuda: one per GPU)")
+    p.add_argument("--fsdp", action="store_true", help="FSDP over the ranks (default with --ranks > 1)")
     p.add_argument("--steps", type=int, default=None, help="timed optimizer steps per run (after warm-up)")
     p.add_argument("--warmup-steps", type=int, default=None, help="steps run but not timed (compile, allocator)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians are reported")
@@ -536,13 +536,14 @@ def main(argv=None) -> int:
     p.add_argument("--data-dir", default=None, help="reuse tokenized data here (default: a temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the work dir (worker logs)")
     p.add_argument("--no-judge", action="store_true", help="print the table without PASS / MISS")
+    p.add_argument("--probe-seconds", type=float, default=1.0, help="CPU: seconds per dtype of the matmul peak probe")
     # worker mode (internal)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--data-prefix", help=argparse.SUPPRESS)
     p.add_argument("--exp-dir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    args.fsdp = args.fsdp or args.nproc > 1
+    args.fsdp = args.fsdp or args.ranks > 1
     if args.worker:
         return worker(args)
     big = SHAPES[args.shape].hidden >= 1024
@@ -570,16 +571,16 @@ def drive(args, parser) -> int:
     bad = [w for w in ways if w not in WAYS]
     if bad:
         parser.error(f"unknown way(s) {bad}; choose from {','.join(WAYS)}")
-    if args.nproc > 1 and any(WAYS[w].runner != "nxdt" for w in ways):
-        parser.error("--nproc > 1 runs the nxdt ways only (FSDP over the ranks)")
+    if args.ranks > 1 and any(WAYS[w].runner != "nxdt" for w in ways):
+        parser.error("--ranks > 1 runs the nxdt ways only (FSDP over the ranks)")
     if args.device == "cuda":
         peaks, bf16_native = cuda_peaks(), True
-        print(f"cuda: {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()} visible, using {args.nproc}; "
+        print(f"cuda: {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()} visible, using {args.ranks}; "
               f"bf16 peak {peaks.get('bf16', float('nan')):,.0f} TFLOP/s (published, dense)", flush=True)
     else:
-        peaks = measure_cpu_peaks()
+        peaks = measure_cpu_peaks(args.probe_seconds)
         bf16_native = peaks["bf16"] > peaks["fp32"]
-        print(machine_line(peaks=peaks) + " (measured now, 1 s each)", flush=True)
+        print(machine_line(peaks=peaks) + f" (measured now, {args.probe_seconds:g} s each)", flush=True)
         if not bf16_native and args.ways is None:
             ways = [w for w in ways if not WAYS[w].bf16]
             print(f"bf16 ways not run: bf16 matmuls are {peaks['fp32'] / peaks['bf16']:.1f}x slower than fp32 here "
@@ -593,7 +594,7 @@ def drive(args, parser) -> int:
     flops = model_flops_per_token(args)
     shape = SHAPES[args.shape]
     print(f"model ({args.shape}, {shape.about}): {shape.describe()}; {flops / 1e6:,.1f} MFLOP/token; "
-          f"{args.steps} timed steps after {args.warmup_steps} warm-up, {args.repeats} repeat(s), {args.nproc} rank(s)"
+          f"{args.steps} timed steps after {args.warmup_steps} warm-up, {args.repeats} repeat(s), {args.ranks} rank(s)"
           f"{' FSDP' if args.fsdp else ''}; torch {torch.__version__}", flush=True)
     results: dict[str, dict[int, float]] = {w: {} for w in ways}
     checksums: set[int] = set()
@@ -610,22 +611,26 @@ def drive(args, parser) -> int:
         print("\ninterrupted: the table below covers the runs that finished", flush=True)
         args.keep = True
     if args.device == "cpu":  # the peak is the best rate seen: a probe slowed by other load counts less
-        after = measure_cpu_peaks()
+        after = measure_cpu_peaks(args.probe_seconds)
         peaks = {k: max(peaks[k], after[k]) for k in peaks}
     print()
     if len(checksums) == 1:
         print(f"all ways trained on the same batches (token checksum {checksums.pop()})")
     elif len(checksums) > 1:
         print("WARNING: the ways did not train on the same batches")
-    rep = Report(results, peaks, flops, nproc=args.nproc, bf16_native=bf16_native, device=args.device)
+    rep = Report(results, peaks, flops, nproc=args.ranks, bf16_native=bf16_native, device=args.device)
     print(table(rep, judge=not args.no_judge and args.shape != "tiny"))
+    failed = [w for w, per in results.items() if len(per) < args.repeats]
+    if failed:
+        args.keep = True
+        print(f"\nruns failed: {', '.join(failed)}", flush=True)
     if args.keep:
         print(f"\nworker logs: {work}")
     else:
         import shutil
 
         shutil.rmtree(work, ignore_errors=True)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,50 @@
+"""benchmarks/throughput.py end to end on the smoke shape (its numbers are not judged here: speed
+goals live in the script, not in timed tests), and its GPU shapes as configs: Llama-3.2-1B and
+Llama-3.1-8B to the parameter, so `--device cuda` on a GPU machine trains what it says."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import throughput  # noqa: E402
+
+from nxdt.config.load import load_config  # noqa: E402
+from nxdt.training.estimate import plan  # noqa: E402
+
+
+@pytest.mark.parametrize("shape, parameters, gflop_per_token", [
+    ("llama-3.2-1b", 1_235_814_400, 7.82),   # HF's Llama-3.2-1B (tied embeddings)
+    ("llama-3.1-8b", 8_030_261_248, 51.47),  # HF's Llama-3.1-8B
+])
+def test_gpu_shapes_are_the_llama_3_models(shape, parameters, gflop_per_token):
+    argv = throughput.common_overrides(throughput.SHAPES[shape], "/data/prefix", "/tmp/unused", 10, "cuda", 8, True)
+    cfg = load_config(argv, world_size=8, default_config_dir=throughput.CONF_DIR, check_paths=False, quiet=True)
+    p = plan(cfg)
+    assert p["parameters"] == parameters and p["sharding"] == "fsdp" and cfg.trainer.accelerator == "gpu"
+    assert p["flops_per_token"] / 1e9 == pytest.approx(gflop_per_token, abs=0.01)
+
+
+def _bench(*args: str) -> str:
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "throughput.py"), "--shape", "tiny", "--quick",
+                          "--probe-seconds", "0.05", *args], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def test_throughput_runs_every_runner_on_the_same_batches_and_fsdp_over_two_ranks():
+    """The three runners (nxdt, the plain loop, the Trainer) train on the same batches and each gets
+    a row with its MFU; --ranks 2 is the GPU path's launcher (torchrun, FSDP) on CPU ranks."""
+    text = _bench("--ways", "nxdt,plain,hf")
+    assert "all ways trained on the same batches" in text
+    rows = {line.split()[0]: line.split() for line in text.splitlines() if line.split()[:1] in (["nxdt"], ["plain"], ["hf"])
+            and line.split()[-1] == "1"}
+    assert set(rows) == {"nxdt", "plain", "hf"}, text
+    assert all(float(r[1].replace(",", "")) > 0 and r[-2].endswith("%") for r in rows.values()), rows
+    text = _bench("--ways", "nxdt", "--ranks", "2")
+    assert "2 rank(s) FSDP" in text and any(line.startswith("nxdt ") and line.rstrip().endswith(" 1")
+                                            for line in text.splitlines()), text
