@@ -151,7 +151,7 @@ WAYS = {
     "hf-bf16-compile": Way("hf", bf16=True, compiled=True),
 }
 DEFAULT_CPU_WAYS = ("nxdt,nxdt-compile,plain,hf,hf-compile,"
-                    "nxdt-bf16sr,nxdt-bf16sr-compile,hf-bf16,hf-bf16-compile")
+                    "nxdt-mixed,nxdt-mixed-compile,hf-bf16,hf-bf16-compile")
 DEFAULT_CUDA_WAYS = "nxdt-mixed,nxdt-mixed-compile"
 
 

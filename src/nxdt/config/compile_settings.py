@@ -15,9 +15,11 @@ def wants_compile(cfg: Any) -> bool:
 
 
 def check_compile(cfg: Any, layout: Any) -> None:
-    """Compile with tensor parallelism is refused (not supported yet): with torch 2.13 the compiled
-    blocks' backward fails in DTensor's redistribution of the tp plan's activations."""
-    if wants_compile(cfg) and layout.tp > 1:
-        raise ConfigError("model.fusions.torch_compile with distributed_strategy.tensor_model_parallel_size > 1 is not "
-                          "supported yet (the compiled blocks' backward fails in DTensor's redistribution); compile "
-                          "works with FSDP / ZeRO-1 / replicate, activation checkpointing and pipelines")
+    """Compile with tensor parallelism and selective activation checkpointing is refused (not
+    supported yet): with torch 2.13 the compiled attention's saved-tensor policy meets the tp plan's
+    DeviceMesh and fails. Full recomputation, or selective without tp, compiles."""
+    if wants_compile(cfg) and layout.tp > 1 and cfg.model.activations_checkpoint_granularity == "selective":
+        raise ConfigError("model.fusions.torch_compile with distributed_strategy.tensor_model_parallel_size > 1 and "
+                          "model.activations_checkpoint_granularity=selective is not supported yet (torch 2.13's "
+                          "compiled selective recomputation fails on the tensor-parallel plan); use "
+                          "activations_checkpoint_granularity=full, or compile without tp")

@@ -36,12 +36,12 @@ from nxdt.config.alignment import alignment_notices, alignment_of, check_alignme
 from nxdt.config.arch_checks import check_architecture, check_hf_layouts
 from nxdt.config.moe_checks import canonical_gate_type, check_expert_parallel, check_moe, check_moe_layouts_supported
 from nxdt.config.inert import NOT_SUPPORTED_YET, backend_of, inert_notice
-from nxdt.config.compile_settings import check_compile
 from nxdt.config.loss_checks import check_loss_chunking
 from nxdt.config.signals import parse_signals
 from nxdt.config.sample_checks import check_samples
 from nxdt.config.optim_keys import check_optim_parallel, sched_rules
 from nxdt.config.sharding import sharding_mode_of
+from nxdt.config.compile_settings import check_compile
 from nxdt.config.cp_checks import check_context_parallel
 from nxdt.config.data_selection import check_dynamic_selection
 from nxdt.config.path_checks import check_files

@@ -50,7 +50,7 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh, cfg, device: torch.dev
     # 3. torch.compile each block, after AC and before FSDP (per-block compile keeps FSDP's
     #    per-block hooks outside the compiled graphs, and identical blocks share one graph)
     if wants_compile(cfg):  # model.fusions.torch_compile (or fms-fsdp's model.use_torch_compile)
-        apply_compile(model)
+        apply_compile(model, tensor_parallel=mesh["tp"].size() > 1)
     # 4. data parallel over (dp_replicate, dp_shard): replicate / FSDP2 / HSDP
     apply_data_parallel(model, mesh, data_parallel_config(ds, cfg.precision))
     # 5. a model built on the meta device gets its local shards allocated and initialised now
@@ -59,9 +59,22 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh, cfg, device: torch.dev
     return model
 
 
-def apply_compile(model: nn.Module) -> None:
+# Under tensor parallelism a block's attention and MLP are compiled, each whole, and its norms and
+# residual adds stay eager: with torch 2.13 a whole compiled block loses the gradient of a tp-
+# replicated norm weight under sequence parallel, and without it the backward fails in DTensor's
+# redistribution of the block's input. Attention and MLP compiled alone give eager's gradients
+# (every parameter within 1e-5, with and without sequence parallel).
+TP_COMPILED_PARTS = ("self_attn", "mlp")
+
+
+def apply_compile(model: nn.Module, tensor_parallel: bool = False) -> None:
+    """torch.compile each decoder block (torchtitan's unit); under tensor parallelism each block's
+    attention and MLP (see TP_COMPILED_PARTS)."""
     for block in transformer_blocks(model):
-        block.compile()
+        parts = [getattr(block, name, None) for name in TP_COMPILED_PARTS] if tensor_parallel else [block]
+        for part in parts:
+            if part is not None:
+                part.compile()
 
 
 def compile_backend_missing(device_type: str) -> str | None:

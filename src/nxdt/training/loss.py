@@ -8,6 +8,8 @@ batch gives the same loss.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -17,8 +19,21 @@ from nxdt.parallel.context_parallel import global_token_count
 from nxdt.parallel.mesh import submesh
 
 
+def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-token cross entropy [B * S] of logits [B, S, V] (softmax in fp32)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
+
+
+@functools.cache
+def compiled_token_losses():
+    """`token_losses` through torch.compile (model.fusions.torch_compile): one fused pass for the
+    upcast, log-softmax and pick, instead of full-size fp32 tensors for each (on CPU 44 vs 74 ms
+    forward + backward for 2,048 tokens x 8,192 in fp32, 34 vs 139 ms from bf16 logits)."""
+    return torch.compile(token_losses)
+
+
 def masked_token_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
-                      cp_group=None) -> torch.Tensor:
+                      cp_group=None, compiled: bool = False) -> torch.Tensor:
     """Mean cross entropy over the tokens whose loss_mask is 1 (fp32 for the softmax).
 
     `logits` [B, S, V]; or, shaped like `labels`, the per-token losses the model already computed
@@ -30,11 +45,15 @@ def masked_token_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: tor
 
     With context parallelism (`cp_group`) the tokens are one slice of each sequence: the sum is
     divided by the whole sequence's token count / cp, so the mean over the cp ranks (which the
-    dp × cp gradient and metric reductions take) is the whole sequence's mean."""
+    dp × cp gradient and metric reductions take) is the whole sequence's mean.
+
+    `compiled`: the cross entropy of plain-tensor logits through `compiled_token_losses`."""
     if logits.dim() == labels.dim():  # per-token losses (the chunked output layer's)
         per_token = logits.flatten()
+    elif compiled and not isinstance(logits, DTensor):
+        per_token = compiled_token_losses()(logits, labels)
     else:
-        per_token = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
+        per_token = token_losses(logits, labels)
     if isinstance(per_token, DTensor):  # tensor parallel: replicated per-token losses, as a plain tensor
         per_token = per_token.full_tensor()
     mask = loss_mask.flatten().to(per_token.dtype)

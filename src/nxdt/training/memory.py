@@ -49,8 +49,9 @@ def live_cpu_storages() -> dict[int, int]:
     storages once)."""
     storages: dict[int, int] = {}
     for obj in gc.get_objects():
-        # type(), not isinstance: isinstance reads __class__, which some module proxies warn about
-        if issubclass(type(obj), torch.Tensor):
+        # type(), not isinstance: isinstance reads __class__, which some module proxies warn about;
+        # torch.compile's fake tensors (left for the collector) hold no memory and warn when read
+        if issubclass(type(obj), torch.Tensor) and type(obj).__name__ != "FakeTensor":
             found = _storage(obj)
             if found is not None and found[0]:
                 storages[found[0]] = max(storages.get(found[0], 0), found[1])

@@ -21,6 +21,7 @@ import lightning.pytorch as pl
 import torch
 
 from nxdt.config.alignment import alignment_of
+from nxdt.config.compile_settings import wants_compile
 from nxdt.models import build_model, count_parameters, logits_of
 from nxdt.training.finetuning import add_lora
 from nxdt.parallel.mesh import all_reduce_mean
@@ -126,8 +127,10 @@ class NxdtLightningModule(PreferenceSteps, pl.LightningModule):
         return cp_mesh.get_group() if cp_mesh is not None else None
 
     def _loss_fn(self):
-        """The per-micro-batch loss (logits, labels, loss_mask) of both paths."""
-        return functools.partial(masked_token_loss, cp_group=self._cp_group())
+        """The per-micro-batch loss (logits, labels, loss_mask) of both paths; its cross entropy
+        compiled with the blocks (model.fusions.torch_compile; not on XLA, which compiles anyway)."""
+        compiled = wants_compile(self.cfg) and self.device.type != "xla"
+        return functools.partial(masked_token_loss, cp_group=self._cp_group(), compiled=compiled)
 
     def _microbatch_loss(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
         return microbatch_loss(self.model, mb, self.precision, loss_fn=self._loss_fn(),
