@@ -537,10 +537,10 @@ def main(argv=None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the work dir (worker logs)")
     p.add_argument("--no-judge", action="store_true", help="print the table without PASS / MISS")
     p.add_argument("--probe-seconds", type=float, default=1.0, help="CPU: seconds per dtype of the matmul peak probe")
+    p.add_argument("--data-prefix", help="train on this Megatron .bin/.idx prefix (default: the bundled corpus)")
     # worker mode (internal)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
-    p.add_argument("--data-prefix", help=argparse.SUPPRESS)
     p.add_argument("--exp-dir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.fsdp = args.fsdp or args.ranks > 1
@@ -587,9 +587,10 @@ def drive(args, parser) -> int:
                   f"(--ways runs them anyway)", flush=True)
 
     work = Path(tempfile.mkdtemp(prefix="nxdt-bench-"))
-    data_dir = Path(args.data_dir) if args.data_dir else work / "data"
-    data_dir.mkdir(parents=True, exist_ok=True)
-    args.data_prefix = prepare_data(data_dir)
+    if not args.data_prefix:  # else: Megatron .bin/.idx data given as is
+        data_dir = Path(args.data_dir) if args.data_dir else work / "data"
+        data_dir.mkdir(parents=True, exist_ok=True)
+        args.data_prefix = prepare_data(data_dir)
     args.exp_dir = str(work / "plan")
     flops = model_flops_per_token(args)
     shape = SHAPES[args.shape]

@@ -29,22 +29,23 @@ def test_gpu_shapes_are_the_llama_3_models(shape, parameters, gflop_per_token):
     assert p["flops_per_token"] / 1e9 == pytest.approx(gflop_per_token, abs=0.01)
 
 
-def _bench(*args: str) -> str:
+def _bench(data_prefix: str, *args: str) -> str:
     out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "throughput.py"), "--shape", "tiny", "--quick",
-                          "--probe-seconds", "0.05", *args], capture_output=True, text=True, timeout=600)
+                          "--probe-seconds", "0.05", "--data-prefix", data_prefix, *args],
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
 
 
-def test_throughput_runs_every_runner_on_the_same_batches_and_fsdp_over_two_ranks():
-    """The three runners (nxdt, the plain loop, the Trainer) train on the same batches and each gets
-    a row with its MFU; --ranks 2 is the GPU path's launcher (torchrun, FSDP) on CPU ranks."""
-    text = _bench("--ways", "nxdt,plain,hf")
+def test_throughput_runs_every_runner_on_the_same_batches_and_fsdp_over_two_ranks(kjv_prefix):
+    """The runners (nxdt, the plain loop, the Trainer) train on the same batches and each gets a row
+    with its MFU; --ranks 2 is the GPU path's launcher (torchrun, FSDP) on CPU ranks."""
+    text = _bench(kjv_prefix, "--ways", "nxdt,plain,hf")
     assert "all ways trained on the same batches" in text
     rows = {line.split()[0]: line.split() for line in text.splitlines() if line.split()[:1] in (["nxdt"], ["plain"], ["hf"])
             and line.split()[-1] == "1"}
     assert set(rows) == {"nxdt", "plain", "hf"}, text
     assert all(float(r[1].replace(",", "")) > 0 and r[-2].endswith("%") for r in rows.values()), rows
-    text = _bench("--ways", "nxdt", "--ranks", "2")
+    text = _bench(kjv_prefix, "--ways", "nxdt", "--ranks", "2")
     assert "2 rank(s) FSDP" in text and any(line.startswith("nxdt ") and line.rstrip().endswith(" 1")
                                             for line in text.splitlines()), text
