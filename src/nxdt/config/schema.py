@@ -293,9 +293,10 @@ class FusionsConfig:
     flash_attention: bool = doc(False, "NxDT: flash attention (its NKI kernel on Neuron)")
     ring_attention: bool = doc(False, "ring attention over the context-parallel group")
     torch_compile: bool = doc(
-        False, "torch.compile each decoder block after tensor parallel and activation checkpointing, before "
-               "FSDP (torchtitan's order; fms-fsdp's use_torch_compile, also model.use_torch_compile); the first "
-               "step pays the compile time (printed); inert on XLA, which compiles the whole graph anyway")
+        False, "torch.compile each decoder block (under tensor parallel: its attention and MLP) and the loss, "
+               "after tensor parallel and activation checkpointing, before FSDP (torchtitan's order; fms-fsdp's "
+               "use_torch_compile, also model.use_torch_compile); the first step pays the compile time (printed); "
+               "inert on XLA, which compiles the whole graph anyway")
     cross_entropy_chunk_size: Optional[int] = doc(
         None, "run the output layer and the cross entropy this many tokens at a time, each chunk's logits "
               "recomputed in backward: the [batch, seq, vocab] logits never exist whole; null = all at once", ge=1)
