@@ -54,7 +54,8 @@ TINY_OVERRIDES = [
 # The longest modules first (each runs whole on one pytest worker, `--dist loadfile`), so that
 # with two workers one takes the parallel layouts while the other runs the checkpoint chains and
 # then the rest: the suite ends when the longest module does, not later.
-LONG_MODULES = ("test_parallel_layouts.py", "test_checkpoint_reshard.py", "test_checkpoint_resume.py", "test_slurm.py")
+LONG_MODULES = ("test_parallel_layouts.py", "test_checkpoint_reshard.py", "test_checkpoint_resume.py", "test_slurm.py",
+                "test_benchmark_scripts.py")
 
 
 def pytest_collection_modifyitems(config, items):
