@@ -11,7 +11,7 @@ import pytest
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
-import throughput  # noqa: E402
+import throughput_runs  # noqa: E402
 
 from nxdt.config.load import load_config  # noqa: E402
 from nxdt.training.estimate import plan  # noqa: E402
@@ -22,8 +22,8 @@ from nxdt.training.estimate import plan  # noqa: E402
     ("llama-3.1-8b", 8_030_261_248, 51.47),  # HF's Llama-3.1-8B
 ])
 def test_gpu_shapes_are_the_llama_3_models(shape, parameters, gflop_per_token):
-    argv = throughput.common_overrides(throughput.SHAPES[shape], "/data/prefix", "/tmp/unused", 10, "cuda", 8, True)
-    cfg = load_config(argv, world_size=8, default_config_dir=throughput.CONF_DIR, check_paths=False, quiet=True)
+    argv = throughput_runs.common_overrides(throughput_runs.SHAPES[shape], "/data/prefix", "/tmp/unused", 10, "cuda", 8, True)
+    cfg = load_config(argv, world_size=8, default_config_dir=throughput_runs.CONF_DIR, check_paths=False, quiet=True)
     p = plan(cfg)
     assert p["parameters"] == parameters and p["sharding"] == "fsdp" and cfg.trainer.accelerator == "gpu"
     assert p["flops_per_token"] / 1e9 == pytest.approx(gflop_per_token, abs=0.01)
@@ -49,3 +49,16 @@ def test_throughput_runs_every_runner_on_the_same_batches_and_fsdp_over_two_rank
     text = _bench(kjv_prefix, "--ways", "nxdt", "--ranks", "2")
     assert "2 rank(s) FSDP" in text and any(line.startswith("nxdt ") and line.rstrip().endswith(" 1")
                                             for line in text.splitlines()), text
+
+
+def test_bad_input_is_one_line_exit_2(tmp_path):
+    """A data prefix without its files: one line naming the key and the file, exit 2, before any run."""
+    script = [sys.executable, str(REPO / "benchmarks" / "throughput.py"), "--shape", "tiny", "--probe-seconds", "0.05"]
+    out = subprocess.run([*script, "--data-prefix", str(tmp_path / "missing")], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 2 and out.stderr.splitlines() == [
+        f"error: data.data_prefix: indexed dataset file not found: {tmp_path / 'missing'}.bin (make them with: nxdt "
+        "preprocess --input CORPUS.jsonl --tokenizer DIR --output-prefix PREFIX; the bundled corpus: make data)"]
+    assert "repeat 1/" not in out.stdout
+    out = subprocess.run([*script, "--ranks", "0"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "--ranks and --repeats must be >= 1" in out.stderr

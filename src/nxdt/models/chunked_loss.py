@@ -25,9 +25,15 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 
+def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-token cross entropy [N] of logits [..., V] against labels [...] (N of them), softmax in fp32:
+    the one formula of the chunked path and of the whole-logits loss (nxdt.training.loss)."""
+    return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), reduction="none")
+
+
 def _chunk_losses(output_layer: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Per-token losses [N] of hidden [N, H] or [B, n, H] (labels [N] or [B, n]), fp32 softmax."""
-    return F.cross_entropy(output_layer(hidden).float().flatten(0, -2), labels.flatten(), reduction="none")
+    """Per-token losses [N] of hidden [N, H] or [B, n, H] (labels [N] or [B, n])."""
+    return token_cross_entropy(output_layer(hidden), labels)
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, output_layer: nn.Module, labels: torch.Tensor,
