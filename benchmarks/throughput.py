@@ -287,6 +287,7 @@ def drive(args, parser) -> int:
         data_dir = Path(args.data_dir) if args.data_dir else work / "data"
         data_dir.mkdir(parents=True, exist_ok=True)
         args.data_prefix = prepare_data(data_dir)
+    args.data_prefix = os.path.abspath(args.data_prefix)  # the workers run in their own directory
     args.exp_dir = str(work / "plan")
     from nxdt.config import ConfigError
 

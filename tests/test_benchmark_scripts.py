@@ -4,6 +4,7 @@ Llama-3.1-8B to the parameter, so `--device cuda` on a GPU machine trains what i
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -30,9 +31,10 @@ def test_gpu_shapes_are_the_llama_3_models(shape, parameters, gflop_per_token):
 
 
 def _bench(data_prefix: str, *args: str) -> str:
+    # the prefix relative to the working directory, as a user types it (the workers run elsewhere)
     out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "throughput.py"), "--shape", "tiny", "--quick",
-                          "--probe-seconds", "0.05", "--data-prefix", data_prefix, *args],
-                         capture_output=True, text=True, timeout=600)
+                          "--probe-seconds", "0.05", "--data-prefix", os.path.relpath(data_prefix, REPO), *args],
+                         capture_output=True, text=True, timeout=600, cwd=REPO)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
 

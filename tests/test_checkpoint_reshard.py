@@ -7,21 +7,21 @@ tp2 layout replicates the K/V projections (tp > num_kv_heads). The runs form cha
 resume run loads a checkpoint of the previous one and writes its own checkpoints (every step)
 for the next; these runs cover these changes:
 
-    reference  pp2 x vpp2, from scratch, 8 steps
+    reference  pp2 x vpp2, from scratch, 6 steps
     ├─ @1 → pp2 x vpp2      plain resume, same layout
     │   └─ @2 → pp2         vpp2 → vpp1 (stages regrouped; same world size: RNG re-seeded)
     ├─ @1 → HSDP 2x2        4 ranks, dp 1 → 4 (replicate 2 x shard 2); saves bf16 + fp32 masters
     │   └─ @2 → pp2 x ZeRO-1 dp2       4 ranks: pp, dp and sharding change at once; loads the masters
     │       └─ @3 → pp1     pp2 + ZeRO-1 dp2 → one process
     └─ @1 → zero1 dp2       dp1 → dp2 (data-loader state dropped, continues from consumed_samples)
-        ├─ @3 → fsdp dp2    zero1 dp2 → fsdp dp2
-        ├─ @3 → zero1 dp2   plain ZeRO-1 resume
-        └─ @3 → tp2         tp1 dp2 → tp2 dp1 (K/V replicated)
-            └─ @5 → tp1     tp2 (K/V replicated) → tp1, one process; keeps the best
+        ├─ @2 → fsdp dp2    zero1 dp2 → fsdp dp2
+        ├─ @2 → zero1 dp2   plain ZeRO-1 resume
+        └─ @2 → tp2         tp1 dp2 → tp2 dp1 (K/V replicated)
+            └─ @3 → tp1     tp2 (K/V replicated) → tp1, one process; keeps the best
                             checkpoint by reduced_train_loss (mode max) and the newest
     neox_tp2_sp   GPT-NeoX blocks (2 layers), tp2 + sequence parallel, from scratch (its own reference)
     └─ @3 → pp2             tp-sharded weights and biases into two stages, then
-        └─ @5 → pp1         one process
+        └─ @4 → pp1         one process
     moe_ep2    MoE (4 experts), expert parallel ep2 dp2, from scratch (its own reference)
     ├─ @2 → ep1             the experts whole on both ranks, then
     │   └─ @4 → ep2         sharded again
@@ -29,7 +29,7 @@ for the next; these runs cover these changes:
 
 Runs of one world size share one launch (conftest.run_pool: imports paid once), so the
 runs take three launches: the 2-rank runs, then the 4-rank runs, then the single-process ones.
-Each resumed run's losses (steps after the checkpoint, to step 8) are compared with the
+Each resumed run's losses (steps after the checkpoint, to step 6) are compared with the
 reference's.
 """
 
@@ -43,7 +43,7 @@ import pytest
 from conftest import TINY_OVERRIDES, read_scalars, run_pool, tensor_bytes
 from test_parallel_layouts import NEOX
 
-STEPS = 8
+STEPS = 6
 TOL = 1e-5
 PP2 = ["distributed_strategy.pipeline_model_parallel_size=2"]
 VPP2 = [*PP2, "distributed_strategy.virtual_pipeline_model_parallel_size=2"]
@@ -73,6 +73,7 @@ def _args(prefix: str, log_dir: Path, devices: int, extra=()) -> list[str]:
         f"trainer.devices={devices}", f"trainer.max_steps={STEPS}",
         "trainer.val_check_interval=4", "trainer.limit_val_batches=1",
         "model.optim.lr=1e-2", "model.optim.sched.warmup_steps=2",
+        "model.optim.sched.max_steps=8",  # the learning-rate schedule of an eight-step run
         f"data.data_prefix=[1.0,{prefix}]",
         f"exp_manager.explicit_log_dir={log_dir}",
         "exp_manager.create_checkpoint_callback=true",
@@ -116,13 +117,13 @@ RUNS = {
     "vpp_resumed": (2, VPP2, ("reference", 1)),
     "pp2": (2, PP2, ("vpp_resumed", 2)),
     "zero1": (2, ["distributed_strategy.zero1=true"], ("reference", 1)),
-    "fsdp_from_zero1": (2, ["distributed_strategy.sharding_strategy=FSDP"], ("zero1", 3)),
-    "zero1_from_zero1": (2, ["distributed_strategy.zero1=true"], ("zero1", 3)),
-    "tp2": (2, TP2, ("zero1", 3)),
+    "fsdp_from_zero1": (2, ["distributed_strategy.sharding_strategy=FSDP"], ("zero1", 2)),
+    "zero1_from_zero1": (2, ["distributed_strategy.zero1=true"], ("zero1", 2)),
+    "tp2": (2, TP2, ("zero1", 2)),
     "hsdp": (4, HSDP, ("reference", 1)),
     "pp2_zero1": (4, PP2_ZERO1, ("hsdp", 2)),
     "pp1": (1, [], ("pp2_zero1", 3)),
-    "tp1": (1, TOP1_BY_LOSS, ("tp2", 5)),
+    "tp1": (1, TOP1_BY_LOSS, ("tp2", 3)),
     # MoE: expert parallel ep2 → ep1 (same 2 ranks, experts whole on each) → ep2 again
     "moe_ep2": (2, [*MOE, *EP2], None),
     "moe_ep1": (2, MOE, ("moe_ep2", 2)),
@@ -130,7 +131,7 @@ RUNS = {
     # GPT-NeoX: tp2 + sp → pp2 → one process
     "neox_tp2_sp": (2, [*NEOX2, *TP2, "distributed_strategy.sequence_parallel=true"], None),
     "neox_pp2": (2, [*NEOX2, *PP2], ("neox_tp2_sp", 3)),
-    "neox_pp1": (1, NEOX2, ("neox_pp2", 5)),
+    "neox_pp1": (1, NEOX2, ("neox_pp2", 4)),
     # bad input: an MoE checkpoint into the dense config, one line and exit 2
     "dense_from_moe": (1, [], ("moe_ep2", 2)),
 }
@@ -225,36 +226,36 @@ def test_pp2_zero1_to_pp1(reference, runs):
 
 def test_tp1_to_tp2(reference, runs):
     tp2 = runs["tp2"]
-    _assert_continues(reference, tp2, 3, "zero1 tp1 dp2 -> tp2 dp1 (K/V replicated)")
+    _assert_continues(reference, tp2, 2, "zero1 tp1 dp2 -> tp2 dp1 (K/V replicated)")
     assert "(dp=2 -> dp=1)" in _notes(tp2, "tensors resharded")[0]
     # replicated K/V projections keep the model's names and shapes: one head of 16 for 4 query heads
-    shapes = json.loads((tp2.ckpt(5) / "meta.json").read_text())["model_shapes"]
+    shapes = json.loads((tp2.ckpt(3) / "meta.json").read_text())["model_shapes"]
     assert shapes["model.model.layers.0.self_attn.k_proj.weight"] == [16, 64]
     assert shapes["model.model.layers.0.self_attn.q_proj.weight"] == [64, 64]
 
 
 def test_tp2_to_tp1(reference, runs):
     tp1 = runs["tp1"]
-    _assert_continues(reference, tp1, 5, "tp2 (K/V replicated) -> tp1")
+    _assert_continues(reference, tp1, 3, "tp2 (K/V replicated) -> tp1")
 
 
 def test_top_k_by_monitored_metric(runs):
-    """monitor reduced_train_loss, mode max, save_top_k 1, save_last: the run saved steps 6, 7, 8;
+    """monitor reduced_train_loss, mode max, save_top_k 1, save_last: the run saved steps 4, 5, 6;
     checkpoint s is scored with the loss of training step s (TensorBoard step s - 1) and named
-    with it; the highest-scoring one survives, and the newest (8) whatever its score."""
+    with it; the highest-scoring one survives, and the newest (6) whatever its score."""
     tp1 = runs["tp1"]
-    loss = {s: tp1.losses[s - 1] for s in (6, 7, 8)}
+    loss = {s: tp1.losses[s - 1] for s in (4, 5, 6)}
     best = max(loss, key=lambda s: (loss[s], s))
-    keep = sorted({8, best})
-    assert best == 6 and keep == [6, 8], loss  # the loss falls: step 7 is neither best nor newest
+    keep = sorted({6, best})
+    assert best == 4 and keep == [4, 6], loss  # the loss falls: step 5 is neither best nor newest
     ckpts = Path(tp1.log_dir) / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == sorted(
         [f"tiny_llama--step={s}-reduced_train_loss={loss[s]:.4f}" for s in keep] + ["last"]), loss
-    assert (ckpts / "last").resolve().name.startswith("tiny_llama--step=8-")
+    assert (ckpts / "last").resolve().name.startswith("tiny_llama--step=6-")
     for s in keep:
         score = json.loads((ckpts / f"tiny_llama--step={s}-reduced_train_loss={loss[s]:.4f}" / "monitor.json").read_text())
         assert score["monitor"] == "reduced_train_loss" and math.isclose(score["value"], loss[s], rel_tol=1e-6)
-    print(f"top-1 by reduced_train_loss (max) of steps 6-8 {loss}: kept {keep}")
+    print(f"top-1 by reduced_train_loss (max) of steps 4-6 {loss}: kept {keep}")
 
 
 def test_dp1_to_zero1_dp2_drops_data_state_in_one_line(reference, runs):
@@ -266,12 +267,12 @@ def test_dp1_to_zero1_dp2_drops_data_state_in_one_line(reference, runs):
 
 def test_zero1_dp2_to_fsdp_dp2(reference, runs):
     fsdp_from_zero1 = runs["fsdp_from_zero1"]
-    _assert_continues(reference, fsdp_from_zero1, 3, "zero1 dp2 -> fsdp dp2")
+    _assert_continues(reference, fsdp_from_zero1, 2, "zero1 dp2 -> fsdp dp2")
 
 
 def test_zero1_dp2_resume(reference, runs):
     zero1_from_zero1 = runs["zero1_from_zero1"]
-    _assert_continues(reference, zero1_from_zero1, 3, "zero1 dp2 -> zero1 dp2")
+    _assert_continues(reference, zero1_from_zero1, 2, "zero1 dp2 -> zero1 dp2")
     assert "resharded" not in zero1_from_zero1.log
 
 
@@ -292,11 +293,11 @@ def test_neox_tp2_sp_to_pp2_to_one_process(runs):
     in two pipeline stages, and their checkpoint in one process, on the uninterrupted curve."""
     ref, pp2, pp1 = runs["neox_tp2_sp"], runs["neox_pp2"], runs["neox_pp1"]
     _assert_continues(ref, pp2, 3, "NeoX tp2 + sp -> pp2")
-    _assert_continues(ref, pp1, 5, "NeoX pp2 -> pp1")
+    _assert_continues(ref, pp1, 4, "NeoX pp2 -> pp1")
     assert "loading on 2 (dp=1 tp=1 pp=2 vpp=1 cp=1)" in _notes(pp2, "tensors resharded")[0]
     assert "saved on 2 ranks (dp=1 tp=1 pp=2 vpp=1 cp=1)" in _notes(pp1, "tensors resharded")[0]
     # whole tensors under the model's names, whichever layout wrote them
-    for run, step in ((ref, 3), (pp2, 5)):
+    for run, step in ((ref, 3), (pp2, 4)):
         shapes = json.loads((run.ckpt(step) / "meta.json").read_text())["model_shapes"]
         block = {k.split("layers.0.")[1]: v for k, v in shapes.items() if k.startswith("model.model.layers.0.")}
         assert block["mlp.up_proj.bias"] == [176] and block["self_attn.k_proj.weight"] == [64, 64], block

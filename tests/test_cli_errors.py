@@ -1,12 +1,16 @@
 """Bad input through the real entry point: one clear line on stderr, exit code 2, no traceback.
 
-These runs stop during config validation, before torch is imported, so each takes ~1-2 s.
+These runs stop during config validation, before torch is imported, so each takes ~1-2 s. The
+errors found later, after torch and Lightning are imported but before any process group starts,
+go through the same entry in the pytest process (`_in_process`): a launch would mostly import.
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
-from conftest import REPO, run_cli
+from conftest import REPO, run_cli, train_in_process
 
 BASE = ["--config-name", "tiny_llama_cpu"]
 
@@ -19,6 +23,13 @@ def _assert_one_line_error(proc, *fragments: str) -> str:
     for fragment in fragments:
         assert fragment in errors[0], errors[0]
     return errors[0]
+
+
+def _in_process(argv: list[str]) -> SimpleNamespace:
+    """The entry examples/train.py calls, in this process: for errors found after torch is imported
+    and before any process group starts (a launch would mostly import torch and Lightning)."""
+    run = train_in_process(argv)
+    return SimpleNamespace(returncode=run.rc, stdout=run.out, stderr=run.err)
 
 
 @pytest.fixture()
@@ -100,7 +111,7 @@ def test_nxdt_cli_unknown_command():
 def test_bad_fine_tuning_inputs_stop_before_training(data_args, tmp_path):
     """A LoRA target the model lacks (checked on a meta-device build, before any process group), and
     a preference row without 'rejected' (read when the data module sets up): one line, exit 2."""
-    proc = run_cli([*BASE, *data_args, "trainer.devices=1", "+model_alignment_strategy.peft.target_modules=[qkv]"])
+    proc = _in_process([*BASE, *data_args, "trainer.devices=1", "+model_alignment_strategy.peft.target_modules=[qkv]"])
     line = _assert_one_line_error(proc, "model_alignment_strategy.peft.target_modules: 'qkv' is not a linear layer")
     assert "qkv_proj" in line and "down_proj" in line  # the valid names are listed
     rows = tmp_path / "pref.jsonl"
@@ -120,6 +131,6 @@ def test_nxdt_evaluate_bad_input(data_args, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "nxdt.cli", "evaluate", "--checkpoint", str(missing)],
                           capture_output=True, text=True, cwd=REPO)
     _assert_one_line_error(proc, str(missing), "does not exist")
-    proc = run_cli([*BASE, *data_args, "trainer.devices=1", "trainer.max_epochs=0"])
+    proc = _in_process([*BASE, *data_args, "trainer.devices=1", "trainer.max_epochs=0"])
     _assert_one_line_error(proc, "trainer.max_epochs=0", "no weights to evaluate", "exp_manager.resume_from_checkpoint")
 

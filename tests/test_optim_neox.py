@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from conftest import REPO, TINY_OVERRIDES, read_scalars, run_pool
+from conftest import REPO, TINY_OVERRIDES, read_scalars, train_in_process
 from torch import nn
 
 from nxdt.config import optim_keys
@@ -287,7 +287,8 @@ def test_lion_training_reduces_the_loss(kjv_prefix, tmp_path):
             f"data.data_prefix=[1.0,{kjv_prefix}]", "model.optim.name=lion", "model.optim.lr=3e-3",
             "model.optim.betas=[0.9,0.99]", "model.optim.sched.warmup_steps=0", "trainer.limit_val_batches=0",
             "exp_manager.create_checkpoint_callback=false", f"exp_manager.explicit_log_dir={tmp_path / 'lion'}"]
-    run_pool({"lion": argv}, 1, tmp_path / "pool")
+    run = train_in_process(argv)
+    assert run.rc == 0, run.err[-3000:]
     losses = [v for _, v in sorted(read_scalars(tmp_path / "lion")["reduced_train_loss"].items())]
     assert len(losses) == 5 and all(math.isfinite(x) for x in losses)
     assert losses[-1] < losses[0] - 0.3, losses
