@@ -222,8 +222,12 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     import multiprocessing
 
+                    # spawn, not fork: this process has threads by now (the progress
+                    # display's refresher, torch's or tokenizers' pools when called
+                    # in-process), and a child forked while one of them holds a lock
+                    # waits on it forever (seen as a hung pool in CI).
                     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-                    pool = multiprocessing.get_context().Pool(
+                    pool = multiprocessing.get_context("spawn").Pool(
                         args.workers, initializer=_init_worker, initargs=(tokenizer_dir, eod)
                     )
                     encoded = pool.imap(_encode_chunk, chunks, chunksize=4)
