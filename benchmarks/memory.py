@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -126,18 +127,34 @@ def logits_memory(args) -> None:
     from nxdt.hardware import machine_line
     from nxdt.models.chunked_loss import chunked_cross_entropy
 
-    class LargestLogits(TorchDispatchMode):
+    class LogitsAndPeak(TorchDispatchMode):
         """The largest logits-shaped tensor ([..., vocab]: logits, their softmax, their gradient) any op
-        returns; the weight and its gradient ([vocab, hidden]) are the same either way and not counted."""
+        returns (the weight and its gradient, [vocab, hidden], are the same either way and not counted),
+        and the peak of the bytes alive in the tensors the ops create (each storage counted once, from the
+        op that makes it until it is freed: a weakref finalizer on the storage)."""
 
-        def __init__(self):
+        def __init__(self, existing: list[torch.Tensor]):
             super().__init__()
-            self.largest = 0
+            self.largest = self.live = self.peak = 0
+            # storages made before (the weight, the hidden states): their views are not new bytes
+            self.seen: set[int] = {id(t.untyped_storage()) for t in existing}
+
+        def _freed(self, key: int, nbytes: int) -> None:
+            self.live -= nbytes
+            self.seen.discard(key)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             for t in out if isinstance(out, (tuple, list)) else (out,):
-                if (isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == args_vocab
+                if not isinstance(t, torch.Tensor):
+                    continue
+                storage = t.untyped_storage()
+                if id(storage) not in self.seen and storage.nbytes():
+                    self.seen.add(id(storage))
+                    self.live += storage.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._freed, id(storage), storage.nbytes())
+                if (t.dim() >= 2 and t.shape[-1] == args_vocab
                         and t.numel() != args_vocab * args_hidden):  # not the weight (or its transpose)
                     self.largest = max(self.largest, t.numel() * t.element_size())
             return out
@@ -150,29 +167,28 @@ def logits_memory(args) -> None:
     hidden = torch.randn(args.tokens, args.hidden, requires_grad=True)
     labels = torch.randint(0, args.vocab, (args.tokens,))
     ways = {"full logits": lambda: F.cross_entropy(head(hidden).float(), labels, reduction="none"),
-            f"chunked ({args.chunk} tokens)": lambda: chunked_cross_entropy(hidden, head, labels, args.chunk)}
+            f"chunks of {args.chunk}, fused": lambda: chunked_cross_entropy(hidden, head, labels, args.chunk),
+            f"chunks of {args.chunk}, recomputed": lambda: chunked_cross_entropy(hidden, head, labels, args.chunk,
+                                                                                  fuse=False)}
     print(f"output layer {args.hidden} -> {args.vocab:,}, {args.tokens:,} tokens, fp32; whole logits "
-          f"= tokens x vocab x 4 B = {args.tokens * args.vocab * 4 / 2**20:,.0f} MiB")
-    print(f"{'way':<22} {'saved for backward':>19} {'largest logits':>15} {'fwd+bwd':>9}")
+          f"= tokens x vocab x 4 B = {args.tokens * args.vocab * 4 / 2**20:,.0f} MiB; the weight "
+          f"{args.vocab * args.hidden * 4 / 2**20:,.0f} MiB")
+    print("peak: the most bytes alive at once in the tensors forward and backward create (every way's includes "
+          "the weight's gradient)")
+    print(f"{'way':<28} {'largest logits':>15} {'peak':>13} {'fwd+bwd':>9}")
     rows = {}
     for name, loss in ways.items():
-        saved = 0
-
-        def pack(t):
-            nonlocal saved
-            saved += t.numel() * t.element_size()
-            return t
-
         hidden.grad = head.weight.grad = None
-        mode = LargestLogits()
+        mode = LogitsAndPeak([hidden, head.weight, labels])
         start = time.perf_counter()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
+        with mode:
             loss().sum().backward()
-        rows[name] = (saved, mode.largest, time.perf_counter() - start)
-        print(f"{name:<22} {saved / 2**20:>15,.1f} MiB {mode.largest / 2**20:>11,.1f} MiB {rows[name][2]:>8.2f}s",
+        rows[name] = (mode.peak, time.perf_counter() - start)
+        print(f"{name:<28} {mode.largest / 2**20:>11,.1f} MiB {mode.peak / 2**20:>9,.0f} MiB {rows[name][1]:>8.2f}s",
               flush=True)
-    (full, *_), (chunked, *_) = rows.values()
-    print(f"saved for backward: {full / max(chunked, 1):,.0f}x less with chunks ({(full - chunked) / 2**20:,.0f} MiB)")
+    (full, full_s), (fused, fused_s), (recomputed, recomputed_s) = rows.values()
+    print(f"fused: peak {(fused - full) / 2**20:+,.0f} MiB against the whole logits, {full_s / fused_s:.2f}x their speed; "
+          f"recomputed: {(recomputed - full) / 2**20:+,.0f} MiB, {full_s / recomputed_s:.2f}x")
 
 
 def main():

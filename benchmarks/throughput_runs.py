@@ -82,13 +82,18 @@ class Way:
 
 
 COMPILE = "model.fusions.torch_compile=true"
+CE_CHUNKS = "model.fusions.cross_entropy_chunk_size=512"  # the fused output layer + loss, 512 tokens at a time
 WAYS = {
     "nxdt": Way("nxdt"),
     "nxdt-compile": Way("nxdt", compiled=True, overrides=(COMPILE,)),
+    "nxdt-chunks": Way("nxdt", overrides=(CE_CHUNKS,)),
+    "nxdt-chunks-compile": Way("nxdt", compiled=True, overrides=(CE_CHUNKS, COMPILE)),
     "nxdt-autocast": Way("nxdt", bf16=True, overrides=("precision.type=autocast",)),
     "nxdt-autocast-compile": Way("nxdt", bf16=True, compiled=True, overrides=("precision.type=autocast", COMPILE)),
     "nxdt-mixed": Way("nxdt", bf16=True, overrides=("precision.type=mixed_precision",)),
     "nxdt-mixed-compile": Way("nxdt", bf16=True, compiled=True, overrides=("precision.type=mixed_precision", COMPILE)),
+    "nxdt-mixed-chunks-compile": Way("nxdt", bf16=True, compiled=True,
+                                     overrides=("precision.type=mixed_precision", CE_CHUNKS, COMPILE)),
     "nxdt-bf16sr": Way("nxdt", bf16=True, overrides=("precision.type=bf16SR",)),
     "nxdt-bf16sr-compile": Way("nxdt", bf16=True, compiled=True, overrides=("precision.type=bf16SR", COMPILE)),
     "plain": Way("plain"),
@@ -99,7 +104,7 @@ WAYS = {
     "hf-bf16-compile": Way("hf", bf16=True, compiled=True),
 }
 DEFAULT_CPU_WAYS = ("nxdt,nxdt-compile,plain,hf,hf-compile,"
-                    "nxdt-mixed,nxdt-mixed-compile,hf-bf16,hf-bf16-compile")
+                    "nxdt-mixed,nxdt-mixed-compile,nxdt-mixed-chunks-compile,hf-bf16,hf-bf16-compile")
 DEFAULT_CUDA_WAYS = "nxdt-mixed,nxdt-mixed-compile"
 
 

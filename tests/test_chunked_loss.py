@@ -29,31 +29,90 @@ def _problem(tokens: int = 37, hidden: int = 64, vocab: int = 1000):
     return h, head, labels
 
 
-@pytest.mark.parametrize("chunk", [1, 16, 74, 1000])  # one token, uneven chunks, exactly all, more than all
-def test_equal_to_cross_entropy_on_the_full_logits_values_and_gradients(chunk):
+def _mm_calls_in(fn) -> int:
+    """How many matmuls `fn` runs (aten mm / addmm / bmm)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_,
+                                       torch.ops.aten.bmm):
+                Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.calls
+
+
+# one token, uneven chunks, exactly all, more than all; the weighting of the per-token losses:
+# - "mean": the training loss's (the same weight on every scored token, some labels ignored): the
+#   fused head's gradients come from its forward, backward runs no matmul
+# - "mask-like": any other weighting: backward recomputes each chunk with its weights
+@pytest.mark.parametrize("weighting", ["mean", "mask-like"])
+@pytest.mark.parametrize("chunk", [1, 16, 74, 1000])
+def test_equal_to_cross_entropy_on_the_full_logits_values_and_gradients(chunk, weighting):
     h, head, labels = _problem()
+    if weighting == "mean":
+        labels[0, :5] = -100  # e.g. a prompt, or tokens the loss mask leaves out
+        weights = (labels != -100).float() / 3.0
+    else:
+        weights = torch.rand(labels.shape, generator=torch.Generator().manual_seed(1))
     full = F.cross_entropy(head(h).float().flatten(0, 1), labels.flatten(), reduction="none").view(labels.shape)
-    weights = torch.rand(labels.shape, generator=torch.Generator().manual_seed(1))  # a loss mask-like weighting
     (full * weights).sum().backward()
     want = h.grad.clone(), head.weight.grad.clone()
     h.grad, head.weight.grad = None, None
     got = chunked_cross_entropy(h, head, labels, chunk)
-    (got * weights).sum().backward()
+    backward_matmuls = _mm_calls_in(lambda: (got * weights).sum().backward())
     assert got.shape == labels.shape and got.dtype == torch.float32
     torch.testing.assert_close(got, full, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(h.grad, want[0], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(head.weight.grad, want[1], rtol=1e-6, atol=1e-6)
+    chunks = -(-labels.numel() // chunk)
+    assert backward_matmuls == (0 if weighting == "mean" else 3 * chunks), backward_matmuls
 
 
-def test_backward_keeps_no_whole_logits():
-    """What autograd saves for backward: the full path keeps the [tokens, vocab] logits (and more);
-    the chunked one keeps the hidden states and one chunk at a time is recomputed."""
-    def saved_bytes(fn) -> int:
+@pytest.mark.parametrize("preset", ["autocast", "bf16 weights"])
+def test_fused_head_in_bf16_matches_the_module_call(preset):
+    """Under autocast (an fp32 weight, bf16 matmuls) and with bf16 weights (mixed_precision's copies),
+    the fused head computes what `head(h)` would, in the same dtypes: the losses and gradients of the
+    full bf16 logits, to bf16's rounding of the products; the gradients come back in the operands' dtypes."""
+    h, head, labels = _problem(tokens=24, vocab=300)
+    if preset == "bf16 weights":
+        head = head.to(torch.bfloat16)
+        h = h.detach().to(torch.bfloat16).requires_grad_()
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=preset == "autocast")
+    with autocast:
+        full = F.cross_entropy(head(h).float().flatten(0, 1), labels.flatten(), reduction="none").view(labels.shape)
+    full.mean().backward()
+    want = h.grad.clone(), head.weight.grad.clone()
+    h.grad, head.weight.grad = None, None
+    with autocast:
+        got = chunked_cross_entropy(h, head, labels, 16)
+    got.mean().backward()
+    assert h.grad.dtype == h.dtype and head.weight.grad.dtype == head.weight.dtype
+    torch.testing.assert_close(got, full, rtol=0, atol=1e-5)  # the same bf16 logits, softmax in fp32
+    # gradients: the fused head rounds softmax - onehot to bf16 for its matmuls, as autograd does
+    # with the logits' gradient, and sums the weight's in fp32 (autograd: one bf16 matmul)
+    torch.testing.assert_close(h.grad.float(), want[0].float(), rtol=2e-2, atol=2e-4)
+    torch.testing.assert_close(head.weight.grad.float(), want[1].float(), rtol=2e-2, atol=2e-4)
+
+
+@pytest.mark.parametrize("bias", [False, True])  # the fused head; a head with bias recomputes its chunks
+def test_backward_keeps_no_whole_logits(bias):
+    """What autograd saves for backward beyond the hidden states and the head's weight (which exist
+    anyway): the full path keeps the [tokens, vocab] logits (and more); the fused bias-free head keeps
+    the hidden states' gradient and the weight's (fp32), the recomputing one nothing but a chunk's ids."""
+    def saved_bytes(fn, exclude) -> int:
         total = 0
+        kept = {t.untyped_storage().data_ptr() for t in exclude}
 
         def pack(t):
             nonlocal total
-            total += t.numel() * t.element_size()
+            if t.untyped_storage().data_ptr() not in kept:
+                total += t.numel() * t.element_size()
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -61,11 +120,16 @@ def test_backward_keeps_no_whole_logits():
         return total
 
     h, head, labels = _problem(tokens=256, vocab=4000)
+    if bias:
+        head.bias = torch.nn.Parameter(torch.zeros(4000))
+    exclude = [h, *head.parameters()]
     logits_bytes = 2 * 256 * 4000 * 4
-    full = saved_bytes(lambda: F.cross_entropy(head(h).float().flatten(0, 1), labels.flatten(), reduction="none"))
-    chunked = saved_bytes(lambda: chunked_cross_entropy(h, head, labels, 64))
+    full = saved_bytes(lambda: F.cross_entropy(head(h).float().flatten(0, 1), labels.flatten(), reduction="none"),
+                       exclude)
+    chunked = saved_bytes(lambda: chunked_cross_entropy(h, head, labels, 64), exclude)
+    grads = 0 if bias else h.numel() * 4 + head.weight.numel() * 4  # the fused head's gradients, from forward
     assert full >= logits_bytes
-    assert chunked < logits_bytes / 20, (chunked, logits_bytes)
+    assert chunked < logits_bytes / 20 + grads, (chunked, logits_bytes)
     print(f"saved for backward: full {full / 2**20:.1f} MiB, chunked {chunked / 2**20:.2f} MiB")
 
 

@@ -298,8 +298,10 @@ class FusionsConfig:
                "use_torch_compile, also model.use_torch_compile); the first step pays the compile time (printed); "
                "inert on XLA, which compiles the whole graph anyway")
     cross_entropy_chunk_size: Optional[int] = doc(
-        None, "run the output layer and the cross entropy this many tokens at a time, each chunk's logits "
-              "recomputed in backward: the [batch, seq, vocab] logits never exist whole; null = all at once", ge=1)
+        None, "run the output layer and the cross entropy this many tokens at a time: the [batch, seq, vocab] "
+              "logits never exist whole; a plain head computes each chunk's gradients in forward (fused, "
+              "no recomputation), a tensor-parallel or LoRA head recomputes the chunk in backward; "
+              "null = all at once", ge=1)
 
 
 @dataclass

@@ -4,8 +4,8 @@ With a large vocabulary the logits dominate a step's memory: [batch, seq, vocab]
 dtype, their fp32 copy for the softmax, the softmax itself and, in backward, a gradient as large
 (Llama-3's 128,256 entries per token: 1 MiB of fp32 per token, each). Here the output layer runs on
 `chunk_size` tokens at a time and each chunk's logits are dropped as soon as its per-token losses
-are known; backward recomputes them chunk by chunk (`torch.utils.checkpoint`), so only one chunk's
-logits exist at any time. The arithmetic per token is the full path's: the same matmul rows, the
+are known; a head it cannot fuse (below) has backward recompute them chunk by chunk
+(`torch.utils.checkpoint`), so only one chunk's logits exist at any time. The arithmetic per token is the full path's: the same matmul rows, the
 same fp32 cross entropy, so values and gradients agree to rounding (tests/test_chunked_loss.py).
 The output layer is called as a module (under the caller's autocast, FSDP's hooks included).
 
@@ -15,6 +15,18 @@ every chunk's logits, which never leave it; the caller runs this and the backwar
 hidden states hold 1/k of every sequence ([B, S/k, H] against labels [B, S]) and the output layer
 gathers the k slices in order: chunks then run along the sequence, and each chunk's labels are the
 same positions of each of the k slices.
+
+A plain `nn.Linear` head without bias (one process, data parallel, FSDP, context parallel) takes a
+faster way, Liger-Kernel's fused linear cross entropy: each chunk's gradients are computed in the
+forward, while its logits are at hand (softmax minus the one-hot target, times the head's weight
+for the hidden states' rows, times the hidden states for the weight), so nothing is recomputed in
+backward, which only scales them. That holds when the loss is a weighted sum of the per-token
+losses with the same weight on every token whose label is not -100 (the training loss: a mean
+over the unmasked tokens, whose masked labels the step sets to -100); any other weighting recomputes
+the chunks in backward with its weights, so the gradients are exact either way. From forward to
+backward it holds the weight's gradient (fp32), which the other ways allocate when backward starts,
+and no logits: at Llama-3's vocabulary with 4,096 tokens a peak of 2.5 GiB against 5.9 GiB for the
+whole logits and 3.0 GiB recomputing, 1.06x the whole logits' speed (benchmarks/memory.py --logits).
 """
 
 from __future__ import annotations
@@ -37,14 +49,21 @@ def _chunk_losses(output_layer: nn.Module, hidden: torch.Tensor, labels: torch.T
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, output_layer: nn.Module, labels: torch.Tensor,
-                          chunk_size: int) -> torch.Tensor:
+                          chunk_size: int, fuse: bool = True) -> torch.Tensor:
     """Per-token cross entropy of `output_layer(hidden)` against `labels`, shaped like `labels` (fp32),
-    computed `chunk_size` tokens at a time (see the module docstring)."""
+    computed `chunk_size` tokens at a time (see the module docstring). `fuse=False`: recompute the
+    chunks in backward even where the head could be fused (benchmarks/memory.py compares the two)."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if hidden.dim() == 3 and hidden.shape[1] != labels.shape[1]:
         return _sequence_shard_chunks(hidden, output_layer, labels, chunk_size)
     flat_hidden, flat_labels = hidden.flatten(0, -2), labels.flatten()
+    if fuse and _fusable(output_layer, flat_hidden):
+        if not torch.is_grad_enabled():  # evaluation: the losses alone
+            return _fused_forward(flat_hidden, output_layer.weight, flat_labels, chunk_size, False, False)[0].view(
+                labels.shape)
+        return _FusedLinearCrossEntropy.apply(flat_hidden, output_layer.weight, flat_labels,
+                                              chunk_size).view(labels.shape)
     parts = [checkpoint(_chunk_losses, output_layer, flat_hidden[start:start + chunk_size],
                         flat_labels[start:start + chunk_size], use_reentrant=False)
              for start in range(0, flat_labels.numel(), chunk_size)]
@@ -70,3 +89,111 @@ def _sequence_shard_chunks(hidden: torch.Tensor, output_layer: nn.Module, labels
                             part_labels.flatten(1), use_reentrant=False)
         parts.append(losses.view(batch, k, width))
     return torch.cat(parts, dim=-1).view(labels.shape)
+
+
+IGNORE_INDEX = -100  # F.cross_entropy's: a label that scores nothing
+
+
+def _fusable(output_layer: nn.Module, hidden: torch.Tensor) -> bool:
+    """A plain bias-free linear head on plain tensors with no hooks of its own (a DTensor weight, a
+    LoRA head or a separately sharded head take the module call and recomputation instead)."""
+    return (type(output_layer) is nn.Linear and output_layer.bias is None
+            and type(output_layer.weight) in (torch.Tensor, nn.Parameter) and type(hidden) is torch.Tensor
+            and not output_layer._forward_hooks and not output_layer._forward_pre_hooks)
+
+
+def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The matmuls' dtype: autocast's where it is on (as the module call would run), else the weight's."""
+    device = weight.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+
+
+def _chunk_softmax_grad(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token losses [n] (fp32) of one chunk and d(loss_i)/d(logits_i) [n, V] (fp32): softmax minus
+    the one-hot target. Rows whose label is IGNORE_INDEX score 0 but keep their softmax in the
+    gradient: the caller drops them from the (much smaller) matmul operands instead, so no pass over
+    the [n, V] block is spent on it. Two passes over the block besides the matmul: the row-wise
+    log-softmax (F.cross_entropy's own arithmetic, so the losses match it) and its exponent."""
+    valid = labels != IGNORE_INDEX
+    target = labels.masked_fill(~valid, 0).unsqueeze(-1)
+    log_probs = torch.log_softmax((x @ weight.t()).float(), dim=-1)
+    losses = -log_probs.gather(-1, target).squeeze(-1) * valid
+    grad = log_probs.exp_()
+    grad.scatter_add_(-1, target, torch.full_like(target, -1.0, dtype=grad.dtype))
+    return losses, grad
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """Per-token cross entropy [N] of hidden [N, H] @ weight[V, H]^T against labels [N], `chunk`
+    tokens at a time, the gradients computed in forward (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk):
+        losses, grad_x, grad_w = _fused_forward(hidden, weight, labels, chunk, *ctx.needs_input_grad[:2])
+        ctx.chunk = chunk
+        ctx.save_for_backward(hidden, weight, labels)
+        # kept on ctx, not saved: backward scales them in place and hands them on (no second
+        # weight-sized tensor); a second backward (retain_graph) finds them gone and recomputes
+        ctx.grads = grad_x, grad_w
+        return losses
+
+    @staticmethod
+    def backward(ctx, grad_losses):
+        hidden, weight, labels = ctx.saved_tensors
+        grads, ctx.grads = ctx.grads, None
+        valid = labels != IGNORE_INDEX
+        # the scale shared by every scored token (the loss's mean); 0 rows where nothing is scored
+        scale = grad_losses[valid][:1] if bool(valid.any()) else grad_losses.new_zeros(1)
+        if grads is None or not bool(((grad_losses - scale) * valid).eq(0).all()):
+            return _recomputed_grads(ctx, hidden, weight, labels, grad_losses) + (None, None)
+        grad_x, grad_w = grads
+        if grad_x is not None:
+            grad_x = grad_x.mul_(scale.to(grad_x.dtype))
+        if grad_w is not None:
+            grad_w = grad_w.mul_(scale).to(weight.dtype)
+        return grad_x, grad_w, None, None
+
+
+def _fused_forward(hidden, weight, labels, chunk, need_x: bool, need_w: bool):
+    """Losses [N] and, as asked, the gradients of their sum for hidden and weight (grad_w in fp32)."""
+    dtype = _compute_dtype(weight)
+    w = weight.to(dtype)
+    losses = torch.empty(labels.numel(), dtype=torch.float32, device=hidden.device)
+    grad_x = torch.empty_like(hidden) if need_x else None
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+    with torch.autocast(hidden.device.type, enabled=False):
+        for start in range(0, labels.numel(), chunk):
+            end = min(start + chunk, labels.numel())
+            x, rows = hidden[start:end].to(dtype), labels[start:end]
+            losses[start:end], grad = _chunk_softmax_grad(x, w, rows)
+            grad, scored = grad.to(dtype), (rows != IGNORE_INDEX).unsqueeze(-1)
+            if need_x:
+                grad_x[start:end] = (grad @ w) * scored
+            if need_w:
+                if dtype == torch.float32:
+                    grad_w.addmm_(grad.t(), x * scored)
+                else:
+                    grad_w += (grad.t() @ (x * scored)).float()
+    return losses, grad_x, grad_w
+
+
+def _recomputed_grads(ctx, hidden, weight, labels, grad_losses):
+    """The gradients for any per-token weighting: each chunk's logits recomputed with its weights."""
+    dtype = _compute_dtype(weight)
+    w = weight.to(dtype)
+    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    gx = torch.empty_like(hidden) if need_x else None
+    gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+    with torch.autocast(hidden.device.type, enabled=False):
+        for start in range(0, labels.numel(), ctx.chunk):
+            end = min(start + ctx.chunk, labels.numel())
+            x, rows = hidden[start:end].to(dtype), labels[start:end]
+            _, grad = _chunk_softmax_grad(x, w, rows)
+            weights = grad_losses[start:end] * (rows != IGNORE_INDEX)  # ignored rows: no gradient
+            grad = grad.mul_(weights.unsqueeze(-1)).to(dtype)
+            if need_x:
+                gx[start:end] = grad @ w
+            if need_w:
+                gw += (grad.t() @ x).float()
+    return gx, gw.to(weight.dtype) if gw is not None else None

@@ -318,8 +318,8 @@ class CoreAttention(nn.Module):
         Q = L (a square block), or, for one query after cached keys (Q = 1 < L, a decode step), no
         mask at all: the newest token sees every key (`is_causal` would be wrong there, as SDPA
         aligns it top-left and would leave the query the first key only)."""
-        # Repeating K/V explicitly (instead of SDPA's enable_gqa) keeps every backend
-        # (CPU, CUDA, XLA) on the same code path. The ratio is read from the tensors, not
+        # Repeating K/V explicitly (instead of SDPA's enable_gqa) off the CPU keeps CUDA's
+        # memory-efficient kernel and XLA on their paths. The ratio is read from the tensors, not
         # the config, so a tensor-parallel shard holding fewer (or replicated) heads works.
         b, heads, q_len, d = q.shape
         kv_heads, kv_len = k.shape[1], k.shape[2]
@@ -336,7 +336,14 @@ class CoreAttention(nn.Module):
                 out = self.sdpa(q.reshape(b, kv_heads, n_rep, d), k, v, attn_mask=mask, dropout_p=dropout,
                                 is_causal=False)
                 return out.reshape(b, heads, 1, d)
-        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+        gqa = {}
+        if n_rep > 1 and q.device.type == "cpu" and self.sdpa is F.scaled_dot_product_attention:
+            # On CPU, SDPA's own grouped-query path reads each K/V head for its n_rep query heads:
+            # no repeated copies (and no reduction of their gradients): 17.8 vs 19.9 ms forward +
+            # backward in fp32, 23 vs 29 in bf16, for 8/4 heads x 256 tokens x 32 dims x 8 rows.
+            gqa = {"enable_gqa": True}
+        else:
+            k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
         return self.sdpa(
             q,
             k,
@@ -344,6 +351,7 @@ class CoreAttention(nn.Module):
             attn_mask=mask,
             dropout_p=dropout,
             is_causal=mask is None and q_len == kv_len,
+            **gqa,
         )
 
 

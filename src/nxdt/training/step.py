@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from nxdt.models import logits_of
+from nxdt.models.chunked_loss import IGNORE_INDEX
 from nxdt.models.moe import set_aux_loss_scale
 from nxdt.parallel.context_parallel import shard_sequence
 from nxdt.parallel.data_parallel import set_gradient_sync
@@ -115,7 +116,11 @@ def microbatch_loss(model: nn.Module, mb: Batch, precision: Precision, *, loss_f
     losses itself, its output layer a chunk of tokens at a time (the whole logits never exist)."""
     if cp_mesh is not None:
         mb = shard_sequence(mb, cp_mesh)
-    chunked = {"labels": mb["labels"], "loss_chunk_size": loss_chunk_size} if loss_chunk_size else {}
+    # the masked tokens' labels ignored inside the model too, so the loss's gradient is the same on every
+    # token the model scores: what lets the fused output layer keep the gradients of its forward
+    # (nxdt.models.chunked_loss); their per-token losses are 0 either way once masked below
+    chunked = ({"labels": mb["labels"].masked_fill(mb["loss_mask"] == 0, IGNORE_INDEX),
+                "loss_chunk_size": loss_chunk_size} if loss_chunk_size else {})
     with precision.autocast(device_type):
         logits = logits_of(model(input_ids=mb["input_ids"], position_ids=mb.get("position_ids"), **chunked))
     return loss_fn(logits, mb["labels"], mb["loss_mask"])
