@@ -1,7 +1,9 @@
 """The chunked output layer + cross entropy (issue 19, `model.fusions.cross_entropy_chunk_size`):
-equal to `F.cross_entropy` on the full logits (values and gradients within 1e-6), never saving
-the whole logits for backward, the same training curve as the full loss, and its bad input.
-The FSDP + activation-checkpointing layout with it is in tests/test_parallel_layouts.py
+equal to `F.cross_entropy` on the full logits (values and gradients within 1e-6) both fused (the
+gradients computed in forward, backward running no matmul under the training loss's mean) and
+recomputed (any other weighting, or a head it cannot fuse); bf16 under autocast and with bf16
+weights; never saving the whole logits for backward; the same training curve as the full loss, and
+its bad input. The FSDP + activation-checkpointing layout with it is in tests/test_parallel_layouts.py
 (`fsdp_dp2_ac_chunk2`; with tensor parallelism `tp2_dp2_zero1`, and with sequence parallel
 `tp2_sp_selective_ac`: each against one process without it). In-process, a few seconds."""
 
@@ -159,3 +161,28 @@ def test_bad_chunk_sizes_and_layouts_are_one_line(overrides, says):
     with pytest.raises(ConfigError) as err:
         load_config(["--config-path", CONF, "--config-name", "tiny_llama_cpu", *overrides], check_paths=False, quiet=True)
     assert says in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_memory_benchmark_measures_the_fused_head_below_the_whole_logits(capsys, monkeypatch):
+    """benchmarks/memory.py --logits on a small head (in-process): the peak column it prints is lower
+    for both chunked ways than for the whole logits, and the fused head's largest logits tensor is
+    one chunk's (128 of 512 tokens)."""
+    import argparse
+    import sys
+
+    monkeypatch.setenv("NXDT_CPU_PEAK_CACHE", "")  # no probe results written from a test
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import memory
+    finally:
+        sys.path.pop(0)
+    memory.logits_memory(argparse.Namespace(vocab=3000, hidden=48, tokens=512, chunk=128))
+    rows = {}
+    for line in capsys.readouterr().out.splitlines():
+        if line.startswith(("full logits", "chunks of 128")):
+            name, cols = line[:28].strip(), line[28:].split()
+            rows[name] = (float(cols[0].replace(",", "")), float(cols[2].replace(",", "")))  # MiB, MiB
+    full, fused, recomputed = rows["full logits"], rows["chunks of 128, fused"], rows["chunks of 128, recomputed"]
+    assert full[0] == pytest.approx(512 * 3000 * 4 / 2**20, abs=0.05)
+    assert fused[0] == pytest.approx(full[0] / 4, abs=0.05)
+    assert fused[1] < full[1] and recomputed[1] < full[1], rows
