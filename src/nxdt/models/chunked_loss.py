@@ -5,8 +5,9 @@ dtype, their fp32 copy for the softmax, the softmax itself and, in backward, a g
 (Llama-3's 128,256 entries per token: 1 MiB of fp32 per token, each). Here the output layer runs on
 `chunk_size` tokens at a time and each chunk's logits are dropped as soon as its per-token losses
 are known; a head it cannot fuse (below) has backward recompute them chunk by chunk
-(`torch.utils.checkpoint`), so only one chunk's logits exist at any time. The arithmetic per token is the full path's: the same matmul rows, the
-same fp32 cross entropy, so values and gradients agree to rounding (tests/test_chunked_loss.py).
+(`torch.utils.checkpoint`), so only one chunk's logits exist at any time. The arithmetic per token
+is the full path's: the same matmul rows, the same fp32 cross entropy, so values and gradients
+agree to rounding (tests/test_chunked_loss.py).
 The output layer is called as a module (under the caller's autocast, FSDP's hooks included).
 
 Under tensor parallelism the output layer is vocabulary-parallel (each rank computes vocab / tp of
@@ -60,7 +61,7 @@ def chunked_cross_entropy(hidden: torch.Tensor, output_layer: nn.Module, labels:
     flat_hidden, flat_labels = hidden.flatten(0, -2), labels.flatten()
     if fuse and _fusable(output_layer, flat_hidden):
         if not torch.is_grad_enabled():  # evaluation: the losses alone
-            return _fused_forward(flat_hidden, output_layer.weight, flat_labels, chunk_size, False, False)[0].view(
+            return _chunked_grads(flat_hidden, output_layer.weight, flat_labels, chunk_size, False, False)[0].view(
                 labels.shape)
         return _FusedLinearCrossEntropy.apply(flat_hidden, output_layer.weight, flat_labels,
                                               chunk_size).view(labels.shape)
@@ -112,8 +113,8 @@ def _chunk_softmax_grad(x: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token losses [n] (fp32) of one chunk and d(loss_i)/d(logits_i) [n, V] (fp32): softmax minus
     the one-hot target. Rows whose label is IGNORE_INDEX score 0 but keep their softmax in the
-    gradient: the caller drops them from the (much smaller) matmul operands instead, so no pass over
-    the [n, V] block is spent on it. Two passes over the block besides the matmul: the row-wise
+    gradient: the caller weighs the rows on the (much smaller) matmul operands instead, so no pass
+    over the [n, V] block is spent on it. Two passes over the block besides the matmul: the row-wise
     log-softmax (F.cross_entropy's own arithmetic, so the losses match it) and its exponent."""
     valid = labels != IGNORE_INDEX
     target = labels.masked_fill(~valid, 0).unsqueeze(-1)
@@ -130,7 +131,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk):
-        losses, grad_x, grad_w = _fused_forward(hidden, weight, labels, chunk, *ctx.needs_input_grad[:2])
+        losses, grad_x, grad_w = _chunked_grads(hidden, weight, labels, chunk, *ctx.needs_input_grad[:2])
         ctx.chunk = chunk
         ctx.save_for_backward(hidden, weight, labels)
         # kept on ctx, not saved: backward scales them in place and hands them on (no second
@@ -143,20 +144,22 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         hidden, weight, labels = ctx.saved_tensors
         grads, ctx.grads = ctx.grads, None
         valid = labels != IGNORE_INDEX
-        # the scale shared by every scored token (the loss's mean); 0 rows where nothing is scored
-        scale = grad_losses[valid][:1] if bool(valid.any()) else grad_losses.new_zeros(1)
+        # the weight of the first scored token (the loss's mean: every scored token's); one host sync
+        # to check that it is every scored token's (the rows of the others carry no gradient)
+        scale = grad_losses[valid.int().argmax()]
         if grads is None or not bool(((grad_losses - scale) * valid).eq(0).all()):
-            return _recomputed_grads(ctx, hidden, weight, labels, grad_losses) + (None, None)
-        grad_x, grad_w = grads
-        if grad_x is not None:
-            grad_x = grad_x.mul_(scale.to(grad_x.dtype))
-        if grad_w is not None:
-            grad_w = grad_w.mul_(scale).to(weight.dtype)
-        return grad_x, grad_w, None, None
+            need_x, need_w = ctx.needs_input_grad[:2]
+            _, grad_x, grad_w = _chunked_grads(hidden, weight, labels, ctx.chunk, need_x, need_w, grad_losses)
+        else:
+            grad_x, grad_w = grads
+            grad_x = grad_x.mul_(scale.to(grad_x.dtype)) if grad_x is not None else None
+            grad_w = grad_w.mul_(scale) if grad_w is not None else None
+        return grad_x, grad_w.to(weight.dtype) if grad_w is not None else None, None, None
 
 
-def _fused_forward(hidden, weight, labels, chunk, need_x: bool, need_w: bool):
-    """Losses [N] and, as asked, the gradients of their sum for hidden and weight (grad_w in fp32)."""
+def _chunked_grads(hidden, weight, labels, chunk, need_x: bool, need_w: bool, token_weights=None):
+    """Losses [N] and, as asked, the gradients of sum(token_weights * losses) for hidden and weight
+    (grad_w in fp32; token_weights None: 1 on every token), `chunk` tokens at a time."""
     dtype = _compute_dtype(weight)
     w = weight.to(dtype)
     losses = torch.empty(labels.numel(), dtype=torch.float32, device=hidden.device)
@@ -167,33 +170,15 @@ def _fused_forward(hidden, weight, labels, chunk, need_x: bool, need_w: bool):
             end = min(start + chunk, labels.numel())
             x, rows = hidden[start:end].to(dtype), labels[start:end]
             losses[start:end], grad = _chunk_softmax_grad(x, w, rows)
-            grad, scored = grad.to(dtype), (rows != IGNORE_INDEX).unsqueeze(-1)
+            row_weights = (rows != IGNORE_INDEX).to(torch.float32)  # ignored rows: no gradient
+            if token_weights is not None:
+                row_weights = row_weights * token_weights[start:end]
+            grad, row_weights = grad.to(dtype), row_weights.to(dtype).unsqueeze(-1)
             if need_x:
-                grad_x[start:end] = (grad @ w) * scored
+                grad_x[start:end] = (grad @ w) * row_weights
             if need_w:
                 if dtype == torch.float32:
-                    grad_w.addmm_(grad.t(), x * scored)
+                    grad_w.addmm_(grad.t(), x * row_weights)
                 else:
-                    grad_w += (grad.t() @ (x * scored)).float()
+                    grad_w += (grad.t() @ (x * row_weights)).float()
     return losses, grad_x, grad_w
-
-
-def _recomputed_grads(ctx, hidden, weight, labels, grad_losses):
-    """The gradients for any per-token weighting: each chunk's logits recomputed with its weights."""
-    dtype = _compute_dtype(weight)
-    w = weight.to(dtype)
-    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    gx = torch.empty_like(hidden) if need_x else None
-    gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-    with torch.autocast(hidden.device.type, enabled=False):
-        for start in range(0, labels.numel(), ctx.chunk):
-            end = min(start + ctx.chunk, labels.numel())
-            x, rows = hidden[start:end].to(dtype), labels[start:end]
-            _, grad = _chunk_softmax_grad(x, w, rows)
-            weights = grad_losses[start:end] * (rows != IGNORE_INDEX)  # ignored rows: no gradient
-            grad = grad.mul_(weights.unsqueeze(-1)).to(dtype)
-            if need_x:
-                gx[start:end] = grad @ w
-            if need_w:
-                gw += (grad.t() @ x).float()
-    return gx, gw.to(weight.dtype) if gw is not None else None

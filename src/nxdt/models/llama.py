@@ -336,13 +336,9 @@ class CoreAttention(nn.Module):
                 out = self.sdpa(q.reshape(b, kv_heads, n_rep, d), k, v, attn_mask=mask, dropout_p=dropout,
                                 is_causal=False)
                 return out.reshape(b, heads, 1, d)
-        gqa = {}
-        if n_rep > 1 and q.device.type == "cpu" and self.sdpa is F.scaled_dot_product_attention:
-            # On CPU, SDPA's own grouped-query path reads each K/V head for its n_rep query heads:
-            # no repeated copies (and no reduction of their gradients): 17.8 vs 19.9 ms forward +
-            # backward in fp32, 23 vs 29 in bf16, for 8/4 heads x 256 tokens x 32 dims x 8 rows.
-            gqa = {"enable_gqa": True}
-        else:
+        # on CPU SDPA's own grouped-query path, no K/V copies (docs/performance.md: 10-20% faster)
+        gqa = n_rep > 1 and q.device.type == "cpu" and self.sdpa is F.scaled_dot_product_attention
+        if not gqa:
             k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
         return self.sdpa(
             q,
@@ -351,7 +347,7 @@ class CoreAttention(nn.Module):
             attn_mask=mask,
             dropout_p=dropout,
             is_causal=mask is None and q_len == kv_len,
-            **gqa,
+            **({"enable_gqa": True} if gqa else {}),
         )
 
 
