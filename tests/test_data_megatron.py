@@ -403,13 +403,14 @@ def test_reset_attention_mask_blocks_attention_across_documents(corpus):
     assert next(iter(plain.train_dataloader()))["position_ids"].eq(torch.arange(16)).all()
 
 
-def _cache_worker(rank, prefix, cache_dir, port, out):
+def _cache_worker(rank, prefix, cache_dir, rendezvous, out):
     import os as _os
 
     import torch.distributed as dist
 
-    _os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    # a file rendezvous, not a port: a free port picked here could be taken by the other pytest
+    # worker's launches before rank 0 listens on it (EADDRINUSE, seen once in CI)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
     try:
         from nxdt.data.gpt_dataset import GPTDataset
         from nxdt.data.indexed import IndexedDataset
@@ -426,16 +427,13 @@ def _cache_worker(rank, prefix, cache_dir, port, out):
 @pytest.mark.slow
 def test_index_mapping_built_by_rank_0_others_wait(corpus, tmp_path):
     import os
-    import socket
 
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     cache = tmp_path / "cache"
     cache.mkdir()
-    mp.spawn(_cache_worker, args=(corpus.prefix, str(cache), port, str(tmp_path / "r")), nprocs=2, join=True)
+    mp.spawn(_cache_worker, args=(corpus.prefix, str(cache), str(tmp_path / "rendezvous"), str(tmp_path / "r")),
+             nprocs=2, join=True)
     a, b = np.load(tmp_path / "r_0.npy"), np.load(tmp_path / "r_1.npy")
     assert np.array_equal(a, b)
     files = sorted(os.listdir(cache))
