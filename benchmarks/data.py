@@ -36,7 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from nxdt.config import config_from_dict  # noqa: E402
+from nxdt.spec import config_from_dict  # noqa: E402
 
 SEQ, GBS, MBS = 128, 16, 4
 BIG_GBS = 1024  # the dynamic-selection sampler at a cluster-scale global batch (dp 1)

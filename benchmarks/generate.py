@@ -98,7 +98,7 @@ QUICK = Shape(hidden=128, layers=2, ffn=352, heads=4, kv_heads=2, vocab=1024, pr
 
 
 def native_model(s: Shape) -> nn.Module:
-    from nxdt.config import config_from_dict
+    from nxdt.spec import config_from_dict
     from nxdt.models import build_model
 
     length = s.prompt + s.new_tokens

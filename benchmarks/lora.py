@@ -18,7 +18,7 @@ What runs. One native nxdt Llama (`nxdt.config.load.config_from_dict` + `nxdt.mo
 hidden 512, 8 layers, ffn 1408, 8 heads / 4 kv heads, vocab 8192, seq 256, micro batch 4, fp32,
 no dropout, untied embeddings) trained three ways, each one AdamW step = forward, cross entropy,
 backward, `optimizer.step()`, `zero_grad(set_to_none=True)`:
-  full        every parameter trainable; `nxdt.training.optimizers.build_optimizer(model,
+  full        every parameter trainable; `nxdt.optim.optimizers.build_optimizer(model,
               {"name": "adamw", "lr": 1e-4, "weight_decay": 0.01, ...})` (torch's fused AdamW, as
               nxdt builds it for plain tensors).
   nxdt-lora   a copy of the same model (same initial weights) with
@@ -103,7 +103,7 @@ QUICK = Shape(hidden=128, layers=2, ffn=352, heads=4, kv_heads=2, vocab=1024, se
 
 
 def native_model(s: Shape) -> nn.Module:
-    from nxdt.config.load import config_from_dict
+    from nxdt.spec import config_from_dict
     from nxdt.models import build_model
 
     cfg = config_from_dict({
@@ -220,7 +220,7 @@ def first_step(way: Way, batch) -> None:
 
 def build_ways(s: Shape, rank: int, alpha: float) -> tuple[list[Way], list[str]]:
     from nxdt.models.lora import inject_lora
-    from nxdt.training.optimizers import build_optimizer
+    from nxdt.optim.optimizers import build_optimizer
 
     full = native_model(s)
     lora = copy.deepcopy(full)  # same initial weights, before the full model's first update

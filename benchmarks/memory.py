@@ -23,7 +23,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
-from nxdt.config import config_from_dict
+from nxdt.spec import config_from_dict
 
 
 def cfg_for(args, sharding: str | None, zero1: bool, ac: bool):

@@ -53,8 +53,8 @@ def worker(preset: str, model_args: list[str], steps: int, warmup: int) -> None:
 
     import torch
 
-    from nxdt.config.load import load_config
-    from nxdt.training.harness import build_harness
+    from nxdt.spec import load_config
+    from nxdt.training.builder import build_harness
     from nxdt.training.step import microbatch_forward_backward, train_step
 
     cfg = load_config(["--config-name", "tiny_llama_cpu", *model_args, "trainer.devices=1", *PRESETS[preset]],

@@ -16,7 +16,7 @@ weights, with AdamW, gradient clipping at 1.0 and the same learning rate.
 Ways (each run in its own subprocess, so thread pools, compiled graphs and allocator state don't
 leak between them; the ways are interleaved and rotated in every repeat; medians are reported):
   nxdt[-compile]          the product: `load_config(["--config-name", "tiny_llama_cpu", ...])` and
-                          `nxdt.training.run.train(cfg)` (Lightning, exp_manager, TensorBoard, logging,
+                          `nxdt.training.trainer.train(cfg)` (Lightning, exp_manager, TensorBoard, logging,
                           clipping, LR schedule), fp32; -compile adds model.fusions.torch_compile=true
   nxdt-autocast[-compile] precision.type=autocast (bf16 autocast over fp32 weights)
   nxdt-mixed[-compile]    precision.type=mixed_precision (bf16 copies of the fp32 weights, made once a step)
@@ -86,7 +86,7 @@ def prepare_data(data_dir: Path) -> str:
 
 def model_flops_per_token(args) -> float:
     """The run's model FLOPs per token (nxdt plan's figure: the model built on the meta device)."""
-    from nxdt.training.estimate import plan
+    from nxdt.planner.estimate import plan
 
     return float(plan(compose(args))["flops_per_token"])
 

@@ -135,7 +135,7 @@ def common_overrides(shape: Shape, data_prefix: str, exp_dir: str, max_steps: in
 
 
 def compose(args, extra=()):
-    from nxdt.config.load import load_config
+    from nxdt.spec import load_config
 
     total = args.warmup_steps + args.steps
     argv = common_overrides(SHAPES[args.shape], args.data_prefix, args.exp_dir, total, args.device, args.ranks,
@@ -185,7 +185,7 @@ class Stamps:
 def worker_nxdt(args, stamps: Stamps, way: Way) -> dict:
     import lightning.pytorch as pl
 
-    import nxdt.training.run as run
+    import nxdt.training.trainer as run
 
     cfg = compose(args, way.overrides)
     losses = []

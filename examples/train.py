@@ -17,7 +17,7 @@ try:
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from nxdt.training.run import entry
+from nxdt.tools.train import entry
 
 if __name__ == "__main__":
     entry()

@@ -244,7 +244,7 @@ def train_in_process(argv: list[str], env: dict[str, str] | None = None) -> Simp
     exit status, stdout, stderr. The environment is restored afterwards (Lightning leaves
     MASTER_PORT & co. in it, the loggers MLFLOW_ALLOW_FILE_STORE)."""
     from nxdt.config.load import main_guard
-    from nxdt.training.run import main
+    from nxdt.tools.train import main
 
     environ = dict(os.environ)
     for name in ("WANDB_DIR", "WANDB_PROJECT", "MLFLOW_TRACKING_URI", "NXDT_RUN_VERSION"):

@@ -3,7 +3,7 @@
 A torchrun launch of a tiny model here is mostly imports (torch, Lightning, transformers: ~4 s per
 process, 10-20 s for 2-4 ranks on 2 cores); the training itself takes a few seconds. So the
 parity tests give one launch a list of runs of the same world size, and each rank runs them one
-after another in-process through the product's own entry (`nxdt.training.run.main` under
+after another in-process through the product's own entry (`nxdt.tools.train.main` under
 `main_guard`, exactly what examples/train.py calls). The launch starts the process group once;
 each run's NxdtStrategy finds it started, builds its own mesh on it and leaves it for the next.
 
@@ -48,7 +48,7 @@ def _captured(out: Path, err: Path):
             os.close(saved[1])
 
 
-def _run_one(argv: list[str], entry: str = "nxdt.training.run", env: dict | None = None) -> int:
+def _run_one(argv: list[str], entry: str = "nxdt.tools.train", env: dict | None = None) -> int:
     import importlib
 
     from nxdt.config.load import main_guard
@@ -83,7 +83,7 @@ def main() -> None:
         run_dir = Path(spec["out"]) / job["name"]
         run_dir.mkdir(parents=True, exist_ok=True)
         with _captured(run_dir / f"rank{rank}.out", run_dir / f"rank{rank}.err"):
-            rc = _run_one(job["argv"], job.get("entry", "nxdt.training.run"), job.get("env"))
+            rc = _run_one(job["argv"], job.get("entry", "nxdt.tools.train"), job.get("env"))
         (run_dir / f"rank{rank}.rc").write_text(str(rc))
         if rc != job.get("expect", 0):
             sys.stderr.write(f"run_pool: run '{job['name']}' exited {rc} on rank {rank}\n")

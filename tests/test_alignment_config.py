@@ -1,5 +1,5 @@
 """Fine-tuning keys (model_alignment_strategy.{sft, peft, dpo, orpo}, data.alignment_strategy.dpo):
-typed, checked with the dotted key, read through one parser (nxdt.config.alignment) by validation
+typed, checked with the dotted key, read through one parser (nxdt.spec.alignment) by validation
 and the run. In-process: no torch needed for any of this."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from nxdt.config.alignment import alignment_notices, alignment_of
+from nxdt.spec.alignment import alignment_notices, alignment_of
 from nxdt.config.errors import ConfigError
-from nxdt.config.load import load_config
+from nxdt.spec import load_config
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 

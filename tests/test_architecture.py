@@ -11,25 +11,31 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "nxdt"
 
 # package -> the nxdt packages it may import (lower layers). Everything not listed is forbidden.
+_BASE = {"config", "spec", "device"}
 ALLOWED = {
     "config": set(),
-    "device": {"config"},
-    "hardware": {"config", "device"},
-    "models": {"config", "device"},
-    "precision": {"config", "device"},
-    "data": {"config", "device"},
-    "exp": {"config", "device"},
-    "parallel": {"config", "device", "models", "precision"},
-    "checkpoint": {"config", "device", "exp", "models", "parallel", "precision"},
-    "inference": {"config", "device", "models", "precision", "parallel", "data", "checkpoint"},
-    "training": {"config", "device", "hardware", "models", "precision", "parallel", "data", "exp", "checkpoint",
-                 "inference"},
-    "tools": {"config", "device", "hardware", "models", "precision", "parallel", "data", "exp", "checkpoint",
-              "inference", "training"},
-    "cli": {"config", "tools", "training"},
+    "spec": {"config"},
+    "device": {"config", "spec"},
+    "hardware": _BASE,
+    "models": _BASE,
+    "precision": _BASE,
+    "data": _BASE,
+    "exp": _BASE,
+    "parallel": _BASE | {"models", "precision"},
+    "optim": _BASE | {"precision", "parallel"},
+    "checkpoint": _BASE | {"exp", "models", "parallel", "precision", "optim"},
+    "inference": _BASE | {"models", "precision", "parallel", "data", "checkpoint"},
+    "planner": _BASE | {"hardware", "models", "precision", "parallel", "data"},
+    "observability": _BASE | {"hardware", "models", "precision", "parallel", "data", "exp", "checkpoint",
+                              "inference", "planner"},
+    "training": _BASE | {"hardware", "models", "precision", "parallel", "optim", "data", "exp", "checkpoint",
+                         "inference", "planner", "observability"},
+    "tools": _BASE | {"hardware", "models", "precision", "parallel", "optim", "data", "exp", "checkpoint",
+                      "inference", "planner", "observability", "training"},
+    "cli": {"config", "spec", "tools", "training"},
 }
 HEAVY = ("torch", "lightning", "transformers", "numpy", "datasets", "safetensors", "tokenizers")
-NO_HEAVY = {"config"}
+NO_HEAVY = {"config", "spec"}
 
 
 def _imports(path: Path):

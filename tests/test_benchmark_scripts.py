@@ -14,8 +14,8 @@ from conftest import REPO
 sys.path.insert(0, str(REPO / "benchmarks"))
 import throughput_runs  # noqa: E402
 
-from nxdt.config.load import load_config  # noqa: E402
-from nxdt.training.estimate import plan  # noqa: E402
+from nxdt.spec import load_config  # noqa: E402
+from nxdt.planner.estimate import plan  # noqa: E402
 
 
 @pytest.mark.parametrize("shape, parameters, gflop_per_token", [

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from conftest import REPO, TINY_OVERRIDES, read_scalars, train_in_process
 
 from nxdt.config.errors import ConfigError
-from nxdt.config.load import load_config
+from nxdt.spec import load_config
 from nxdt.models.chunked_loss import chunked_cross_entropy
 
 CONF = str(REPO / "conf")

@@ -11,11 +11,11 @@ import pytest
 import yaml
 
 from conftest import TINY_OVERRIDES, read_scalars
-from nxdt.config.command_line import expand_sweeps, parse_command_line
+from nxdt.tools.command_line import expand_sweeps, parse_command_line
 from nxdt.config.errors import ConfigError
 from nxdt.config.load import main_guard
-from nxdt.training.progress import StepRateColumn
-from nxdt.training.run import main
+from nxdt.observability.progress import StepRateColumn
+from nxdt.tools.train import main
 
 
 @pytest.fixture
@@ -144,8 +144,8 @@ def test_the_closing_resume_command_pastes_back(tmp_path, monkeypatch):
     shell as printed, the override parser reads the path back unchanged."""
     import shlex
 
-    from nxdt.config.load import load_config
-    from nxdt.training.next_steps import format_next_steps
+    from nxdt.spec import load_config
+    from nxdt.tools.next_steps import format_next_steps
 
     monkeypatch.chdir(tmp_path)
     checkpoint = tmp_path / "runs" / "checkpoints" / "tiny_llama--step=3-consumed_samples=48.0"

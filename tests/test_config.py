@@ -10,11 +10,15 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from nxdt.config import ConfigError, apply_env, compose, compute_layout, describe, load_config, main_guard, validate
+from nxdt.config import ConfigError, apply_env, compose, describe, main_guard
+
+from nxdt.spec.layout import compute_layout
+
+from nxdt.spec import load_config, validate
 from nxdt.config import env as nenv
 from nxdt.config import resolvers
 from nxdt.config.schema import NxdtConfig
-from nxdt.config.path_checks import MAKE_DATA_HINT
+from nxdt.spec.paths import MAKE_DATA_HINT
 from nxdt.config.validate import NOT_SUPPORTED_YET
 
 REPO = Path(__file__).resolve().parents[1]
@@ -189,10 +193,10 @@ def test_error_messages(overrides, expected):
 
 def test_one_parser_per_concept():
     """data_prefix split aliases, fms-fsdp sharding spellings and the precision rules: validation
-    and the run read the same table (nxdt.config.blend / sharding / precision_settings)."""
-    from nxdt.config.blend import data_blend
-    from nxdt.config.precision_settings import precision_settings
-    from nxdt.config.sharding import SHARDING_MODES, sharding_mode, sharding_mode_of
+    and the run read the same table (nxdt.spec.data / sharding / precision_settings)."""
+    from nxdt.spec.data import data_blend
+    from nxdt.spec.precision import precision_settings
+    from nxdt.spec.parallel import SHARDING_MODES, sharding_mode, sharding_mode_of
 
     cfg = load("data.data_prefix={train: a, val: b}")
     assert data_blend(cfg.data).pairs("validation") == ((1.0, "b"),)

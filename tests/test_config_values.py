@@ -19,13 +19,16 @@ from pathlib import Path
 import pytest
 from conftest import REPO, run_cli
 
-from nxdt.config import ConfigError, describe, load_config, ranges, schema
+from nxdt.config import ConfigError, describe, ranges, schema
+
+from nxdt.spec import load_config
 from nxdt.config.inert import BACKENDS, INERT, NOT_SUPPORTED_YET, always_inert, entries, inert_notice
-from nxdt.config.load import config_from_dict, quote_value
+from nxdt.config.load import quote_value
+from nxdt.spec import config_from_dict
 from nxdt.config.optim_keys import OPTIMIZERS, SCHEDULERS, VALUE_RANGES
-from nxdt.config.path_checks import MAKE_DATA_HINT
+from nxdt.spec.paths import MAKE_DATA_HINT
 from nxdt.config.typed import select
-from nxdt.config.validate import validate
+from nxdt.spec import validate
 
 CONF = REPO / "conf"
 SRC = REPO / "src" / "nxdt"
@@ -334,7 +337,7 @@ def test_log_dir_problems_stop_before_the_run(data_dir, monkeypatch):
         f"exp_manager.explicit_log_dir: {afile} is a file, not a directory")
     assert error_of(load, f"exp_manager.exp_dir={afile / 'runs'}", check_paths=True) == (
         f"exp_manager.exp_dir: cannot make {afile / 'runs' / 'tiny_llama'}: {afile} is a file")
-    import nxdt.config.path_checks as path_checks
+    import nxdt.spec.paths as path_checks
 
     monkeypatch.setattr(path_checks.os, "access", lambda p, mode: Path(p) != data_dir / "ro")
     (data_dir / "ro").mkdir()
@@ -361,7 +364,7 @@ def test_missing_data_says_how_to_make_it(tmp_path, monkeypatch):
 def test_schedule_problems_are_found_at_validation_by_the_rule_the_builder_uses(capsys, monkeypatch):
     import torch
 
-    from nxdt.training.schedulers import build_scheduler
+    from nxdt.optim.schedulers import build_scheduler
 
     monkeypatch.delenv("RANK", raising=False)
     # warmup longer than the run: it runs (as NeMo), with one notice at start

@@ -11,7 +11,8 @@ import torch
 from conftest import TOKENIZER_DIR
 
 from nxdt.checkpoint.checkpointer import load_weights, save_weights
-from nxdt.config import config_from_dict, to_yaml
+from nxdt.config import to_yaml
+from nxdt.spec import config_from_dict
 from nxdt.models import build_model, logits_of
 from nxdt.models.neox import native_to_neox
 from nxdt.tools.convert import hf_to_nxdt, nxdt_to_hf, parse_size

@@ -192,7 +192,7 @@ def _runs_are_documents(row: list[int], low: int, high: int) -> bool:
 
 
 def test_datamodule_reads_arrow_folders_under_data_path(tmp_path, monkeypatch):
-    from nxdt.config.path_checks import check_files
+    from nxdt.spec.paths import check_files
 
     root = tmp_path / "data"
     write_fms_folder(root / "a", _docs(100, 30, 3))
@@ -312,7 +312,7 @@ def test_data_with_ids_past_the_vocabulary_stops_the_run_before_training(tmp_pat
     from nxdt.config.load import main_guard
     from nxdt.data.indexed import IndexedDatasetBuilder
     from nxdt.exp.exp_manager import close_rank_log_file
-    from nxdt.training.run import main
+    from nxdt.tools.train import main
 
     prefix = tmp_path / "big_vocab"
     with IndexedDatasetBuilder(str(prefix), dtype=np.uint16) as builder:

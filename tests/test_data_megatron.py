@@ -9,9 +9,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from nxdt.config.blend import parse_data_prefix, parse_datasets
+from nxdt.spec.data import parse_data_prefix, parse_datasets
 from nxdt.config.errors import ConfigError
-from nxdt.config.load import config_from_dict
+from nxdt.spec import config_from_dict
 from nxdt.data.gpt_dataset import (
     BlendedDataset,
     GPTDataset,

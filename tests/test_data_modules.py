@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nxdt.config.errors import ConfigError
-from nxdt.config.load import config_from_dict
+from nxdt.spec import config_from_dict
 from nxdt.config.schema import AlignmentConfig, SFTConfig
 from nxdt.data.hf_module import HFDataModule
 from nxdt.data.select import build_datamodule, datamodule_kind

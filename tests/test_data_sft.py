@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from nxdt.config.errors import ConfigError
-from nxdt.config.load import config_from_dict
+from nxdt.spec import config_from_dict
 from nxdt.data.sft import SFTDataModule, SFTRows, pack_examples, read_pairs, tokenize_pairs
 from nxdt.data.tokenizers import build_tokenizer
 

@@ -20,9 +20,10 @@ import pytest
 from conftest import TINY_OVERRIDES, read_scalars
 from test_data_modules import fake_trainer
 
-from nxdt.config.data_selection import domain_names, reference_losses
+from nxdt.spec.data import domain_names, reference_losses
 from nxdt.config.errors import ConfigError
-from nxdt.config.load import config_from_dict, main_guard
+from nxdt.config.load import main_guard
+from nxdt.spec import config_from_dict
 from nxdt.data.dynamic_selection import DomainDraw, WeightSchedule, draw_domains, updated_weights
 
 SETTINGS = types.SimpleNamespace(eta=1.0, smoothing=1e-4, update_interval=2, eval_batches=1)
@@ -152,7 +153,7 @@ REFERENCE = {"noise": 0.0, "pattern": 50.0}  # noise always above its reference,
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     from nxdt.exp.exp_manager import close_rank_log_file
-    from nxdt.training.run import main
+    from nxdt.tools.train import main
 
     root = tmp_path_factory.mktemp("dynamic")
     rng = np.random.RandomState(0)

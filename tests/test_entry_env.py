@@ -11,13 +11,13 @@ from conftest import REPO
 PROBE = r"""
 import json, os, sys
 import nxdt.config.env as nenv
-import nxdt.training.run as run
+import nxdt.tools.train as run
 seen = {}
 real_apply_env = nenv.apply_env
 def recording_apply_env(cfg, *args, **kwargs):
     seen["torch_imported"] = "torch" in sys.modules  # at the moment the env vars are set
     return real_apply_env(cfg, *args, **kwargs)
-nenv.apply_env = recording_apply_env
+nenv.apply_env = run.apply_env = recording_apply_env
 def fake_train(cfg, **kwargs):
     seen["env"] = {k: os.environ.get(k) for k in (
         "NEURON_CC_FLAGS", "XLA_USE_BF16", "XLA_DOWNCAST_BF16", "NEURON_RT_STOCHASTIC_ROUNDING_EN",

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from nxdt.config.errors import ConfigError
-from nxdt.config.load import config_from_dict
+from nxdt.spec import config_from_dict
 from nxdt.config.schema import CheckpointCallbackParams
 from nxdt.config.typed import to_typed
 from nxdt.checkpoint import checkpointer as ck
@@ -364,7 +364,7 @@ def test_bf16_params_with_fp32_optimizer_masters_round_trip_exactly(tmp_path):
     from torch.distributed.checkpoint import FileSystemWriter
 
     from nxdt.checkpoint.dtype import weights_for_load, weights_for_save
-    from nxdt.training.optimizers import AdamWFP32OptState
+    from nxdt.optim.optimizers import AdamWFP32OptState
 
     def make():
         torch.manual_seed(0)

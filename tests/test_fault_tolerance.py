@@ -23,8 +23,8 @@ import pytest
 from conftest import REPO, TINY_OVERRIDES, read_scalars, train_in_process
 
 from nxdt.config.errors import ConfigError
-from nxdt.config.load import load_config
-from nxdt.config.signals import parse_signals
+from nxdt.spec import load_config
+from nxdt.spec.exp import parse_signals
 from nxdt.exp.exp_manager import close_rank_log_file, process_start_ticks
 from nxdt.exp.run_lock import LOCK, RunLock, check_run_lock, holder_record, read_lock
 

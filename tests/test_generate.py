@@ -12,7 +12,8 @@ from conftest import REPO, TOKENIZER_DIR
 from test_convert import _nxdt_checkpoint
 
 from nxdt.checkpoint.checkpointer import save_weights
-from nxdt.config import config_from_dict, to_yaml
+from nxdt.config import to_yaml
+from nxdt.spec import config_from_dict
 from nxdt.inference.generate import SamplingParams, filter_logits, generate, next_tokens
 from nxdt.inference.load import load_for_inference
 from nxdt.models.kv_cache import KVCache
@@ -258,7 +259,7 @@ def test_right_padded_recompute_gives_the_same_tokens():
 ])
 def test_samples_keys_are_checked_before_the_run(overrides, message):
     from nxdt.config.errors import ConfigError
-    from nxdt.config.load import load_config
+    from nxdt.spec import load_config
 
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(["--config-name", "tiny_llama_cpu", *overrides], default_config_dir=REPO / "conf")

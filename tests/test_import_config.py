@@ -15,7 +15,7 @@ import pytest
 from conftest import REPO
 
 from nxdt.cli import main as cli
-from nxdt.config.load import load_config
+from nxdt.spec import load_config
 from nxdt.tools.plan import main as plan_main
 
 CONF = REPO / "conf"

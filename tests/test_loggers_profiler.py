@@ -250,7 +250,7 @@ def test_cuda_memory_snapshot_spans_the_first_active_window(tmp_path, monkeypatc
     import torch
 
     from nxdt.config.schema import ProfilerConfig
-    from nxdt.training.profiler import StepProfiler
+    from nxdt.observability.profiler import StepProfiler
 
     calls = []
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history",

@@ -17,7 +17,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from nxdt.checkpoint.checkpointer import save_weights
-from nxdt.config import config_from_dict, to_yaml
+from nxdt.config import to_yaml
+from nxdt.spec import config_from_dict
 from nxdt.models import build_model, init_model_weights, logits_of
 from nxdt.models.lora import (
     LoraLinear,
@@ -202,7 +203,7 @@ def test_bad_values_name_the_key(key, kwargs):
 
 # ----------------------------------------------------------------------------- what is trained
 def test_only_adapters_train_and_the_optimizer_holds_only_them():
-    from nxdt.training.optimizers import build_optimizer
+    from nxdt.optim.optimizers import build_optimizer
 
     model = _model()
     inject_lora(model, NXDT_NAMES, RANK, ALPHA)
@@ -319,7 +320,7 @@ def test_meta_init_draws_adapters_like_peft_after_the_base(source):
 @pytest.mark.parametrize("ptype", ["mixed_precision", "bf16SR"])
 def test_precision_presets_train_only_the_adapters(ptype):
     from nxdt.precision.precision import Precision
-    from nxdt.training.optimizers import build_optimizer
+    from nxdt.optim.optimizers import build_optimizer
     from nxdt.training.step import microbatch_forward_backward, train_step
 
     cfg = _cfg()

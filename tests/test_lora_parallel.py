@@ -90,7 +90,7 @@ def test_lora_dropout_under_tp_trains(results):
 
 # ----------------------------------------------------------------------------- the worker
 def _cfg(layout: str):
-    from nxdt.config.load import config_from_dict
+    from nxdt.spec import config_from_dict
 
     model = {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 176, "num_attention_heads": 4,
              "num_kv_heads": 2, "make_vocab_size_divisible_by": 8}
@@ -158,7 +158,7 @@ def _layout_case(layout: str, rank: int) -> dict:  # pragma: no cover - under to
     from nxdt.parallel.parallelize import parallelize_llama
     from nxdt.parallel.pipeline import build_pipeline, model_of
     from nxdt.training.loss import masked_token_loss
-    from nxdt.training.optimizers import param_groups
+    from nxdt.optim.optimizers import param_groups
 
     cfg = _cfg(layout)
     shapes = {"fsdp": MeshShape(dp_shard=2), "zero1": MeshShape(dp_replicate=2), "pp2": MeshShape(pp=2)}

@@ -14,17 +14,17 @@ import torch
 from conftest import REPO
 
 from nxdt import hardware
-from nxdt.config.layout import compute_layout
-from nxdt.config.load import load_config
+from nxdt.spec.layout import compute_layout
+from nxdt.spec import load_config
 from nxdt.hardware import Peak, device_peak, table_peak
 from nxdt.models import build_model
 from nxdt.models.flops import flops_per_token, lookup_parameters, mean_keys_per_query, model_shape
 from nxdt.models.param_count import parameter_counts
 from nxdt.tools.plan import main as plan_main
-from nxdt.training import callbacks
-from nxdt.training.callbacks import MemoryMonitor, RunFigures, RunSummary, ThroughputMonitor
-from nxdt.training.estimate import flops_line, memory_line, plan
-from nxdt.training.memory import CpuStepPeak, live_cpu_storages, peak_of
+from nxdt.observability import callbacks
+from nxdt.observability.callbacks import MemoryMonitor, RunFigures, RunSummary, ThroughputMonitor
+from nxdt.planner.estimate import flops_line, memory_line, plan
+from nxdt.observability.memory import CpuStepPeak, live_cpu_storages, peak_of
 
 CONF = str(REPO / "conf")
 MiB = 2**20

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nxdt.config.load import config_from_dict
+from nxdt.spec import config_from_dict
 from nxdt.models.hf_export import hf_config_dict
 from nxdt.models import (
     LlamaArgs,

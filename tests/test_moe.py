@@ -13,7 +13,7 @@ from transformers import MixtralConfig, MixtralForCausalLM
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 from nxdt.config.errors import ConfigError
-from nxdt.config.load import config_from_dict
+from nxdt.spec import config_from_dict
 from nxdt.models import build_model
 from nxdt.models.llama import LlamaArgs, NxdtLlamaForCausalLM
 from nxdt.models.moe import (LlamaMoE, MoEArgs, capacity, keep_within_capacity, load_balancing_loss,

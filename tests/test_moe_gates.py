@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nxdt.config.errors import ConfigError
-from nxdt.config.load import config_from_dict
+from nxdt.spec import config_from_dict
 from nxdt.models import build_model
 from nxdt.models.builder import moe_args_from_cfg
 from nxdt.models.llama import LlamaArgs, NxdtLlamaForCausalLM

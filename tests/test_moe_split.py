@@ -19,7 +19,8 @@ from conftest import TINY_OVERRIDES, curve, read_scalars, run_pool
 
 from nxdt.checkpoint.checkpointer import load_weights, save_weights
 from nxdt.cli import main as cli
-from nxdt.config import load_config, to_yaml
+from nxdt.config import to_yaml
+from nxdt.spec import load_config
 from nxdt.models import build_model
 from nxdt.tools import moe_split
 from nxdt.tools.convert import nxdt_to_hf

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nxdt.config.load import config_from_dict
+from nxdt.spec import config_from_dict
 from nxdt.models import LlamaArgs, NxdtLlamaForCausalLM, build_model, logits_of
 from nxdt.models.builder import llama_args_from_cfg
 from nxdt.models.hf_export import hf_config_dict
@@ -330,7 +330,7 @@ def test_hf_source_builds_transformers_neox_with_overrides_and_matches_native():
 
 
 def test_hf_source_neox_trains_in_one_process():
-    from nxdt.training.harness import build_harness
+    from nxdt.training.builder import build_harness
     from nxdt.training.step import train_step
 
     cfg = _hf_cfg(num_layers=2, hidden_size=64)

@@ -14,10 +14,10 @@ from torch import nn
 
 from nxdt.config import optim_keys
 from nxdt.config.errors import ConfigError
-from nxdt.config.load import load_config
-from nxdt.training.estimate import Bytes, rank_memory, sm3_accumulator_elems
-from nxdt.training.neox_optimizers import SM3, Lion
-from nxdt.training.optimizers import _init_args, build_optimizer, resolve_optimizer
+from nxdt.spec import load_config
+from nxdt.planner.estimate import Bytes, rank_memory, sm3_accumulator_elems
+from nxdt.optim.neox import SM3, Lion
+from nxdt.optim.optimizers import _init_args, build_optimizer, resolve_optimizer
 
 P0 = [[1.0, -2.0, 0.5], [0.0, 3.0, -1.0]]
 G1 = [[0.5, -1.0, 0.0], [2.0, -0.25, 1.0]]

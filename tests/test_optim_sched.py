@@ -14,14 +14,14 @@ from torch import nn
 
 from nxdt.config.errors import ConfigError
 from nxdt.config.optim_keys import OPTIMIZERS, SCHEDULERS, check_optim
-from nxdt.training.optimizers import (
+from nxdt.optim.optimizers import (
     AdamWFP32OptState,
     Novograd,
     build_optimizer,
     param_groups,
     register_optimizer,
 )
-from nxdt.training.schedulers import build_scheduler
+from nxdt.optim.schedulers import build_scheduler
 
 LR = 3e-4
 
@@ -314,7 +314,7 @@ def test_register_optimizer():
         assert isinstance(opt, MySGD) and opt.param_groups[0]["momentum"] == 0.9
     finally:
         from nxdt.config import optim_keys
-        from nxdt.training import optimizers
+        from nxdt.optim import optimizers
 
         optimizers.OPTIMIZER_CLASSES.pop("my_sgd")
         optim_keys.OPTIMIZERS.pop("my_sgd")
@@ -360,7 +360,7 @@ def test_check_optim_messages():
 
 
 def test_every_scheduler_has_its_keys_registered():
-    from nxdt.training.schedulers import SCHEDULER_CLASSES
+    from nxdt.optim.schedulers import SCHEDULER_CLASSES
 
     assert set(SCHEDULERS) == set(SCHEDULER_CLASSES)
 
@@ -374,7 +374,7 @@ def test_adamw_is_fused_by_default_and_matches_the_reference_loop():
     """Plain fp32 params get the fused kernel unless the config picks an implementation."""
     import torch
 
-    from nxdt.training.optimizers import build_optimizer
+    from nxdt.optim.optimizers import build_optimizer
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4))
@@ -403,7 +403,7 @@ def test_dtensor_params_get_the_fused_kernel_too(tmp_path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from nxdt.training.optimizers import build_optimizer
+    from nxdt.optim.optimizers import build_optimizer
 
     assert not dist.is_initialized()
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)

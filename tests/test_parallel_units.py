@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nxdt.config.load import config_from_dict
+from nxdt.spec import config_from_dict
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
@@ -294,7 +294,7 @@ def test_parallel_keys_are_accepted():
 
 
 def test_mesh_shape_for_hsdp_and_data_parallel_config():
-    from nxdt.config.layout import compute_layout
+    from nxdt.spec.layout import compute_layout
     from nxdt.parallel.data_parallel import data_parallel_config
     from nxdt.parallel.mesh import mesh_shape_from_layout
 
@@ -609,7 +609,7 @@ def test_compile_keys_backend_check_and_xla(tmp_path, monkeypatch, kjv_prefix):
 
     from conftest import TINY_OVERRIDES, train_in_process
 
-    from nxdt.config.compile_settings import wants_compile
+    from nxdt.spec.model import wants_compile
     from nxdt.config.inert import inert_keys
 
     for key in ("fusions.torch_compile", "use_torch_compile"):

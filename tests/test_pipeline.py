@@ -11,8 +11,8 @@ import torch
 from conftest import TINY_OVERRIDES, run_cli
 
 from nxdt.config.errors import ConfigError
-from nxdt.config.load import config_from_dict
-from nxdt.config.pipeline_checks import pipeline_stage_starts
+from nxdt.spec import config_from_dict
+from nxdt.spec.parallel import pipeline_stage_starts
 
 
 # --------------------------------------------------------------------------- in-process units

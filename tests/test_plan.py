@@ -10,7 +10,7 @@ from conftest import REPO
 
 from nxdt.tools.plan import format_plan
 from nxdt.tools.plan import main as plan_main
-from nxdt.training.estimate import Bytes, rank_memory
+from nxdt.planner.estimate import Bytes, rank_memory
 
 CONF = str(REPO / "conf")
 
@@ -93,7 +93,7 @@ def test_memory_estimate_matches_measured_tensor_bytes(capsys):
     saved tensors), against the plan's estimate (within 15%)."""
     import torch
 
-    from nxdt.config.load import load_config
+    from nxdt.spec import load_config
     from nxdt.models import build_model
     from nxdt.training.loss import masked_token_loss
 
@@ -239,15 +239,15 @@ def test_rank_memory_formula():
 
 
 def test_start_summary_shows_activated_parameters(capsys):
-    """The run's start summary prints the plan's counts (nxdt.training.estimate.plan of the run's
+    """The run's start summary prints the plan's counts (nxdt.planner.estimate.plan of the run's
     config and vocabulary); a dense model's summary has no activated line."""
     from types import SimpleNamespace
 
     import torch
 
-    from nxdt.config.layout import compute_layout
-    from nxdt.config.load import load_config
-    from nxdt.training.callbacks import RunSummary
+    from nxdt.spec.layout import compute_layout
+    from nxdt.spec import load_config
+    from nxdt.observability.callbacks import RunSummary
 
     def summary(name: str) -> list[str]:
         cfg = load_config(["--config-path", CONF, "--config-name", name, "trainer.peak_tflops=1"],

@@ -13,11 +13,13 @@ import pytest
 import torch
 from conftest import TINY_OVERRIDES, read_scalars, run_pool
 
-from nxdt.config import ConfigError, apply_env, load_config
+from nxdt.config import ConfigError, apply_env
+
+from nxdt.spec import load_config
 from nxdt.models import build_model
 from nxdt.parallel.activation_checkpointing import apply_activation_checkpointing, checkpointed_modules
 from nxdt.precision.precision import DynamicLossScaler, NumericalInstabilityError, Precision, settings_from_cfg
-from nxdt.training.harness import build_harness
+from nxdt.training.builder import build_harness
 from nxdt.training.loss import masked_token_loss
 from nxdt.training.step import microbatch_forward_backward, split_microbatches, train_step
 from nxdt.precision.stochastic_rounding import round_to, stochastic_round_to_bf16

@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 from test_precision import MODEL, VOCAB, _as_batch, _data, train_curve
 
-from nxdt.config import load_config
+from nxdt.spec import load_config
 from nxdt.models import build_model
 from nxdt.parallel.mesh import MeshShape, build_mesh
 from nxdt.precision.precision import Precision
-from nxdt.training.optimizers import build_optimizer
+from nxdt.optim.optimizers import build_optimizer
 from nxdt.training.step import microbatch_forward_backward, pipeline_forward_backward, train_step
 
 # the presets' tolerance on |loss - reference loss| (test_precision.PRESETS, docs/precision.md)
@@ -50,7 +50,7 @@ def _spawn(worker, tmp_path, nprocs: int = 2) -> list:
 
 # ----------------------------------------------------------------------------- fp16 + pipeline
 def _pp_fp16_worker(rank: int, world: int) -> dict:
-    from nxdt.config.layout import compute_layout
+    from nxdt.spec.layout import compute_layout
     from nxdt.parallel.pipeline import build_pipeline, model_of
     from nxdt.training.loss import masked_token_loss
 
@@ -182,7 +182,7 @@ def _fsdp_sr_curve_worker(rank: int, world: int) -> dict:
     on its own rank, the model sharded by FSDP2 through nxdt's parallelize_llama."""
     from nxdt.parallel.parallelize import parallelize_llama
     from nxdt.precision.sr_fsdp import StochasticRoundingShard
-    from nxdt.training.harness import build_harness
+    from nxdt.training.builder import build_harness
 
     cfg = _cfg("precision.type=mixed_precisionSR", "distributed_strategy.sharding_strategy=FSDP", "model.optim.lr=3e-3")
     mesh = build_mesh(MeshShape(dp_shard=2), "cpu")

@@ -17,14 +17,14 @@ import torch.nn.functional as F
 
 from nxdt.checkpoint.state import from_json, to_json
 from nxdt.config.errors import ConfigError
-from nxdt.config.load import config_from_dict
+from nxdt.spec import config_from_dict
 from nxdt.data.assets import bundled_corpus_path
 from nxdt.data.preference import RESPONSES, PreferenceDataModule
 from nxdt.data.tokenizers import build_tokenizer
 from nxdt.precision.precision import Precision
 from nxdt.tools.preference_data import make_preference_rows, read_chapters
-from nxdt.training.preference_loss import dpo_loss, orpo_loss, reward_metrics, sequence_logps
-from nxdt.training.preference_step import (
+from nxdt.training.loss import dpo_loss, orpo_loss, reward_metrics, sequence_logps
+from nxdt.training.preference import (
     batch_reference_logps,
     compute_reference_logps,
     preference_forward_backward,

@@ -11,7 +11,8 @@ import pytest
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from nxdt.cli import main as cli_main
-from nxdt.config import config_from_dict, to_yaml
+from nxdt.config import to_yaml
+from nxdt.spec import config_from_dict
 from nxdt.tools.report import main as report_main
 from nxdt.tools.report import merge_sessions, run_labels
 

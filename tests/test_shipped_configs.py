@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nxdt.config.load import load_config
+from nxdt.spec import load_config
 from nxdt.models import build_model, count_parameters
 
 CONF = Path(__file__).resolve().parents[1] / "conf"

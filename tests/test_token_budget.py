@@ -14,12 +14,12 @@ import pytest
 import torch
 from conftest import REPO
 
-from nxdt.config.layout import compute_layout
-from nxdt.config.load import config_from_dict, load_config
+from nxdt.spec.layout import compute_layout
+from nxdt.spec import config_from_dict, load_config
 from nxdt.tools.plan import main as plan_main
-from nxdt.training import callbacks
-from nxdt.training.callbacks import RunSummary, ThroughputMonitor
-from nxdt.training.eta import TIMED_STEPS
+from nxdt.observability import callbacks
+from nxdt.observability.callbacks import RunSummary, ThroughputMonitor
+from nxdt.observability.eta import TIMED_STEPS
 
 CONF = str(REPO / "conf")
 # 1 device, global batch 4 (2 micro-batches of 2), seq 32: 128 tokens per step

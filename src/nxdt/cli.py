@@ -12,7 +12,7 @@ import sys
 
 # name -> (module, one-line help)
 COMMANDS = {
-    "train": ("nxdt.training.run", "train from an NxDT-shaped YAML (same arguments as examples/train.py)"),
+    "train": ("nxdt.tools.train", "train from an NxDT-shaped YAML (same arguments as examples/train.py)"),
     "preprocess": ("nxdt.tools.preprocess", "tokenize jsonl/json/text into Megatron .bin/.idx files"),
     "convert": ("nxdt.tools.convert", "hf-to-nxdt / nxdt-to-hf: convert checkpoints (safetensors, DCP)"),
     "moe-split": ("nxdt.tools.moe_split", "experts from a dense Llama checkpoint (LLaMA-MoE's expert split)"),

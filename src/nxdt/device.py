@@ -30,6 +30,14 @@ def use_xla(cfg: Any, environ: MutableMapping[str, str] | None = None) -> bool:
     return detect_xla(cfg, environ) and xla_available()
 
 
+def xla_model():
+    """`torch_xla.core.xla_model`, imported on first use (torch-xla is optional and needs its own
+    torch build; importing it at module level would make every nxdt import need it)."""
+    import torch_xla.core.xla_model as xm
+
+    return xm
+
+
 def xla_device():
     import torch_xla
 
@@ -44,9 +52,7 @@ def mark_step() -> None:
     if sync is not None:
         sync()
     else:  # older torch-xla
-        import torch_xla.core.xla_model as xm
-
-        xm.mark_step()
+        xla_model().mark_step()
 
 
 def is_xla_tensor(t: Any) -> bool:
@@ -57,9 +63,7 @@ def in_step_closure(fn: Callable[..., Any], *args: Any) -> None:
     """Run `fn(*args)` once the current step's graph has executed (XLA tensors in `args` are then
     materialized without forcing a sync); off XLA, run it now."""
     if any(is_xla_tensor(a) for a in args):
-        import torch_xla.core.xla_model as xm
-
-        xm.add_step_closure(fn, args)
+        xla_model().add_step_closure(fn, args)
     else:
         fn(*args)
 

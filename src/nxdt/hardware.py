@@ -8,7 +8,7 @@
      dtype with this process's threads, cached per machine.
 None when nothing applies (an unknown GPU): the run then logs no `mfu`.
 
-The compute dtype is the precision preset's (nxdt.config.precision_settings: fp32 | bf16 | fp16).
+The compute dtype is the precision preset's (nxdt.spec.precision: fp32 | bf16 | fp16).
 fp32 on CUDA runs on TF32 tensor cores only if torch allows it (`torch.get_float32_matmul_precision()`
 "high" or "medium"; nxdt leaves torch's default "highest"), else on the plain FP32 units.
 """

@@ -1,5 +1,5 @@
 """Run by tests/xla/test_xla_logging.py in a fresh process: the product training path
-(`nxdt.training.run.train`, Lightning on one XLA:CPU device) on a tiny Llama, counting torch-xla
+(`nxdt.training.trainer.train`, Lightning on one XLA:CPU device) on a tiny Llama, counting torch-xla
 graph executions per optimizer step.
 
 usage: log_worker.py MODE LOG_DIR DATA_PREFIX STEPS
@@ -23,7 +23,7 @@ def main(mode: str, log_dir: str, data_prefix: str, steps: int) -> None:
     sys.path.insert(0, os.path.join(HERE, ".."))
     from conftest import TINY_OVERRIDES
     from nxdt.config.env import apply_env
-    from nxdt.config.load import load_config
+    from nxdt.spec import load_config
 
     cfg = load_config(["--config-name", "tiny_llama_cpu", *TINY_OVERRIDES, "trainer.devices=1",
                        f"trainer.max_steps={steps}", "trainer.accelerator=xla",
@@ -39,7 +39,7 @@ def main(mode: str, log_dir: str, data_prefix: str, steps: int) -> None:
     from lightning.pytorch.callbacks import Callback
 
     import nxdt.training.module as module_mod
-    import nxdt.training.run as run_mod
+    import nxdt.training.trainer as run_mod
 
     counts: list[int] = []
 

@@ -1,4 +1,4 @@
-"""Step-closure logging on XLA:CPU (`make test-xla`): the product path (nxdt.training.run.train,
+"""Step-closure logging on XLA:CPU (`make test-xla`): the product path (nxdt.training.trainer.train,
 Lightning, one XLA device) logs the same numbers at the same steps as Lightning's own `self.log`,
 without the graph executions that `self.log` costs on XLA.
 

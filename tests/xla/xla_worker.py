@@ -12,7 +12,7 @@ import sys
 def main(ptype: str, steps: int, ckpt_dir: str | None) -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     from nxdt.config.env import apply_env
-    from nxdt.config.load import load_config
+    from nxdt.spec import load_config
 
     overrides = [f"precision.type={ptype}"]
     if ptype == "fp16":
@@ -29,9 +29,9 @@ def main(ptype: str, steps: int, ckpt_dir: str | None) -> None:
 
     from nxdt.models import build_model, logits_of
     from nxdt import device as xla
-    from nxdt.training.harness import build_harness
+    from nxdt.training.builder import build_harness
     from nxdt.training.loss import masked_token_loss
-    from nxdt.training.optimizers import build_optimizer
+    from nxdt.optim.optimizers import build_optimizer
     from nxdt.training.step import microbatch_forward_backward, train_step
 
     device = xla.xla_device()

@@ -23,7 +23,7 @@ from nxdt.checkpoint.retention import (
     write_score,
 )
 from nxdt.checkpoint.save_errors import CheckpointSaveError
-from nxdt.config.alignment import alignment_of
+from nxdt.spec.alignment import alignment_of
 from nxdt.config.errors import ConfigError
 
 
@@ -100,7 +100,7 @@ class NxdtCheckpoint(Callback):
         self._last_saved_step = step = trainer.global_step
         path = self.checkpoint_path(trainer)
         # the logs of every step this checkpoint covers reach the disk before it does: a run killed
-        # after the save resumes past them (nxdt.training.step_scalars writes them as they are logged)
+        # after the save resumes past them (nxdt.observability.step_scalars writes them as they are logged)
         for logger in trainer.loggers:
             logger.save()
         try:

@@ -24,7 +24,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from nxdt.config.alignment import alignment_of
+from nxdt.spec.alignment import alignment_of
 from nxdt.config.errors import ConfigError
 from nxdt.models.lora import is_lora_key, peft_adapter_config, trained_keys
 

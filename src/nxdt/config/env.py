@@ -20,8 +20,8 @@ from collections.abc import MutableMapping
 from typing import Any
 
 from nxdt.config import schema
+from nxdt.config.schema import normalize_precision
 from nxdt.config.typed import select
-from nxdt.config.precision_settings import normalize_precision
 
 MIXED_FLAGS = ["--enable-mixed-precision-accumulation"]
 

@@ -24,7 +24,6 @@ from typing import Any
 
 from nxdt.config import schema
 from nxdt.config.env import detect_xla
-from nxdt.config.sharding import sharding_mode_of
 from nxdt.config.typed import select
 
 BACKENDS = ("cpu", "cuda", "mps", "xla")
@@ -70,7 +69,7 @@ class Inert:
     given: Callable[[Any, Any], bool] | None = None
     """(cfg, value) -> whether the value asks for something; default: it differs from the schema default."""
     notice: bool = True
-    """False when another module already reports it (nxdt.config.alignment's notices)."""
+    """False when another module already reports it (nxdt.spec.alignment's notices)."""
 
     @property
     def always(self) -> bool:
@@ -203,7 +202,8 @@ INERT: list[tuple[str, Inert]] = [
            unless=lambda c: not isinstance(c.trainer.val_check_interval, int))),
     ("distributed_strategy.hsdp_replicate_size",
      Inert("only HSDP reads it (distributed_strategy.sharding_strategy=HSDP)",
-           unless=lambda c: sharding_mode_of(c.distributed_strategy).hybrid)),
+           unless=lambda c: schema.sharding_way(c.distributed_strategy.sharding_strategy,
+                                                    c.distributed_strategy.fsdp).startswith("hybrid"))),
     ("distributed_strategy.schedule",
      Inert("no pipeline: pipeline_model_parallel_size=1",
            unless=lambda c: c.distributed_strategy.pipeline_model_parallel_size > 1)),

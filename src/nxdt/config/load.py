@@ -31,7 +31,7 @@ from omegaconf.errors import OmegaConfBaseException
 from nxdt.config import resolvers, schema
 from nxdt.config.errors import ConfigError
 from nxdt.config.typed import to_typed
-from nxdt.config.validate import check_schema, validate
+from nxdt.config.validate import check_schema
 
 # Mappings that a config gives as a whole: the user's value replaces the default (no key merge).
 OPEN_PATHS = ("model.optim", "model.rope_scaling")
@@ -325,34 +325,14 @@ def report(message: str, stream: Any = None) -> None:
         print(f"notice: {message}", file=stream or sys.stderr)
 
 
-def load_config(argv: list[str], world_size: int | None = None, check_paths: bool = True,
-                check_supported: bool = True, default_config_dir: str | os.PathLike | None = None,
-                default_config_name: str | None = None, quiet: bool = False,
-                record: dict | None = None) -> schema.NxdtConfig:
-    """compose + full validate -> the typed config; prints the notices once (rank 0) unless quiet.
-    `record`: see compose()."""
-    notices: list[str] = []
-    cfg = compose(argv, default_config_dir, default_config_name, notices=notices, record=record)
-    typed = validate(cfg, world_size=world_size, check_paths=check_paths, check_supported=check_supported,
-                     notices=notices)
-    if not quiet:
-        for n in dict.fromkeys(notices):
-            report(n)
-    return typed
-
-
-def config_from_dict(values: dict, world_size: int | None = None, check: bool = False,
-                     check_paths: bool = False) -> schema.NxdtConfig:
+def config_from_dict(values: dict) -> schema.NxdtConfig:
     """A typed config from a (partial) mapping, as from a YAML without Hydra: merged over the
-    schema defaults, resolved and schema-checked; with `check` also cross-checked (`validate`).
-
+    schema defaults, resolved and schema-checked (nxdt.spec.config_from_dict cross-checks too).
     For tools reading a saved config.yaml and for tests building small configs."""
     resolvers.register()
     base = schema.defaults()
     cfg = OmegaConf.create(_merge(base, OmegaConf.to_container(OmegaConf.create(values), resolve=False)))
     check_schema(cfg)
-    if check:
-        return validate(cfg, world_size=world_size, check_paths=check_paths)
     return to_typed(OmegaConf.to_container(cfg, resolve=True))
 
 

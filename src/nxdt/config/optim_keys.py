@@ -6,8 +6,8 @@ being prepared, before torch may be loaded.
 
 `OPTIMIZERS[name]` and `SCHEDULERS[name]` map every key a name accepts to its
 default (the default of the torch / NeMo class it builds). `REQUIRED` marks a
-key without a default. The builders in `nxdt.training.optimizers` and
-`nxdt.training.schedulers` use these same tables, so a key that passes here is
+key without a default. The builders in `nxdt.optim.optimizers` and
+`nxdt.optim.schedulers` use these same tables, so a key that passes here is
 a key the builder knows. `VALUE_RANGES` gives the valid range of a numeric key
 (`nxdt.config.ranges`' notation), so `model.optim.lr=-1` stops here, in one line,
 rather than as torch's ValueError. `sched_rules` relates the schedule's steps to
@@ -78,7 +78,7 @@ OPTIMIZERS: dict[str, dict[str, Any]] = {
         "lr": 1e-2, "beta2_decay": -0.8, "eps": (None, 1e-3), "d": 1.0, "weight_decay": 0.0,
         "maximize": False, "foreach": None,
     },
-    # GPT-NeoX's (nxdt.training.neox_optimizers), NeoX's defaults.
+    # GPT-NeoX's (nxdt.optim.neox), NeoX's defaults.
     "lion": {"lr": 1e-4, "betas": (0.9, 0.99), "weight_decay": 0.0},
     "sm3": {"lr": 0.1, "momentum": 0.0, "beta": 0.0, "eps": 1e-30},
 }
@@ -190,7 +190,7 @@ def check_optim(optim: Mapping, path: str = "model.optim") -> None:
 def check_optim_parallel(optim: Mapping, *, tp: int, ep: int, fsdp_ways: int) -> None:
     """Raise ConfigError if `optim` names sm3 and parameters will be sharded: tensor parallel
     (tp > 1), expert parallel (ep > 1), or FSDP/HSDP over more than one rank (fsdp_ways =
-    dp x cp under a sharding strategy, else 1). nxdt.training.neox_optimizers.SM3 also refuses
+    dp x cp under a sharding strategy, else 1). nxdt.optim.neox.SM3 also refuses
     a sharded parameter when it is built; this check says so before anything is built."""
     if optim.get("name") == "sm3" and (tp > 1 or ep > 1 or fsdp_ways > 1):
         raise ConfigError(f"{SM3_SHARDED} (got tensor_model_parallel_size={tp}, "
@@ -237,7 +237,7 @@ _NEEDS_LR_ABOVE_MIN = ("CosineAnnealing", "NoamAnnealing")
 def sched_rules(optim: Mapping, max_steps: int | None = None, lr: float | None = None,
                 path: str = "model.optim") -> list[str]:
     """The one rule between the schedule and the run's length and lr, for validation (before
-    anything starts) and `nxdt.training.schedulers.build_scheduler`.
+    anything starts) and `nxdt.optim.schedulers.build_scheduler`.
 
     `max_steps`: the schedule's (default: optim.sched.max_steps; -1 or None = training by epochs);
     `lr`: the optimizer's (default: optim.lr, else the optimizer's default). Raises ConfigError for

@@ -1,4 +1,5 @@
-"""Valid ranges of numeric config values: one notation for the schema, validation and `--help`.
+"""Schema fields and their valid ranges: `doc()` (a field with its default, one line of help and its
+metadata), and the range notation the schema, validation and `--help` share.
 
 A schema field gives its range as bounds in `doc(...)` (its field metadata):
 
@@ -18,12 +19,25 @@ This module imports only the standard library.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
+from dataclasses import field, is_dataclass
 from typing import Any
 
 BOUNDS = ("ge", "gt", "le", "lt")
 _FLOAT = tuple(f"float_{b}" for b in BOUNDS)
 KEYS = (*BOUNDS, *_FLOAT, "also")
+
+
+def doc(default: Any, help: str, **meta: Any) -> Any:
+    """A dataclass field with a default and a one-line description (`help`); `meta` holds its range
+    (the bounds above) and flags, read by validation and `--help`."""
+    metadata = {"help": help, **meta}
+    if isinstance(default, type) and is_dataclass(default):
+        return field(default_factory=default, metadata=metadata)
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: copy.deepcopy(d), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 def _number(x: Any) -> bool:

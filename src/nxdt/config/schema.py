@@ -37,8 +37,7 @@ from typing import Any, Dict, List, Literal, Optional, Union, get_args, get_orig
 
 from nxdt.config import ranges
 from nxdt.config.errors import ConfigError
-from nxdt.config.sharding import SHARDING_MODES
-from nxdt.config.fields import doc  # noqa: F401  (re-exported: the schema's field helper)
+from nxdt.config.ranges import doc  # noqa: F401  (re-exported: the schema's field helper)
 from nxdt.config.schema_finetuning import (  # noqa: F401  (re-exported: sections of NxdtConfig)
     TRUNCATION_MODES, AlignmentConfig, DataAlignmentConfig, DPOConfig, ORPOConfig, PeftConfig, SFTConfig)
 
@@ -49,8 +48,49 @@ PRECISION_TYPES = (
 PIPELINE_SCHEDULES = (
     "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV",
 )
-# every spelling of nxdt.config.sharding.SHARDING_MODES (the one table of what each builds)
-SHARDING_STRATEGIES = tuple(SHARDING_MODES)
+GATE_ALIASES = {"TopKBalancedNoisyGate": "top_k_balanced_noisy", "SwitchBalancedGate": "switch_balanced"}
+"""LLaMA-MoE's class names for `model.moe.gate_type` -> nxdt's names (validation normalises them)."""
+
+
+def canonical_gate_type(name: str) -> str:
+    return GATE_ALIASES.get(name, name)
+
+
+PRECISION_ALIASES = {"mixed_precision_SR": "mixed_precisionSR"}
+"""Other spellings of a preset (`precision.type`) -> the preset."""
+
+
+def normalize_precision(ptype: str) -> str:
+    """`mixed_precision_SR` is accepted as another spelling of `mixed_precisionSR`."""
+    return PRECISION_ALIASES.get(ptype, ptype)
+
+
+# Every accepted spelling of `distributed_strategy.sharding_strategy` -> the way it is built
+# (nxdt.spec.parallel.SHARDING_MODES says what each way builds). Documented spellings first (the
+# schema's error message lists them in this order), then the lowercase / underscore ones that
+# fms-fsdp and minimal_fsdp configs use.
+SHARDING_SPELLINGS = {
+    "FSDP": "shard", "HSDP": "hybrid", "full-shard": "shard", "hybrid-full-shard": "hybrid",
+    "grad-shard": "grad-shard", "hybrid-grad-shard": "hybrid-grad-shard", "no-shard": "replicate",
+    "DDP": "replicate", "fsdp": "shard", "hsdp": "hybrid", "ddp": "replicate", "full_shard": "shard",
+    "hybrid_shard": "hybrid", "hybrid_full_shard": "hybrid", "grad_shard": "grad-shard",
+    "hybrid_grad_shard": "hybrid-grad-shard", "no_shard": "replicate",
+}
+SHARDING_STRATEGIES = tuple(SHARDING_SPELLINGS)
+
+
+def sharding_way(name: str | None, fsdp: bool = False) -> str:
+    """The way a `sharding_strategy` spelling is built (case-insensitive; None: FSDP's 'shard' when
+    fms-fsdp's `fsdp: true` is set, else 'replicate'); ConfigError on an unknown spelling."""
+    if name is None:
+        return "shard" if fsdp else "replicate"
+    way = SHARDING_SPELLINGS.get(str(name))
+    if way is None:
+        way = {k.lower(): v for k, v in SHARDING_SPELLINGS.items()}.get(str(name).lower())
+    if way is None:
+        raise ConfigError(f"distributed_strategy.sharding_strategy: unknown strategy '{name}' "
+                          f"(expected one of {list(SHARDING_SPELLINGS)})")
+    return way
 
 ZeroOne = Literal["0", "1"]
 
@@ -115,7 +155,7 @@ class CheckpointCallbackParams:
 
 @dataclass
 class SamplesConfig:
-    """Text generated from the model while it trains (nxdt.training.samples): logged to TensorBoard's
+    """Text generated from the model while it trains (nxdt.observability.samples): logged to TensorBoard's
     text tab and the log, to watch what the model has learned. Off unless prompts are given."""
     prompts: List[str] = doc([], "prompts to continue (batched, left-padded); empty = no samples")
     every_n_train_steps: int = doc(0, "generate after every N optimizer steps (and after the last); 0 = only at the end", ge=0)

@@ -5,7 +5,7 @@ classes. Standard library only."""
 from dataclasses import dataclass
 from typing import List, Literal, Optional
 
-from nxdt.config.fields import doc
+from nxdt.config.ranges import doc
 
 TRUNCATION_MODES = ("keep_start", "keep_end")
 

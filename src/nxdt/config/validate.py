@@ -29,24 +29,10 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from nxdt.config import ranges, schema
-from nxdt.config.blend import parse_data_prefix, parse_datasets
 from nxdt.config.errors import ConfigError
-from nxdt.config.layout import compute_layout
-from nxdt.config.alignment import alignment_notices, alignment_of, check_alignment
-from nxdt.config.arch_checks import check_architecture, check_hf_layouts
-from nxdt.config.moe_checks import canonical_gate_type, check_expert_parallel, check_moe, check_moe_layouts_supported
-from nxdt.config.inert import NOT_SUPPORTED_YET, backend_of, inert_notice
-from nxdt.config.loss_checks import check_loss_chunking
-from nxdt.config.signals import parse_signals
-from nxdt.config.sample_checks import check_samples
+from nxdt.config.schema import canonical_gate_type
+from nxdt.config.inert import NOT_SUPPORTED_YET
 from nxdt.config.optim_keys import check_optim_parallel, sched_rules
-from nxdt.config.sharding import sharding_mode_of
-from nxdt.config.compile_settings import check_compile
-from nxdt.config.cp_checks import check_context_parallel
-from nxdt.config.data_selection import check_dynamic_selection
-from nxdt.config.path_checks import check_files
-from nxdt.config.pipeline_checks import check_pipeline
-from nxdt.config.precision_settings import precision_settings
 from nxdt.config.typed import select, to_typed
 
 
@@ -55,7 +41,7 @@ def _one_line(text: Any) -> str:
     return " ".join(str(text).split())
 
 
-def _did_you_mean(word: str, choices, prefix: str = "") -> str:
+def did_you_mean(word: str, choices, prefix: str = "") -> str:
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     return f" (did you mean '{prefix}{close[0]}'?)" if close else ""
 
@@ -168,7 +154,7 @@ def _walk(node: DictConfig, cls: type, path: str, free_extra: bool = False, numb
         if key not in fields:
             if free_extra:
                 continue
-            raise ConfigError(f"unknown key '{dotted}'{_did_you_mean(key, fields, prefix)}")
+            raise ConfigError(f"unknown key '{dotted}'{did_you_mean(key, fields, prefix)}")
         hint = hints[key]
         value = node[key]
         sub = schema.section_class(hint)
@@ -337,7 +323,7 @@ def _walk_top(cfg: DictConfig, free_data: bool, numbers: list) -> None:
     for key in list(cfg.keys()):
         key = str(key)
         if key not in fields:
-            raise ConfigError(f"unknown key '{key}'{_did_you_mean(key, fields)}")
+            raise ConfigError(f"unknown key '{key}'{did_you_mean(key, fields)}")
         sub = schema.section_class(hints[key])
         value = cfg[key]
         if sub is None:
@@ -375,185 +361,19 @@ def check_not_supported(cfg: Any) -> None:
         if predicate(value):
             shown = value if not isinstance(value, (dict, list)) else _one_line(value)
             raise ConfigError(f"'{key}' is not supported yet (got {shown})")
-    check_moe_layouts_supported(cfg)
-    check_hf_layouts(cfg)
-
-
-# --------------------------------------------------------------------------- cross-checks
-def _hf_json(cfg: Any) -> dict:
-    path = cfg.model.model_config
-    if cfg.model_source != "hf" or not path or not os.path.isfile(str(path)):
-        return {}
-    try:
-        with open(str(path), encoding="utf-8") as f:
-            data = json.load(f)
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _effective_model(cfg: Any) -> dict:
-    """Architecture numbers as the model builder will see them (hf: config.json under cfg overrides)."""
-    hf = _hf_json(cfg)
-    m = cfg.model
-
-    def pick(key: str, json_key: str):
-        v = getattr(m, key)
-        return v if v is not None else hf.get(json_key)
-
-    heads = pick("num_attention_heads", "num_attention_heads")
-    kv = pick("num_kv_heads", "num_key_value_heads") or heads
-    return {
-        "num_layers": pick("num_layers", "num_hidden_layers"),
-        "hidden_size": pick("hidden_size", "hidden_size"),
-        "ffn_hidden_size": pick("ffn_hidden_size", "intermediate_size"),
-        "num_attention_heads": heads,
-        "num_kv_heads": kv,
-        "max_position_embeddings": pick("max_position_embeddings", "max_position_embeddings"),
-        "kv_channels": pick("kv_channels", "head_dim"),
-    }
-
-
-
-def check_cross(cfg: Any, world_size: int | None = None) -> None:
-    tr, ds, data, model = cfg.trainer, cfg.distributed_strategy, cfg.data, cfg.model
-    if tr.accumulate_grad_batches != 1:
-        raise ConfigError(
-            f"trainer.accumulate_grad_batches: {tr.accumulate_grad_batches} is not allowed: gradient accumulation "
-            f"is derived from data.global_batch_size / (data.micro_batch_size x data-parallel size); set those instead")
-    exp = cfg.exp_manager
-    if tr.max_epochs == 0 and not exp.resume_from_checkpoint and not exp.resume_if_exists:
-        # evaluating freshly initialised weights is never what was meant
-        raise ConfigError("trainer.max_epochs=0 (evaluate only): no weights to evaluate: set "
-                          "exp_manager.resume_from_checkpoint=CHECKPOINT or exp_manager.resume_if_exists=true "
-                          "(this run's newest checkpoint)")
-    if world_size is not None and tr.devices * tr.num_nodes != world_size:
-        raise ConfigError(
-            f"trainer.devices ({tr.devices}) x trainer.num_nodes ({tr.num_nodes}) = {tr.devices * tr.num_nodes} "
-            f"does not match the world size {world_size}")
-    layout = compute_layout(cfg, world_size)
-
-    if cfg.model_source == "megatron":
-        for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads"):
-            if getattr(model, key) is None:
-                raise ConfigError(f"model.{key} is required for model_source megatron")
-    elif model.model_config is None:
-        raise ConfigError("model.model_config (a transformers config.json) is required for model_source hf")
-
-    shards = sharding_mode_of(ds).shard
-    check_data_parallel_options(cfg, shards)
-    check_optim_parallel(model.optim, tp=layout.tp, ep=layout.ep, fsdp_ways=layout.dp * layout.cp if shards else 1)
-    eff = _effective_model(cfg)
-    check_pipeline(cfg, layout, eff["num_layers"])
-    check_loss_chunking(cfg, layout)
-    check_compile(cfg, layout)
-    check_context_parallel(cfg, layout)
-    heads, kv, hidden, tp = eff["num_attention_heads"], eff["num_kv_heads"], eff["hidden_size"], layout.tp
-    for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_kv_heads",
-                "max_position_embeddings"):
-        if eff[key] is not None and eff[key] < 1:
-            raise ConfigError(f"model.{key}: must be >= 1, got {eff[key]}")
-    if heads is not None:
-        if heads % tp:
-            raise ConfigError(f"model.num_attention_heads ({heads}) is not divisible by "
-                              f"distributed_strategy.tensor_model_parallel_size ({tp})")
-        if hidden is not None and eff["kv_channels"] is None and hidden % heads:
-            raise ConfigError(f"model.hidden_size ({hidden}) is not divisible by model.num_attention_heads ({heads})")
-        if kv is not None:
-            if heads % kv:
-                raise ConfigError(f"model.num_attention_heads ({heads}) is not divisible by model.num_kv_heads ({kv})")
-            if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
-                raise ConfigError(f"model.num_kv_heads ({kv}) and distributed_strategy.tensor_model_parallel_size "
-                                  f"({tp}) must divide one another (K/V heads are split or replicated across tp)")
-    seq, maxpos = data.seq_length, eff["max_position_embeddings"]
-    if seq is not None and maxpos is not None and seq > maxpos:
-        raise ConfigError(f"data.seq_length ({seq}) exceeds model.max_position_embeddings ({maxpos})")
-    check_recompute_classes(cfg)
-    rep = ds.hsdp_replicate_size
-    if rep is not None and (rep < 1 or layout.dp % rep):
-        raise ConfigError(f"distributed_strategy.hsdp_replicate_size ({rep}) does not divide the data-parallel "
-                          f"size {layout.dp}")
-    if tr.devices * tr.num_nodes > 1 and backend_of(cfg) == "xla":  # the rule of nxdt.device.use_xla
-        # Not built because XLA:CPU, where it could be tested, cannot run it: each torchrun process
-        # gets its own one-device PJRT client (the xla all_reduce is a no-op), and CPU_NUM_DEVICES=2
-        # runs the devices as threads of one process; Lightning and the DeviceMesh want a process each
-        on = tr.accelerator if tr.accelerator in ("xla", "neuron", "tpu") else "auto (torch-xla, PJRT_DEVICE)"
-        raise ConfigError(f"trainer.accelerator {on}: only one device is supported yet "
-                          f"(got trainer.devices x trainer.num_nodes = {tr.devices * tr.num_nodes}); "
-                          "data parallel over XLA devices is not built")
-    precision_settings(cfg.precision)  # the fp16 / preset combination rules
-    p, n = model.selective_checkpointing, model.checkpoint_num_layers  # ranges: the schema's
-    if n > 1 and (model.activations_checkpoint_granularity != "full" or p is not None):  # chunks of whole blocks
-        raise ConfigError(f"model.checkpoint_num_layers ({n}) needs model.activations_checkpoint_granularity=full "
-                          "and no model.selective_checkpointing")
-    check_moe(cfg, _hf_json(cfg))
-    check_expert_parallel(cfg)
-    head_dim = eff["kv_channels"] or (hidden // heads if hidden and heads else None)
-    check_architecture(cfg, head_dim)
-    check_alignment(cfg)
-    check_samples(cfg)
-    parse_signals(cfg.exp_manager.preemption_signals)
-    if not re.fullmatch(r"\s*\d+(\.\d+)?\s*(,\s*\d+(\.\d+)?\s*){2}", data.splits_string):
-        raise ConfigError(f"data.splits_string: expected three comma-separated numbers like '980,10,10', "
-                          f"got '{data.splits_string}'")
-    if data.datasets is not None or data.weights is not None:
-        parse_datasets(data.datasets, data.weights)
-    if data.packing and alignment_of(cfg).sft is None:
-        raise ConfigError("data.packing: packing applies to SFT data only (set model_alignment_strategy.sft)")
-    if data.data_module is not None and not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+", data.data_module):
-        raise ConfigError(f"data.data_module: expected 'package.module.ClassName', got '{data.data_module}'")
-    if data.data_module is None and data.data_prefix is not None:
-        parse_data_prefix(data.data_prefix)
-    check_dynamic_selection(cfg)
-
-
-def check_data_parallel_options(cfg: Any, shards: bool) -> None:
-    """Options that only a sharding data-parallel mode (FSDP2) builds."""
-    ds = cfg.distributed_strategy
-    if ds.cpu_offload and not shards:
-        raise ConfigError("distributed_strategy.cpu_offload=true needs a sharding data-parallel mode (FSDP2 "
-                          "offloads its shards): set distributed_strategy.fsdp=true or sharding_strategy FSDP, "
-                          "HSDP or grad-shard")
-    p = cfg.precision
-    if p.fp32_grads_cc and p.type == "manual" and not shards and precision_settings(p).mode == "lowp":
-        # bf16 parameters without master weights: DDP (FSDP2's replicate) reduces the bf16 gradients;
-        # FSDP reduces in fp32 (its reduce_dtype), and master weights give fp32 gradients
-        raise ConfigError("precision.fp32_grads_cc=true with bf16 parameters (precision.type manual, no "
-                          "master_weights) and DDP is not supported yet: use distributed_strategy.fsdp=true "
-                          "(gradients reduced in fp32) or precision.master_weights=true")
-
-
-# --------------------------------------------------------------------------- activation checkpointing
-# Module classes of a Llama block that `model.activations_checkpoint_recompute` may name (native
-# model; transformers' Llama has the same names, CoreAttention meaning its LlamaAttention).
-RECOMPUTE_CLASSES = ("CoreAttention", "LlamaAttention", "LlamaDecoderLayer", "LlamaLayerNorm", "LlamaMLP",
-                     "LlamaRMSNorm", "Linear", "SiLU", "GELU", "Dropout")
-
-
-def check_recompute_classes(cfg: Any) -> None:
-    """Unknown class names in activations_checkpoint_recompute (Llama models; other transformers
-    architectures are checked against their modules when the model is built)."""
-    names = cfg.model.activations_checkpoint_recompute
-    if not names:
-        return
-    if cfg.model_source == "hf" and _hf_json(cfg).get("model_type", "llama") != "llama":
-        return
-    for name in names:
-        if name not in RECOMPUTE_CLASSES:
-            raise ConfigError(f"model.activations_checkpoint_recompute: unknown module class '{name}'"
-                              f"{_did_you_mean(str(name), RECOMPUTE_CLASSES)}; valid: {', '.join(RECOMPUTE_CLASSES)}")
 
 
 # --------------------------------------------------------------------------- entry
-def validate(cfg: DictConfig | schema.NxdtConfig, world_size: int | None = None, check_paths: bool = True,
-             check_supported: bool = True, notices: list[str] | None = None) -> schema.NxdtConfig:
-    """Validate a composed config; raise ConfigError on the first problem; return it typed.
+def validate(cfg: DictConfig | schema.NxdtConfig, check_supported: bool = True,
+             notices: list[str] | None = None) -> schema.NxdtConfig:
+    """The schema's checks of a composed config (stages 1-2 above); raise ConfigError on the first
+    problem; return it typed. The cross-checks and paths (stages 3-4) are the spec's
+    (`nxdt.spec.validate`), which calls this first.
 
     A DictConfig is schema-checked (coerced/normalised in place) and converted to an
-    `NxdtConfig` (nxdt.config.typed), on which the other checks run; an `NxdtConfig` is
-    re-checked as is. `notices`: if given, one-line notices (e.g. sequence_parallel turned
-    off, the settings that have no effect in this run) are appended to it, for the caller to
-    print once.
+    `NxdtConfig` (nxdt.config.typed); an `NxdtConfig` has its ranges re-checked as is.
+    `notices`: if given, one-line notices (e.g. sequence_parallel turned off) are appended to it,
+    for the caller to print once.
     """
     if isinstance(cfg, schema.NxdtConfig):
         typed = cfg
@@ -567,12 +387,4 @@ def validate(cfg: DictConfig | schema.NxdtConfig, world_size: int | None = None,
         raise ConfigError("validate() expects an OmegaConf DictConfig")
     if check_supported:
         check_not_supported(typed)
-    check_cross(typed, world_size)
-    if notices is not None:
-        notices.extend(alignment_notices(typed))
-        inert = inert_notice(typed)
-        if inert:
-            notices.append(inert)
-    if check_paths:
-        check_files(typed)
     return typed

@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from nxdt.config.errors import ConfigError
-from nxdt.config.path_checks import SHARD_SUFFIXES
+from nxdt.spec.paths import SHARD_SUFFIXES
 from nxdt.data.indexed import DocumentAccess
 
 

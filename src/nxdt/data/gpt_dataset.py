@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from nxdt.config.blend import SPLIT_NAMES  # noqa: F401 - the split order, re-exported
+from nxdt.spec.data import SPLIT_NAMES  # noqa: F401 - the split order, re-exported
 from nxdt.config.errors import ConfigError
 from nxdt.data.indexed import IndexedDataset
 

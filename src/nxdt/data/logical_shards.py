@@ -36,7 +36,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from nxdt.config.blend import DataBlend, data_blend
+from nxdt.spec.data import DataBlend, data_blend
 from nxdt.config.errors import ConfigError
 from nxdt.data.dynamic_selection import DomainDraw, DomainSelection
 from nxdt.data.indexed import IndexedDataset
@@ -218,7 +218,7 @@ class LogicalShardDataModule(MegatronDataModule):
         self.selection: DomainSelection | None = None
         self._heldout: dict[int, list[dict[str, torch.Tensor]]] = {}
         if data.dynamic_data_selection != "none":
-            from nxdt.config.data_selection import domain_names, reference_losses
+            from nxdt.spec.data import domain_names, reference_losses
 
             self.selection = DomainSelection(
                 domain_names(self.names), reference_losses(data.dynamic_selection.reference_losses, self.names),

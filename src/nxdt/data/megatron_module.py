@@ -23,9 +23,9 @@ import os
 import numpy as np
 import torch
 
-from nxdt.config.blend import SPLIT_NAMES, DataBlend, data_blend
+from nxdt.spec.data import SPLIT_NAMES, DataBlend, data_blend
 from nxdt.config.errors import ConfigError
-from nxdt.config.path_checks import dataset_path, is_shard_folder
+from nxdt.spec.paths import dataset_path, is_shard_folder
 from nxdt.data.gpt_dataset import (
     BlendedDataset,
     GPTDataset,
@@ -97,7 +97,7 @@ class MegatronDataModule(NxdtDataModuleBase):
         return self._opened[prefix]
 
     def data_blend(self) -> DataBlend:
-        """The parsed data.data_prefix (nxdt.config.blend, the parser validation uses)."""
+        """The parsed data.data_prefix (nxdt.spec.data, the parser validation uses)."""
         return data_blend(self.data)
 
     def split_parts(self, k: int) -> list[tuple[float, tuple[IndexedDataset, np.ndarray]]]:

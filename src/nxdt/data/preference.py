@@ -24,7 +24,7 @@ belongs to the response, EOS included):
 
 Reference log-probs (DPO with precompute_ref_log_probs): `reference_logps[split]` is a float32
 [rows, 2] table (chosen, rejected summed log-probs under the initial model), computed once by
-nxdt.training.preference_step.compute_reference_logps and stored with the data module's state
+nxdt.training.preference.compute_reference_logps and stored with the data module's state
 (`state_dict`: a JSON-exact list of floats and a fingerprint of the tokenized rows, so a resume on
 other data is refused rather than trained against the wrong reference).
 """
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nxdt.config.alignment import alignment_of
+from nxdt.spec.alignment import alignment_of
 from nxdt.config.errors import ConfigError
 from nxdt.data.sft import SPLIT_KEYS, RowsDataModule, TextRows, example_arrays, read_rows
 from nxdt.data.tokenizers import build_tokenizer

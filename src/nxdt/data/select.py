@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-from nxdt.config.data_kind import datamodule_kind  # noqa: F401  (re-exported: which module a config gets)
+from nxdt.spec.data import datamodule_kind  # noqa: F401  (re-exported: which module a config gets)
 
 
 def build_datamodule(cfg, trainer):

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nxdt.config.alignment import alignment_of
+from nxdt.spec.alignment import alignment_of
 from nxdt.config.errors import ConfigError
 from nxdt.config.schema import SFTConfig
 from nxdt.data.common import NxdtDataModuleBase

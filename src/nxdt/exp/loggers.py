@@ -2,7 +2,7 @@
 
 All three are Lightning's own loggers with two changes, in a shared mixin:
 - one row per step: nxdt writes a step's scalars to the loggers one at a time, as they are
-  computed (`nxdt.training.step_scalars`), so Lightning's CSV logger would write a row per scalar,
+  computed (`nxdt.observability.step_scalars`), so Lightning's CSV logger would write a row per scalar,
   W&B a history row per scalar and MLflow a request per scalar. The mixin gathers a step's
   scalars and hands them on together when the next step begins or the loggers are flushed
   (`NxdtCheckpoint` flushes them before every checkpoint, so every step a checkpoint covers is

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from nxdt.config.sample_checks import sampling_problem
+from nxdt.spec.exp import sampling_problem
 from nxdt.models.kv_cache import KVCache
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nxdt.config.moe_checks import canonical_gate_type
+from nxdt.config.schema import canonical_gate_type
 from nxdt.models.hf import HF_MOE_OVERRIDES, HF_OVERRIDES, build_hf_model
 from nxdt.models.llama import LlamaArgs, NxdtLlamaForCausalLM
 from nxdt.models.lora import adapters_detached, reset_lora_parameters

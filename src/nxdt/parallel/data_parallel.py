@@ -2,12 +2,12 @@
 
 The dp part of the mesh is (dp_replicate, dp_shard) (see nxdt.parallel.mesh):
 
-    mode (nxdt.config.sharding)   mesh used                         FSDP2 call
+    mode (nxdt.spec.parallel)   mesh used                         FSDP2 call
     replicate (no-shard, DDP)     flattened dp                      replicate (gradients all-reduced)
     shard (FSDP, full-shard)      dp_shard                          fully_shard(reshard_after_forward=True)
     grad-shard                    dp_shard                          fully_shard(reshard_after_forward=False)
     hybrid (HSDP, hybrid-*)       (dp_replicate, dp_shard)          fully_shard on the 2-D mesh
-    Every spelling of distributed_strategy.sharding_strategy is in nxdt.config.sharding.SHARDING_MODES.
+    Every spelling of distributed_strategy.sharding_strategy is in nxdt.spec.parallel.SHARDING_MODES.
 With context parallelism (cp > 1) replicate runs over dp × cp and FSDP shards over dp_shard × cp:
 cp ranks hold the same parameters and sum their slices' gradients like dp ranks.
 
@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from nxdt.config.sharding import sharding_mode_of
+from nxdt.spec.parallel import sharding_mode_of
 from nxdt.parallel.expert_parallel import expert_modules, expert_parameters
 from nxdt.parallel.mesh import expert_mesh, submesh
 from nxdt.precision.precision import fsdp_mixed_precision_policy, stochastic_master_weights

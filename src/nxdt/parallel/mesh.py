@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from nxdt.config.sharding import ShardingMode, sharding_mode
+from nxdt.spec.parallel import ShardingMode, sharding_mode
 
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 EXPERT_MESH_AXES = ("pp", "edp", "ep", "cp", "tp")

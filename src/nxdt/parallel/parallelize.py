@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from nxdt.config.compile_settings import wants_compile
+from nxdt.spec.model import wants_compile
 from nxdt.parallel.activation_checkpointing import apply_activation_checkpointing
 from nxdt.parallel.context_parallel import apply_context_parallel
 from nxdt.parallel.data_parallel import (

@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
-from nxdt.config.pipeline_checks import V_SCHEDULES, default_pipeline_schedule, pipeline_stage_starts
+from nxdt.spec.parallel import V_SCHEDULES, default_pipeline_schedule, pipeline_stage_starts
 
 
 class StageLayers(nn.Module):

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nxdt.config.precision_settings import precision_settings
+from nxdt.spec.precision import precision_settings
 from nxdt.precision.overflow import all_ranks_finite
 from nxdt.precision.stochastic_rounding import round_to
 
@@ -118,13 +118,13 @@ class PrecisionSettings:
     fp16: bool
 
 
-# nxdt.config.precision_settings names the compute dtype; this is the torch side of the name.
+# nxdt.spec.precision names the compute dtype; this is the torch side of the name.
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def settings_from_cfg(pcfg: Any) -> PrecisionSettings:
     """`cfg.precision` → PrecisionSettings (the rules and their ConfigErrors are in
-    nxdt.config.precision_settings, which validation runs too)."""
+    nxdt.spec.precision, which validation runs too)."""
     s = precision_settings(pcfg)
     return PrecisionSettings(s.ptype, s.mode, TORCH_DTYPES[s.compute_dtype], s.stochastic, s.fp32_grad_acc, s.fp16)
 

@@ -72,7 +72,7 @@ def load_checkpoint_config(checkpoint: Path, overrides: list[str]):
     # torch-xla: the environment the config sets (apply_env) is still set before that.
     from nxdt.checkpoint.checkpointer import CONFIG, validate_checkpoint
     from nxdt.checkpoint.lora_state import is_adapter_only
-    from nxdt.config.load import load_config
+    from nxdt.spec import load_config
 
     validate_checkpoint(checkpoint)
     if not (checkpoint / CONFIG).is_file():

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from nxdt.config.errors import ConfigError
-from nxdt.config.sample_checks import sampling_problem
+from nxdt.spec.exp import sampling_problem
 
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16"}

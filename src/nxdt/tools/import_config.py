@@ -152,7 +152,7 @@ def validate_text(text: str) -> tuple[Any, list[str]]:
     """Load `text` as a config file through nxdt's loader and validator (no file checks, features not
     built yet allowed); returns (typed config, notices). ConfigError when it does not validate."""
     from nxdt.config.load import compose
-    from nxdt.config.validate import check_not_supported, validate
+    from nxdt.spec import check_not_supported, validate
 
     notices: list[str] = []
     with tempfile.TemporaryDirectory(prefix="nxdt-import-") as tmp:

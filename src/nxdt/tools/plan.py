@@ -3,11 +3,11 @@
     nxdt plan --config-path conf --config-name hf_llama3_70B_config [key=value ...] [--json]
 
 Parameters (exact, on the meta device), memory per rank and model FLOPs per token and per step:
-what they count and how is nxdt.training.estimate (docs/plan.md has every formula).
+what they count and how is nxdt.planner.estimate (docs/plan.md has every formula).
 
 Model FLOPs per token (6 x the multiplied parameters + causal attention, nxdt.models.flops) and
 per step (x tokens per step), the figures the run's `tflops` / `mfu` use. The estimate itself is
-nxdt.training.estimate; the run's start summary prints the same figures, the batch lines too:
+nxdt.planner.estimate; the run's start summary prints the same figures, the batch lines too:
 global batch size, tokens per step (#tokens/batch), max_steps (set by trainer.max_tokens when
 given) and the tokens the run trains (max_steps x tokens per step).
 
@@ -29,12 +29,12 @@ import sys
 from typing import Any
 
 from nxdt.config.errors import ConfigError
-from nxdt.training.estimate import batch_lines, flops_line, memory_line, peak_lines, plan
+from nxdt.planner.estimate import batch_lines, flops_line, memory_line, peak_lines, plan
 
 
 def plan_peak(cfg):
     """trainer.peak_tflops, else this machine's device peak (nxdt.hardware); None if unknown."""
-    from nxdt.config.precision_settings import precision_settings
+    from nxdt.spec.precision import precision_settings
     from nxdt.hardware import device_peak, local_device_type
 
     t = cfg.trainer
@@ -73,8 +73,8 @@ def format_plan(p: dict[str, Any], peak=None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from nxdt.config.load import load_config
-    from nxdt.training.run import REPO_CONF_DIR
+    from nxdt.spec import load_config
+    from nxdt.tools.train import REPO_CONF_DIR
 
     argv = list(sys.argv[1:] if argv is None else argv)
     as_json = "--json" in argv
@@ -105,7 +105,7 @@ def _precision_notice(cfg, peak) -> str | None:
     """The run's notice for a bf16/fp16 preset on a CPU (or GPU) that runs it slower than fp32."""
     if peak is None or peak.measured is None:  # only where this machine's CPU is the device planned for
         return None
-    from nxdt.config.precision_settings import precision_settings
+    from nxdt.spec.precision import precision_settings
     from nxdt.hardware import low_precision_notice
 
     return low_precision_notice("cpu", precision_settings(cfg.precision).compute_dtype, cfg.precision.type)

@@ -193,7 +193,7 @@ def steps_trained(run: Run) -> int | None:
 
 
 def _layout_fact(cfg) -> str:
-    from nxdt.config.layout import compute_layout
+    from nxdt.spec.layout import compute_layout
 
     try:
         lay = compute_layout(cfg)

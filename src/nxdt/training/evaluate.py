@@ -35,7 +35,7 @@ from typing import Any
 from lightning.pytorch.callbacks import Callback
 
 from nxdt.checkpoint.resume import ResumePlan, evaluation_plan, load_plan_weights
-from nxdt.config.alignment import alignment_of
+from nxdt.spec.alignment import alignment_of
 from nxdt.config.errors import ConfigError
 
 EVAL_SUFFIX = ".eval.json"
@@ -95,7 +95,7 @@ def evaluate(cfg, plan: ResumePlan) -> dict[str, Any]:
     from nxdt.data.select import build_datamodule, datamodule_kind
     from nxdt.training.finetuning import check_lora_targets
     from nxdt.training.module import NxdtLightningModule
-    from nxdt.training.run import quiet_lightning, build_trainer, layout_and_mesh
+    from nxdt.training.trainer import quiet_lightning, build_trainer, layout_and_mesh
 
     check_evaluable(cfg)
     quiet_lightning()

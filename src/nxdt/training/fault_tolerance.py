@@ -29,7 +29,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from nxdt.checkpoint.callbacks import NxdtCheckpoint
-from nxdt.config.signals import parse_signals
+from nxdt.spec.exp import parse_signals
 from nxdt.training.launcher_watchdog import preemption_save_in_progress
 
 

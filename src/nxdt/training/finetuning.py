@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from nxdt.config.alignment import alignment_of
+from nxdt.spec.alignment import alignment_of
 from nxdt.config.errors import ConfigError
 from nxdt.models import build_model
 from nxdt.models.lora import inject_lora, lora_parameter_counts

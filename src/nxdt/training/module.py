@@ -20,8 +20,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from nxdt.config.alignment import alignment_of
-from nxdt.config.compile_settings import wants_compile
+from nxdt.spec.alignment import alignment_of
+from nxdt.spec.model import wants_compile
 from nxdt.models import build_model, count_parameters, logits_of
 from nxdt.training.finetuning import add_lora
 from nxdt.parallel.mesh import all_reduce_mean
@@ -31,12 +31,12 @@ from nxdt.parallel.mesh import submesh
 from nxdt.parallel.context_parallel import shard_sequence
 from nxdt.parallel.parallelize import parallelize_llama
 from nxdt.parallel.tensor_parallel import total_norm
-from nxdt.training.preference_module import PreferenceSteps
-from nxdt.training.optimizers import build_optimizer, param_groups, resolve_optimizer
+from nxdt.training.preference import PreferenceSteps
+from nxdt.optim.optimizers import build_optimizer, param_groups, resolve_optimizer
 from nxdt.precision.precision import Precision
 from nxdt.device import use_xla
-from nxdt.training.step_scalars import step_logger
-from nxdt.training.schedulers import build_scheduler
+from nxdt.observability.step_scalars import step_logger
+from nxdt.optim.schedulers import build_scheduler
 from nxdt.training.loss import EvalTally, masked_token_loss
 from nxdt.models.moe import pop_router_stats
 from nxdt.training.step import (loss_parallel_context, microbatch_forward_backward, microbatch_loss,
@@ -53,7 +53,7 @@ class NxdtLightningModule(PreferenceSteps, pl.LightningModule):
         self.model: torch.nn.Module | None = None
         self.pipeline = None  # nxdt.parallel.pipeline.Pipeline when pipeline_model_parallel_size > 1
         self.num_parameters = 0
-        self.alignment = alignment_of(cfg)  # sft / peft (LoRA) / dpo / orpo (nxdt.config.alignment)
+        self.alignment = alignment_of(cfg)  # sft / peft (LoRA) / dpo / orpo (nxdt.spec.alignment)
         self.lora_summary: str | None = None  # LoRA: trainable vs total, for the run summary
         # precision.type / fp16 / NaN guard: dtypes, autocast, loss scale, skipped steps (checkpointed)
         self.precision = Precision.from_cfg(cfg, on_xla=use_xla(cfg))
@@ -138,7 +138,7 @@ class NxdtLightningModule(PreferenceSteps, pl.LightningModule):
                                loss_chunk_size=self.cfg.model.fusions.cross_entropy_chunk_size)
 
     def on_train_start(self) -> None:
-        self.precompute_reference_logps()  # DPO: once, before the first step (nxdt.training.preference_module)
+        self.precompute_reference_logps()  # DPO: once, before the first step (nxdt.training.preference)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         forward_backward = self._forward_backward()
@@ -167,7 +167,7 @@ class NxdtLightningModule(PreferenceSteps, pl.LightningModule):
                                            loss_chunk_size=self.cfg.model.fusions.cross_entropy_chunk_size, **common)
 
     def log_step_scalar(self, name: str, value: Any, prog_bar: bool = False) -> None:
-        """One scalar per optimizer step, through `nxdt.training.step_scalars` (self.log if switched off)."""
+        """One scalar per optimizer step, through `nxdt.observability.step_scalars` (self.log if switched off)."""
         if self._step_logger is not None:
             self._step_logger.log(self.trainer, name, value, prog_bar)
         else:

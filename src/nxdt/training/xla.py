@@ -11,7 +11,7 @@ The order of a run on XLA (interface §1, §7):
    leaves dtypes alone except for `autocast` (torch.autocast on the xla device) and fp16
    (loss-scaled fp16 copies); the NaN/inf guard runs in a step closure (no extra graph sync).
 3. Each optimizer step ends with `mark_step()` (one graph per step); the module's per-step
-   scalars go through `StepClosureLogger` (a step closure, run after the graph has executed),
+   scalars go through `nxdt.observability.step_scalars.StepClosureLogger` (a step closure, run after the graph has executed),
    so logging adds no graph execution (tests/xla/test_xla_logging.py counts them).
 4. Checkpoints with `exp_manager.save_xser` / `load_xser` use torch_xla's serialization
    (`save_xser` / `load_xser` below: one file per tensor, loadable without the device that
@@ -23,50 +23,6 @@ from __future__ import annotations
 from typing import Any
 
 from nxdt.device import mark_step, use_xla
-
-
-class StepClosureLogger:
-    """Per-optimizer-step scalars on XLA, read once the step's graph has run.
-
-    Lightning's `self.log` turns every value into a device tensor and reads it back with
-    `.item()`: the progress bar every step and the loggers every `log_every_n_steps`, one small
-    graph execution per value (measured on XLA:CPU: 12 of a tiny Llama's 20 executions per step).
-    Here the values stay as they are (device tensors are materialized by the next `mark_step`,
-    which syncs every live tensor), and the first value of a step registers one step closure that,
-    at that next `mark_step`, turns the step's values into floats and writes them where Lightning
-    would: loggers (same steps, same `log_every_n_steps` rule), progress bar and callback metrics.
-    The step number is taken when the values are logged, so they land on their own step although
-    they are written one step later. `NxdtXLAStrategy.on_train_end` runs the last step's closure.
-    """
-
-    def __init__(self) -> None:
-        self._pending: dict[int, tuple[dict[str, Any], set[str]]] = {}
-
-    def log(self, trainer: Any, name: str, value: Any, prog_bar: bool = False) -> None:
-        from nxdt.training.step_scalars import logging_step
-
-        step, to_loggers = logging_step(trainer)
-        if step not in self._pending:
-            self._pending[step] = ({}, set())
-            import torch_xla.core.xla_model as xm
-
-            xm.add_step_closure(self._write, (trainer, step, trainer.current_epoch, to_loggers))
-        values, bar = self._pending[step]
-        values[name] = value.detach() if hasattr(value, "detach") else value
-        if prog_bar:
-            bar.add(name)
-
-    def _write(self, trainer: Any, step: int, epoch: int, to_loggers: bool) -> None:
-        import torch
-
-        values, bar = self._pending.pop(step)
-        scalars = {k: float(v) for k, v in values.items()}  # device → host copies, no execution
-        trainer.callback_metrics.update({k: torch.tensor(v) for k, v in scalars.items()})
-        trainer.progress_bar_metrics.update({k: v for k, v in scalars.items() if k in bar})
-        if to_loggers:
-            for logger in trainer.loggers:
-                logger.log_metrics({**scalars, "epoch": epoch}, step=step)
-                logger.save()
 
 
 def lightning_accelerator(cfg: Any):

@@ -1,12 +1,12 @@
 """The callbacks a config adds to nxdt's own: the profiler (`exp_manager.profiler`,
-nxdt.training.profiler) and the user's `trainer.callbacks`, each `{_target_: pkg.module.Class, <kwargs>}`.
+nxdt.observability.profiler) and the user's `trainer.callbacks`, each `{_target_: pkg.module.Class, <kwargs>}`.
 
 User callbacks are built with `hydra.utils.instantiate` (so `_args_`, nested `_target_`s and
 `_partial_` work as in Hydra) before anything is written or any process group starts, so a bad
 entry is one line, exit 2: the module or class not found, not a `lightning.pytorch.Callback`,
 arguments the class does not take, or its constructor failing. The module is imported from
 `sys.path` with the working directory added (as `data.data_module`). They run after nxdt's own
-callbacks and before its checkpoint callback; the profiler runs first (nxdt.training.run.train).
+callbacks and before its checkpoint callback; the profiler runs first (nxdt.training.trainer.train).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def extra_callbacks(cfg, log_dir: Path, world_size: int, global_rank: int) -> tu
     ([the profiler] if exp_manager.profiler.enabled, the user's trainer.callbacks)."""
     profiler: list[Callback] = []
     if cfg.exp_manager.profiler.enabled:
-        from nxdt.training.profiler import StepProfiler
+        from nxdt.observability.profiler import StepProfiler
 
         profiler.append(StepProfiler(cfg.exp_manager.profiler, log_dir / "profiler", world_size, global_rank))
     return profiler, build_user_callbacks(cfg.trainer.callbacks)

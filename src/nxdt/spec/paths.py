@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from nxdt.config.blend import parse_data_prefix
+from nxdt.spec.data import parse_data_prefix
 from nxdt.config.errors import ConfigError
 
 # the files of a data.datasets shard folder (nxdt.data.arrow_shards reads them)

@@ -1,6 +1,7 @@
-"""Checks of the model's architecture keys that no single key's type can express (torch-free):
-the rotary settings, the block-type options, and the parallel layouts transformers' GPT-NeoX
-(model_source hf) is not built for."""
+"""The model's architecture and fusion settings beyond a single key's type: rotary and block-type
+options, the layouts transformers' GPT-NeoX is not built for, whether blocks compile
+(`model.fusions.torch_compile` / `model.use_torch_compile`), and where the chunked output layer +
+cross entropy (`model.fusions.cross_entropy_chunk_size`) is built. Torch-free."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ from typing import Any
 
 from nxdt.config.errors import ConfigError
 from nxdt.config.resolvers import shipped_conf_dir
+from nxdt.spec.alignment import alignment_of
 
+
+# --------------------------------------------------------------------------- arch checks
 # transformers' GPT-NeoX under model_source hf: its blocks are `gpt_neox.layers` with a fused QKV and
 # `attention.dense`, which the tensor/context/expert-parallel plans and the pipeline cuts (written for
 # Llama's tree) do not know. Data parallel is built. The native model (model_source megatron with the
@@ -67,3 +71,37 @@ def hf_model_type(path: str | None) -> str | None:
                 return None
             return data.get("model_type") if isinstance(data, dict) else None
     return None
+
+
+# --------------------------------------------------------------------------- compile settings
+def wants_compile(cfg: Any) -> bool:
+    model = cfg.model
+    return bool(model.fusions.torch_compile or model.use_torch_compile)
+
+
+def check_compile(cfg: Any, layout: Any) -> None:
+    """Compile with tensor parallelism and selective activation checkpointing is refused (not
+    supported yet): with torch 2.13 the compiled attention's saved-tensor policy meets the tp plan's
+    DeviceMesh and fails. Full recomputation, or selective without tp, compiles."""
+    if wants_compile(cfg) and layout.tp > 1 and cfg.model.activations_checkpoint_granularity == "selective":
+        raise ConfigError("model.fusions.torch_compile with distributed_strategy.tensor_model_parallel_size > 1 and "
+                          "model.activations_checkpoint_granularity=selective is not supported yet (torch 2.13's "
+                          "compiled selective recomputation fails on the tensor-parallel plan); use "
+                          "activations_checkpoint_granularity=full, or compile without tp")
+
+
+# --------------------------------------------------------------------------- loss checks
+KEY = "model.fusions.cross_entropy_chunk_size"
+
+
+def check_loss_chunking(cfg: Any, layout: Any) -> None:
+    if not cfg.model.fusions.cross_entropy_chunk_size:
+        return
+    alignment = alignment_of(cfg)
+    why = ("model_source=hf (transformers' models compute their own logits)" if cfg.model_source == "hf" else
+           "distributed_strategy.pipeline_model_parallel_size > 1 (the last stage's loss runs inside the "
+           "pipeline schedule)" if layout.pp > 1 else
+           "DPO / ORPO (their losses take per-sequence log-probs from the logits)" if alignment.preference is not None
+           else None)
+    if why is not None:
+        raise ConfigError(f"{KEY} with {why} is not supported yet; leave it null there")

@@ -9,14 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 from nxdt.config.errors import ConfigError
+from nxdt.config.schema import canonical_gate_type
 
 # LLaMA-MoE's class names (their config's `gate_type`) → nxdt's names
-GATE_ALIASES = {"TopKBalancedNoisyGate": "top_k_balanced_noisy", "SwitchBalancedGate": "switch_balanced"}
 LLAMA_MOE_GATES = ("top_k_balanced_noisy", "switch_balanced")
-
-
-def canonical_gate_type(name: str) -> str:
-    return GATE_ALIASES.get(name, name)
 
 
 def check_moe(cfg: Any, hf_json: dict) -> None:

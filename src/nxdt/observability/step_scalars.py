@@ -9,7 +9,7 @@ step a checkpoint covers is on disk in the logs before the checkpoint is.
 
 Same steps as Lightning (`log_every_n_steps`, step numbers = optimizer steps finished before this
 one), same progress bar and callback metrics (checkpoint monitors read those). On XLA the values are
-read in a step closure instead (`nxdt.training.xla.StepClosureLogger`).
+read in a step closure instead (`StepClosureLogger`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from nxdt.device import use_xla
+from nxdt.device import use_xla, xla_model
 
 
 def logging_step(trainer: Any) -> tuple[int, bool]:
@@ -48,10 +48,46 @@ class StepScalarWriter:
             logger.log_metrics(scalars, step=step)
 
 
+class StepClosureLogger:
+    """Per-optimizer-step scalars on XLA, read once the step's graph has run.
+
+    Lightning's `self.log` turns every value into a device tensor and reads it back with
+    `.item()`: the progress bar every step and the loggers every `log_every_n_steps`, one small
+    graph execution per value (measured on XLA:CPU: 12 of a tiny Llama's 20 executions per step).
+    Here the values stay as they are (device tensors are materialized by the next `mark_step`,
+    which syncs every live tensor), and the first value of a step registers one step closure that,
+    at that next `mark_step`, turns the step's values into floats and writes them where Lightning
+    would: loggers (same steps, same `log_every_n_steps` rule), progress bar and callback metrics.
+    The step number is taken when the values are logged, so they land on their own step although
+    they are written one step later. `NxdtXLAStrategy.on_train_end` runs the last step's closure.
+    """
+
+    def __init__(self) -> None:
+        self._pending: dict[int, tuple[dict[str, Any], set[str]]] = {}
+
+    def log(self, trainer: Any, name: str, value: Any, prog_bar: bool = False) -> None:
+        step, to_loggers = logging_step(trainer)
+        if step not in self._pending:
+            self._pending[step] = ({}, set())
+            xla_model().add_step_closure(self._write, (trainer, step, trainer.current_epoch, to_loggers))
+        values, bar = self._pending[step]
+        values[name] = value.detach() if hasattr(value, "detach") else value
+        if prog_bar:
+            bar.add(name)
+
+    def _write(self, trainer: Any, step: int, epoch: int, to_loggers: bool) -> None:
+        values, bar = self._pending.pop(step)
+        scalars = {k: float(v) for k, v in values.items()}  # device → host copies, no execution
+        trainer.callback_metrics.update({k: torch.tensor(v) for k, v in scalars.items()})
+        trainer.progress_bar_metrics.update({k: v for k, v in scalars.items() if k in bar})
+        if to_loggers:
+            for logger in trainer.loggers:
+                logger.log_metrics({**scalars, "epoch": epoch}, step=step)
+                logger.save()
+
+
 def step_logger(cfg: Any):
     """The step-closure logger on XLA (no graph run mid-step); the direct writer elsewhere."""
     if use_xla(cfg):
-        from nxdt.training.xla import StepClosureLogger
-
         return StepClosureLogger()
     return StepScalarWriter()

@@ -13,8 +13,8 @@ from torch import nn
 
 from nxdt.models import build_model
 from nxdt.precision.precision import Precision
-from nxdt.training.optimizers import build_optimizer
-from nxdt.training.schedulers import build_scheduler
+from nxdt.optim.optimizers import build_optimizer
+from nxdt.optim.schedulers import build_scheduler
 
 
 @dataclass

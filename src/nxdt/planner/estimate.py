@@ -180,10 +180,10 @@ def in_flight_microbatches(schedule: str, pp: int, vpp: int, nmb: int) -> float:
 def plan(cfg, vocab_size: int | None = None) -> dict[str, Any]:
     """Everything `nxdt plan` prints, as one JSON-ready dict. `vocab_size`: the run's tokenizer
     size (unpadded) when the caller knows it; None picks it as the module docstring says."""
-    from nxdt.config.alignment import alignment_of
-    from nxdt.config.layout import compute_layout
-    from nxdt.config.pipeline_checks import default_pipeline_schedule, pipeline_stage_starts
-    from nxdt.config.sharding import sharding_mode_of
+    from nxdt.spec.alignment import alignment_of
+    from nxdt.spec.layout import compute_layout
+    from nxdt.spec.parallel import default_pipeline_schedule, pipeline_stage_starts
+    from nxdt.spec.parallel import sharding_mode_of
     from nxdt.models import build_model
     from nxdt.models.flops import flops_per_token, lookup_parameters, model_shape
     from nxdt.models.param_count import expert_parameter_names, parameter_counts

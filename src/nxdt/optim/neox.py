@@ -18,7 +18,7 @@ import torch
 
 from nxdt.config import optim_keys
 from nxdt.config.errors import ConfigError
-from nxdt.training.optimizer_base import ParameterwiseOptimizer
+from nxdt.optim.base import ParameterwiseOptimizer
 
 
 def _check_betas(betas) -> tuple[float, float]:

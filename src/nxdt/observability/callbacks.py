@@ -1,7 +1,7 @@
 """Callbacks that show a run to a person: the start summary, throughput and MFU, the time estimate
-once the first steps are timed (training/eta.py), measured peak memory (the progress bar:
-training/progress.py). The figures they print are `nxdt plan`'s
-(nxdt.training.estimate), so the summary and the plan agree for the same config."""
+once the first steps are timed (observability/eta.py), measured peak memory (the progress bar:
+observability/progress.py). The figures they print are `nxdt plan`'s
+(nxdt.planner.estimate), so the summary and the plan agree for the same config."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from nxdt.hardware import Peak, device_peak
 from nxdt.models.param_count import ParameterCount, activated_lines
-from nxdt.training.estimate import batch_lines, flops_line, memory_line, peak_lines, plan
-from nxdt.training.eta import FirstStepsTiming
+from nxdt.planner.estimate import batch_lines, flops_line, memory_line, peak_lines, plan
+from nxdt.observability.eta import FirstStepsTiming
 
 GIB = 1024**3
 
@@ -41,7 +41,7 @@ class RunFigures:
         return self._plan
 
     def peak(self, device: torch.device) -> Peak | None:
-        from nxdt.config.precision_settings import precision_settings
+        from nxdt.spec.precision import precision_settings
 
         key = str(device)
         if key not in self._peak:
@@ -52,7 +52,7 @@ class RunFigures:
 
     def precision_notice(self, device: torch.device) -> str | None:
         """The one line for a bf16/fp16 preset on a device that runs it slower than fp32 (nxdt.hardware)."""
-        from nxdt.config.precision_settings import precision_settings
+        from nxdt.spec.precision import precision_settings
         from nxdt.hardware import low_precision_notice
 
         return low_precision_notice(device, precision_settings(self.cfg.precision).compute_dtype, self.cfg.precision.type)
@@ -66,7 +66,7 @@ def _logger(pl_module):
 class ThroughputMonitor(Callback):
     """After each optimizer step: `step_time` (s), `throughput` (tokens/s, all ranks together),
     `tflops` (model TFLOP/s per device) and `mfu` (% of the device's peak). Once the first steps
-    are timed, rank 0 prints the run's time estimate from these step times (nxdt.training.eta)."""
+    are timed, rank 0 prints the run's time estimate from these step times (nxdt.observability.eta)."""
 
     def __init__(self, tokens_per_step: int | None, figures: RunFigures | None = None) -> None:
         self.tokens_per_step = tokens_per_step
@@ -141,7 +141,7 @@ def mfu_percent(tflops: float, peak_tflops: float) -> float:
 
 
 class MemoryMonitor(Callback):
-    """The measured peak memory per rank (nxdt.training.memory): `memory/peak_gib`, the highest
+    """The measured peak memory per rank (nxdt.observability.memory): `memory/peak_gib`, the highest
     peak of any rank so far (the rank that runs out first), measured on the second step of the fit,
     then every MEMORY_EVERY, and logged with every step after the first measurement; at the end of
     the fit rank 0 prints it next to the estimate."""
@@ -162,7 +162,7 @@ class MemoryMonitor(Callback):
             self.kind = "cuda"
             torch.cuda.reset_peak_memory_stats(device)
         elif device.type == "cpu" and not self.cfg.exp_manager.profiler.enabled:  # one profiler at a time
-            from nxdt.training.memory import CpuStepPeak
+            from nxdt.observability.memory import CpuStepPeak
 
             self.kind, self._cpu = "cpu", CpuStepPeak()
 
@@ -231,7 +231,7 @@ def memory_report(p: dict[str, Any], peaks: list[int], cfg, how: str | None) -> 
 
 
 def format_summary(cfg, layout, p: dict[str, Any], log_dir: str | None, peak: Peak | None = None) -> str:
-    """The start summary: `p` is the plan of this config (nxdt.training.estimate.plan), so the
+    """The start summary: `p` is the plan of this config (nxdt.planner.estimate.plan), so the
     parameters, memory and FLOPs lines are the figures `nxdt plan` prints."""
     counts = ParameterCount(total=p["parameters"], activated=p["parameters_activated"], **p["parameter_breakdown"])
     n = p["parameters"]

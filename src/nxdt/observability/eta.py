@@ -6,7 +6,7 @@ remaining steps and the whole fit will take, and the wall-clock finish.
 
 Rule: a fit's first optimizer step is warm-up (data workers, compile or graph trace, allocator
 growth) and is not counted; the next TIMED_STEPS steps are, and the line is printed when the last
-of them ends. The step times are ThroughputMonitor's (nxdt.training.callbacks: from batch start
+of them ends. The step times are ThroughputMonitor's (nxdt.observability.callbacks: from batch start
 to batch end, so data loading between steps, validation and checkpoint saves are not in them).
 
 Printed at most once per run: a fit resumed at step >= 1 + TIMED_STEPS does not print (the fit
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 
-from nxdt.training.progress import format_duration
+from nxdt.observability.progress import format_duration
 
 TIMED_STEPS = 5
 """Optimizer steps timed for the estimate, after the fit's first (its warm-up)."""

@@ -1,14 +1,15 @@
-"""Checks of `exp_manager.samples` (text generated during training; nxdt.training.samples).
-
-This module imports no torch.
-"""
+"""`exp_manager` settings beyond their types: the samples generated during training and the
+preemption signals (names -> numbers, one parser for validation and the run). Torch-free."""
 
 from __future__ import annotations
 
+import signal
 from typing import Any
 
 from nxdt.config.errors import ConfigError
 
+
+# --------------------------------------------------------------------------- sample checks
 KEY = "exp_manager.samples"
 
 
@@ -48,3 +49,29 @@ def check_samples(cfg: Any) -> None:
         if value > 1:
             raise ConfigError(f"{KEY}.prompts with distributed_strategy.{key}={value} is not supported yet "
                               "(generate from the saved checkpoints with `nxdt generate` instead)")
+
+
+# --------------------------------------------------------------------------- signals
+KEY = "exp_manager.preemption_signals"
+UNCATCHABLE = ("SIGKILL", "SIGSTOP")
+
+
+def parse_signals(names, key: str = KEY) -> list[signal.Signals]:
+    """The signals named in `names` (in order, without repeats); ConfigError naming the key otherwise."""
+    known = {s.name: s for s in signal.Signals if not s.name.startswith("CTRL_")}
+    found: list[signal.Signals] = []
+    for i, name in enumerate(names or []):
+        text = str(name).strip().upper()
+        full = text if text.startswith("SIG") else "SIG" + text
+        if full in UNCATCHABLE:
+            raise ConfigError(f"{key}[{i}]: {full} cannot be caught by a process (it ends it at once); "
+                              "use SIGTERM or SIGUSR1 (Slurm: --signal=USR1@120)")
+        if full not in known:
+            from difflib import get_close_matches
+
+            close = get_close_matches(full, known, n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise ConfigError(f"{key}[{i}]: '{name}' is not a signal name{hint} (e.g. SIGTERM, SIGUSR1)")
+        if known[full] not in found:
+            found.append(known[full])
+    return found

@@ -4,7 +4,7 @@ and the text goes to TensorBoard's text tab (`samples/<i>`) and the log.
 Every rank runs the same decoding on its part of the model, so it works with any layout whose ranks
 each run whole forward passes: data parallel (DDP, ZeRO-1), FSDP (parameters gathered per layer as in
 training), tensor parallelism (logits gathered) and expert parallelism. Pipelines and context
-parallelism are refused by validation (nxdt.config.sample_checks). The generation loop and the KV
+parallelism are refused by validation (nxdt.spec.exp). The generation loop and the KV
 cache are `nxdt generate`'s (nxdt.inference.generate), under the run's precision (autocast).
 
 Greedy by default: the same prompt at each interval shows how the model changes, not the dice.

@@ -6,7 +6,7 @@
       weight_decay: 0.01
       betas: [0.9, 0.999]
       capturable: false
-      sched: {...}            # read by nxdt.training.schedulers, not here
+      sched: {...}            # read by nxdt.optim.schedulers, not here
 
 Names map onto `OPTIMIZER_CLASSES`; `register_optimizer` adds more. Two
 classes live here because torch has none like them: `AdamWFP32OptState`
@@ -27,8 +27,8 @@ from torch.optim import Optimizer
 
 from nxdt.config import optim_keys
 from nxdt.config.errors import ConfigError
-from nxdt.training.neox_optimizers import SM3, Lion
-from nxdt.training.optimizer_base import ParameterwiseOptimizer
+from nxdt.optim.neox import SM3, Lion
+from nxdt.optim.base import ParameterwiseOptimizer
 
 log = logging.getLogger(__name__)
 

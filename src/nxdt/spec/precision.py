@@ -13,14 +13,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from nxdt.config.errors import ConfigError
+from nxdt.config.schema import normalize_precision
 
 # presets fp16 loss scaling can be combined with (fp16 keeps fp32 master weights itself)
 FP16_COMBINABLE = ("fp32", "autocast", "mixed_precision", "manual")
-
-
-def normalize_precision(ptype: str) -> str:
-    """`mixed_precision_SR` is accepted as another spelling of `mixed_precisionSR`."""
-    return "mixed_precisionSR" if ptype == "mixed_precision_SR" else ptype
 
 
 @dataclass(frozen=True)

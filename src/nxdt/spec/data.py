@@ -1,0 +1,256 @@
+"""The data side of a config: the blend (`data.data_prefix`, or `data.datasets` + `data.weights`),
+which data module it gets, and dynamic data selection's domains and reference losses. Validation
+and the data modules read the same values, so the two cannot disagree. Torch-free."""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from nxdt.config.errors import ConfigError
+from nxdt.spec.alignment import alignment_of
+
+
+# --------------------------------------------------------------------------- blend
+SPLIT_NAMES = ("train", "validation", "test")
+# spellings of a split in the {train, validation, test} form -> the split
+SPLIT_ALIASES = {"train": "train", "validation": "validation", "valid": "validation", "val": "validation",
+                 "test": "test"}
+
+Pairs = tuple[tuple[float, str], ...]
+
+
+@dataclass(frozen=True)
+class DataBlend:
+    """A parsed blend: `blend` (weight, path) pairs cut into splits by data.splits_string, or
+    `split_blends` (split name -> pairs) for the {train, validation, test} form. Exactly one is set."""
+
+    blend: Pairs | None = None
+    split_blends: Mapping[str, Pairs] | None = None
+
+    @property
+    def paths(self) -> list[str]:
+        """Every path prefix named, in order (a path named twice appears twice)."""
+        if self.blend is not None:
+            return [p for _, p in self.blend]
+        return [p for pairs in (self.split_blends or {}).values() for _, p in pairs]
+
+    def pairs(self, split: str) -> Pairs:
+        """The (weight, path) pairs that feed `split` (the whole blend when it is cut by splits_string)."""
+        if self.blend is not None:
+            return self.blend
+        return (self.split_blends or {}).get(split, ())
+
+
+def _one_line(value: Any) -> str:
+    return " ".join(str(value).split())
+
+
+def _is_path(value: Any) -> bool:
+    return isinstance(value, (str, os.PathLike))
+
+
+def _weight(value: Any) -> float | None:
+    """A finite non-negative weight (numbers and numeric strings), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        w = float(value)
+    except (TypeError, ValueError):
+        return None
+    return w if math.isfinite(w) and w >= 0 else None
+
+
+def _pairs(value: Any, key: str) -> Pairs:
+    """A path, [path] or [w, p, w, p, ...] -> (weight, path) pairs with a positive weight sum."""
+    if _is_path(value):
+        return ((1.0, str(value)),)
+    items = list(value) if isinstance(value, Sequence) else None
+    if items is not None and len(items) == 1 and _is_path(items[0]):
+        return ((1.0, str(items[0])),)
+    ok = items is not None and len(items) >= 2 and len(items) % 2 == 0
+    pairs = []
+    for i in range(0, len(items), 2) if ok else ():
+        w, p = _weight(items[i]), items[i + 1]
+        if w is None or not _is_path(p):
+            ok = False
+            break
+        pairs.append((w, str(p)))
+    if not ok:
+        raise ConfigError(f"{key}: expected [weight, path, weight, path, ...], a path, or "
+                          f"{{train, validation, test}}, got {_one_line(value)}")
+    if sum(w for w, _ in pairs) <= 0:
+        raise ConfigError(f"{key}: the weights sum to zero")
+    return tuple(pairs)
+
+
+def parse_data_prefix(data_prefix: Any, key: str = "data.data_prefix") -> DataBlend:
+    """Parse `data.data_prefix` (see the module docstring); ConfigError naming `key` when malformed.
+
+    Accepts plain containers and OmegaConf ones (anything Mapping / Sequence)."""
+    if data_prefix is None:
+        raise ConfigError(f"{key}: required for the megatron data module (paths without .bin/.idx)")
+    if isinstance(data_prefix, Mapping):
+        split_blends: dict[str, Pairs] = {}
+        for name, value in data_prefix.items():
+            name = str(name)
+            if name not in SPLIT_ALIASES:
+                close = difflib.get_close_matches(name, SPLIT_NAMES, n=1, cutoff=0.6)
+                hint = f" (did you mean '{key}.{close[0]}'?)" if close else ""
+                raise ConfigError(f"unknown key '{key}.{name}'{hint}")
+            if value is not None:
+                split_blends[SPLIT_ALIASES[name]] = _pairs(value, f"{key}.{name}")
+        if "train" not in split_blends:
+            raise ConfigError(f"{key}.train: the dict form needs a train entry")
+        return DataBlend(split_blends=split_blends)
+    return DataBlend(blend=_pairs(data_prefix, key))
+
+
+def parse_datasets(datasets: Sequence[Any] | None, weights: Sequence[Any] | None) -> DataBlend:
+    """fms-fsdp's `data.datasets` + `data.weights` (default: 1 each) -> a blend cut by splits_string.
+
+    With `datasets` null only the weights are checked (there is nothing to weigh: empty blend)."""
+    names = None if datasets is None else [str(p) for p in datasets]
+    if names is not None and weights is not None and len(weights) != len(names):
+        raise ConfigError(f"data.weights has {len(weights)} entries but data.datasets has {len(names)}")
+    if weights is not None:
+        ws = [_weight(w) for w in weights]
+        if any(w is None for w in ws) or sum(ws) <= 0:
+            raise ConfigError(f"data.weights: {list(weights)} must be non-negative with a positive sum")
+    if names is None:
+        return DataBlend(blend=())
+    if not names:
+        raise ConfigError("data.datasets: give at least one dataset (Megatron prefixes without .bin/.idx)")
+    ws = [1.0] * len(names) if weights is None else [float(w) for w in weights]
+    return DataBlend(blend=tuple(zip(ws, names)))
+
+
+def data_blend(data: Any) -> DataBlend:
+    """The blend a `data` section trains on: `datasets` (+ `weights`) when set, else `data_prefix`
+    (ConfigError when neither is set)."""
+    if data.datasets is not None:
+        return parse_datasets(data.datasets, data.weights)
+    return parse_data_prefix(data.data_prefix)
+
+
+# --------------------------------------------------------------------------- data kind
+def datamodule_kind(cfg) -> str:
+    """'custom' | 'sft' | 'preference' | 'dummy' | 'logical_shards' | 'hf' | 'megatron' for `cfg` (see the
+    module doc)."""
+    data = cfg.data
+    alignment = alignment_of(cfg)
+    if data.data_module is not None:
+        return "custom"
+    if alignment.sft is not None:
+        return "sft"
+    if alignment.preference is not None:
+        return "preference"
+    if data.use_dummy_dataset:
+        return "dummy"
+    if data.datasets is not None:
+        return "logical_shards"
+    if data.dynamic_data_selection != "none" and data.data_prefix and not (
+            data.train_dir is not None and (cfg.model_source == "hf" or data.use_sft_style_data_module)):
+        return "logical_shards"  # a Megatron blend whose weights change: read as logical-shard streams
+    has_prefix = bool(data.data_prefix)
+    if data.train_dir is not None and (
+            cfg.model_source == "hf" or data.use_sft_style_data_module or not has_prefix):
+        return "hf"
+    if has_prefix:
+        return "megatron"
+    raise ConfigError("data: no data source; set data.data_prefix (Megatron), data.train_dir (HF datasets), "
+                      "data.datasets, data.use_dummy_dataset, model_alignment_strategy.sft or data.data_module")
+
+
+# --------------------------------------------------------------------------- data selection
+KEY = "data.dynamic_selection.reference_losses"
+
+
+def domain_names(paths: Sequence[str]) -> list[str]:
+    """A short, unique name per domain: the path's last component (`#i` appended to repeats)."""
+    base = [os.path.basename(os.path.normpath(str(p))) or str(p) for p in paths]
+    return [b if base.count(b) == 1 else f"{b}#{i}" for i, b in enumerate(base)]
+
+
+def domain_paths(data: Any) -> list[str]:
+    """The training blend's paths, in order (ConfigError for the per-split form, which has no
+    per-domain held-out range)."""
+    blend = data_blend(data)
+    if blend.blend is None:
+        raise ConfigError("data.dynamic_data_selection: each domain's held-out samples come from its validation "
+                          "range of data.splits_string; use data_prefix: [w1, path1, w2, path2, ...] or "
+                          "data.datasets instead of the {train, validation, test} form")
+    return [p for _, p in blend.blend]
+
+
+def _read_file(path: str) -> Any:
+    if not os.path.isfile(path):
+        raise ConfigError(f"{KEY}: file not found: {path}")
+    try:
+        if path.endswith(".json"):
+            with open(path, encoding="utf-8") as stream:
+                return json.load(stream)
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_container(OmegaConf.load(path))
+    except Exception as exc:  # noqa: BLE001 - any parse error is the user's file
+        raise ConfigError(f"{KEY}: cannot read {path}: {' '.join(str(exc).split())}") from None
+
+
+def _loss(value: Any, where: str) -> float:
+    try:
+        loss = float(value)
+    except (TypeError, ValueError):
+        loss = float("nan")
+    if isinstance(value, bool) or not math.isfinite(loss) or loss < 0:
+        raise ConfigError(f"{where}: a reference loss must be a finite number >= 0, got {value!r}")
+    return loss
+
+
+def reference_losses(value: Any, paths: Sequence[str]) -> list[float]:
+    """One reference loss per domain, in blend order, from a list, a {domain: loss} mapping (domain = a
+    path as written or its `domain_names` name) or a JSON/YAML file holding either."""
+    where = KEY
+    if value is None:
+        raise ConfigError(f"{KEY}: required with data.dynamic_data_selection=sheared_llama (one loss per "
+                          f"domain: {', '.join(domain_names(paths))})")
+    if isinstance(value, str):
+        where = f"{KEY} ({value})"
+        value = _read_file(value)
+    names = domain_names(paths)
+    if isinstance(value, Mapping):
+        by_key = {str(k): v for k, v in value.items()}
+        unknown = [k for k in by_key if k not in names and k not in paths]
+        if unknown:
+            raise ConfigError(f"{where}: unknown domain '{unknown[0]}' (domains: {', '.join(names)})")
+        missing = [n for n, p in zip(names, paths) if n not in by_key and p not in by_key]
+        if missing:
+            raise ConfigError(f"{where}: no reference loss for domain '{missing[0]}' (domains: {', '.join(names)})")
+        return [_loss(by_key[n] if n in by_key else by_key[p], f"{where}.{n}") for n, p in zip(names, paths)]
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        if len(value) != len(paths):
+            raise ConfigError(f"{where}: {len(value)} losses for {len(paths)} domains "
+                              f"({', '.join(names)}); give one per domain, in blend order")
+        return [_loss(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    raise ConfigError(f"{where}: expected a list of losses, a {{domain: loss}} mapping or a file, got {value!r}")
+
+
+def check_dynamic_selection(cfg: Any) -> None:
+    """The run-independent checks (validation, before any process starts)."""
+    data = cfg.data
+    if data.dynamic_data_selection == "none":
+        return
+    data_kind = datamodule_kind(cfg)
+    if data_kind != "logical_shards":
+        raise ConfigError(f"data.dynamic_data_selection={data.dynamic_data_selection}: needs a blend of "
+                          f"domains (data.data_prefix or data.datasets); this config's data is '{data_kind}'")
+    paths = domain_paths(data)
+    if len(paths) < 2:
+        raise ConfigError(f"data.dynamic_data_selection={data.dynamic_data_selection}: needs at least two "
+                          f"domains in the blend, got {len(paths)}")
+    reference_losses(data.dynamic_selection.reference_losses, paths)

@@ -1,0 +1,171 @@
+"""The parallel layout's rules beyond the batch arithmetic (nxdt.spec.layout): sharding strategies
+(every accepted spelling -> what nxdt builds), the pipeline's stage split and schedule, and context
+parallel. Torch-free."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from nxdt.config.errors import ConfigError
+from nxdt.config.schema import SHARDING_SPELLINGS, sharding_way
+from nxdt.spec.layout import Layout
+from nxdt.spec.model import wants_compile
+
+
+# --------------------------------------------------------------------------- sharding
+@dataclass(frozen=True)
+class ShardingMode:
+    """What a sharding strategy builds."""
+
+    shard: bool
+    """True: FSDP2 fully_shard over dp_shard; False: replicate (DDP semantics) over dp."""
+    reshard_after_forward: bool = True
+    """False for grad-shard: parameters stay gathered between forward and backward."""
+    hybrid: bool = False
+    """HSDP: dp = dp_replicate (across nodes) x dp_shard (within a node)."""
+
+    @property
+    def name(self) -> str:
+        """Short name for messages: replicate | shard | grad-shard | hybrid | hybrid-grad-shard."""
+        if not self.shard:
+            return "replicate"
+        base = "hybrid" if self.hybrid else "shard"
+        return base if self.reshard_after_forward else ("hybrid-grad-shard" if self.hybrid else "grad-shard")
+
+
+REPLICATE = ShardingMode(shard=False)
+FULL_SHARD = ShardingMode(shard=True)
+GRAD_SHARD = ShardingMode(shard=True, reshard_after_forward=False)
+HYBRID = ShardingMode(shard=True, hybrid=True)
+HYBRID_GRAD_SHARD = ShardingMode(shard=True, reshard_after_forward=False, hybrid=True)
+
+# what each way of `nxdt.config.schema.SHARDING_SPELLINGS` (every accepted spelling) builds
+WAYS = {"replicate": REPLICATE, "shard": FULL_SHARD, "grad-shard": GRAD_SHARD, "hybrid": HYBRID,
+        "hybrid-grad-shard": HYBRID_GRAD_SHARD}
+SHARDING_MODES: dict[str, ShardingMode] = {name: WAYS[way] for name, way in SHARDING_SPELLINGS.items()}
+
+
+def sharding_mode(name: str | None) -> ShardingMode:
+    """The mode of a `sharding_strategy` spelling (case-insensitive; None = no-shard)."""
+    return WAYS[sharding_way(name)]
+
+
+def sharding_mode_of(ds: Any) -> ShardingMode:
+    """The mode of a `distributed_strategy` section: `sharding_strategy`, else FSDP when fms-fsdp's
+    `fsdp: true` is set, else replicate."""
+    return WAYS[sharding_way(ds.sharding_strategy, ds.fsdp)]
+
+
+# --------------------------------------------------------------------------- pipeline checks
+SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+_CUT = re.compile(r"model\.layers\.(\d+)")
+
+
+def default_pipeline_schedule(vpp: int) -> str:
+    return "1F1B" if vpp == 1 else "Interleaved1F1B"
+
+
+def pipeline_stage_starts(num_layers: int, num_stages: int, cuts: list[str] | None = None) -> list[int]:
+    """First decoder layer of each stage, plus `num_layers` at the end (num_stages + 1 numbers).
+
+    Without cuts the layers split evenly. A cut names the last layer of a stage, as in NxD
+    (`model.layers.15` with 32 layers and 2 stages: layers 0-15 | 16-31).
+    """
+    key = "model.pipeline_cuts"
+    if cuts:
+        if len(cuts) != num_stages - 1:
+            raise ConfigError(
+                f"{key} has {len(cuts)} entries; {num_stages} pipeline stages (pipeline_model_parallel_size x "
+                f"virtual_pipeline_model_parallel_size) need {num_stages - 1}")
+        starts = [0]
+        for cut in cuts:
+            m = _CUT.fullmatch(str(cut).strip())
+            last = int(m.group(1)) if m else -1
+            if not 0 <= last < num_layers - 1:
+                raise ConfigError(f"{key}: no module '{cut}' to cut after; valid cuts are model.layers.0 ... "
+                                  f"model.layers.{num_layers - 2} (the model has {num_layers} layers)")
+            if last + 1 <= starts[-1]:
+                raise ConfigError(f"{key}: cuts must name increasing layers, got {list(cuts)}")
+            starts.append(last + 1)
+        return starts + [num_layers]
+    if num_layers % num_stages:
+        raise ConfigError(
+            f"model.num_layers ({num_layers}) is not divisible by {num_stages} pipeline stages "
+            f"(pipeline_model_parallel_size x virtual_pipeline_model_parallel_size); "
+            f"change the sizes or set model.pipeline_cuts")
+    per = num_layers // num_stages
+    return [i * per for i in range(num_stages + 1)]
+
+
+def check_pipeline(cfg: Any, layout: Any, num_layers: int | None) -> None:
+    """Stage split, schedule and microbatch requirements of torch.distributed.pipelining."""
+    ds = "distributed_strategy"
+    pp, vpp, nmb = layout.pp, layout.vpp, layout.num_microbatches
+    if vpp > 1 and pp == 1:
+        raise ConfigError(f"{ds}.virtual_pipeline_model_parallel_size > 1 needs pipeline_model_parallel_size > 1")
+    cuts = cfg.model.pipeline_cuts
+    if pp == 1 and not cuts:
+        return
+    if pp > 1 and cfg.model.share_embeddings_and_output_weights:
+        raise ConfigError("model.share_embeddings_and_output_weights with pipeline_model_parallel_size > 1 is not "
+                          "supported (the embedding and the output layer live on different stages)")
+    if num_layers is not None:
+        pipeline_stage_starts(int(num_layers), pp * vpp, list(cuts) if cuts else None)
+    if pp == 1:
+        return
+    name = cfg.distributed_strategy.schedule or default_pipeline_schedule(vpp)
+    where = f"{ds}.schedule {name}"
+    if name in SINGLE_STAGE_SCHEDULES and vpp != 1:
+        raise ConfigError(f"{where} runs one stage per rank: it needs virtual_pipeline_model_parallel_size 1, "
+                          f"got {vpp} (use Interleaved1F1B, LoopedBFS or InterleavedZeroBubble)")
+    if name in V_SCHEDULES and vpp != 2:
+        raise ConfigError(f"{where} needs virtual_pipeline_model_parallel_size 2, got {vpp}")
+    need = {"1F1B": pp, "DualPipeV": pp * vpp}.get(name)
+    if need is not None and nmb < need:
+        raise ConfigError(f"{where} needs at least {need} microbatches per step, got {nmb} (= global_batch_size / "
+                          f"(micro_batch_size x data-parallel size)); raise data.global_batch_size")
+    if name in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        rounds = max(1, nmb // pp)
+        if nmb % rounds:
+            raise ConfigError(f"{where} needs the number of microbatches ({nmb}) to be a multiple of "
+                              f"max(1, microbatches // pipeline_model_parallel_size) = {rounds}")
+
+
+# --------------------------------------------------------------------------- paths
+
+
+# --------------------------------------------------------------------------- cp checks
+def check_context_parallel(cfg: Any, layout: Layout) -> None:
+    cp = layout.cp
+    key = "distributed_strategy.context_parallel_size"
+    data, model, ds = cfg.data, cfg.model, cfg.distributed_strategy
+    if model.fusions.ring_attention and cp == 1:
+        raise ConfigError("model.fusions.ring_attention: true needs distributed_strategy.context_parallel_size > 1 "
+                          "(ring attention is how nxdt runs context parallelism)")
+    if cp == 1:
+        return
+    seq = data.seq_length
+    if seq is not None and seq % (2 * cp):
+        raise ConfigError(f"data.seq_length ({seq}) must be divisible by 2 x {key} ({2 * cp}): each cp rank "
+                          "holds two chunks of every sequence (head-tail load balancing)")
+    refused = {
+        # both restart positions at each document, which the model turns into document masks
+        "data.reset_position_ids / reset_attention_mask (document masks)":
+            data.reset_position_ids or data.reset_attention_mask,
+        "SFT packing (document masks)": data.packing
+        or bool(cfg.model_alignment_strategy is not None and cfg.model_alignment_strategy.sft is not None
+                and cfg.model_alignment_strategy.sft.packing),
+        "model.attention_dropout > 0": model.attention_dropout > 0,
+        "model.sliding_window_size": model.sliding_window_size is not None,
+        "model.fusions.torch_compile": wants_compile(cfg),
+        "HSDP (sharding_strategy hybrid)": sharding_mode(ds.sharding_strategy).hybrid
+        or (ds.hsdp_replicate_size or 1) > 1,
+        f"trainer.accelerator {cfg.trainer.accelerator}": cfg.trainer.accelerator
+        in ("xla", "neuron", "tpu", "gpu", "cuda", "mps"),  # ring kernels are wired for CPU only
+    }
+    for what, bad in refused.items():
+        if bad:
+            raise ConfigError(f"{key} > 1 with {what} is not supported yet (got {key}={cp})")

@@ -1,0 +1,209 @@
+"""One training run once its config is loaded and its env vars are set: the layout and mesh shape,
+the log dir and its lock, the loggers and the ordered callback list, the Trainer, the data module
+and the LightningModule; then `trainer.fit`. The command line around it (Hydra's flags, sweeps,
+the closing commands) is nxdt.tools.train; evaluation reuses `build_trainer` (nxdt.training.evaluate).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import lightning.pytorch as pl
+
+from nxdt.checkpoint.callbacks import NxdtCheckpoint
+from nxdt.checkpoint.resume import setup_checkpointing
+from nxdt.config.errors import ConfigError
+from nxdt.config.load import global_rank as _global_rank
+from nxdt.data.select import build_datamodule
+from nxdt.data.tokenizers import build_tokenizer
+from nxdt.exp.exp_manager import build_loggers, resolve_dirs, setup_exp_manager
+from nxdt.exp.run_lock import RunLock, check_run_lock
+from nxdt.hardware import local_device_type
+from nxdt.observability.callbacks import CompileTimer, MemoryMonitor, RunFigures, RunSummary, ThroughputMonitor
+from nxdt.observability.progress import StepProgressBar
+from nxdt.observability.samples import SampleGenerator
+from nxdt.observability.user_callbacks import extra_callbacks
+from nxdt.parallel.mesh import mesh_shape_from_layout
+from nxdt.parallel.parallelize import compile_backend_missing
+from nxdt.spec.layout import compute_layout
+from nxdt.spec.model import wants_compile
+from nxdt.spec.parallel import sharding_mode_of
+from nxdt.training import xla
+from nxdt.training.dynamic_selection import DynamicDataSelection
+from nxdt.training.fault_tolerance import FaultTolerance, requeue_slurm_job
+from nxdt.training.finetuning import check_lora_targets
+from nxdt.training.module import NxdtLightningModule
+from nxdt.training.strategy import NxdtStrategy
+
+
+@dataclass
+class TrainOutcome:
+    """What a finished (or preempted) fit leaves for the entry to report."""
+
+    trainer: Any
+    module: Any
+    dirs: Any
+    """The run's exp_manager dirs (log dir, checkpoint dir)."""
+    preempted: bool
+    """A preemption signal stopped the run (it saved first)."""
+
+
+def build_trainer(cfg, layout, mesh_shape, loggers, callbacks):
+
+
+    t = cfg.trainer
+    on_xla = xla.use_xla(cfg)  # torch-xla: Lightning's XLA accelerator with nxdt's bookkeeping (xla.py)
+    return pl.Trainer(
+        accelerator=xla.lightning_accelerator(cfg) if on_xla else t.accelerator,
+        strategy=xla.build_xla_strategy(mesh_shape) if on_xla else NxdtStrategy(mesh_shape),
+        devices=t.devices,
+        num_nodes=t.num_nodes,
+        max_epochs=t.max_epochs,
+        max_steps=t.max_steps,
+        log_every_n_steps=t.log_every_n_steps,
+        val_check_interval=t.val_check_interval,
+        # an int val_check_interval counts steps across epochs (NeMo), also after a resume
+        check_val_every_n_epoch=None if isinstance(t.val_check_interval, int) else t.check_val_every_n_epoch,
+        num_sanity_val_steps=t.num_sanity_val_steps,
+        limit_val_batches=t.limit_val_batches,
+        limit_test_batches=t.limit_test_batches,
+        # one batch = one optimizer step; accumulation happens inside training_step
+        accumulate_grad_batches=1,
+        # our samplers shard over the mesh's dp axis; Lightning's would shuffle and shard over all ranks
+        use_distributed_sampler=False,
+        logger=loggers or False,
+        callbacks=callbacks,
+        # checkpoints are nxdt.checkpoint's NxdtCheckpoint callback, never Lightning's ModelCheckpoint
+        enable_checkpointing=False,
+        enable_progress_bar=t.enable_progress_bar,
+        enable_model_summary=False,
+    )
+
+
+def quiet_lightning() -> None:
+    """Lightning's start banners (devices, 'Initializing distributed', adverts) and end notes go to
+    the rank log file only, not the console: nxdt's start summary says what they said. Warnings
+    that are about Lightning's internals, or that nxdt handles on purpose, are silenced."""
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        for handler in logging.getLogger(name).handlers:
+            if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+                handler.setLevel(logging.WARNING)
+    # we reduce val_loss over dp ourselves (all_reduce_mean) before logging it
+    warnings.filterwarnings("ignore", message=r".*sync_dist=True.*when logging on epoch level")
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+    warnings.filterwarnings("ignore", message=r".*does not have many workers which may be a bottleneck")
+
+
+def layout_and_mesh(cfg):
+    """The run's layout (nxdt.spec.layout) and the shape of its DeviceMesh."""
+    layout = compute_layout(cfg, cfg.trainer.devices * cfg.trainer.num_nodes)
+    mesh_shape = mesh_shape_from_layout(
+        layout, sharding_mode_of(cfg.distributed_strategy),
+        cfg.distributed_strategy.hsdp_replicate_size or cfg.trainer.num_nodes  # null: shard within a node
+    )
+    return layout, mesh_shape
+
+
+def sample_tokenizer(cfg, datamodule):
+    """The tokenizer the data module uses, else the one data.tokenizer names."""
+    tokenizer = getattr(datamodule, "tokenizer", None)
+    if tokenizer is None:
+        tokenizer = build_tokenizer(cfg.data.tokenizer)
+    return tokenizer
+
+
+def train(cfg, record_job: Callable[[Path], None] | None = None) -> TrainOutcome:
+    """Train one config. `record_job(log_dir)`: called on rank 0 once the log dir is this run's (the
+    entry writes Hydra's `.hydra/` record there)."""
+
+    quiet_lightning()
+    layout, mesh_shape = layout_and_mesh(cfg)
+    check_compile_backend(cfg)  # before anything is written or any process group starts
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+
+    dirs = resolve_dirs(cfg)
+    resume, callbacks = setup_checkpointing(cfg, dirs)  # may refuse: before anything is written
+    # the profiler first (its step boundary and trace writing stay out of the step times measured
+    # after it); the user's trainer.callbacks after nxdt's own. Both may refuse, before anything is written
+    profiler, user_callbacks = extra_callbacks(cfg, dirs.log_dir, layout.world_size, _global_rank())
+    callbacks = profiler + callbacks
+    loggers = build_loggers(cfg, dirs)  # a missing package or a bad logger argument: refused, nothing written
+    lock = take_run_lock(cfg, dirs.log_dir)  # one writer per log dir; before anything is written
+    try:
+        return _train(cfg, record_job, layout, mesh_shape, dirs, resume, callbacks, user_callbacks, loggers, lock)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def check_compile_backend(cfg) -> None:
+    """model.fusions.torch_compile where torch cannot compile for the run's device: one line (exit 2)."""
+    if not wants_compile(cfg) or xla.use_xla(cfg):
+        return
+
+    device = local_device_type(cfg.trainer.accelerator)
+    why = compile_backend_missing(device) if device else None
+    if why:
+        raise ConfigError(f"model.fusions.torch_compile: {why}; install it, or set model.fusions.torch_compile=false "
+                          "(and model.use_torch_compile=false)")
+
+
+def take_run_lock(cfg, log_dir):
+    """Rank 0 takes <log_dir>/nxdt.lock (the other ranks only check it); None when exp_manager.run_lock=false
+    or on other ranks. ConfigError: another live run holds it, it cannot be parsed, or the dir is not writable."""
+    exp = cfg.exp_manager
+    if not exp.run_lock:
+        return None
+    if _global_rank() != 0:
+        check_run_lock(log_dir, exp.run_lock_lease)
+        return None
+    return RunLock.acquire(log_dir, exp.run_lock_lease, notice=lambda line: print(line, flush=True))
+
+
+def _train(cfg, record_job, layout, mesh_shape, dirs, resume, callbacks, user_callbacks, loggers, lock):
+    """train() once the log dir is ours: the loggers, callbacks, trainer, data and model; then fit."""
+    setup_exp_manager(cfg, dirs, _global_rank(), loggers)
+    if record_job is not None and _global_rank() == 0:
+        record_job(dirs.log_dir)
+    figures = RunFigures(cfg)  # nxdt plan's figures and the device's peak, once, at fit start
+    # memory first: a sampled step's scan and profiler start are not in the step time
+    callbacks += [MemoryMonitor(cfg, figures), ThroughputMonitor(layout.tokens_per_step, figures),
+                  RunSummary(cfg, layout, str(dirs.log_dir), figures)]
+    if cfg.data.dynamic_data_selection != "none":  # held-out losses move the blend's weights
+
+        callbacks.append(DynamicDataSelection())
+    if cfg.trainer.enable_progress_bar:
+        callbacks.append(StepProgressBar())
+    if wants_compile(cfg) and not xla.use_xla(cfg):  # the compile time, once, after the first step
+        callbacks.append(CompileTimer())
+    callbacks += user_callbacks  # before the checkpoint callback (sorted last below)
+    # checkpointing last (Lightning's order for its own checkpoint callbacks): a step's scalars,
+    # throughput included, are all logged before the step's checkpoint is saved
+    callbacks.sort(key=lambda callback: isinstance(callback, NxdtCheckpoint))
+    # after the step's own save: a preemption save then finds the step saved, or saves it
+    fault_tolerance = FaultTolerance(cfg)
+    callbacks.append(fault_tolerance)
+    trainer = build_trainer(cfg, layout, mesh_shape, loggers, callbacks)
+    # custom (data.data_module) > SFT > dummy > data.datasets > HF (train_dir) > Megatron
+    datamodule = build_datamodule(cfg, trainer)
+    check_lora_targets(cfg, datamodule.vocab_size)  # a bad LoRA target: one line, before any process group
+    module = NxdtLightningModule(cfg, layout, vocab_size=datamodule.vocab_size)
+    if cfg.exp_manager.samples.prompts:  # text generated during training (nxdt.observability.samples)
+
+        trainer.callbacks.append(SampleGenerator(cfg, sample_tokenizer(cfg, datamodule), datamodule.vocab_size))
+    ckpt_path = resume.full_resume  # weights only: ResumeHelper loads them
+    fault_tolerance.install()  # a preemption signal during fit's setup (model build, checkpoint load) counts too
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=str(ckpt_path) if ckpt_path else None)
+    finally:
+        fault_tolerance.restore()  # the signal handlers from before the run
+    if fault_tolerance.preempted_at is not None:
+        if lock is not None:
+            lock.release()  # before the requeue: the job's next instance may start as soon as this one ends
+        if trainer.is_global_zero and fault_tolerance.requeue:
+            requeue_slurm_job()
+    return TrainOutcome(trainer, module, dirs, preempted=fault_tolerance.preempted_at is not None)
