@@ -168,7 +168,7 @@ def datamodule_kind(cfg) -> str:
 
 
 # --------------------------------------------------------------------------- data selection
-KEY = "data.dynamic_selection.reference_losses"
+REFERENCE_LOSSES_KEY = "data.dynamic_selection.reference_losses"
 
 
 def domain_names(paths: Sequence[str]) -> list[str]:
@@ -190,7 +190,7 @@ def domain_paths(data: Any) -> list[str]:
 
 def _read_file(path: str) -> Any:
     if not os.path.isfile(path):
-        raise ConfigError(f"{KEY}: file not found: {path}")
+        raise ConfigError(f"{REFERENCE_LOSSES_KEY}: file not found: {path}")
     try:
         if path.endswith(".json"):
             with open(path, encoding="utf-8") as stream:
@@ -199,7 +199,7 @@ def _read_file(path: str) -> Any:
 
         return OmegaConf.to_container(OmegaConf.load(path))
     except Exception as exc:  # noqa: BLE001 - any parse error is the user's file
-        raise ConfigError(f"{KEY}: cannot read {path}: {' '.join(str(exc).split())}") from None
+        raise ConfigError(f"{REFERENCE_LOSSES_KEY}: cannot read {path}: {' '.join(str(exc).split())}") from None
 
 
 def _loss(value: Any, where: str) -> float:
@@ -215,12 +215,12 @@ def _loss(value: Any, where: str) -> float:
 def reference_losses(value: Any, paths: Sequence[str]) -> list[float]:
     """One reference loss per domain, in blend order, from a list, a {domain: loss} mapping (domain = a
     path as written or its `domain_names` name) or a JSON/YAML file holding either."""
-    where = KEY
+    where = REFERENCE_LOSSES_KEY
     if value is None:
-        raise ConfigError(f"{KEY}: required with data.dynamic_data_selection=sheared_llama (one loss per "
+        raise ConfigError(f"{REFERENCE_LOSSES_KEY}: required with data.dynamic_data_selection=sheared_llama (one loss per "
                           f"domain: {', '.join(domain_names(paths))})")
     if isinstance(value, str):
-        where = f"{KEY} ({value})"
+        where = f"{REFERENCE_LOSSES_KEY} ({value})"
         value = _read_file(value)
     names = domain_names(paths)
     if isinstance(value, Mapping):

@@ -10,7 +10,7 @@ from nxdt.config.errors import ConfigError
 
 
 # --------------------------------------------------------------------------- sample checks
-KEY = "exp_manager.samples"
+SAMPLES_KEY = "exp_manager.samples"
 
 
 def sampling_problem(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None) -> str | None:
@@ -33,30 +33,30 @@ def check_samples(cfg: Any) -> None:
     layers and run a fixed schedule) or context parallelism (the sequence is split) cannot."""
     s = cfg.exp_manager.samples
     if s.every_n_train_steps < 0:
-        raise ConfigError(f"{KEY}.every_n_train_steps: must be >= 0, got {s.every_n_train_steps}")
+        raise ConfigError(f"{SAMPLES_KEY}.every_n_train_steps: must be >= 0, got {s.every_n_train_steps}")
     problem = sampling_problem(s.max_new_tokens, s.temperature, s.top_k, s.top_p)
     if problem:
         name, rule = problem.split(" ", 1)
-        raise ConfigError(f"{KEY}.{name}: {rule}")
+        raise ConfigError(f"{SAMPLES_KEY}.{name}: {rule}")
     for i, prompt in enumerate(s.prompts):
         if not isinstance(prompt, str) or not prompt.strip():
-            raise ConfigError(f"{KEY}.prompts[{i}]: must be non-empty text, got {prompt!r}")
+            raise ConfigError(f"{SAMPLES_KEY}.prompts[{i}]: must be non-empty text, got {prompt!r}")
     if not s.prompts:
         return
     ds = cfg.distributed_strategy
     for key, value in (("pipeline_model_parallel_size", ds.pipeline_model_parallel_size),
                        ("context_parallel_size", ds.context_parallel_size)):
         if value > 1:
-            raise ConfigError(f"{KEY}.prompts with distributed_strategy.{key}={value} is not supported yet "
+            raise ConfigError(f"{SAMPLES_KEY}.prompts with distributed_strategy.{key}={value} is not supported yet "
                               "(generate from the saved checkpoints with `nxdt generate` instead)")
 
 
 # --------------------------------------------------------------------------- signals
-KEY = "exp_manager.preemption_signals"
+SIGNALS_KEY = "exp_manager.preemption_signals"
 UNCATCHABLE = ("SIGKILL", "SIGSTOP")
 
 
-def parse_signals(names, key: str = KEY) -> list[signal.Signals]:
+def parse_signals(names, key: str = SIGNALS_KEY) -> list[signal.Signals]:
     """The signals named in `names` (in order, without repeats); ConfigError naming the key otherwise."""
     known = {s.name: s for s in signal.Signals if not s.name.startswith("CTRL_")}
     found: list[signal.Signals] = []

@@ -91,7 +91,7 @@ def check_compile(cfg: Any, layout: Any) -> None:
 
 
 # --------------------------------------------------------------------------- loss checks
-KEY = "model.fusions.cross_entropy_chunk_size"
+CHUNK_KEY = "model.fusions.cross_entropy_chunk_size"
 
 
 def check_loss_chunking(cfg: Any, layout: Any) -> None:
@@ -104,4 +104,4 @@ def check_loss_chunking(cfg: Any, layout: Any) -> None:
            "DPO / ORPO (their losses take per-sequence log-probs from the logits)" if alignment.preference is not None
            else None)
     if why is not None:
-        raise ConfigError(f"{KEY} with {why} is not supported yet; leave it null there")
+        raise ConfigError(f"{CHUNK_KEY} with {why} is not supported yet; leave it null there")
