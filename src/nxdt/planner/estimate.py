@@ -187,13 +187,12 @@ def plan(cfg, vocab_size: int | None = None) -> dict[str, Any]:
     from nxdt.models import build_model
     from nxdt.models.flops import flops_per_token, lookup_parameters, model_shape
     from nxdt.models.param_count import expert_parameter_names, parameter_counts
-    from nxdt.parallel.mesh import mesh_shape_from_layout
 
     world = cfg.trainer.devices * cfg.trainer.num_nodes
     layout = compute_layout(cfg, world)
     ds = cfg.distributed_strategy
     sharding = sharding_mode_of(ds)
-    shape = mesh_shape_from_layout(layout, sharding, ds.hsdp_replicate_size or cfg.trainer.num_nodes)
+    shape = layout
     fsdp = sharding.shard
     dp_shard = shape.dp_shard
     shard_ways = dp_shard * layout.cp if fsdp else dp_shard  # FSDP shards over dp_shard × cp
