@@ -170,7 +170,7 @@ def _layout_case(layout: str, rank: int) -> dict:  # pragma: no cover - under to
     dp = shape.dp > 1
     mine = ids[2 * rank:2 * rank + 2] if dp else ids  # data parallel: each rank half the batch
     if layout == "pp2":  # this rank's stage; the schedule's step: forward + backward, the loss on every rank
-        pipe = build_pipeline(_lora_model(cfg), mesh, cfg, SimpleNamespace(pp=2, vpp=1, num_microbatches=2),
+        pipe = build_pipeline(_lora_model(cfg), mesh, cfg, Layout(pp=2, num_microbatches=2),
                               torch.device("cpu"), loss_fn=masked_token_loss, parallelize_fn=parallelize_llama)
         model = model_of(pipe)
         run = lambda x: pipe.step(x, x, torch.ones(x.shape))  # noqa: E731
