@@ -49,7 +49,8 @@ class ModelAdapter:
         for inner in (getattr(model, "model", None), getattr(model, "base_model", None)):
             if isinstance(inner, nn.Module) and isinstance(getattr(inner, "layers", None), nn.Module):
                 return inner
-        raise ValueError(f"{type(model).__name__}: no decoder layers found (expected model.layers or base_model.layers)")
+        raise ValueError(f"{type(model).__name__}: no decoder layers found "
+                         "(expected model.layers or base_model.layers)")
 
     def layers_path(self, model: nn.Module) -> str:
         """The decoder layers' module path (`model.layers`; `gpt_neox.layers` for transformers' GPT-NeoX)."""

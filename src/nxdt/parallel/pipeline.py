@@ -20,8 +20,9 @@ same gradients as the non-pipeline step. `Pipeline.step` returns that loss on ev
 
 Stage modules run as plain modules: the native Llama's forward accepts hidden states when it
 has no `embed_tokens` and returns them when it has no `norm` / `lm_head`; a transformers model
-runs as its adapter's stage module (nxdt.models.adapter.HFStage, same parameter names). `position_ids`, when the batch has them,
-are given to every stage (the schedule passes keyword arguments to all stages).
+runs as its adapter's stage module (nxdt.models.adapter.HFStage, same parameter names).
+`position_ids`, when the batch has them, are given to every stage (the schedule passes keyword
+arguments to all stages).
 """
 
 from __future__ import annotations

@@ -342,6 +342,13 @@ def si(value: float, unit: str) -> str:
     return f"{value:.3g} {unit}"
 
 
+def stage_lines(p: dict[str, Any]) -> list[str]:
+    """With pipeline parallelism: the schedule and each stage's parameters (the plan's stage split)."""
+    if p["layout"]["pp"] == 1:
+        return []
+    return [f"  stages       {p['pipeline_schedule']}: " + ", ".join(f"{n:,}" for n in p["parameters_per_stage"])]
+
+
 def memory_line(mem: dict[str, int], suffix: str = "") -> str:
     """Memory per rank by kind, in GiB (the plan's and the start summary's line)."""
     return "  memory/rank  " + "  ".join(f"{k}={v / 1024**3:.2f}GiB" for k, v in mem.items()) + suffix
