@@ -42,9 +42,6 @@ class RunFigures:
             self._plan = plan(self.cfg, vocab_size, parallel)
         return self._plan
 
-    def of(self, pl_module) -> dict[str, Any]:
-        """The figures of the run `pl_module` trains: its vocabulary and its parallel plan."""
-        return self.plan(getattr(pl_module, "vocab_size", None), getattr(pl_module, "parallel_plan", None))
 
     def peak(self, device: torch.device) -> Peak | None:
         from nxdt.spec.precision import precision_settings
@@ -62,6 +59,14 @@ class RunFigures:
         from nxdt.hardware import low_precision_notice
 
         return low_precision_notice(device, precision_settings(self.cfg.precision).compute_dtype, self.cfg.precision.type)
+
+
+def run_figures(figures: RunFigures, pl_module) -> dict[str, Any]:
+    """The figures of the run `pl_module` trains: for its vocabulary, read from its parallel plan
+    (the one configure_model made and applied) when it has one."""
+    parallel = getattr(pl_module, "parallel_plan", None)
+    vocab = getattr(pl_module, "vocab_size", None)
+    return figures.plan(vocab, parallel) if parallel is not None else figures.plan(vocab)
 
 
 def _logger(pl_module):
@@ -86,7 +91,7 @@ class ThroughputMonitor(Callback):
     def on_fit_start(self, trainer, pl_module) -> None:
         if self.figures is None:
             return
-        self.flops_per_token = self.figures.of(pl_module)["flops_per_token"]
+        self.flops_per_token = run_figures(self.figures, pl_module)["flops_per_token"]
         self.peak = self.figures.peak(pl_module.device)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -199,12 +204,12 @@ class MemoryMonitor(Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         if self.kind is None:
             if trainer.is_global_zero:
-                print(memory_report(self.figures.of(pl_module), [], self.cfg, None), flush=True)
+                print(memory_report(run_figures(self.figures, pl_module), [], self.cfg, None), flush=True)
             return
         peaks = _gather(self.peak_bytes, pl_module.device)
         if trainer.is_global_zero:
             how = "CUDA allocator" if self.kind == "cuda" else f"live CPU tensor bytes, {self.sampled} sampled step(s)"
-            print(memory_report(self.figures.of(pl_module), peaks, self.cfg, how), flush=True)
+            print(memory_report(run_figures(self.figures, pl_module), peaks, self.cfg, how), flush=True)
 
 
 def _gather(value: int, device: torch.device) -> list[int]:
@@ -271,7 +276,7 @@ class RunSummary(Callback):
 
     @rank_zero_only
     def on_fit_start(self, trainer: pl.Trainer, pl_module) -> None:
-        p = self.figures.of(pl_module)
+        p = run_figures(self.figures, pl_module)
         text = format_summary(self.cfg, self.layout, p, self.log_dir, self.figures.peak(pl_module.device))
         lora = getattr(pl_module, "lora_summary", None)  # LoRA: trainable vs total (lora_verbose: per target)
         print(text + (f"\n  lora         {lora}" if lora else ""), flush=True)
