@@ -208,15 +208,16 @@ def main():
         return logits_memory(args)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     dist.init_process_group("gloo")
-    from nxdt.parallel.mesh import MeshShape, build_mesh
+    from nxdt.parallel.mesh import build_mesh
+    from nxdt.spec.layout import Layout
 
     world = dist.get_world_size()
     if dist.get_rank() == 0:
         from nxdt.hardware import machine_line
 
         print(machine_line(), flush=True)
-    meshes = {"replicate": build_mesh(MeshShape(dp_replicate=world), "cpu"),
-              "shard": build_mesh(MeshShape(dp_shard=world), "cpu")}
+    meshes = {"replicate": build_mesh(Layout(dp_replicate=world), "cpu"),
+              "shard": build_mesh(Layout(dp_shard=world), "cpu")}
     rows = []
     for name, sharding, zero1 in (("ddp", None, False), ("zero1", None, True), ("fsdp", "FSDP", False)):
         for ac in (False, True):

@@ -154,22 +154,23 @@ def _layout_case(layout: str, rank: int) -> dict:  # pragma: no cover - under to
 
     from nxdt.models.lora import lora_modules, trainable_state_keys
     from nxdt.parallel.data_parallel import zero1_optimizer
-    from nxdt.parallel.mesh import MeshShape, build_mesh, submesh
+    from nxdt.parallel.mesh import build_mesh, submesh
+    from nxdt.spec.layout import Layout
     from nxdt.parallel.parallelize import parallelize_llama
     from nxdt.parallel.pipeline import build_pipeline, model_of
     from nxdt.training.loss import masked_token_loss
     from nxdt.optim.optimizers import param_groups
 
     cfg = _cfg(layout)
-    shapes = {"fsdp": MeshShape(dp_shard=2), "zero1": MeshShape(dp_replicate=2), "pp2": MeshShape(pp=2)}
-    shape = shapes.get(layout, MeshShape(tp=2))
+    shapes = {"fsdp": Layout(dp_shard=2), "zero1": Layout(dp_replicate=2), "pp2": Layout(pp=2)}
+    shape = shapes.get(layout, Layout(tp=2))
     mesh = build_mesh(shape, "cpu")
     ref = _lora_model(cfg)
     ids = torch.randint(0, V, (4, 16), generator=torch.Generator().manual_seed(1))
     dp = shape.dp > 1
     mine = ids[2 * rank:2 * rank + 2] if dp else ids  # data parallel: each rank half the batch
     if layout == "pp2":  # this rank's stage; the schedule's step: forward + backward, the loss on every rank
-        pipe = build_pipeline(_lora_model(cfg), mesh, cfg, SimpleNamespace(pp=2, vpp=1, num_microbatches=2),
+        pipe = build_pipeline(_lora_model(cfg), mesh, cfg, Layout(pp=2, num_microbatches=2),
                               torch.device("cpu"), loss_fn=masked_token_loss, parallelize_fn=parallelize_llama)
         model = model_of(pipe)
         run = lambda x: pipe.step(x, x, torch.ones(x.shape))  # noqa: E731
@@ -220,12 +221,13 @@ def _meta_case(layout: str) -> dict:  # pragma: no cover - under torchrun
     """Meta build + inject + tp2 / FSDP + materialise = meta build + inject + init_model_weights in one process."""
     from nxdt.models import build_model, init_model_weights
     from nxdt.models.lora import inject_lora, lora_modules
-    from nxdt.parallel.mesh import MeshShape, build_mesh
+    from nxdt.parallel.mesh import build_mesh
+    from nxdt.spec.layout import Layout
     from nxdt.parallel.parallelize import parallelize_llama
 
     cfg = _cfg(layout)
     cfg.distributed_strategy.meta_init = True
-    shape = MeshShape(tp=2) if layout == "tp2" else MeshShape(dp_shard=2)
+    shape = Layout(tp=2) if layout == "tp2" else Layout(dp_shard=2)
     torch.manual_seed(3)
     model = build_model(cfg, V, device="meta")
     inject_lora(model, TARGETS, rank=4, alpha=8.0)
@@ -244,14 +246,15 @@ def _meta_case(layout: str) -> dict:  # pragma: no cover - under torchrun
 def _dropout_case() -> dict:  # pragma: no cover - under torchrun
     from nxdt.models import build_model
     from nxdt.models.lora import inject_lora, lora_modules
-    from nxdt.parallel.mesh import MeshShape, build_mesh
+    from nxdt.parallel.mesh import build_mesh
+    from nxdt.spec.layout import Layout
     from nxdt.parallel.parallelize import parallelize_llama
 
     cfg = _cfg("tp2")
     torch.manual_seed(0)
     model = build_model(cfg, V)
     inject_lora(model, TARGETS, rank=4, alpha=8.0, dropout=0.1)
-    model = parallelize_llama(model, build_mesh(MeshShape(tp=2), "cpu"), cfg).train()
+    model = parallelize_llama(model, build_mesh(Layout(tp=2), "cpu"), cfg).train()
     before = {n: _full(p).detach().clone() for n, p in model.named_parameters()}
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     ids = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(1))

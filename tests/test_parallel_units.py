@@ -296,10 +296,9 @@ def test_parallel_keys_are_accepted():
 def test_mesh_shape_for_hsdp_and_data_parallel_config():
     from nxdt.spec.layout import compute_layout
     from nxdt.parallel.data_parallel import data_parallel_config
-    from nxdt.parallel.mesh import mesh_shape_from_layout
 
     cfg = load("distributed_strategy.sharding_strategy=HSDP", "trainer.devices=4", world_size=4)
-    shape = mesh_shape_from_layout(compute_layout(cfg, 4), "HSDP", num_nodes=2)
+    shape = compute_layout(cfg, 4).with_sharding("HSDP", num_nodes=2)
     assert (shape.dp_replicate, shape.dp_shard) == (2, 2)
     assert data_parallel_config(cfg.distributed_strategy, cfg.precision).mode == "shard"
     grad = data_parallel_config(*_dp_sections(load("distributed_strategy.sharding_strategy=grad-shard")))
@@ -391,7 +390,8 @@ def _tp_block_case(keys: dict, sp: bool, V: int) -> dict:  # pragma: no cover - 
     from torch.distributed.tensor.parallel import loss_parallel
 
     from nxdt.models import build_model
-    from nxdt.parallel.mesh import MeshShape, build_mesh
+    from nxdt.parallel.mesh import build_mesh
+    from nxdt.spec.layout import Layout
     from nxdt.parallel.parallelize import parallelize_llama
     from nxdt.parallel.tensor_parallel import block_norms
 
@@ -401,7 +401,7 @@ def _tp_block_case(keys: dict, sp: bool, V: int) -> dict:  # pragma: no cover - 
     torch.manual_seed(3)
     ref = build_model(cfg, V)
     torch.manual_seed(3)
-    model = parallelize_llama(build_model(cfg, V), build_mesh(MeshShape(tp=2), "cpu"), cfg)
+    model = parallelize_llama(build_model(cfg, V), build_mesh(Layout(tp=2), "cpu"), cfg)
     ids = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(1))  # same batch on both ranks
     ref_logits = ref(ids)
     (ref_loss := torch.nn.functional.cross_entropy(ref_logits.flatten(0, 1), ids.flatten())).backward()
@@ -433,13 +433,14 @@ def _hf_neox_dp_case(mode: str, rank: int, config_json: Path) -> dict:  # pragma
 
     from nxdt.models import build_model
     from nxdt.parallel.data_parallel import zero1_optimizer
-    from nxdt.parallel.mesh import MeshShape, build_mesh, submesh
+    from nxdt.parallel.mesh import build_mesh, submesh
+    from nxdt.spec.layout import Layout
     from nxdt.parallel.parallelize import parallelize_llama
 
     cfg = hf_neox_cfg(config_json)
     if mode == "fsdp":
         cfg.distributed_strategy.sharding_strategy = "FSDP"
-    mesh = build_mesh(MeshShape(dp_shard=2) if mode == "fsdp" else MeshShape(dp_replicate=2), "cpu")
+    mesh = build_mesh(Layout(dp_shard=2) if mode == "fsdp" else Layout(dp_replicate=2), "cpu")
     torch.manual_seed(5)
     ref = build_model(cfg)
     model = build_model(cfg)
@@ -474,7 +475,8 @@ def _worker() -> None:  # pragma: no cover - runs under torchrun
 
     from nxdt.models import build_model, init_model_weights
     from nxdt.parallel.data_parallel import apply_data_parallel, zero1_optimizer
-    from nxdt.parallel.mesh import MeshShape, build_mesh, submesh
+    from nxdt.parallel.mesh import build_mesh, submesh
+    from nxdt.spec.layout import Layout
     from nxdt.parallel.parallelize import parallelize_llama
 
     dist.init_process_group("gloo")
@@ -487,7 +489,7 @@ def _worker() -> None:  # pragma: no cover - runs under torchrun
 
     # ZeRO-1: replicate over dp=2, AdamW state sharded
     cfg = tiny_cfg()
-    mesh = build_mesh(MeshShape(dp_replicate=2), "cpu")
+    mesh = build_mesh(Layout(dp_replicate=2), "cpu")
     torch.manual_seed(0)
     model = build_model(cfg, V)
     plain = build_model(cfg, V)
@@ -516,8 +518,8 @@ def _worker() -> None:  # pragma: no cover - runs under torchrun
                         "params_max_diff_to_plain_adamw": (mine - ref).abs().max().item()}
 
     # meta-device init: sharded (FSDP dp=2 / TP=2) equals an unsharded meta init with the same seed
-    for layout, shape, keys in (("fsdp", MeshShape(dp_shard=2), {"sharding_strategy": "FSDP"}),
-                                ("tp", MeshShape(tp=2), {"tensor_model_parallel_size": 2})):
+    for layout, shape, keys in (("fsdp", Layout(dp_shard=2), {"sharding_strategy": "FSDP"}),
+                                ("tp", Layout(tp=2), {"tensor_model_parallel_size": 2})):
         cfg = tiny_cfg()
         cfg.distributed_strategy.meta_init = True
         for key, value in keys.items():  # a typed config: set attributes
@@ -538,8 +540,8 @@ def _worker() -> None:  # pragma: no cover - runs under torchrun
 
     from nxdt.parallel.tensor_parallel import total_norm
 
-    for layout, shape, keys in (("fsdp", MeshShape(dp_shard=2), {"sharding_strategy": "FSDP"}),
-                                ("tp", MeshShape(tp=2), {"tensor_model_parallel_size": 2})):
+    for layout, shape, keys in (("fsdp", Layout(dp_shard=2), {"sharding_strategy": "FSDP"}),
+                                ("tp", Layout(tp=2), {"tensor_model_parallel_size": 2})):
         cfg = tiny_cfg()
         for key, value in keys.items():  # a typed config: set attributes
             setattr(cfg.distributed_strategy, key, value)
@@ -561,7 +563,7 @@ def _worker() -> None:  # pragma: no cover - runs under torchrun
         cfg = tiny_cfg(**keys)
         cfg.distributed_strategy.sharding_strategy = "FSDP"
         torch.manual_seed(3)
-        model = parallelize_llama(build_model(cfg, V), build_mesh(MeshShape(dp_shard=2), "cpu"), cfg)
+        model = parallelize_llama(build_model(cfg, V), build_mesh(Layout(dp_shard=2), "cpu"), cfg)
         calls.clear()
         model.model.layers[0].mlp.register_forward_pre_hook(lambda *a: calls.append(1))
         ids = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(rank))

@@ -31,6 +31,40 @@ def test_even_split_and_nxd_cuts():
         pipeline_stage_starts(8, 3, ["model.layers.4", "model.layers.2"])
 
 
+@pytest.mark.parametrize("source", ["megatron", "hf"])
+def test_plan_gives_each_stage_the_styles_of_its_own_layers(source):
+    """tp2 x pp2 + sequence parallel: each stage's plan names its layers by their index in the whole
+    model (what a pruned stage holds), the sequence-parallel edges at the stage boundary, and the
+    ranks' stages; a stage part finds its own stage in the plan."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, PrepareModuleOutput
+
+    from nxdt.models import build_model
+    from nxdt.parallel.pipeline import prune_to_stage
+    from nxdt.parallel.plan import make_plan
+    from nxdt.spec.layout import Layout
+
+    ds = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2, "sequence_parallel": True}
+    if source == "megatron":
+        model_keys = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 176}
+    else:
+        model_keys = {"model_config": "model_configs/tiny_llama", "num_layers": 4, "hidden_size": 64}
+    cfg = config_from_dict({"model_source": source, "model": model_keys, "distributed_strategy": ds})
+    model = build_model(cfg, 512, device="meta")
+    plan = make_plan(model, Layout(tp=2, pp=2), cfg)
+    assert plan.stage_starts == (0, 2, 4) and plan.rank_stages == ((0,), (1,)) and plan.schedule == "1F1B"
+    first, last = (stage.tensor_parallel for stage in plan.stages)
+    assert "model.embed_tokens" in first and "lm_head" not in first and "model.norm" not in first
+    assert isinstance(last["model.layers.2.self_attn.q_proj"], ColwiseParallel) and "lm_head" in last
+    assert not any(path.startswith(("model.layers.0", "model.layers.1")) for path in last)
+    assert isinstance(first["model.layers.1"], PrepareModuleOutput)  # whole hidden states to the next stage
+    assert isinstance(last["model.layers.2"], PrepareModuleInput)  # ... taken whole by its first block
+    part = prune_to_stage(model, range(2, 4), False, True)
+    assert plan.stage_for(part) is plan.stages[1]
+    assert set(last) <= {name for name, _ in part.named_modules()}
+    assert plan.stage_of("model.layers.3.mlp.up_proj.weight") == 1 and plan.stage_of("lm_head.weight") == 1
+    assert plan.stage_of("model.embed_tokens.weight") == 0
+
+
 # Block types (nxdt.models.llama.LlamaDecoderLayer) with the position embeddings that go with them:
 # post_ln's final norm is an Identity; learned positions are an embedding of stage 0; none has none.
 BLOCKS = {

@@ -262,3 +262,58 @@ def test_start_summary_shows_activated_parameters(capsys):
         "               = dense 4,983,040 + experts 2,162,688 (2/4 of 4,325,376) + routers 4,096"]
     dense = summary("tiny_llama_cpu")
     assert dense[2].startswith("  parameters   7,145,728  ") and not any("activated" in line for line in dense)
+
+
+def test_plan_and_start_summary_print_one_parallel_plan(capsys):
+    """`nxdt plan` and a run's start summary print the same layout, stage split and memory figures
+    for a tp2 x pp2 x ZeRO-1 (dp 2) layout on 8 ranks, both read from one parallel plan: the plan
+    the run makes for its model (nxdt.parallel.plan.make_plan, what parallelize_llama and
+    build_pipeline apply) is the planner's, stage for stage and rank for rank."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from nxdt.models import build_model
+    from nxdt.observability.callbacks import RunSummary
+    from nxdt.parallel.plan import make_plan
+    from nxdt.planner.estimate import plan
+    from nxdt.spec import load_config
+    from nxdt.spec.layout import compute_layout
+
+    overrides = ["trainer.devices=8", "distributed_strategy.tensor_model_parallel_size=2",
+                 "distributed_strategy.pipeline_model_parallel_size=2", "distributed_strategy.zero1=true",
+                 "model.vocab_size=512", "trainer.peak_tflops=1"]
+    assert plan_main(["--config-path", CONF, "--config-name", "tiny_llama_cpu", *overrides]) == 0
+    cli = capsys.readouterr().out.splitlines()
+
+    cfg = load_config(["--config-path", CONF, "--config-name", "tiny_llama_cpu", *overrides],
+                      world_size=8, check_paths=False, quiet=True)
+    layout = compute_layout(cfg)
+    # the run: its model (built as configure_model builds it) and the plan it applies
+    run_plan = make_plan(build_model(cfg, 512), layout, cfg)
+    assert run_plan.layout == layout and (layout.dp, layout.tp, layout.pp) == (2, 2, 2)
+    module = SimpleNamespace(vocab_size=512, device=torch.device("cpu"), parallel_plan=run_plan)
+    RunSummary(cfg, layout, None).on_fit_start(None, module)
+    summary = capsys.readouterr().out.splitlines()
+
+    # the planner's own plan (a meta-device model) is the run's
+    planner_plan = make_plan(build_model(cfg, 512, device="meta"), layout, cfg)
+    assert planner_plan.stage_starts == run_plan.stage_starts and planner_plan.rank_stages == run_plan.rank_stages
+    assert planner_plan.rank_stages == ((0,), (1,))
+    for mine, theirs in zip(planner_plan.stages, run_plan.stages):
+        assert (mine.layers, mine.checkpoint, mine.data_parallel) == (theirs.layers, theirs.checkpoint,
+                                                                      theirs.data_parallel)
+        assert {k: type(v) for k, v in mine.tensor_parallel.items()} == {k: type(v) for k, v in
+                                                                         theirs.tensor_parallel.items()}
+    assert plan(cfg, 512, run_plan) == plan(cfg, 512)
+
+    def line(lines: list[str], head: str) -> str:
+        return next(text for text in lines if text.startswith(f"  {head}"))
+
+    def figures(text: str) -> dict[str, str]:
+        return dict(word.split("=", 1) for word in text.split() if "=" in word)
+
+    for key in ("world", "dp", "tp", "pp", "cp"):
+        assert figures(line(summary, "layout"))[key] == figures(line(cli, "layout"))[key]
+    assert line(summary, "stages") == line(cli, "stages") == "  stages       1F1B: 1,606,656, 1,606,912"
+    assert line(summary, "memory/rank") == line(cli, "memory/rank") + "  (estimate, fullest rank)"

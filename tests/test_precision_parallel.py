@@ -19,7 +19,8 @@ from test_precision import MODEL, VOCAB, _as_batch, _data, train_curve
 
 from nxdt.spec import load_config
 from nxdt.models import build_model
-from nxdt.parallel.mesh import MeshShape, build_mesh
+from nxdt.parallel.mesh import build_mesh
+from nxdt.spec.layout import Layout
 from nxdt.precision.precision import Precision
 from nxdt.optim.optimizers import build_optimizer
 from nxdt.training.step import microbatch_forward_backward, pipeline_forward_backward, train_step
@@ -60,7 +61,7 @@ def _pp_fp16_worker(rank: int, world: int) -> dict:
                "precision.fp16.max_consecutive_skips=20", "model.optim.lr=1e-2")
     torch.manual_seed(0)
     prec = Precision.from_cfg(cfg, rank=rank)
-    mesh = build_mesh(MeshShape(pp=2), "cpu")
+    mesh = build_mesh(Layout(pp=2), "cpu")
     pipe = build_pipeline(prec.convert_model(build_model(cfg, VOCAB)), mesh, cfg, compute_layout(cfg, world),
                           torch.device("cpu"), loss_fn=masked_token_loss, loss_scale=lambda: prec.loss_scale)
     model = model_of(pipe)
@@ -119,7 +120,7 @@ def _sr_unit_worker(rank: int, world: int) -> dict:
         state = SRState(seed=7 + rank)
         if sr:
             wrap_for_stochastic_rounding(lin, state)
-        mesh = build_mesh(MeshShape(dp_shard=2), "cpu")["dp_shard"]
+        mesh = build_mesh(Layout(dp_shard=2), "cpu")["dp_shard"]
         fully_shard(lin, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                                     reduce_dtype=torch.float32))
         seen, dtypes = [], set()
@@ -185,7 +186,7 @@ def _fsdp_sr_curve_worker(rank: int, world: int) -> dict:
     from nxdt.training.builder import build_harness
 
     cfg = _cfg("precision.type=mixed_precisionSR", "distributed_strategy.sharding_strategy=FSDP", "model.optim.lr=3e-3")
-    mesh = build_mesh(MeshShape(dp_shard=2), "cpu")
+    mesh = build_mesh(Layout(dp_shard=2), "cpu")
     h = build_harness(cfg, VOCAB, rank=rank, parallelize=lambda m: parallelize_llama(m, mesh, cfg), max_steps=100)
     model = h.model
     fwd_bwd = microbatch_forward_backward(model, h.precision, 1)

@@ -21,8 +21,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from nxdt.models.adapter import adapter_of
 from nxdt.spec.exp import sampling_problem
-from nxdt.models.kv_cache import KVCache
 
 
 @dataclass
@@ -75,52 +75,6 @@ def next_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
 
 
-# --------------------------------------------------------------------------- model adapters
-def is_native(model: nn.Module) -> bool:
-    return not hasattr(model, "config")  # transformers' PreTrainedModel carries a .config
-
-
-class NativeDecoder:
-    """nxdt's own model (nxdt.models.llama) with nxdt's KVCache."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-
-    def start(self, valid: torch.Tensor, max_length: int) -> KVCache:
-        return KVCache(max_length, valid)
-
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        return self.model(ids, positions, kv_cache=cache)
-
-
-class HFDecoder:
-    """A transformers causal LM with its own DynamicCache and a 2-D padding mask."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-
-    def start(self, valid: torch.Tensor, max_length: int):
-        from transformers import DynamicCache
-
-        mask = torch.ones(valid.shape[0], max_length, dtype=torch.long, device=valid.device)
-        mask[:, : valid.shape[1]] = valid.long()
-        return {"cache": DynamicCache(config=self.model.config), "mask": mask, "length": 0}
-
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, state) -> torch.Tensor:
-        end = state["length"] + ids.shape[1]
-        # no router logits: they only feed the training's load-balancing loss (and transformers' Mixtral
-        # cannot compute that loss over a cached, padded batch)
-        extra = {"output_router_logits": False} if hasattr(self.model.config, "output_router_logits") else {}
-        out = self.model(input_ids=ids, attention_mask=state["mask"][:, :end], position_ids=positions,
-                         past_key_values=state["cache"], use_cache=True, **extra)
-        state["length"] = end
-        return out.logits
-
-
-def decoder_for(model: nn.Module):
-    return NativeDecoder(model) if is_native(model) else HFDecoder(model)
-
-
 def _full(logits: torch.Tensor) -> torch.Tensor:
     """Plain logits: a tensor-parallel model's are a vocabulary-sharded DTensor."""
     full = getattr(logits, "full_tensor", None)
@@ -155,7 +109,7 @@ def generate(model: nn.Module, prompts: list[list[int]], params: SamplingParams,
     if length_multiple > 1:
         use_cache = False
     device = next(model.parameters()).device
-    decoder = decoder_for(model)
+    decoder = adapter_of(model).generation_decoder(model)  # native: nxdt's KVCache; hf: its DynamicCache
     ids, valid = left_pad(prompts, pad_id, device)
     batch, width = ids.shape
     total = width + params.max_new_tokens

@@ -6,6 +6,8 @@
 - 'hf'       → a `transformers` model from the local `cfg.model.model_config` json.
 
 `cfg` is the typed config (`nxdt.config.schema.NxdtConfig`); defaults live in the schema only.
+The model comes with its source's adapter (nxdt.models.adapter: `adapter_of(model)`), which answers
+what parallelism, generation and the planner ask of it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from torch import nn
 
 from nxdt.config.schema import canonical_gate_type
+from nxdt.models.adapter import HF, NATIVE, adapter_of, attach_adapter
 from nxdt.models.hf import HF_MOE_OVERRIDES, HF_OVERRIDES, build_hf_model
 from nxdt.models.llama import LlamaArgs, NxdtLlamaForCausalLM
 from nxdt.models.lora import adapters_detached, reset_lora_parameters
@@ -131,7 +134,7 @@ def build_model(cfg: Any, vocab_size: int | None = None, device: str | torch.dev
     ctx = torch.device(device) if device is not None else contextlib.nullcontext()
     with ctx:
         if source == "megatron":
-            model = NxdtLlamaForCausalLM(llama_args_from_cfg(cfg, vocab_size))
+            model = attach_adapter(NxdtLlamaForCausalLM(llama_args_from_cfg(cfg, vocab_size)), NATIVE)
         elif source == "hf":
             model_config = cfg.model.model_config
             if not model_config:
@@ -139,10 +142,10 @@ def build_model(cfg: Any, vocab_size: int | None = None, device: str | torch.dev
             overrides = {k: getattr(cfg.model, k) for k in HF_OVERRIDES}
             if cfg.model.moe.num_experts:
                 overrides.update({f"moe.{k}": getattr(cfg.model.moe, k) for k in HF_MOE_OVERRIDES})
-            model = build_hf_model(model_config, overrides)
+            model = attach_adapter(build_hf_model(model_config, overrides), HF)
         else:
             raise ValueError(f"model_source must be 'megatron' or 'hf', got {source!r}")
-    if not _is_meta(model) and isinstance(model, NxdtLlamaForCausalLM):
+    if not _is_meta(model) and adapter_of(model) is NATIVE:
         model.init_weights()  # Megatron init, not nn.Linear's default kaiming-uniform
     return model
 
@@ -159,14 +162,7 @@ def init_model_weights(model: nn.Module, device: str | torch.device | None = Non
     if device is not None:
         model.to_empty(device=device)
     with adapters_detached(model):
-        if isinstance(model, NxdtLlamaForCausalLM):
-            model.init_weights()
-        else:  # transformers PreTrainedModel
-            for module in model.modules():
-                # transformers skips modules it has already initialised; after to_empty none are.
-                if hasattr(module, "_is_hf_initialized"):
-                    module._is_hf_initialized = False
-            model.init_weights()
+        adapter_of(model).init_weights(model)
     reset_lora_parameters(model)
     return model
 

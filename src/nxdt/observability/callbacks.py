@@ -16,7 +16,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from nxdt.hardware import Peak, device_peak
 from nxdt.models.param_count import ParameterCount, activated_lines
-from nxdt.planner.estimate import batch_lines, flops_line, memory_line, peak_lines, plan
+from nxdt.planner.estimate import batch_lines, flops_line, memory_line, peak_lines, plan, stage_lines
 from nxdt.observability.eta import FirstStepsTiming
 
 GIB = 1024**3
@@ -35,10 +35,13 @@ class RunFigures:
         self._plan: dict[str, Any] | None = None
         self._peak: dict[str, Peak | None] = {}
 
-    def plan(self, vocab_size: int | None) -> dict[str, Any]:
+    def plan(self, vocab_size: int | None, parallel=None) -> dict[str, Any]:
+        """`parallel`: the run's parallel plan (nxdt.parallel.plan, the module's `parallel_plan`): the
+        figures are read from the plan the run applied (None: the planner makes the same one)."""
         if self._plan is None:
-            self._plan = plan(self.cfg, vocab_size)
+            self._plan = plan(self.cfg, vocab_size, parallel)
         return self._plan
+
 
     def peak(self, device: torch.device) -> Peak | None:
         from nxdt.spec.precision import precision_settings
@@ -56,6 +59,14 @@ class RunFigures:
         from nxdt.hardware import low_precision_notice
 
         return low_precision_notice(device, precision_settings(self.cfg.precision).compute_dtype, self.cfg.precision.type)
+
+
+def run_figures(figures: RunFigures, pl_module) -> dict[str, Any]:
+    """The figures of the run `pl_module` trains: for its vocabulary, read from its parallel plan
+    (the one configure_model made and applied) when it has one."""
+    parallel = getattr(pl_module, "parallel_plan", None)
+    vocab = getattr(pl_module, "vocab_size", None)
+    return figures.plan(vocab, parallel) if parallel is not None else figures.plan(vocab)
 
 
 def _logger(pl_module):
@@ -80,7 +91,7 @@ class ThroughputMonitor(Callback):
     def on_fit_start(self, trainer, pl_module) -> None:
         if self.figures is None:
             return
-        self.flops_per_token = self.figures.plan(getattr(pl_module, "vocab_size", None))["flops_per_token"]
+        self.flops_per_token = run_figures(self.figures, pl_module)["flops_per_token"]
         self.peak = self.figures.peak(pl_module.device)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -193,12 +204,12 @@ class MemoryMonitor(Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         if self.kind is None:
             if trainer.is_global_zero:
-                print(memory_report(self.figures.plan(pl_module.vocab_size), [], self.cfg, None), flush=True)
+                print(memory_report(run_figures(self.figures, pl_module), [], self.cfg, None), flush=True)
             return
         peaks = _gather(self.peak_bytes, pl_module.device)
         if trainer.is_global_zero:
             how = "CUDA allocator" if self.kind == "cuda" else f"live CPU tensor bytes, {self.sampled} sampled step(s)"
-            print(memory_report(self.figures.plan(pl_module.vocab_size), peaks, self.cfg, how), flush=True)
+            print(memory_report(run_figures(self.figures, pl_module), peaks, self.cfg, how), flush=True)
 
 
 def _gather(value: int, device: torch.device) -> list[int]:
@@ -245,6 +256,7 @@ def format_summary(cfg, layout, p: dict[str, Any], log_dir: str | None, peak: Pe
         # (from trainer.max_tokens when given) and the tokens the run trains
         *batch_lines(layout.global_batch_size, layout.micro_batch_size, layout.num_microbatches,
                      layout.seq_length, cfg.trainer.max_steps, cfg.trainer.max_tokens),
+        *stage_lines(p),
         memory_line(p["memory_per_rank_bytes"], "  (estimate, fullest rank)"),
         flops_line(p),
     ]
@@ -264,7 +276,7 @@ class RunSummary(Callback):
 
     @rank_zero_only
     def on_fit_start(self, trainer: pl.Trainer, pl_module) -> None:
-        p = self.figures.plan(getattr(pl_module, "vocab_size", None))
+        p = run_figures(self.figures, pl_module)
         text = format_summary(self.cfg, self.layout, p, self.log_dir, self.figures.peak(pl_module.device))
         lora = getattr(pl_module, "lora_summary", None)  # LoRA: trainable vs total (lora_verbose: per target)
         print(text + (f"\n  lora         {lora}" if lora else ""), flush=True)

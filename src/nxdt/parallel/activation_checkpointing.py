@@ -32,12 +32,11 @@ import torch.nn as nn
 from torch.utils.checkpoint import _checkpoint_without_reentrant_generator, checkpoint
 
 from nxdt.config.errors import ConfigError
-from nxdt.parallel.data_parallel import transformer_blocks
+from nxdt.models.adapter import adapter_of
 
-# Module classes that `activations_checkpoint_recompute` may name (native names; the aliases
-# below map NxDT names onto transformers' classes: the first one a model has is used).
-HF_ALIASES = {"CoreAttention": ("LlamaAttention", "MixtralAttention", "GPTNeoXAttention"),
-              "LlamaMLP": ("GPTNeoXMLP",)}
+# Module classes that `activations_checkpoint_recompute` may name: the native names (a model
+# source's adapter maps them onto its own classes: the first one a model has is used).
+NXDT_CLASSES = ("CoreAttention", "LlamaMLP")
 # Whole decoder blocks, whatever the block's class (transformers: LlamaDecoderLayer, MixtralDecoderLayer,
 # GPTNeoXLayer); `full` granularity asks for it.
 BLOCK = "LlamaDecoderLayer"
@@ -212,19 +211,22 @@ def recompute_classes(m) -> list[str] | None:
     return ["LlamaDecoderLayer"]
 
 
-def apply_activation_checkpointing(model: nn.Module, model_cfg) -> nn.Module:
-    """Checkpoint the modules the `model` config section asks for, in the decoder blocks it
-    selects (`transformer_blocks`: model.model.layers, or a transformers model's base_model.layers)."""
+def checkpoint_plan(blocks: list[tuple[str, nn.Module]], model_cfg,
+                    aliases: dict[str, tuple[str, ...]] | None = None) -> tuple[tuple[str, ...], ...]:
+    """The module paths the `model` config section asks to recompute, among the decoder `blocks`
+    ((path, block) pairs of one model or pipeline stage, each path ending in the block's index in
+    the whole model): one group per checkpoint, a single module or a chunk of consecutive blocks.
+    `aliases`: NxDT class names -> the model source's classes (its adapter's `recompute_aliases`)."""
     classes = recompute_classes(model_cfg)
-    if not classes:
-        return model
-    blocks = transformer_blocks(model)
-    # A pipeline stage holds a subset: select by the block's global index when it has one.
+    if not classes or not blocks:
+        return ()
+    aliases = aliases or {}
+    # A pipeline stage holds a subset: select by the block's index in the whole model.
     fraction = model_cfg.selective_checkpointing
     total = model_cfg.num_layers or len(blocks)  # hf: null (the count is in config.json)
     chosen = set(selected_blocks(max(total, len(blocks)), fraction))
-    present = {type(m).__name__ for b in blocks for m in b.modules()}
-    valid = sorted(present | set(HF_ALIASES) | {BLOCK})
+    present = {type(m).__name__ for _, b in blocks for m in b.modules()}
+    valid = sorted(present | set(NXDT_CLASSES) | {BLOCK})
     unknown = [c for c in classes if c not in valid]
     if unknown:
         raise ConfigError(f"model.activations_checkpoint_recompute: unknown module class {unknown[0]!r}; "
@@ -234,34 +236,41 @@ def apply_activation_checkpointing(model: nn.Module, model_cfg) -> nn.Module:
         # GPT-NeoX: consecutive blocks of this model (or pipeline stage) in chunks of `chunk`; the
         # last chunk is shorter when it does not divide (as NeoX). Validation (check_cross) allows
         # it only with full granularity and no fraction, so `classes` is whole blocks here.
-        for start in range(0, len(blocks), chunk):
-            checkpoint_chunk(blocks[start:start + chunk])
-        return model
-    wanted = {_class_in(c, present) for c in classes}
-    for i, block in enumerate(blocks):
-        if _layer_index(block, i) not in chosen:
+        paths = [path for path, _ in blocks]
+        return tuple(tuple(paths[start:start + chunk]) for start in range(0, len(paths), chunk))
+    wanted = {_class_in(c, present, aliases) for c in classes}
+    groups: list[tuple[str, ...]] = []
+    for path, block in blocks:
+        if int(path.rsplit(".", 1)[1]) not in chosen:
             continue
         if BLOCK in wanted or type(block).__name__ in wanted:
-            checkpoint_module(block)
+            groups.append((path,))
             continue
-        for sub in block.modules():
-            if type(sub).__name__ in wanted:
-                checkpoint_module(sub)
+        groups += [(f"{path}.{name}" if name else path,) for name, sub in block.named_modules()
+                   if type(sub).__name__ in wanted]
+    return tuple(groups)
+
+
+def apply_activation_checkpointing(model: nn.Module, model_cfg=None,
+                                   groups: tuple[tuple[str, ...], ...] | None = None) -> nn.Module:
+    """Checkpoint the module groups of a plan (`groups`: nxdt.parallel.plan's `StagePlan.checkpoint`),
+    or, without one, those the `model` config section asks for in the decoder blocks `model` holds."""
+    if groups is None:
+        adapter = adapter_of(model)
+        layers = adapter.layers_path(model)
+        blocks = [(f"{layers}.{name}", b) for name, b in adapter.decoder(model).layers.named_children()]
+        groups = checkpoint_plan(blocks, model_cfg, adapter.recompute_aliases)
+    for group in groups:
+        modules = [model.get_submodule(path) for path in group]
+        if len(modules) == 1:
+            checkpoint_module(modules[0])
+        else:
+            checkpoint_chunk(modules)
     return model
 
 
-def _class_in(name: str, present: set[str]) -> str:
-    """`name`, or the transformers class it stands for in a model without it (HF_ALIASES)."""
+def _class_in(name: str, present: set[str], aliases: dict[str, tuple[str, ...]]) -> str:
+    """`name`, or the model source's class it stands for in a model without it (its adapter's aliases)."""
     if name in present:
         return name
-    return next((alias for alias in HF_ALIASES.get(name, ()) if alias in present), name)
-
-
-def _layer_index(block: nn.Module, position: int) -> int:
-    """The block's index in the whole model (a pipeline stage holds a subset): its own or its
-    attention's layer_idx (native, transformers), else its position."""
-    for owner in (block, getattr(block, "self_attn", None), getattr(block, "attention", None)):
-        index = getattr(owner, "layer_idx", None)
-        if isinstance(index, int):
-            return index
-    return position
+    return next((alias for alias in aliases.get(name, ()) if alias in present), name)

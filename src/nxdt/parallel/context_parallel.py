@@ -19,8 +19,9 @@ Gradients: every cp rank computes its slice's share of the loss (`masked_token_l
 `cp_group`), and the parameter gradients are reduced over dp × cp together (see
 `nxdt.parallel.data_parallel`): to the optimizer a cp rank is one more data-parallel rank.
 
-The native Llama takes the ring through `CoreAttention.sdpa`; transformers' Llama through its
-attention-function registry (`AttentionInterface`, name "nxdt_ring").
+The model's adapter (nxdt.models.adapter `set_attention`) routes its attention through the ring:
+the native Llama through `CoreAttention.sdpa`, transformers' Llama through its attention-function
+registry (`AttentionInterface`, name "nxdt_ring").
 
 Limits (refused by the config validation): causal self-attention only — no document masks
 (`reset_position_ids` / `reset_attention_mask`, SFT packing), no attention dropout or sliding window.
@@ -34,6 +35,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from nxdt.config.errors import ConfigError
+from nxdt.models.adapter import adapter_of
 
 aten = torch.ops.aten
 
@@ -90,36 +92,6 @@ class RingSDPA:
         return _RingAttention.apply(q, k, v, self.group, scale)
 
 
-HF_RING = "nxdt_ring"  # our name in transformers' attention registry
-
-
-def _hf_ring_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """transformers' attention-function signature (see `AttentionInterface`) over ring attention.
-
-    transformers builds no mask for an attention name it has no mask function for, so
-    `attention_mask` is None here; the ring computes plain causal attention."""
-    n_rep = query.shape[1] // key.shape[1]  # GQA: whole K/V heads, read from the (tp-local) tensors
-    if n_rep > 1:
-        key, value = (t.repeat_interleave(n_rep, dim=1) for t in (key, value))
-    out = module.nxdt_ring(query, key, value, is_causal=True, dropout_p=dropout, scale=scaling)
-    return out.transpose(1, 2).contiguous(), None  # [B, S, H, D] as transformers expects
-
-
-def _use_ring_in_transformers(model: nn.Module, ring: RingSDPA) -> bool:
-    """Point a transformers model's attention at ring attention; False if it is not one."""
-    config = getattr(model, "config", None)
-    attns = [m for m in model.modules() if type(m).__name__ == "LlamaAttention" and hasattr(m, "num_key_value_groups")]
-    if config is None or not attns:
-        return False
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(HF_RING, _hf_ring_attention)
-    config._attn_implementation = HF_RING
-    for attn in attns:
-        attn.nxdt_ring = ring
-    return True
-
-
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:
     """Route every block's core attention through ring attention on `cp_mesh` (no-op for cp 1)."""
     if cp_mesh.size() == 1:
@@ -129,18 +101,8 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:
         # padded log-sum-exp) that need a test on a multi-GPU machine before we claim them.
         raise ConfigError(f"distributed_strategy.context_parallel_size > 1 on device '{cp_mesh.device_type}' is "
                           f"not supported yet (ring-attention kernels are wired for: {', '.join(_KERNELS)})")
-    ring = RingSDPA(cp_mesh.get_group())
-    cores = [m for m in model.modules() if hasattr(m, "sdpa") and type(m).__name__ == "CoreAttention"]
-    if not cores:
-        if not _use_ring_in_transformers(model, ring):
-            raise RuntimeError(f"context parallel: no Llama attention found in {type(model).__name__}")
-        return
-    for core in cores:
-        core.sdpa = ring  # CoreAttention's documented seam for the attention kernel
-    for m in model.modules():
-        # A head-tail slice's positions jump (e.g. 0-7 then 24-31) without starting a document.
-        if hasattr(m, "positions_mark_documents"):
-            m.positions_mark_documents = False
+    if not adapter_of(model).set_attention(model, RingSDPA(cp_mesh.get_group())):
+        raise RuntimeError(f"context parallel: no Llama attention found in {type(model).__name__}")
 
 
 def shard_sequence(batch: dict[str, torch.Tensor], cp_mesh: DeviceMesh) -> dict[str, torch.Tensor]:

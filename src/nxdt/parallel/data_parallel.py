@@ -25,14 +25,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
+import inspect
 
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from nxdt.models import init_model_weights
+from nxdt.models.adapter import adapter_of
 from nxdt.spec.parallel import sharding_mode_of
 from nxdt.parallel.expert_parallel import expert_modules, expert_parameters
 from nxdt.parallel.mesh import expert_mesh, submesh
 from nxdt.precision.precision import fsdp_mixed_precision_policy, stochastic_master_weights
+from nxdt.precision.sr_fsdp import SRState, wrap_for_stochastic_rounding
 
 
 @dataclass(frozen=True)
@@ -64,43 +74,38 @@ def data_parallel_config(ds, precision) -> DataParallelConfig:
     )
 
 
-def decoder_of(model: nn.Module) -> nn.Module:
-    """The module holding the decoder layers as `.layers`: `model.model` for the native model, a
-    transformers Llama / Mixtral and a pipeline stage; a transformers model's `base_model`
-    otherwise (GPTNeoXForCausalLM: `model.gpt_neox`)."""
-    for inner in (getattr(model, "model", None), getattr(model, "base_model", None)):
-        if isinstance(inner, nn.Module) and isinstance(getattr(inner, "layers", None), nn.Module):
-            return inner
-    raise ValueError(f"{type(model).__name__}: no decoder layers found (expected model.layers or base_model.layers)")
-
-
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     """The decoder layers (`model.model.layers`; `model.gpt_neox.layers` for transformers' GPT-NeoX)."""
-    return list(decoder_of(model).layers)
+    return adapter_of(model).blocks(model)
 
 
-def apply_data_parallel(model: nn.Module, mesh: DeviceMesh, dp_cfg: DataParallelConfig | None = None) -> None:
-    """Wrap `model` for data parallelism over the dp axes of `mesh` (no-op when dp == 1)."""
+def _units(model: nn.Module, units: tuple[str, ...] | None) -> list[nn.Module]:
+    """The data-parallel units besides the root: a plan's (StagePlan.data_parallel), else the blocks."""
+    return transformer_blocks(model) if units is None else [model.get_submodule(path) for path in units]
+
+
+def apply_data_parallel(model: nn.Module, mesh: DeviceMesh, dp_cfg: DataParallelConfig | None = None,
+                        units: tuple[str, ...] | None = None) -> None:
+    """Wrap `model` for data parallelism over the dp axes of `mesh` (no-op when dp == 1), each of
+    `units` (module paths; None: the decoder blocks) its own unit, the root the rest."""
     dp_cfg = dp_cfg or DataParallelConfig()
     if dp_cfg.mode == "shard":
-        _fully_shard(model, mesh, dp_cfg)
+        _fully_shard(model, mesh, dp_cfg, units)
     else:
-        _replicate(model, mesh)
+        _replicate(model, mesh, units)
 
 
-def _replicate(model: nn.Module, mesh: DeviceMesh) -> None:
+def _replicate(model: nn.Module, mesh: DeviceMesh, units: tuple[str, ...] | None = None) -> None:
     """FSDP2's replicate (DDP semantics, per-block buckets) over the flattened dp axis.
 
     Gradients are all-reduced (averaged) during the backward of the last micro-batch; the
     training step turns the sync off for the earlier ones with `set_requires_gradient_sync`.
     """
-    from torch.distributed._composable.replicate_with_fsdp import replicate
-
     dp_mesh = submesh(mesh, "dp_cp")  # context-parallel ranks reduce gradients like dp ranks
     if dp_mesh.size() == 1:
         return
     ignored = _wrap_experts(model, mesh, replicate)
-    for block in transformer_blocks(model):
+    for block in _units(model, units):
         replicate(block, mesh=dp_mesh, ignored_params=ignored)
     replicate(model, mesh=dp_mesh, ignored_params=ignored)
 
@@ -117,9 +122,8 @@ def _wrap_experts(model: nn.Module, mesh: DeviceMesh, wrap, **kwargs) -> set[nn.
     return expert_parameters(model)
 
 
-def _fully_shard(model: nn.Module, mesh: DeviceMesh, dp_cfg: DataParallelConfig) -> None:
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
+def _fully_shard(model: nn.Module, mesh: DeviceMesh, dp_cfg: DataParallelConfig,
+                 units: tuple[str, ...] | None = None) -> None:
     if mesh["dp_replicate"].size() > 1:
         dp_mesh = mesh["dp_replicate", "dp_shard"]  # HSDP: replicate × shard (cp > 1 refused by validation)
     else:
@@ -133,13 +137,11 @@ def _fully_shard(model: nn.Module, mesh: DeviceMesh, dp_cfg: DataParallelConfig)
         offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if dp_cfg.cpu_offload else OffloadPolicy(),
     )
     if dp_cfg.stochastic_rounding:  # before fully_shard: FSDP shards (and keeps) the subclass
-        from nxdt.precision.sr_fsdp import SRState, wrap_for_stochastic_rounding
-
         wrap_for_stochastic_rounding(model, SRState())  # Precision.attach seeds and steps it
     expert_kwargs = {k: v for k, v in kwargs.items() if k != "mesh"}
     ignored = _wrap_experts(model, mesh, fully_shard, reshard_after_forward=dp_cfg.reshard_after_forward,
                             **expert_kwargs)
-    blocks = transformer_blocks(model)
+    blocks = _units(model, units)
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by the backward: keep them.
         fully_shard(block, reshard_after_forward=dp_cfg.reshard_after_forward and i < len(blocks) - 1,
@@ -177,8 +179,6 @@ def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
     generator, one parameter at a time, and keeps the local shard — so shards are never
     duplicates of one another, and the weights equal an unsharded meta-init with the same seed.
     """
-    from nxdt.models import init_model_weights
-
     model.to_empty(device=device)
     with _FullRandomFill():
         init_model_weights(model)
@@ -197,8 +197,6 @@ class _FullRandomFill(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        from torch.distributed.tensor import DTensor, distribute_tensor
-
         # torch.nn.init functions pass the tensor as a keyword (`tensor=`), Tensor methods positionally
         target = args[0] if args else kwargs.get("tensor")
         if func in self._RANDOM and isinstance(target, DTensor):
@@ -227,21 +225,13 @@ def zero1_optimizer(params, optimizer_class: type, kwargs: dict, process_group,
     sharded over ep): every rank steps its own, none is broadcast. (Their optimizer state is
     sharded by ep, not further over the experts' replicas.)
     """
-    import inspect
-
     if "weight_decay" not in inspect.signature(optimizer_class.__init__).parameters:
         params = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
     return DTensorZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, process_group=process_group,
                                           rank_local=rank_local, **kwargs)
 
 
-def _zero_class():
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    return ZeroRedundancyOptimizer
-
-
-class DTensorZeroRedundancyOptimizer(_zero_class()):
+class DTensorZeroRedundancyOptimizer(ZeroRedundancyOptimizer):
     """ZeroRedundancyOptimizer that also takes DTensor parameters (tensor parallel / replicate).
 
     The only change: the post-step broadcast sends each parameter's local tensor (c10d
@@ -268,12 +258,8 @@ class DTensorZeroRedundancyOptimizer(_zero_class()):
         return partition
 
     def _broadcast_params_from_rank(self, rank: int):
-        from torch.distributed.tensor import DTensor
-
         if self.parameters_as_bucket_view:
             return super()._broadcast_params_from_rank(rank)
-        import torch.distributed as dist
-
         src = dist.get_global_rank(self.process_group, rank)
         handles = []
         with torch.no_grad():

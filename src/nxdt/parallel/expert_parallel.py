@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
@@ -94,8 +95,6 @@ class ExpertParallelExperts(MoEExperts):
 
 
 def _all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
-    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
-
     return wait_tensor(all_to_all_single_autograd(x, output_splits, input_splits, group))
 
 

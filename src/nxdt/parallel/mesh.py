@@ -1,5 +1,6 @@
 """The one DeviceMesh every parallelism of a run is cut from.
 
+The mesh's shape is a `nxdt.spec.layout.Layout` (torch-free: the planner reads the same one).
 Axes, outermost first: ``pp`` (pipeline stages), ``dp_replicate`` and ``dp_shard`` (data
 parallel: replicated copies and FSDP shards; their product is dp), ``cp`` (context
 parallel) and ``tp`` (tensor parallel, innermost so its ranks are neighbours on a node).
@@ -15,62 +16,16 @@ root mesh, as FSDP2 requires of a 2-D layout; `submesh(mesh, "ep")` and `"edp"` 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from nxdt.spec.parallel import ShardingMode, sharding_mode
-
-MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-EXPERT_MESH_AXES = ("pp", "edp", "ep", "cp", "tp")
+from nxdt.spec.layout import EXPERT_MESH_AXES, MESH_AXES, Layout
 
 
-@dataclass(frozen=True)
-class MeshShape:
-    pp: int = 1
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    cp: int = 1
-    tp: int = 1
-    ep: int = 1
-    """expert parallel, within dp (not an axis of the main mesh: see the module docstring)"""
-
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def world_size(self) -> int:
-        return self.pp * self.dp * self.cp * self.tp
-
-    def sizes(self) -> tuple[int, ...]:
-        return tuple(getattr(self, axis) for axis in MESH_AXES)
-
-
-def mesh_shape_from_layout(layout, sharding: ShardingMode | str | None = None, num_nodes: int = 1) -> MeshShape:
-    """Split dp into replicate × shard by the sharding mode (or a `sharding_strategy` spelling).
-
-    replicate (no-shard / DDP / ZeRO-1): all dp ranks replicate; FSDP / grad-shard: all shard;
-    hybrid (HSDP): shard within a node, replicate across nodes.
-    """
-    mode = sharding if isinstance(sharding, ShardingMode) else sharding_mode(sharding)
-    dp = layout.dp
-    if mode.hybrid:
-        replicate = max(1, min(num_nodes, dp))
-        if dp % replicate:
-            replicate = 1
-        shard = dp // replicate
-    elif mode.shard:
-        replicate, shard = 1, dp
-    else:
-        replicate, shard = dp, 1
-    return MeshShape(pp=layout.pp, dp_replicate=replicate, dp_shard=shard, cp=layout.cp, tp=layout.tp,
-                     ep=getattr(layout, "ep", 1))
-
-
-def build_mesh(shape: MeshShape, device_type: str) -> DeviceMesh:
+def build_mesh(shape: Layout, device_type: str) -> DeviceMesh:
+    """The run's DeviceMesh for `shape` (a Layout: its `sizes()` over `MESH_AXES`), with the
+    flattened dp axes and, for ep > 1, the expert mesh."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     if shape.world_size != world:
         raise ValueError(
@@ -85,8 +40,7 @@ def build_mesh(shape: MeshShape, device_type: str) -> DeviceMesh:
         _FLAT[(mesh, "dp_cp")] = mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
         _FLAT[(mesh, "dp_shard_cp")] = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
     if shape.ep > 1:
-        experts = init_device_mesh(device_type, (shape.pp, shape.dp // shape.ep, shape.ep, shape.cp, shape.tp),
-                                   mesh_dim_names=EXPERT_MESH_AXES)
+        experts = init_device_mesh(device_type, shape.expert_sizes(), mesh_dim_names=EXPERT_MESH_AXES)
         _FLAT[(mesh, "ep")] = experts["ep"]
         _FLAT[(mesh, "edp")] = experts["edp"]
     return mesh

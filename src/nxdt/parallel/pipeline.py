@@ -5,7 +5,8 @@
    `model.norm` and `lm_head`, every stage keeps its own decoder layers *under their original
    names* (`model.layers.18` stays `model.layers.18`, see `StageLayers`), so parallel plans and
    checkpoints name the same parameters in every layout. Layers split evenly over
-   pp × vpp stages, or after the layers named by `model.pipeline_cuts` (NxD's meaning).
+   pp × vpp stages, or after the layers named by `model.pipeline_cuts` (NxD's meaning): the run's
+   plan (nxdt.parallel.plan) says which stages each pp rank holds.
 2. **Parallelize each stage** with the same function as a whole model (`parallelize_llama`:
    tensor parallel, checkpointing, data parallel), as torchtitan does.
 3. **Schedule.** `PipelineStage`s on the mesh's `pp` axis, driven by 1F1B (vpp = 1) or
@@ -19,8 +20,9 @@ same gradients as the non-pipeline step. `Pipeline.step` returns that loss on ev
 
 Stage modules run as plain modules: the native Llama's forward accepts hidden states when it
 has no `embed_tokens` and returns them when it has no `norm` / `lm_head`; a transformers model
-is wrapped by `_HFStageModule` (same parameter names). `position_ids`, when the batch has them,
-are given to every stage (the schedule passes keyword arguments to all stages).
+runs as its adapter's stage module (nxdt.models.adapter.HFStage, same parameter names).
+`position_ids`, when the batch has them, are given to every stage (the schedule passes keyword
+arguments to all stages).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
-from nxdt.spec.parallel import V_SCHEDULES, default_pipeline_schedule, pipeline_stage_starts
+from nxdt.models.adapter import adapter_of
+from nxdt.parallel.plan import ParallelPlan, make_plan
 
 
 class StageLayers(nn.Module):
@@ -69,57 +72,18 @@ class StageLayers(nn.Module):
         return [int(name) for name, _ in self.named_children()]
 
 
-class _HFStageModule(nn.Module):
-    """A pruned transformers `LlamaForCausalLM` as a stage: token ids or hidden states in,
-    hidden states or logits out. Holds `model` and `lm_head` as children, so parameter names
-    are those of the whole model."""
-
-    def __init__(self, part: nn.Module, is_first: bool, is_last: bool) -> None:
-        super().__init__()
-        self.model = part.model
-        self.lm_head = part.lm_head if is_last else None
-        self.config = part.config
-        self.is_first = is_first
-
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        if self.is_first:
-            out = self.model(input_ids=x, position_ids=position_ids)
-        else:
-            out = self.model(inputs_embeds=x, position_ids=position_ids)
-        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-        return self.lm_head(hidden) if self.lm_head is not None else hidden
-
-
-def _is_native(model: nn.Module) -> bool:
-    from nxdt.models.llama import NxdtLlamaForCausalLM
-
-    return isinstance(model, NxdtLlamaForCausalLM)
-
-
 def prune_to_stage(model: nn.Module, layers: range, is_first: bool, is_last: bool) -> nn.Module:
-    """A copy of `model` holding only what one stage needs; the parts it drops are not copied."""
-    inner = model.model
-    drop: list[nn.Module] = [layer for i, layer in enumerate(inner.layers) if i not in layers]
-    if not is_first:
-        drop += [m for m in (getattr(inner, "embed_tokens", None), getattr(inner, "embed_positions", None))
-                 if m is not None]
-    if not is_last:
-        drop += [inner.norm, model.lm_head]
+    """A copy of `model` holding only what one stage needs; the parts it drops are not copied. The
+    model's adapter says what a stage drops and what module it runs as (nxdt.models.adapter)."""
+    adapter = adapter_of(model)
+    blocks = adapter.decoder(model).layers
+    drop: list[nn.Module] = [layer for i, layer in enumerate(blocks) if i not in layers]
+    drop += adapter.stage_drops(model, is_first, is_last)
     # deepcopy's memo maps a dropped module to None: the copy gets None there and never copies it.
     part = copy.deepcopy(model, {id(m): None for m in drop})
-    part.model.layers = StageLayers({i: part.model.layers[i] for i in layers})
-    if _is_native(model):
-        return part  # its forward tolerates the missing parts
-    if not is_last:
-        part.model.norm = nn.Identity()  # transformers' forward always calls norm
-    return _HFStageModule(part, is_first, is_last)
-
-
-def stage_ids_of_rank(pp_rank: int, pp: int, vpp: int, style: str = "loop") -> list[int]:
-    """Stages held by one pp rank: loop style r, r + pp, ...; V style (ZBV, DualPipeV) r, 2pp - 1 - r."""
-    if style == "v":
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + k * pp for k in range(vpp)]
+    inner = adapter.decoder(part)
+    inner.layers = StageLayers({i: inner.layers[i] for i in layers})
+    return adapter.as_stage(part, is_first, is_last)
 
 
 @dataclass
@@ -203,8 +167,9 @@ def build_pipeline(
     layout,
     device: torch.device,
     loss_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-    parallelize_fn: Callable[[nn.Module, DeviceMesh, object], nn.Module] | None = None,
+    parallelize_fn: Callable[..., nn.Module] | None = None,
     loss_scale: Callable[[], float] | None = None,
+    plan: ParallelPlan | None = None,
 ) -> Pipeline:
     """Split `model` into this rank's stages, parallelize each, and build the schedule.
 
@@ -214,25 +179,23 @@ def build_pipeline(
     engine does the same) and the schedule no longer divides the gradients: every stage's
     backward runs on scaled gradients in the same range as the non-pipeline step's, and the
     gradients come out `scale` × the true ones, for `Precision.finish_grads` to unscale.
+    `plan`: the run's (nxdt.parallel.plan.make_plan of `model` on `layout`), made here when not given;
+    `parallelize_fn(part, mesh, cfg, plan=plan)` applies it to each stage.
     """
-    pp, vpp = layout.pp, layout.vpp
-    num_stages = pp * vpp
-    name = cfg.distributed_strategy.schedule or default_pipeline_schedule(vpp)
-    schedule_cls = get_schedule_class(name)
+    if plan is None:
+        plan = make_plan(model, layout, cfg)
+    num_stages = plan.num_stages
+    schedule_cls = get_schedule_class(plan.schedule)
     pp_mesh = mesh["pp"]
     pp_rank, pp_group = pp_mesh.get_local_rank(), pp_mesh.get_group()
-
-    num_layers = len(model.model.layers)
-    cuts = cfg.model.pipeline_cuts
-    starts = pipeline_stage_starts(num_layers, num_stages, list(cuts) if cuts else None)
-    v_style = name in V_SCHEDULES
-    stage_ids = stage_ids_of_rank(pp_rank, pp, vpp, "v" if v_style else "loop")
+    stage_ids = list(plan.rank_stages[pp_rank])
 
     parts, stages = [], []
     for sid in stage_ids:
-        part = prune_to_stage(model, range(starts[sid], starts[sid + 1]), sid == 0, sid == num_stages - 1)
+        stage = plan.stages[sid]
+        part = prune_to_stage(model, range(stage.layers[0], stage.layers[-1] + 1), stage.first, stage.last)
         if parallelize_fn is not None:
-            part = parallelize_fn(part, mesh, cfg)
+            part = parallelize_fn(part, mesh, cfg, plan=plan)
         parts.append(part)
         stages.append(PipelineStage(part, stage_index=sid, num_stages=num_stages, device=device, group=pp_group))
 
@@ -253,7 +216,7 @@ def build_pipeline(
     else:
         schedule = schedule_cls(stages, n_microbatches=n, loss_fn=stage_loss, scale_grads=scale_grads)
     return Pipeline(schedule=schedule, stages=stages, parts=parts, stage_ids=stage_ids,
-                    num_stages=num_stages, pp_group=pp_group, v_style=v_style, unscaled_losses=unscaled,
+                    num_stages=num_stages, pp_group=pp_group, v_style=plan.v_style, unscaled_losses=unscaled,
                     num_microbatches=n)
 
 

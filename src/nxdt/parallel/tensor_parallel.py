@@ -50,6 +50,8 @@ subset; missing embed_tokens / norm / lm_head are skipped).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -74,26 +76,11 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from nxdt.models.adapter import adapter_of
 from nxdt.models.lora import adapters_detached, lora_modules
 
 __all__ = ["KVHeadSelect", "apply_tensor_parallel", "block_norms", "distribute_lora_adapters", "loss_parallel",
-           "llama_tp_plan", "is_hf_model"]
-
-
-def is_hf_model(model: nn.Module) -> bool:
-    """A transformers model (its attention/decoder modules take keyword arguments)."""
-    from nxdt.models.llama import NxdtLlamaForCausalLM
-
-    return not isinstance(model, NxdtLlamaForCausalLM)
-
-
-def _num_kv_heads(model: nn.Module) -> tuple[int, int]:
-    """(num_attention_heads, num_kv_heads) of either model source."""
-    args = getattr(model, "args", None)
-    if args is not None:
-        return args.num_attention_heads, args.num_kv_heads
-    c = model.config
-    return c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+           "llama_tp_plan", "tp_local_numel"]
 
 
 class KVHeadSelect(ParallelStyle):
@@ -145,10 +132,16 @@ def block_norms(block: nn.Module) -> list[str]:
     return [name for name, _ in block.named_children() if name.endswith("layernorm")]
 
 
-def llama_tp_plan(model: nn.Module, tp: int, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """The plan {module path: ParallelStyle} for `model` (paths relative to the causal-LM root)."""
-    hf = is_hf_model(model)
-    heads, kv = _num_kv_heads(model)
+def llama_tp_plan(model: nn.Module, tp: int, sequence_parallel: bool, blocks: list[tuple[str, nn.Module]] | None = None,
+                  first: bool = True, last: bool = True) -> dict[str, ParallelStyle]:
+    """The plan {module path: ParallelStyle} for `model` (paths relative to the causal-LM root).
+
+    `blocks`: the (path, block) pairs of one pipeline stage (default: every block `model` holds,
+    under its own name: a stage part's layers keep the whole model's indices); `first` / `last`:
+    whether that stage holds the embedding / the final norm and output layer (and `model` has them).
+    Works on a model built on the meta device (nxdt.parallel.plan makes the planner's plan so)."""
+    adapter = adapter_of(model)
+    heads, kv = adapter.heads(model)
     if heads % tp:
         raise ValueError(f"num_attention_heads ({heads}) is not divisible by tensor_model_parallel_size ({tp})")
     replicate_kv = tp > kv
@@ -157,13 +150,17 @@ def llama_tp_plan(model: nn.Module, tp: int, sequence_parallel: bool) -> dict[st
     sp = sequence_parallel
     seq = Shard(1)
     names = dict(model.named_modules())
+    if blocks is None:
+        layers = adapter.layers_path(model)
+        blocks = [(f"{layers}.{name}", block) for name, block in adapter.decoder(model).layers.named_children()]
+    has_embed, has_norm = first and adapter.embed in names, last and adapter.norm in names
+    # positional arguments after the hidden states (native: rope, mask); transformers passes keywords
+    rest = (None,) * adapter.block_extra_args
     plan: dict[str, ParallelStyle] = {}
 
-    if "model.embed_tokens" in names:
-        plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-    blocks = list(model.model.layers)
-    for i, block in enumerate(blocks):
-        p = f"model.layers.{i}"
+    if has_embed:
+        plan[adapter.embed] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    for i, (p, block) in enumerate(blocks):
         head_dim = block.self_attn.head_dim
         if sp:
             # Between blocks the residual stream is a sequence shard; at the edges of the block
@@ -171,9 +168,8 @@ def llama_tp_plan(model: nn.Module, tp: int, sequence_parallel: bool) -> dict[st
             # table from the embedding's output length, and stages pass full [B, S, H] tensors.
             edge = {}
             if i == 0:
-                edge.update(input_layouts=(Replicate(),) + (None,) * (0 if hf else 2),
-                            desired_input_layouts=(seq,) + (None,) * (0 if hf else 2))
-            if i == len(blocks) - 1 and "model.norm" not in names:
+                edge.update(input_layouts=(Replicate(), *rest), desired_input_layouts=(seq, *rest))
+            if i == len(blocks) - 1 and not has_norm:
                 edge.update(output_layouts=seq, desired_output_layouts=Replicate())
             if "input_layouts" in edge and "output_layouts" in edge:
                 plan[p] = PrepareModuleInputOutput(**edge, use_local_input=True)
@@ -183,10 +179,10 @@ def llama_tp_plan(model: nn.Module, tp: int, sequence_parallel: bool) -> dict[st
                 plan[p] = PrepareModuleOutput(**edge)
             for norm in block_norms(block):
                 plan[f"{p}.{norm}"] = SequenceParallel(use_local_output=True)
-            if hf:
+            if adapter.attention_kwarg:
                 plan[f"{p}.self_attn"] = PrepareModuleInput(
-                    input_kwarg_layouts={"hidden_states": seq},
-                    desired_input_kwarg_layouts={"hidden_states": Replicate()})
+                    input_kwarg_layouts={adapter.attention_kwarg: seq},
+                    desired_input_kwarg_layouts={adapter.attention_kwarg: Replicate()})
             else:  # forward(x, rope, mask)
                 plan[f"{p}.self_attn"] = PrepareModuleInput(
                     input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None))
@@ -197,8 +193,7 @@ def llama_tp_plan(model: nn.Module, tp: int, sequence_parallel: bool) -> dict[st
             else:
                 plan[f"{p}.mlp"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
         plan[f"{p}.self_attn.q_proj"] = ColwiseParallel()
-        kv_style = KVHeadSelect(kv, head_dim) if replicate_kv else ColwiseParallel()
-        plan[f"{p}.self_attn.k_proj"] = kv_style
+        plan[f"{p}.self_attn.k_proj"] = KVHeadSelect(kv, head_dim) if replicate_kv else ColwiseParallel()
         plan[f"{p}.self_attn.v_proj"] = KVHeadSelect(kv, head_dim) if replicate_kv else ColwiseParallel()
         plan[f"{p}.self_attn.o_proj"] = RowwiseParallel(output_layouts=seq if sp else Replicate())
         if _is_moe(block.mlp):
@@ -211,16 +206,32 @@ def llama_tp_plan(model: nn.Module, tp: int, sequence_parallel: bool) -> dict[st
                 input_layouts=(Shard(-1),), desired_input_layouts=(Replicate(),), use_local_input=True,
                 output_layouts=(Replicate(),), desired_output_layouts=(Shard(-1),), use_local_output=True)
         plan[f"{p}.mlp.down_proj"] = RowwiseParallel(output_layouts=seq if sp else Replicate())
-    if "model.norm" in names and sp and not isinstance(names["model.norm"], nn.Identity):
-        plan["model.norm"] = SequenceParallel(use_local_output=True)
-    if "lm_head" in names:
-        plan["lm_head"] = ColwiseParallel(
+    if has_norm and sp and not isinstance(names[adapter.norm], nn.Identity):
+        plan[adapter.norm] = SequenceParallel(use_local_output=True)
+    if last and adapter.lm_head in names:
+        plan[adapter.lm_head] = ColwiseParallel(
             input_layouts=seq if sp else Replicate(), output_layouts=Shard(-1), use_local_output=False)
     return plan
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> nn.Module:
-    """Shard `model` over `tp_mesh` in place (no-op when tp == 1). Returns the model.
+def tp_local_numel(style: ParallelStyle | None, param: str, numel: int, tp: int) -> int:
+    """Elements of one parameter (`param`: weight / bias of the module `style` is applied to) that
+    one tensor-parallel rank holds. Colwise: weight and bias split; rowwise: the weight split (a
+    linear's columns, an embedding's rows), the bias whole; KVHeadSelect: one K/V head per rank
+    (the planner's count: numel / num_kv_heads); other styles leave parameters whole."""
+    if isinstance(style, ColwiseParallel):  # before RowwiseParallel: neither subclasses the other
+        return math.ceil(numel / tp)
+    if isinstance(style, RowwiseParallel):
+        return math.ceil(numel / tp) if param == "weight" else numel
+    if isinstance(style, KVHeadSelect):
+        return numel // style.num_kv_heads
+    return numel
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False,
+                          plan: dict[str, ParallelStyle] | None = None) -> nn.Module:
+    """Shard `model` over `tp_mesh` in place (no-op when tp == 1) by `plan` (a ParallelPlan's styles
+    for this model or stage; None: `llama_tp_plan` of the model). Returns the model.
 
     Afterwards the model's logits are a DTensor sharded on the vocabulary (Shard(-1)): compute
     the cross entropy under `loss_parallel()` (see nxdt.training.loss.masked_token_loss).
@@ -228,9 +239,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     tp = tp_mesh.size()
     if tp == 1:
         return model
-    heads, kv = _num_kv_heads(model)
+    adapter = adapter_of(model)
+    heads, kv = adapter.heads(model)
     tied = _tied(model)
-    plan = llama_tp_plan(model, tp, sequence_parallel)
+    if plan is None:
+        plan = llama_tp_plan(model, tp, sequence_parallel)
     # the styles make new Parameters (requires_grad True): a frozen one (LoRA's base) must stay frozen
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     with adapters_detached(model):  # the styles distribute a module's parameters recursively
@@ -241,11 +254,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     for name, p in model.named_parameters():
         if name in frozen:
             p.requires_grad_(False)
-    if tp > kv and is_hf_model(model):
-        # transformers repeats K/V by num_key_value_groups (query heads per K/V head); a rank now
-        # holds H/tp query heads and one K/V head.
-        for block in model.model.layers:
-            block.self_attn.num_key_value_groups = heads // tp
+    if tp > kv:  # a rank now holds H/tp query heads and one K/V head
+        adapter.local_heads(model, heads // tp)
     return model
 
 
@@ -329,8 +339,6 @@ def _norm(tensors: list[torch.Tensor], norm_type: float) -> torch.Tensor:
 def clip_grads_with_norm_(parameters: list[torch.Tensor], max_norm: float | None, norm: torch.Tensor) -> None:
     """Scale the gradients by max_norm / norm when that is below 1 (torch's rule), for a mix of
     DTensor and plain gradients (torch's foreach version refuses the mix)."""
-    import math
-
     if not max_norm or max_norm <= 0 or not math.isfinite(max_norm):
         return
     # The host read costs one graph execution per step on XLA. A device-side coefficient would

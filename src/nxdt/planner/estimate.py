@@ -3,8 +3,10 @@ estimator behind `nxdt plan` (nxdt.tools.plan, its command line) and the run's s
 
 The model is built on the meta device (no memory, seconds even for 70B), so the parameter
 count is exact; for a mixture of experts also the parameters activated per token (the top_k of
-E experts' share, nxdt.models.param_count). Per rank: the pipeline stage split (the rank holding
-the most parameters), /tp for tensor-parallel weights, /dp_shard under FSDP, expert weights /ep
+E experts' share, nxdt.models.param_count). What each rank holds is read from the run's parallel
+plan (nxdt.parallel.plan.make_plan of that model: the one the run applies): the pipeline stage split
+and each rank's stages (the rank holding the most parameters), each parameter's tensor-parallel
+shard (its module's style), /dp_shard under FSDP, expert weights /ep
 (and over their dp/ep replicas under FSDP). Memory per rank is split into
 parameters, gradients, optimizer state (fp32 master weights included) and activations for the
 precision preset, ZeRO-1 / FSDP sharding and activation checkpointing; see docs/plan.md for
@@ -21,10 +23,18 @@ size by tokenizer kind (GPT2BPETokenizer 50,257; otherwise the Llama-2 SentenceP
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from torch import nn
+
+from nxdt.models import build_model
+from nxdt.models.flops import ModelShape, flops_per_token, lookup_parameters, model_shape
+from nxdt.models.param_count import expert_parameter_names, parameter_counts
+from nxdt.parallel.plan import ParallelPlan, make_plan
+from nxdt.spec.alignment import alignment_of
+from nxdt.spec.layout import compute_layout
 
 GPT2_VOCAB = 50257
 LLAMA2_VOCAB = 32000
@@ -42,13 +52,6 @@ def sm3_accumulator_elems(shape) -> int:
     """Elements of SM3's accumulators for one parameter: one per index of each dimension, so
     the sum of the dimensions (a (4096, 11008) matrix: 15,104, not 45 million); 1 for a scalar."""
     return max(1, sum(shape))
-
-
-_COLUMN = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
-_ROW = re.compile(r"\.(o_proj|down_proj)\.weight$")
-_KV = re.compile(r"\.(k_proj|v_proj)\.(weight|bias)$")
-_VOCAB = re.compile(r"^(model\.embed_tokens|lm_head)\.weight$")
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 @dataclass
@@ -98,17 +101,6 @@ def _vocab(cfg) -> tuple[int | None, str]:
     if str(tok.type) == "GPT2BPETokenizer":
         return GPT2_VOCAB, "assumed: GPT-2 BPE (set model.vocab_size)"
     return LLAMA2_VOCAB, "assumed: Llama-2 tokenizer (set model.vocab_size)"
-
-
-def _shard_numel(name: str, numel: int, tp: int, kv_heads: int) -> int:
-    """Elements of one parameter held by one tensor-parallel rank."""
-    if tp == 1:
-        return numel
-    if _KV.search(name) and kv_heads < tp:
-        return numel // kv_heads  # K/V replicated: each rank holds one whole head
-    if _COLUMN.search(name) or _ROW.search(name) or _VOCAB.search(name):
-        return math.ceil(numel / tp)
-    return numel  # norms, row-parallel biases: replicated
 
 
 def _expert_shard_numel(numel: int, ep: int, fsdp_ways: int) -> int:
@@ -177,66 +169,100 @@ def in_flight_microbatches(schedule: str, pp: int, vpp: int, nmb: int) -> float:
     return chunks / vpp
 
 
-def plan(cfg, vocab_size: int | None = None) -> dict[str, Any]:
+def plan(cfg, vocab_size: int | None = None, parallel: ParallelPlan | None = None) -> dict[str, Any]:
     """Everything `nxdt plan` prints, as one JSON-ready dict. `vocab_size`: the run's tokenizer
-    size (unpadded) when the caller knows it; None picks it as the module docstring says."""
-    from nxdt.spec.alignment import alignment_of
-    from nxdt.spec.layout import compute_layout
-    from nxdt.spec.parallel import default_pipeline_schedule, pipeline_stage_starts
-    from nxdt.spec.parallel import sharding_mode_of
-    from nxdt.models import build_model
-    from nxdt.models.flops import flops_per_token, lookup_parameters, model_shape
-    from nxdt.models.param_count import expert_parameter_names, parameter_counts
-    from nxdt.parallel.mesh import mesh_shape_from_layout
-
+    size (unpadded) when the caller knows it; None picks it as the module docstring says.
+    `parallel`: the run's parallel plan (nxdt.parallel.plan); None: made here for the model built on
+    the meta device, as a run makes it for its own model (the same plan for the same config)."""
     world = cfg.trainer.devices * cfg.trainer.num_nodes
     layout = compute_layout(cfg, world)
-    ds = cfg.distributed_strategy
-    sharding = sharding_mode_of(ds)
-    shape = mesh_shape_from_layout(layout, sharding, ds.hsdp_replicate_size or cfg.trainer.num_nodes)
-    fsdp = sharding.shard
-    dp_shard = shape.dp_shard
-    shard_ways = dp_shard * layout.cp if fsdp else dp_shard  # FSDP shards over dp_shard × cp
-    ep = layout.ep
-    expert_fsdp_ways = layout.dp // ep if fsdp else 1  # edp: the experts' replicas (dp = edp x ep)
-
     if vocab_size is not None and cfg.model_source != "hf":
         vocab, vocab_source = int(vocab_size), "the run's tokenizer"
     else:
         vocab, vocab_source = _vocab(cfg)
     model = build_model(cfg, vocab, device="meta")
     arch = model_shape(model)
-    tp, pp, vpp = layout.tp, layout.pp, layout.vpp
-    num_stages = pp * vpp
-    cuts = cfg.model.pipeline_cuts
-    starts = pipeline_stage_starts(arch.layers, num_stages, list(cuts) if cuts else None)
-
-    def stage_of(name: str) -> int:
-        m = _LAYER.match(name)
-        if m:
-            layer = int(m.group(1))
-            return next(s for s in range(num_stages) if starts[s] <= layer < starts[s + 1])
-        return num_stages - 1 if name.startswith(("model.norm", "lm_head")) else 0
-
+    if parallel is None:
+        parallel = make_plan(model, layout, cfg)
     counts = parameter_counts(model)
-    expert_names = expert_parameter_names(model)
-    per_stage = [0] * num_stages
-    # this rank's elements per stage, after tp, ep and FSDP sharding: dense and expert apart,
-    # because ZeRO-1 splits their optimizer state differently (rank_memory)
-    dense_rank, expert_rank = [0] * num_stages, [0] * num_stages
-    for name, p in model.named_parameters():
-        s = stage_of(name)
-        per_stage[s] += p.numel()
-        if name in expert_names:
-            expert_rank[s] += _expert_shard_numel(p.numel(), ep, expert_fsdp_ways)
-        else:
-            dense_rank[s] += math.ceil(_shard_numel(name, p.numel(), tp, arch.kv_heads) / shard_ways)
-    schedule = (ds.schedule or default_pipeline_schedule(vpp)) if pp > 1 else None
-    v_style = schedule in ("ZBVZeroBubble", "DualPipeV")
-    ranks = [[r, 2 * pp - 1 - r] if v_style else [r + k * pp for k in range(vpp)] for r in range(pp)]
-    per_rank = [sum(dense_rank[s] + expert_rank[s] for s in stages) for stages in ranks]
-    worst = max(range(pp), key=lambda r: per_rank[r])
+    rank = RankShare.of(model, parallel, cfg)
+    mem = _rank_memory(cfg, model, parallel, rank)
+    act_b = _activation_bytes(cfg, arch, parallel, rank.stages)
 
+    # model FLOPs of one token of the whole model (a LoRA run's base weights are frozen)
+    seq = cfg.data.seq_length or cfg.model.encoder_seq_length
+    lookup = lookup_parameters(model)
+    frozen = counts.activated - lookup if alignment_of(cfg).lora else 0
+    flops = flops_per_token(arch, counts, lookup, seq, frozen=frozen)
+    ds, fsdp = cfg.distributed_strategy, parallel.sharding.shard
+    lay = parallel.layout
+    return {
+        "config": cfg.name,
+        "model_source": cfg.model_source,
+        "precision": cfg.precision.type,
+        "world_size": world,
+        "layout": {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "vpp": lay.vpp, "ep": lay.ep,
+                   "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard if fsdp else 1},
+        "parameters": counts.total,
+        "parameters_activated": counts.activated,  # per token; = parameters for a dense model
+        "parameter_breakdown": counts.as_dict(),
+        "parameters_per_rank": rank.dense + rank.experts,
+        "parameters_per_stage": rank.per_stage,
+        "vocab_size": arch.vocab,
+        "vocab_source": vocab_source,
+        "sharding": "fsdp" if fsdp else ("zero1" if ds.zero1 else "none"),
+        "activations_checkpoint": cfg.model.activations_checkpoint_granularity,
+        "pipeline_schedule": parallel.schedule,
+        "memory_per_rank_bytes": {**mem, "activations": act_b, "total": sum(mem.values()) + act_b},
+        "micro_batch_size": lay.micro_batch_size,
+        "global_batch_size": lay.global_batch_size,
+        "num_microbatches": lay.num_microbatches,
+        "seq_length": lay.seq_length,
+        "tokens_per_step": lay.tokens_per_step,
+        "max_steps": cfg.trainer.max_steps,  # set from trainer.max_tokens by validation when that is given
+        "max_tokens": cfg.trainer.max_tokens,
+        "total_tokens": total_tokens(cfg.trainer.max_steps, lay.tokens_per_step),
+        "flops_per_token": flops.total,
+        "flops_per_token_split": {"matmul": flops.matmul, "attention": flops.attention},
+        "model_tflop_per_step": flops.total * lay.tokens_per_step / 1e12 if lay.tokens_per_step else None,
+    }
+
+
+@dataclass
+class RankShare:
+    """What the fullest rank holds: its stages and their elements after tp, ep and FSDP sharding,
+    dense and expert apart (ZeRO-1 splits their optimizer state differently, see rank_memory)."""
+
+    stages: tuple[int, ...]
+    dense: int
+    experts: int
+    per_stage: list[int]
+    """every stage's parameters (whole, unsharded)"""
+
+    @classmethod
+    def of(cls, model: nn.Module, parallel: ParallelPlan, cfg) -> RankShare:
+        lay = parallel.layout
+        fsdp = parallel.sharding.shard
+        shard_ways = lay.dp_shard * lay.cp if fsdp else lay.dp_shard  # FSDP shards over dp_shard × cp
+        expert_fsdp_ways = lay.dp // lay.ep if fsdp else 1  # edp: the experts' replicas (dp = edp x ep)
+        expert_names = expert_parameter_names(model)
+        n = parallel.num_stages
+        per_stage, dense, experts = [0] * n, [0] * n, [0] * n
+        for name, p in model.named_parameters():
+            s = parallel.stage_of(name)
+            per_stage[s] += p.numel()
+            if name in expert_names:
+                experts[s] += _expert_shard_numel(p.numel(), lay.ep, expert_fsdp_ways)
+            else:
+                dense[s] += math.ceil(parallel.tp_local_numel(name, p.numel()) / shard_ways)
+        ranks = parallel.rank_stages
+        worst = max(ranks, key=lambda stages: sum(dense[s] + experts[s] for s in stages))
+        return cls(stages=worst, dense=sum(dense[s] for s in worst), experts=sum(experts[s] for s in worst),
+                   per_stage=per_stage)
+
+
+def _rank_memory(cfg, model: nn.Module, parallel: ParallelPlan, rank: RankShare) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state on the fullest rank (`rank_memory`)."""
     optim = cfg.model.optim  # an open section (plain dict); optim_keys requires its name
     optim_name = optim["name"]
     states = OPTIMIZER_STATES.get(optim_name, 2)
@@ -245,69 +271,33 @@ def plan(cfg, vocab_size: int | None = None) -> dict[str, Any]:
     factored = 0
     if optim_name == "sm3":  # refused with tp / ep / FSDP sharding: every parameter is whole here
         factored = sum(sm3_accumulator_elems(p.shape) for name, p in model.named_parameters()
-                       if stage_of(name) in ranks[worst])
+                       if parallel.stage_of(name) in rank.stages)
     b = precision_bytes(cfg, optim_name)
-    n = per_rank[worst]
-    mem = rank_memory(sum(dense_rank[s] for s in ranks[worst]), sum(expert_rank[s] for s in ranks[worst]), b,
-                      states, zero1=bool(ds.zero1) and not fsdp, dp=layout.dp, ep=ep, factored=factored)
-    params_b, grads_b, optim_b = mem["params"], mem["grads"], mem["optimizer"]
+    lay = parallel.layout
+    return rank_memory(rank.dense, rank.experts, b, states, zero1=bool(cfg.distributed_strategy.zero1)
+                       and not parallel.sharding.shard, dp=lay.dp, ep=lay.ep, factored=factored)
 
-    # activations of one micro-batch on the worst rank, times the micro-batches in flight
-    sp = bool(ds.sequence_parallel) and tp > 1
+
+def _activation_bytes(cfg, arch: ModelShape, parallel: ParallelPlan, stages: tuple[int, ...]) -> int:
+    """Activations of one micro-batch on the fullest rank, times the micro-batches in flight."""
+    lay, starts = parallel.layout, parallel.stage_starts
+    b = precision_bytes(cfg, cfg.model.optim["name"])
     seq = cfg.data.seq_length or cfg.model.encoder_seq_length
-    tokens = layout.micro_batch_size * seq / layout.cp
-    per_layer, block_input = _layer_activation_elems(cfg, arch, tp, sp)
-    layers_here = sum(starts[s + 1] - starts[s] for s in ranks[worst])
-    gran = cfg.model.activations_checkpoint_granularity
-    if gran == "full":  # only block inputs kept, plus one layer's activations during its recompute
+    tokens = lay.micro_batch_size * seq / lay.cp
+    per_layer, block_input = _layer_activation_elems(cfg, arch, lay.tp, parallel.sequence_parallel)
+    layers_here = sum(starts[s + 1] - starts[s] for s in stages)
+    if cfg.model.activations_checkpoint_granularity == "full":
+        # only block inputs kept, plus one layer's activations during its recompute;
         # checkpoint_num_layers N: one input per chunk of N, but N layers' activations in the recompute
         chunk = min(cfg.model.checkpoint_num_layers, max(layers_here, 1))  # validation: >= 1
         layer_elems = math.ceil(layers_here / chunk) * block_input + chunk * per_layer
     else:
         layer_elems = layers_here * per_layer
     act_elems = tokens * layer_elems + tokens * 2 * arch.head_dim  # + rotary cos/sin
-    has_last = num_stages - 1 in ranks[worst]
     act_b = act_elems * b.activation
-    if has_last:  # final norm (3h + 1) and fp32 log-softmax over the vocabulary shard
-        act_b += tokens * ((3 * arch.hidden + 1) * b.activation + math.ceil(arch.vocab / tp) * 4)
-    act_b = int(act_b * in_flight_microbatches(schedule or "1F1B", pp, vpp, layout.num_microbatches))
-
-    # model FLOPs of one token of the whole model (a LoRA run's base weights are frozen)
-    lookup = lookup_parameters(model)
-    frozen = counts.activated - lookup if alignment_of(cfg).lora else 0
-    flops = flops_per_token(arch, counts, lookup, seq, frozen=frozen)
-
-    return {
-        "config": cfg.name,
-        "model_source": cfg.model_source,
-        "precision": cfg.precision.type,
-        "world_size": world,
-        "layout": {"dp": layout.dp, "tp": tp, "pp": pp, "cp": layout.cp, "vpp": vpp, "ep": layout.ep,
-                   "dp_replicate": shape.dp_replicate, "dp_shard": dp_shard if fsdp else 1},
-        "parameters": counts.total,
-        "parameters_activated": counts.activated,  # per token; = parameters for a dense model
-        "parameter_breakdown": counts.as_dict(),
-        "parameters_per_rank": n,
-        "parameters_per_stage": per_stage,
-        "vocab_size": arch.vocab,
-        "vocab_source": vocab_source,
-        "sharding": "fsdp" if fsdp else ("zero1" if ds.zero1 else "none"),
-        "activations_checkpoint": gran,
-        "pipeline_schedule": schedule,
-        "memory_per_rank_bytes": {"params": params_b, "grads": grads_b, "optimizer": optim_b,
-                                  "activations": act_b, "total": params_b + grads_b + optim_b + act_b},
-        "micro_batch_size": layout.micro_batch_size,
-        "global_batch_size": layout.global_batch_size,
-        "num_microbatches": layout.num_microbatches,
-        "seq_length": layout.seq_length,
-        "tokens_per_step": layout.tokens_per_step,
-        "max_steps": cfg.trainer.max_steps,  # set from trainer.max_tokens by validation when that is given
-        "max_tokens": cfg.trainer.max_tokens,
-        "total_tokens": total_tokens(cfg.trainer.max_steps, layout.tokens_per_step),
-        "flops_per_token": flops.total,
-        "flops_per_token_split": {"matmul": flops.matmul, "attention": flops.attention},
-        "model_tflop_per_step": flops.total * layout.tokens_per_step / 1e12 if layout.tokens_per_step else None,
-    }
+    if parallel.num_stages - 1 in stages:  # final norm (3h + 1) and fp32 log-softmax over the vocabulary shard
+        act_b += tokens * ((3 * arch.hidden + 1) * b.activation + math.ceil(arch.vocab / lay.tp) * 4)
+    return int(act_b * in_flight_microbatches(parallel.schedule or "1F1B", lay.pp, lay.vpp, lay.num_microbatches))
 
 
 def total_tokens(max_steps: int, tokens_per_step: int | None) -> int | None:
@@ -350,6 +340,13 @@ def si(value: float, unit: str) -> str:
         if abs(value) >= scale:
             return f"{value / scale:.3g} {prefix}{unit}"
     return f"{value:.3g} {unit}"
+
+
+def stage_lines(p: dict[str, Any]) -> list[str]:
+    """With pipeline parallelism: the schedule and each stage's parameters (the plan's stage split)."""
+    if p["layout"]["pp"] == 1:
+        return []
+    return [f"  stages       {p['pipeline_schedule']}: " + ", ".join(f"{n:,}" for n in p["parameters_per_stage"])]
 
 
 def memory_line(mem: dict[str, int], suffix: str = "") -> str:

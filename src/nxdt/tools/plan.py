@@ -29,7 +29,7 @@ import sys
 from typing import Any
 
 from nxdt.config.errors import ConfigError
-from nxdt.planner.estimate import batch_lines, flops_line, memory_line, peak_lines, plan
+from nxdt.planner.estimate import batch_lines, flops_line, memory_line, peak_lines, plan, stage_lines
 
 
 def plan_peak(cfg):
@@ -58,9 +58,8 @@ def format_plan(p: dict[str, Any], peak=None) -> str:
         f"  (vocab {p['vocab_size']:,}, {p['vocab_source']})",
         *activated_lines(counts),
     ]
-    if lay["pp"] > 1:
-        lines.append(f"  stages       {p['pipeline_schedule']}: " + ", ".join(f"{n:,}" for n in p["parameters_per_stage"]))
     lines += [
+        *stage_lines(p),
         f"  sharding     {p['sharding']}   activation checkpointing: {p['activations_checkpoint'] or 'off'}",
         memory_line(mem),
         flops_line(p),

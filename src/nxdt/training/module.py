@@ -30,6 +30,7 @@ from nxdt.parallel.expert_parallel import expert_parameters
 from nxdt.parallel.mesh import submesh
 from nxdt.parallel.context_parallel import shard_sequence
 from nxdt.parallel.parallelize import parallelize_llama
+from nxdt.parallel.plan import make_plan
 from nxdt.parallel.tensor_parallel import total_norm
 from nxdt.training.preference import PreferenceSteps
 from nxdt.optim.optimizers import build_optimizer, param_groups, resolve_optimizer
@@ -52,6 +53,7 @@ class NxdtLightningModule(PreferenceSteps, pl.LightningModule):
         self.vocab_size = vocab_size
         self.model: torch.nn.Module | None = None
         self.pipeline = None  # nxdt.parallel.pipeline.Pipeline when pipeline_model_parallel_size > 1
+        self.parallel_plan = None  # nxdt.parallel.plan.ParallelPlan, made by configure_model
         self.num_parameters = 0
         self.alignment = alignment_of(cfg)  # sft / peft (LoRA) / dpo / orpo (nxdt.spec.alignment)
         self.lora_summary: str | None = None  # LoRA: trainable vs total, for the run summary
@@ -76,11 +78,13 @@ class NxdtLightningModule(PreferenceSteps, pl.LightningModule):
         if self.alignment.peft is not None:  # adapters on a frozen base, before precision and parallelism
             self.lora_summary = add_lora(model, self.alignment.peft)
         model = self.precision.convert_model(model)
+        # what each rank holds and what is done to each module; the start summary's figures read it too
+        self.parallel_plan = make_plan(model, self.layout, self.cfg)
         if self.layout.pp > 1:
             self._configure_pipeline(model)
             self.precision.attach(self.model, delegate=True)  # the schedule runs fwd/bwd: autocast only
             return
-        self.model = parallelize_llama(model, self.device_mesh, self.cfg, self.device)
+        self.model = parallelize_llama(model, self.device_mesh, self.cfg, self.device, plan=self.parallel_plan)
         self.precision.attach(self.model)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -239,7 +243,8 @@ class NxdtLightningModule(PreferenceSteps, pl.LightningModule):
         # fp16: the schedule's loss is multiplied by the current loss scale (so is every stage's backward)
         scale = (lambda: self.precision.loss_scale) if self.precision.scaler is not None else None
         self.pipeline = build_pipeline(model, self.device_mesh, self.cfg, self.layout, self.device,
-                                       loss_fn=self._loss_fn(), parallelize_fn=parallelize_llama, loss_scale=scale)
+                                       loss_fn=self._loss_fn(), parallelize_fn=parallelize_llama, loss_scale=scale,
+                                       plan=self.parallel_plan)
         self.model = model_of(self.pipeline)
 
     # ---- state carried in checkpoints ----------------------------------------------------------

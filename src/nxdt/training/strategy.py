@@ -15,11 +15,12 @@ from typing import Any
 
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from nxdt.parallel.mesh import MeshShape, build_mesh, dp_rank_and_size
+from nxdt.parallel.mesh import build_mesh, dp_rank_and_size
+from nxdt.spec.layout import Layout
 
 
 class NxdtStrategy(ModelParallelStrategy):
-    def __init__(self, mesh_shape: MeshShape, **kwargs: Any) -> None:
+    def __init__(self, mesh_shape: Layout, **kwargs: Any) -> None:
         super().__init__(
             data_parallel_size=mesh_shape.world_size // mesh_shape.tp,
             tensor_parallel_size=mesh_shape.tp,

@@ -27,11 +27,9 @@ from nxdt.observability.callbacks import CompileTimer, MemoryMonitor, RunFigures
 from nxdt.observability.progress import StepProgressBar
 from nxdt.observability.samples import SampleGenerator
 from nxdt.observability.user_callbacks import extra_callbacks
-from nxdt.parallel.mesh import mesh_shape_from_layout
 from nxdt.parallel.parallelize import compile_backend_missing
 from nxdt.spec.layout import compute_layout
 from nxdt.spec.model import wants_compile
-from nxdt.spec.parallel import sharding_mode_of
 from nxdt.training import xla
 from nxdt.training.dynamic_selection import DynamicDataSelection
 from nxdt.training.fault_tolerance import FaultTolerance, requeue_slurm_job
@@ -99,13 +97,9 @@ def quiet_lightning() -> None:
 
 
 def layout_and_mesh(cfg):
-    """The run's layout (nxdt.spec.layout) and the shape of its DeviceMesh."""
+    """The run's layout (nxdt.spec.layout) and the shape of its DeviceMesh: the same Layout."""
     layout = compute_layout(cfg, cfg.trainer.devices * cfg.trainer.num_nodes)
-    mesh_shape = mesh_shape_from_layout(
-        layout, sharding_mode_of(cfg.distributed_strategy),
-        cfg.distributed_strategy.hsdp_replicate_size or cfg.trainer.num_nodes  # null: shard within a node
-    )
-    return layout, mesh_shape
+    return layout, layout
 
 
 def sample_tokenizer(cfg, datamodule):
