@@ -77,9 +77,9 @@ def alignment_notices(cfg: Any) -> list[str]:
     return []
 
 
-def check_alignment(cfg: Any) -> None:
-    """One-line ConfigErrors for strategy combinations and values nxdt cannot run."""
-    al = alignment_of(cfg)
+def check_alignment(cfg: Any, al: Alignment) -> None:
+    """One-line ConfigErrors for strategy combinations and values nxdt cannot run (`al`: the run
+    spec's alignment, `alignment_of(cfg)`)."""
     ds = cfg.distributed_strategy
     if al.dpo is not None and al.orpo is not None:
         raise ConfigError(f"{al.dpo_key} and model_alignment_strategy.orpo are both set: pick one preference loss")
