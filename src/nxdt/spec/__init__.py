@@ -19,7 +19,7 @@ The entry (a training run, `nxdt evaluate`, the tools, the benchmarks) builds th
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from omegaconf import DictConfig
@@ -43,7 +43,7 @@ from nxdt.spec.precision import PrecisionSettings, precision_settings
 class RunSpec:
     """What a validated config means for a run, every alias resolved, built once by `build_spec`."""
 
-    cfg: schema.NxdtConfig
+    cfg: schema.NxdtConfig = field(repr=False)
     """The typed config, for the plain keys (those read as they are)."""
     layout: Layout
     """Parallel sizes and the batch arithmetic (nxdt.spec.layout)."""
