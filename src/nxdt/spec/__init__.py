@@ -95,9 +95,9 @@ def validate(cfg: DictConfig | schema.NxdtConfig, world_size: int | None = None,
     typed = schema_checks.validate(cfg, check_supported=False, notices=notices)
     if check_supported:
         check_not_supported(typed)
-    check_spec(typed, world_size)
+    spec = check_spec(typed, world_size)
     if notices is not None:
-        notices.extend(alignment_notices(typed))
+        notices.extend(alignment_notices(spec.alignment))
         inert = inert_notice(typed)
         if inert:
             notices.append(inert)

@@ -68,9 +68,9 @@ def alignment_of(cfg: Any) -> Alignment:
 LORA_FUSED_NAMES = ("qkv_proj", "gate_up_proj")
 
 
-def alignment_notices(cfg: Any) -> list[str]:
-    """Keys accepted and inert here, reported once at start."""
-    peft = alignment_of(cfg).peft
+def alignment_notices(al: Alignment) -> list[str]:
+    """Keys accepted and inert here, reported once at start (`al`: the run spec's alignment)."""
+    peft = al.peft
     if peft is not None and peft.merge_sharded_lora:
         return ["model_alignment_strategy.peft.merge_sharded_lora: inert here (nxdt's checkpoints are read whole "
                 "at any layout; `nxdt convert nxdt-to-hf` writes one PEFT adapter)"]

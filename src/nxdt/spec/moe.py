@@ -45,12 +45,12 @@ def moe_of(cfg: Any) -> MoESpec:
     return MoESpec(num_experts=int(moe.num_experts), top_k=int(moe.top_k), gate_type=canonical_gate_type(moe.gate_type))
 
 
-def check_moe(cfg: Any, spec: MoESpec, hf_json: dict) -> None:
-    """model.moe of the typed `cfg`; `spec`: its MoESpec; `hf_json` is model.model_config's content ({} when none)."""
+def check_moe(cfg: Any, piece: MoESpec, hf_json: dict) -> None:
+    """model.moe of the typed `cfg`; `piece`: its MoESpec; `hf_json` is model.model_config's content ({} when none)."""
     moe = cfg.model.moe
     if moe.num_experts < 0:
         raise ConfigError(f"model.moe.num_experts: must be >= 0, got {moe.num_experts}")
-    gate = spec.gate_type
+    gate = piece.gate_type
     if gate in LLAMA_MOE_GATES and cfg.model_source != "megatron":  # hf: also when config.json gives the experts
         raise ConfigError(f"model.moe.gate_type {gate}: LLaMA-MoE's gates are built for model_source megatron "
                           f"only (got {cfg.model_source})")
