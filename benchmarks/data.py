@@ -36,7 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from nxdt.spec import config_from_dict  # noqa: E402
+from nxdt.spec import build_spec, config_from_dict  # noqa: E402
 
 SEQ, GBS, MBS = 128, 16, 4
 BIG_GBS = 1024  # the dynamic-selection sampler at a cluster-scale global batch (dp 1)
@@ -80,7 +80,7 @@ def cfg_for(steps: int, alignment: dict | None = None, gbs: int = GBS, **data):
 def bench_module(cfg) -> float:
     from nxdt.data.select import build_datamodule
 
-    dm = build_datamodule(cfg, None)
+    dm = build_datamodule(build_spec(cfg), None)
     loader = dm.train_dataloader()  # setup (index building, tokenizing) is not timed
     start = time.perf_counter()
     n = sum(batch["input_ids"].shape[0] for batch in loader)
@@ -132,7 +132,7 @@ def bench_sampler(cfg) -> tuple[float, float]:
     """(keys/s, seconds per global step) of the train loader's batch sampler alone: no tokens read."""
     from nxdt.data.select import build_datamodule
 
-    sampler = build_datamodule(cfg, None).train_dataloader().batch_sampler
+    sampler = build_datamodule(build_spec(cfg), None).train_dataloader().batch_sampler
     start = time.perf_counter()
     n = sum(len(batch) for batch in sampler)
     elapsed = time.perf_counter() - start

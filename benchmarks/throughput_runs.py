@@ -197,8 +197,8 @@ def worker_nxdt(args, stamps: Stamps, way: Way) -> dict:
             losses.append(outputs["loss"] if isinstance(outputs, dict) else outputs)  # a tensor: no sync here
 
     build_trainer = run.build_trainer
-    run.build_trainer = lambda cfg, layout, mesh, loggers, callbacks: build_trainer(
-        cfg, layout, mesh, loggers, [*callbacks, StepTimer()]
+    run.build_trainer = lambda cfg, layout, loggers, callbacks: build_trainer(
+        cfg, layout, loggers, [*callbacks, StepTimer()]
     )
     run.train(cfg)
     # the mean training loss over the run, as the plain loop and the Trainer (training_loss) report it

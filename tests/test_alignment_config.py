@@ -80,5 +80,5 @@ def test_reference_from_the_frozen_base_is_accepted_with_lora_and_inert_keys_are
                "+model_alignment_strategy.peft.merge_sharded_lora=true", name="hf_llama3_8B_DPO_config")
     al = alignment_of(cfg)
     assert al.lora and al.peft.lora_rank == 8 and al.peft.lora_alpha == 32.0 and not al.dpo.precompute_ref_log_probs
-    assert any("merge_sharded_lora: inert" in n for n in alignment_notices(cfg))
-    assert alignment_notices(load()) == []
+    assert any("merge_sharded_lora: inert" in n for n in alignment_notices(al))
+    assert alignment_notices(alignment_of(load())) == []

@@ -215,6 +215,26 @@ def test_one_parser_per_concept():
     assert precision_settings(load("precision.type=mixed_precision_SR").precision).stochastic
 
 
+def test_run_spec_resolves_each_piece_once():
+    """build_spec: the pieces a run reads, every alias resolved (nxdt.spec.RunSpec)."""
+    import dataclasses
+
+    from nxdt.spec import build_spec
+
+    spec = build_spec(load("distributed_strategy.sharding_strategy=hsdp", "precision.type=mixed_precision_SR",
+                           "model.fusions.torch_compile=true"), 2)
+    assert (spec.layout.world_size, spec.layout.dp) == (2, 2)
+    assert spec.sharding.hybrid and spec.compile and spec.precision.ptype == "mixed_precisionSR"
+    assert spec.alignment.preference is None and spec.moe.num_experts == 0
+    assert spec.model.num_layers == spec.cfg.model.num_layers and spec.model.head_dim
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.compile = False  # type: ignore[misc]
+    mix = build_spec(load(name="tiny_mixtral_cpu", world_size=None, check_supported=False))
+    assert mix.moe.enabled and mix.moe.gate_type == "mixtral"
+    dpo = build_spec(load(name="tiny_llama_dpo_cpu", world_size=None))
+    assert dpo.alignment.preference == "dpo" and dpo.data_kind == "preference"
+
+
 def test_world_size_mismatch():
     assert error(world_size=4) == ("trainer.devices (2) x trainer.num_nodes (1) = 2 does not match the world size 4")
 

@@ -17,6 +17,7 @@ from test_data_modules import base_cfg, fake_trainer
 from nxdt.config.errors import ConfigError
 from nxdt.data.arrow_shards import ArrowShardDocuments
 from nxdt.data.select import build_datamodule
+from nxdt.spec import build_spec
 
 S = 16  # seq_length of base_cfg (tests/test_data_modules.py)
 SEP, BOS = 1, 2  # SEP: the bundled tokenizer's eos (data.sep_token null), BOS: any other id
@@ -201,7 +202,7 @@ def test_datamodule_reads_arrow_folders_under_data_path(tmp_path, monkeypatch):
                    bos_token=BOS, splits_string="80,10,10", index_mapping_dir=str(tmp_path / "maps"))
     monkeypatch.chdir(tmp_path)
     check_files(cfg)  # the pre-run path check takes shard folders under data.data_path
-    dm = build_datamodule(cfg, fake_trainer())
+    dm = build_datamodule(build_spec(cfg), fake_trainer())
     batches = list(dm.train_dataloader())
     assert len(batches) == 4 and batches[0]["input_ids"].shape == (4, S)
     ranges = {0: (100, 4000), 1: (4000, VOCAB)}
@@ -225,7 +226,7 @@ def test_datamodule_reads_arrow_folders_under_data_path(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=rf"^data.datasets\[1\]: {root / 'c'} has no .arrow or .parquet shards$"):
         check_files(cfg)
     with pytest.raises(ConfigError, match=rf"^data.datasets: {root / 'c'} has no .arrow or .parquet shards$"):
-        build_datamodule(cfg, fake_trainer()).train_dataloader()
+        build_datamodule(build_spec(cfg), fake_trainer()).train_dataloader()
     cfg.data.datasets = ["a", "missing"]
     with pytest.raises(ConfigError, match=rf"^data.datasets\[1\]: not found: {root / 'missing'} \(a folder of"):
         check_files(cfg)
@@ -234,7 +235,7 @@ def test_datamodule_reads_arrow_folders_under_data_path(tmp_path, monkeypatch):
     _megatron(root / "m", [list(range(5, 40))] * 40)
     cfg.data.datasets = ["a", "m"]
     check_files(cfg)
-    assert type(build_datamodule(cfg, fake_trainer())._open("m")).__name__ == "IndexedDataset"
+    assert type(build_datamodule(build_spec(cfg), fake_trainer())._open("m")).__name__ == "IndexedDataset"
 
 
 # ----------------------------------------------------------------------------- the vocabulary
@@ -256,14 +257,14 @@ def test_vocabulary_check_names_the_file_and_caches_the_scan(tmp_path, monkeypat
     bad = _megatron(tmp_path / "bad", [list(range(5, 60)), [7, 9000, 8]] * 20)
     cfg = base_cfg(data_prefix=[bad], index_mapping_dir=str(maps))
     with pytest.raises(ConfigError) as info:
-        build_datamodule(cfg, fake_trainer()).train_dataloader()
+        build_datamodule(build_spec(cfg), fake_trainer()).train_dataloader()
     assert str(info.value) == (
         f"{bad}.bin: token ids reach 9000 but the tokenizer (data.tokenizer.type=null, the bundled tokenizer) "
         f"has {VOCAB} tokens; re-tokenize it with this tokenizer (nxdt preprocess) or set data.tokenizer to "
         "the one it was made with")
     good = _megatron(tmp_path / "good", [list(range(5, 60)), [7, VOCAB - 1, 8]] * 20)
     cfg.data.data_prefix = [good]
-    assert len(list(build_datamodule(cfg, fake_trainer()).train_dataloader())) == 4
+    assert len(list(build_datamodule(build_spec(cfg), fake_trainer()).train_dataloader())) == 4
     cache = (maps / vocab_check.CACHE_NAME).read_text()
     assert f"{good}.bin" in cache and f"{bad}.bin" in cache
 
@@ -272,14 +273,14 @@ def test_vocabulary_check_names_the_file_and_caches_the_scan(tmp_path, monkeypat
         raise AssertionError("rescanned")
 
     monkeypatch.setattr(vocab_check, "scan_bin_max", no_scan)
-    build_datamodule(cfg, fake_trainer()).setup("fit")
+    build_datamodule(build_spec(cfg), fake_trainer()).setup("fit")
     # ... until the file changes (size / mtime)
     os.utime(f"{good}.bin", ns=(1, 1))
     with pytest.raises(AssertionError, match="rescanned"):
-        build_datamodule(cfg, fake_trainer()).setup("fit")
+        build_datamodule(build_spec(cfg), fake_trainer()).setup("fit")
     # a uint8 file cannot hold an id of 8192: never scanned
     cfg.data.data_prefix = [_megatron(tmp_path / "small", [list(range(5, 250))] * 20, dtype=np.uint8)]
-    build_datamodule(cfg, fake_trainer()).setup("fit")
+    build_datamodule(build_spec(cfg), fake_trainer()).setup("fit")
     monkeypatch.undo()
     # no cache where it cannot be written: the check still runs
     (tmp_path / "afile").write_text("x")
@@ -295,11 +296,11 @@ def test_vocabulary_check_on_arrow_shards(tmp_path):
     with pytest.raises(ConfigError, match=rf"^{tmp_path / 'ds' / 'sub1' / 'shard_1.arrow'}: token ids reach 8200 "
                                           rf"but the tokenizer \(data.tokenizer.type=null, the bundled tokenizer\) "
                                           rf"has {VOCAB} tokens; re-tokenize"):
-        build_datamodule(cfg, fake_trainer()).train_dataloader()
+        build_datamodule(build_spec(cfg), fake_trainer()).train_dataloader()
     write_fms_folder(tmp_path / "ok", [[5, 6, 7, 8, 9, 10]] * 10)
     cfg.data.datasets, cfg.data.bos_token = ["ok"], VOCAB
     with pytest.raises(ConfigError, match=rf"^data.bos_token: {VOCAB} is not below the tokenizer's vocabulary"):
-        build_datamodule(cfg, fake_trainer()).train_dataloader()
+        build_datamodule(build_spec(cfg), fake_trainer()).train_dataloader()
 
 
 def test_data_with_ids_past_the_vocabulary_stops_the_run_before_training(tmp_path, capsys):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nxdt.config.errors import ConfigError
-from nxdt.spec import config_from_dict
+from nxdt.spec import build_spec, config_from_dict
 from nxdt.config.schema import AlignmentConfig, SFTConfig
 from nxdt.data.hf_module import HFDataModule
 from nxdt.data.select import build_datamodule, datamodule_kind
@@ -97,10 +97,10 @@ def test_hf_module_bad_input(tmp_path, hf_dirs):
 def test_dummy_module_is_seeded_and_in_vocab():
     cfg = base_cfg(use_dummy_dataset=True)
     cfg.model.vocab_size = 50
-    dm = build_datamodule(cfg, None)
+    dm = build_datamodule(build_spec(cfg), None)
     assert type(dm).__name__ == "DummyDataModule" and dm.vocab_size == 50
     a = list(dm.train_dataloader())
-    b = list(build_datamodule(cfg, fake_trainer(consumed=4)).train_dataloader())
+    b = list(build_datamodule(build_spec(cfg), fake_trainer(consumed=4)).train_dataloader())
     assert len(a) == 4 and a[0]["input_ids"].shape == (4, S) and int(a[0]["input_ids"].max()) < 50
     assert torch.equal(a[1]["input_ids"], b[0]["input_ids"])  # resume continues the same stream
     assert torch.equal(a[0]["labels"][:, :-1], a[0]["input_ids"][:, 1:])
@@ -135,7 +135,7 @@ def test_custom_module_by_class_path(tmp_path, monkeypatch):
     (tmp_path / "my_data_pkg.py").write_text(CUSTOM)
     monkeypatch.chdir(tmp_path)  # the working directory is searched too
     cfg = base_cfg(data_module="my_data_pkg.Tiny", my_rows=3)
-    dm = build_datamodule(cfg, None)
+    dm = build_datamodule(build_spec(cfg), None)
     assert dm.vocab_size == 11 and dm.train_dataloader()[0]["input_ids"].shape == (3, 4)
     for path, message in [
         ("no_such_pkg.Mod", "data.data_module: cannot import module 'no_such_pkg' for 'no_such_pkg.Mod'"),
@@ -145,10 +145,10 @@ def test_custom_module_by_class_path(tmp_path, monkeypatch):
     ]:
         cfg.data.data_module = path
         with pytest.raises(ConfigError, match=message) as info:
-            build_datamodule(cfg, None)
+            build_datamodule(build_spec(cfg), None)
         assert "\n" not in str(info.value)
     cfg.model.vocab_size = 99
-    assert build_datamodule(cfg, None).vocab_size == 99
+    assert build_datamodule(build_spec(cfg), None).vocab_size == 99
 
 
 def test_selection_order():
@@ -239,7 +239,7 @@ def test_logical_shard_module_state_round_trip(tmp_path):
     _indexed(tmp_path, "b", 60, 2)
     cfg = base_cfg(datasets=[str(tmp_path / "a"), str(tmp_path / "b")], weights=[1, 1], logical_shards=4)
     cfg.data.splits_string = "90,5,5"
-    two = [build_datamodule(cfg, fake_trainer(r, 2)) for r in (0, 1)]
+    two = [build_datamodule(build_spec(cfg), fake_trainer(r, 2)) for r in (0, 1)]
     firsts = [list(dm.train_dataloader())[:2] for dm in two]
     for dm in two:
         dm.trainer.lightning_module.consumed_samples = 8  # 2 steps of 4 trained
@@ -247,7 +247,7 @@ def test_logical_shard_module_state_round_trip(tmp_path):
     from nxdt.data.logical_shards import merge_tables
 
     merged = merge_tables([(r, 2, np.asarray(s["consumed"])) for r, s in enumerate(states)], 4)
-    one = build_datamodule(cfg, fake_trainer(0, 1, consumed=8))
+    one = build_datamodule(build_spec(cfg), fake_trainer(0, 1, consumed=8))
     one.load_state_dict({**states[0], "consumed": merged.tolist()})
     nxt = list(one.train_dataloader())
     assert len(nxt) == 2  # max_steps 4, 2 done
@@ -255,10 +255,10 @@ def test_logical_shard_module_state_round_trip(tmp_path):
     after = {tuple(x.tolist()) for batch in nxt for x in batch["input_ids"]}
     assert not before & after
     assert len(list(one.val_dataloader())) == 3  # validation from the splits_string ranges, Megatron style
-    bad = build_datamodule(cfg, fake_trainer(0, 1))
+    bad = build_datamodule(build_spec(cfg), fake_trainer(0, 1))
     bad.load_state_dict({**states[0], "logical_shards": 8})
     with pytest.raises(ConfigError, match="data.logical_shards: the checkpoint has 8 logical shards"):
         bad.train_dataloader()
     cfg.data.global_batch_size = 6
     with pytest.raises(ConfigError, match="data.logical_shards: 4 is not a multiple of the data-parallel size 3"):
-        build_datamodule(cfg, fake_trainer(0, 3)).train_dataloader()
+        build_datamodule(build_spec(cfg), fake_trainer(0, 3)).train_dataloader()

@@ -23,7 +23,7 @@ from test_data_modules import fake_trainer
 from nxdt.spec.data import domain_names, reference_losses
 from nxdt.config.errors import ConfigError
 from nxdt.config.load import main_guard
-from nxdt.spec import config_from_dict
+from nxdt.spec import build_spec, config_from_dict
 from nxdt.data.dynamic_selection import DomainDraw, WeightSchedule, draw_domains, updated_weights
 
 SETTINGS = types.SimpleNamespace(eta=1.0, smoothing=1e-4, update_interval=2, eval_batches=1)
@@ -233,11 +233,11 @@ def test_data_datasets_with_selection_state_round_trip(tmp_path):
                  "dynamic_selection": {"reference_losses": {"a": 1.0, "b": 2.0}, "eval_batches": 2}}})
     assert datamodule_kind(cfg) == "logical_shards"
 
-    two = [build_datamodule(cfg, fake_trainer(r, 2)) for r in (0, 1)]
+    two = [build_datamodule(build_spec(cfg), fake_trainer(r, 2)) for r in (0, 1)]
     for dm in two:
         batches = iter(dm.train_dataloader())
         next(batches), next(batches)  # steps 0 and 1 drawn (and trained)
-    one = build_datamodule(cfg, fake_trainer(0, 1))
+    one = build_datamodule(build_spec(cfg), fake_trainer(0, 1))
     one.setup("fit")
     halves = [dm.heldout_batches(1) for dm in two]
     whole = one.heldout_batches(1)
@@ -247,7 +247,7 @@ def test_data_datasets_with_selection_state_round_trip(tmp_path):
     assert two[0].selection.schedule.weights_at(0).tolist() == [0.75, 0.25]
     new = two[0].update_selection([4.0, 1.0], steps_done=2)  # only 'a' is above its reference
     np.testing.assert_allclose(new, updated_weights([0.75, 0.25], [4.0, 1.0], [1.0, 2.0], 1.0, 1e-4))
-    ahead = build_datamodule(cfg, fake_trainer(0, 1))
+    ahead = build_datamodule(build_spec(cfg), fake_trainer(0, 1))
     list(ahead.train_dataloader())  # a loader that drew every step already: an update would come too late
     with pytest.raises(RuntimeError, match="the loader drew step 5 before the weights for step 3 were known"):
         ahead.update_selection([4.0, 1.0], steps_done=2)
@@ -255,7 +255,7 @@ def test_data_datasets_with_selection_state_round_trip(tmp_path):
         dm.trainer.lightning_module.consumed_samples = 8
     state = two[0].state_dict()
     assert state["selection"]["schedule"] == [[0, [0.75, 0.25]], [3, new.tolist()]]
-    resumed = build_datamodule(cfg, fake_trainer(0, 1, consumed=8))
+    resumed = build_datamodule(build_spec(cfg), fake_trainer(0, 1, consumed=8))
     resumed.load_state_dict(state)
     keys = list(resumed.train_dataloader().batch_sampler)
     assert [[d for d, _, _ in batch] for batch in keys] == [

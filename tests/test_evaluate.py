@@ -36,6 +36,7 @@ from nxdt.checkpoint.checkpointer import load_weights
 from nxdt.checkpoint.retention import complete_checkpoints, to_keep
 from nxdt.cli import main as nxdt
 from nxdt.data.select import build_datamodule
+from nxdt.spec import build_spec
 from nxdt.exp.exp_manager import close_rank_log_file
 from nxdt.models import build_model, logits_of
 from nxdt.tools.evaluate import load_checkpoint_config
@@ -122,7 +123,7 @@ def _direct(ckpt: Path, overrides: list[str], split: str, batches: int) -> tuple
     """Token-weighted cross entropy of the checkpoint's weights over the first `batches` global batches
     of a split, computed here with a plain model (one process, no Lightning, no nxdt loss code)."""
     cfg = load_checkpoint_config(ckpt, overrides)
-    dm = build_datamodule(cfg, None)
+    dm = build_datamodule(build_spec(cfg), None)
     dm.setup()
     model = build_model(cfg, dm.vocab_size)
     model.load_state_dict(load_weights(ckpt))

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from nxdt.checkpoint.checkpointer import save_weights
 from nxdt.config import to_yaml
-from nxdt.spec import config_from_dict
+from nxdt.spec import build_spec, config_from_dict
 from nxdt.models import build_model, init_model_weights, logits_of
 from nxdt.models.lora import (
     LoraLinear,
@@ -325,7 +325,7 @@ def test_precision_presets_train_only_the_adapters(ptype):
 
     cfg = _cfg()
     cfg.precision.type = ptype
-    prec = Precision.from_cfg(cfg)
+    prec = Precision.from_spec(build_spec(cfg))
     model = _model()
     inject_lora(model, NXDT_NAMES, RANK, ALPHA)
     _random_b(model)

@@ -14,8 +14,7 @@ import torch
 from conftest import REPO
 
 from nxdt import hardware
-from nxdt.spec.layout import compute_layout
-from nxdt.spec import load_config
+from nxdt.spec import build_spec, load_config
 from nxdt.hardware import Peak, device_peak, table_peak
 from nxdt.models import build_model
 from nxdt.models.flops import flops_per_token, lookup_parameters, mean_keys_per_query, model_shape
@@ -147,7 +146,7 @@ def test_peak_table_by_device_name_and_precision(monkeypatch):
 def test_trainer_peak_tflops_overrides_table_and_probe(monkeypatch):
     monkeypatch.setattr(hardware, "cpu_matmul_peak", lambda dtype: pytest.fail("probed despite the override"))
     assert device_peak("cpu", "fp32", override=123.0) == Peak(123.0, "trainer.peak_tflops")
-    assert RunFigures(_cfg("trainer.peak_tflops=7.5")).peak(torch.device("cpu")).tflops == 7.5
+    assert RunFigures(build_spec(_cfg("trainer.peak_tflops=7.5"))).peak(torch.device("cpu")).tflops == 7.5
 
 
 def test_cpu_probe_is_positive_time_boxed_and_cached(tmp_path, monkeypatch):
@@ -214,7 +213,7 @@ def test_start_summary_prints_the_plans_figures(capsys, name):
     cli = json.loads(capsys.readouterr().out)
     cfg = _cfg(*overrides, name=name)
     module = SimpleNamespace(vocab_size=8192, device=torch.device("cpu"))  # the bundled tokenizer's size
-    RunSummary(cfg, compute_layout(cfg), None).on_fit_start(None, module)
+    RunSummary(build_spec(cfg), None).on_fit_start(None, module)
     text = capsys.readouterr().out
     assert cli["vocab_size"] == 8192
     assert f"  parameters   {cli['parameters']:,}  " in text
@@ -349,7 +348,7 @@ def test_the_start_summary_says_it_and_both_print_the_step_time_the_peak_allows(
     _fake_cpu(monkeypatch, 0.058, 0.0008, {"avx2"})
     cfg = _cfg(*[o for o in TINY if not o.startswith("trainer.peak")], "precision.type=mixed_precision")
     module = SimpleNamespace(vocab_size=VOCAB, device=torch.device("cpu"))
-    RunSummary(cfg, compute_layout(cfg), None).on_fit_start(None, module)
+    RunSummary(build_spec(cfg), None).on_fit_start(None, module)
     lines = capsys.readouterr().out.splitlines()
     flop_per_step = plan(cfg, VOCAB)["model_tflop_per_step"] * 1e12  # 678,528 x 4 x 32 FLOP
     assert lines[-3] == "  peak         0.8 GFLOP/s per device (measured bf16 matmul on AMD EPYC 7R13, " + \

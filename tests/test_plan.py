@@ -245,15 +245,14 @@ def test_start_summary_shows_activated_parameters(capsys):
 
     import torch
 
-    from nxdt.spec.layout import compute_layout
-    from nxdt.spec import load_config
+    from nxdt.spec import build_spec, load_config
     from nxdt.observability.callbacks import RunSummary
 
     def summary(name: str) -> list[str]:
         cfg = load_config(["--config-path", CONF, "--config-name", name, "trainer.peak_tflops=1"],
                           check_paths=False, quiet=True)
         module = SimpleNamespace(vocab_size=8192, device=torch.device("cpu"))
-        RunSummary(cfg, compute_layout(cfg, 2), None).on_fit_start(None, module)
+        RunSummary(build_spec(cfg, 2), None).on_fit_start(None, module)
         return capsys.readouterr().out.splitlines()
 
     assert summary("tiny_mixtral_cpu")[2:5] == [

@@ -15,10 +15,11 @@ from conftest import TINY_OVERRIDES, read_scalars, run_pool
 
 from nxdt.config import ConfigError, apply_env
 
-from nxdt.spec import load_config
+from nxdt.spec import build_spec, load_config
 from nxdt.models import build_model
 from nxdt.parallel.activation_checkpointing import apply_activation_checkpointing, checkpointed_modules
-from nxdt.precision.precision import DynamicLossScaler, NumericalInstabilityError, Precision, settings_from_cfg
+from nxdt.precision.precision import TORCH_DTYPES, DynamicLossScaler, NumericalInstabilityError, Precision
+from nxdt.spec.precision import precision_settings
 from nxdt.training.builder import build_harness
 from nxdt.training.loss import masked_token_loss
 from nxdt.training.step import microbatch_forward_backward, split_microbatches, train_step
@@ -171,7 +172,7 @@ def test_fp16_trains_with_a_sane_scale():
     assert losses[-1] < losses[0] - 0.3
     assert prec.loss_scale >= 2.0**16  # grew from 2**16 or stayed: no collapse
     state = prec.state_dict()
-    other = Precision.from_cfg(make_cfg("precision.fp16.enabled=true"), rank=0)
+    other = Precision.from_spec(build_spec(make_cfg("precision.fp16.enabled=true")), rank=0)
     other.load_state_dict(state)
     assert other.loss_scale == prec.loss_scale and other.state_dict()["scaler"] == state["scaler"]
 
@@ -200,7 +201,7 @@ def test_nonfinite_loss_is_skipped_with_on_nonfinite_skip():
     assert ok and prec.consecutive_skips == 0
     assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     with pytest.raises(NumericalInstabilityError, match=r"^step 1: non-finite loss \(nan\)"):
-        prec2 = Precision.from_cfg(make_cfg(), rank=0)
+        prec2 = Precision.from_spec(build_spec(make_cfg()), rank=0)
         prec2.check_step(1, torch.tensor(math.nan), torch.tensor(1.0), model)
 
 
@@ -290,12 +291,12 @@ def test_preset_settings_and_dtypes():
         "mixed_precision_SR": ("master", bf16, True), "bf16SR": ("lowp", bf16, True),
     }
     for ptype, (mode, dtype, sr) in expect.items():
-        s = settings_from_cfg(make_cfg(f"precision.type={ptype}").precision)
-        assert (s.mode, s.compute_dtype, s.stochastic) == (mode, dtype, sr), ptype
-    s = settings_from_cfg(make_cfg("precision.type=manual").precision)
+        s = precision_settings(make_cfg(f"precision.type={ptype}").precision)
+        assert (s.mode, TORCH_DTYPES[s.compute_dtype], s.stochastic) == (mode, dtype, sr), ptype
+    s = precision_settings(make_cfg("precision.type=manual").precision)
     assert s.mode == "fp32"  # neither XLA_USE_BF16 nor XLA_DOWNCAST_BF16: fp32
-    s = settings_from_cfg(make_cfg("precision.type=manual", "precision.xla_use_bf16=1",
-                                   "precision.neuron_rt_stochastic_rounding_en=1").precision)
+    s = precision_settings(make_cfg("precision.type=manual", "precision.xla_use_bf16=1",
+                                    "precision.neuron_rt_stochastic_rounding_en=1").precision)
     assert (s.mode, s.stochastic, s.fp32_grad_acc) == ("lowp", True, False)
     # bf16SR keeps bf16 parameters and bf16 optimizer state; mixed precision keeps fp32 masters
     h = _tiny_harness("precision.type=bf16SR", "model.optim.name=adamw")
@@ -400,9 +401,9 @@ def test_xla_dispatch_and_precision_on_xla(monkeypatch):
 
     # on XLA the env vars cast: master / low-precision modes keep the built dtypes; autocast and fp16 stay
     for ptype, mode in (("mixed_precision", "fp32"), ("bf16SR", "fp32"), ("autocast", "autocast"), ("fp32", "fp32")):
-        assert Precision.from_cfg(make_cfg(f"precision.type={ptype}"), rank=0, on_xla=True).mode == mode
-    fp16 = Precision.from_cfg(make_cfg("precision.fp16.enabled=true"), rank=0, on_xla=True)
-    assert fp16.mode == "master" and fp16.settings.compute_dtype == torch.float16
+        assert Precision.from_spec(build_spec(make_cfg(f"precision.type={ptype}")), rank=0, on_xla=True).mode == mode
+    fp16 = Precision.from_spec(build_spec(make_cfg("precision.fp16.enabled=true")), rank=0, on_xla=True)
+    assert fp16.mode == "master" and fp16.compute_dtype == torch.float16
 
     # off XLA a step closure runs at once; on XLA it is handed to xm.add_step_closure
     seen = []
@@ -416,7 +417,7 @@ def test_xla_dispatch_and_precision_on_xla(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch_xla.core", fake.core)
     monkeypatch.setitem(sys.modules, "torch_xla.core.xla_model", xm)
     monkeypatch.setattr(xla, "is_xla_tensor", lambda t: torch.is_tensor(t))
-    prec = Precision.from_cfg(cfg, rank=0, on_xla=True)
+    prec = Precision.from_spec(build_spec(cfg), rank=0, on_xla=True)
     model = build_model(cfg, VOCAB)
     # the stop check is deferred (no sync before the update); it raises when the closure runs
     assert prec.check_step(4, torch.tensor(math.nan), torch.tensor(1.0), model) is True
@@ -428,11 +429,11 @@ def test_xla_dispatch_and_precision_on_xla(monkeypatch):
 
 def test_state_dict_is_plain_and_restores_the_sr_stream():
     cfg = make_cfg("precision.type=mixed_precisionSR")
-    a = Precision.from_cfg(cfg, rank=0)
+    a = Precision.from_spec(build_spec(cfg), rank=0)
     x = torch.randn(1000)
     a._round(x, torch.bfloat16)
     state = a.state_dict()
     assert isinstance(state["sr_generators"]["cpu"], list)  # no tensors: safe in any checkpoint metadata
-    b = Precision.from_cfg(cfg, rank=3)
+    b = Precision.from_spec(build_spec(cfg), rank=3)
     b.load_state_dict(state)
     assert torch.equal(a._round(x, torch.bfloat16), b._round(x, torch.bfloat16))

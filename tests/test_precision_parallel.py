@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from test_precision import MODEL, VOCAB, _as_batch, _data, train_curve
 
-from nxdt.spec import load_config
+from nxdt.spec import build_spec, load_config
 from nxdt.models import build_model
 from nxdt.parallel.mesh import build_mesh
 from nxdt.spec.layout import Layout
@@ -60,7 +60,7 @@ def _pp_fp16_worker(rank: int, world: int) -> dict:
                "precision.fp16.initial_scale_power=24", "precision.fp16.hysteresis=1",
                "precision.fp16.max_consecutive_skips=20", "model.optim.lr=1e-2")
     torch.manual_seed(0)
-    prec = Precision.from_cfg(cfg, rank=rank)
+    prec = Precision.from_spec(build_spec(cfg), rank=rank)
     mesh = build_mesh(Layout(pp=2), "cpu")
     pipe = build_pipeline(prec.convert_model(build_model(cfg, VOCAB)), mesh, cfg, compute_layout(cfg, world),
                           torch.device("cpu"), loss_fn=masked_token_loss, loss_scale=lambda: prec.loss_scale)
@@ -75,7 +75,7 @@ def _pp_fp16_worker(rank: int, world: int) -> dict:
         records.append([m.applied, prec.loss_scale, float(m.loss)])
 
     # the verdict is all ranks' together: an overflow seen by rank 1 alone skips the step on both
-    agree = Precision.from_cfg(_cfg("precision.fp16.enabled=true", "precision.fp16.hysteresis=1"), rank=rank)
+    agree = Precision.from_spec(build_spec(_cfg("precision.fp16.enabled=true", "precision.fp16.hysteresis=1")), rank=rank)
     own = torch.tensor(math.inf if rank == 1 else 1.0)
     verdicts = [agree.check_step(0, torch.tensor(2.0), own, model),
                 agree.check_step(1, torch.tensor(2.0), torch.tensor(1.0), model)]

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from nxdt.checkpoint.state import from_json, to_json
 from nxdt.config.errors import ConfigError
-from nxdt.spec import config_from_dict
+from nxdt.spec import build_spec, config_from_dict
 from nxdt.data.assets import bundled_corpus_path
 from nxdt.data.preference import RESPONSES, PreferenceDataModule
 from nxdt.data.tokenizers import build_tokenizer
@@ -55,7 +55,7 @@ def rows(chapters):
 
 @pytest.fixture(scope="module")
 def fp32():
-    return Precision.from_cfg(config_from_dict({}), rank=0)
+    return Precision.from_spec(build_spec(config_from_dict({})), rank=0)
 
 
 def write_jsonl(path, rows):

@@ -14,8 +14,7 @@ import pytest
 import torch
 from conftest import REPO
 
-from nxdt.spec.layout import compute_layout
-from nxdt.spec import config_from_dict, load_config
+from nxdt.spec import build_spec, config_from_dict, load_config
 from nxdt.tools.plan import main as plan_main
 from nxdt.observability import callbacks
 from nxdt.observability.callbacks import RunSummary, ThroughputMonitor
@@ -60,7 +59,7 @@ def test_max_tokens_notice_names_the_formula_and_the_replaced_max_steps(capsys):
 
 def _summary(capsys, cfg) -> list[str]:
     module = SimpleNamespace(vocab_size=256, device=torch.device("cpu"))
-    RunSummary(cfg, compute_layout(cfg), None).on_fit_start(None, module)
+    RunSummary(build_spec(cfg), None).on_fit_start(None, module)
     return capsys.readouterr().out.splitlines()
 
 

@@ -54,8 +54,8 @@ def main(mode: str, log_dir: str, data_prefix: str, steps: int) -> None:
 
     build_trainer = run_mod.build_trainer
 
-    def build_trainer_counting(cfg, layout, mesh_shape, loggers, callbacks):
-        return build_trainer(cfg, layout, mesh_shape, loggers, [*callbacks, CountExecutions()])
+    def build_trainer_counting(cfg, layout, loggers, callbacks):
+        return build_trainer(cfg, layout, loggers, [*callbacks, CountExecutions()])
 
     run_mod.build_trainer = build_trainer_counting
     if mode == "direct":

@@ -23,7 +23,6 @@ from nxdt.checkpoint.retention import (
     write_score,
 )
 from nxdt.checkpoint.save_errors import CheckpointSaveError
-from nxdt.spec.alignment import alignment_of
 from nxdt.config.errors import ConfigError
 
 
@@ -148,7 +147,7 @@ class NxdtCheckpoint(Callback):
         self.save(trainer)  # the final checkpoint
         self.wait_for_save(trainer)
         trainer.strategy.barrier("nxdt-final-checkpoint")
-        peft = alignment_of(pl_module.cfg).peft
+        peft = pl_module.spec.alignment.peft  # the run spec's (nxdt.spec.alignment)
         if peft is not None and peft.merge_lora:  # also the merged model, a weights-only start
             from nxdt.checkpoint.lora_state import merged_checkpoint_path, save_merged_weights
 

@@ -49,7 +49,7 @@ def _gt1(v: Any) -> bool:
 
 # dotted key -> the values validation refuses as not built yet. The lead removes entries as
 # features land. (Combinations that are refused live with their checks: moe_checks, arch_checks,
-# alignment, validate.check_cross.)
+# alignment, nxdt.spec.check_spec.)
 NOT_SUPPORTED_YET: dict[str, NotSupported] = {
     # NxDT shuffles MoE tokens across this many ranks before routing (load balance); with a capacity
     # factor that changes which tokens are dropped, so ignoring it would change the results

@@ -57,9 +57,8 @@ class PromptLimit:
     mode_key: str
 
 
-def prompt_limit(cfg) -> PromptLimit:
-    """The max prompt length and truncation mode of the DPO or ORPO block of `cfg`."""
-    al = alignment_of(cfg)
+def prompt_limit(cfg, al) -> PromptLimit:
+    """The max prompt length and truncation mode of the DPO or ORPO block (`al`: the run spec's alignment)."""
     seq = int(cfg.data.seq_length)
     if al.dpo is not None:
         block, key, length_name = al.dpo, al.dpo_key, "max_dpo_prompt_length"
@@ -179,13 +178,14 @@ class PreferenceRows(torch.utils.data.Dataset):
 class PreferenceDataModule(RowsDataModule):
     """DPO / ORPO data and the DPO reference table; see the module docstring."""
 
-    def __init__(self, cfg, trainer=None):
+    def __init__(self, cfg, trainer=None, alignment=None):
+        """`alignment`: the run spec's (nxdt.spec.alignment); read from `cfg` when built on its own."""
         super().__init__(cfg, trainer)
         data = cfg.data
         if data.train_dir is None:
             raise ConfigError("data.train_dir: required for DPO / ORPO (jsonl, arrow or save_to_disk rows of "
                               "prompt/chosen/rejected)")
-        self.limit = prompt_limit(cfg)
+        self.limit = prompt_limit(cfg, alignment_of(cfg) if alignment is None else alignment)
         self.tokenizer = build_tokenizer(data.tokenizer)
         self.vocab_size = len(self.tokenizer)
         pad = self.tokenizer.pad_token_id

@@ -13,12 +13,15 @@
 
 from __future__ import annotations
 
-from nxdt.spec.data import datamodule_kind  # noqa: F401  (re-exported: which module a config gets)
+from nxdt.config.errors import ConfigError
+from nxdt.spec.data import NO_DATA_SOURCE, datamodule_kind  # noqa: F401  (re-exported: which module a config gets)
 
 
-def build_datamodule(cfg, trainer):
-    """The LightningDataModule for `cfg`, built as Cls(cfg, trainer)."""
-    kind = datamodule_kind(cfg)  # data.packing without sft is refused by validation (check_cross)
+def build_datamodule(spec, trainer):
+    """The LightningDataModule of the run spec's data kind, built as Cls(spec.cfg, trainer)."""
+    cfg, kind = spec.cfg, spec.data_kind  # data.packing without sft is refused by validation (nxdt.spec.data)
+    if kind is None:
+        raise ConfigError(NO_DATA_SOURCE)
     if kind == "custom":
         from nxdt.data.custom import build_custom_datamodule
 
@@ -26,11 +29,11 @@ def build_datamodule(cfg, trainer):
     if kind == "sft":
         from nxdt.data.sft import SFTDataModule
 
-        return SFTDataModule(cfg, trainer)
+        return SFTDataModule(cfg, trainer, alignment=spec.alignment)
     if kind == "preference":
         from nxdt.data.preference import PreferenceDataModule
 
-        return PreferenceDataModule(cfg, trainer)
+        return PreferenceDataModule(cfg, trainer, alignment=spec.alignment)
     if kind == "dummy":
         from nxdt.data.dummy import DummyDataModule
 

@@ -223,9 +223,9 @@ class SFTRows(torch.utils.data.Dataset):
         }
 
 
-def sft_options(cfg) -> dict:
-    """model_alignment_strategy.sft as a dict (packing also from data.packing)."""
-    sft = alignment_of(cfg).sft or SFTConfig()
+def sft_options(cfg, alignment) -> dict:
+    """model_alignment_strategy.sft (`alignment`: the run spec's) as a dict (packing also from data.packing)."""
+    sft = alignment.sft or SFTConfig()
     return {"packing": bool(sft.packing or cfg.data.packing), "prompt_template": sft.prompt_template}
 
 
@@ -247,12 +247,13 @@ class RowsDataModule(NxdtDataModuleBase):
 class SFTDataModule(RowsDataModule):
     """Supervised fine-tuning data; see the module docstring."""
 
-    def __init__(self, cfg, trainer=None):
+    def __init__(self, cfg, trainer=None, alignment=None):
+        """`alignment`: the run spec's (nxdt.spec.alignment); read from `cfg` when built on its own."""
         super().__init__(cfg, trainer)
         data = cfg.data
         if data.train_dir is None:
             raise ConfigError("data.train_dir: required for SFT (jsonl, arrow or save_to_disk rows of input/output)")
-        opts = sft_options(cfg)
+        opts = sft_options(cfg, alignment_of(cfg) if alignment is None else alignment)
         self.packing = opts["packing"]
         self.prompt_template = opts["prompt_template"]
         self.tokenizer = build_tokenizer(data.tokenizer)

@@ -28,10 +28,11 @@ MEMORY_EVERY = 50
 class RunFigures:
     """What this run costs (`nxdt plan`'s dict for its config and vocabulary) and what one device
     can do (its peak TFLOP/s), each worked out once per process, when the first callback asks at
-    fit start (the vocabulary is the data module's, known by then)."""
+    fit start (the vocabulary is the data module's, known by then). `spec`: the run spec."""
 
-    def __init__(self, cfg) -> None:
-        self.cfg = cfg
+    def __init__(self, spec) -> None:
+        self.spec = spec
+        self.cfg = spec.cfg
         self._plan: dict[str, Any] | None = None
         self._peak: dict[str, Peak | None] = {}
 
@@ -44,21 +45,18 @@ class RunFigures:
 
 
     def peak(self, device: torch.device) -> Peak | None:
-        from nxdt.spec.precision import precision_settings
-
         key = str(device)
         if key not in self._peak:
             t = self.cfg.trainer
-            self._peak[key] = device_peak(device, precision_settings(self.cfg.precision).compute_dtype,
+            self._peak[key] = device_peak(device, self.spec.precision.compute_dtype,
                                           t.peak_tflops, t.lnc)
         return self._peak[key]
 
     def precision_notice(self, device: torch.device) -> str | None:
         """The one line for a bf16/fp16 preset on a device that runs it slower than fp32 (nxdt.hardware)."""
-        from nxdt.spec.precision import precision_settings
         from nxdt.hardware import low_precision_notice
 
-        return low_precision_notice(device, precision_settings(self.cfg.precision).compute_dtype, self.cfg.precision.type)
+        return low_precision_notice(device, self.spec.precision.compute_dtype, self.cfg.precision.type)
 
 
 def run_figures(figures: RunFigures, pl_module) -> dict[str, Any]:
@@ -270,9 +268,10 @@ class RunSummary(Callback):
     """Prints a one-screen summary (layout, parameters, batch, tokens per step, max_steps and the
     tokens in all, memory, FLOPs) at fit start."""
 
-    def __init__(self, cfg, layout, log_dir: str | None, figures: RunFigures | None = None) -> None:
-        self.cfg, self.layout, self.log_dir = cfg, layout, log_dir
-        self.figures = figures or RunFigures(cfg)
+    def __init__(self, spec, log_dir: str | None, figures: RunFigures | None = None) -> None:
+        """`spec`: the run spec (its config and layout)."""
+        self.cfg, self.layout, self.log_dir = spec.cfg, spec.layout, log_dir
+        self.figures = figures or RunFigures(spec)
 
     @rank_zero_only
     def on_fit_start(self, trainer: pl.Trainer, pl_module) -> None:

@@ -38,19 +38,17 @@ from __future__ import annotations
 import logging
 import os
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from nxdt.spec.precision import precision_settings
+from nxdt.spec.precision import PrecisionSettings, precision_settings
 from nxdt.precision.overflow import all_ranks_finite
 from nxdt.precision.stochastic_rounding import round_to
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class NumericalInstabilityError(RuntimeError):
@@ -106,39 +104,21 @@ class DynamicLossScaler:
 
 
 # --------------------------------------------------------------------------- settings
-@dataclass(frozen=True)
-class PrecisionSettings:
-    """A preset reduced to what the code does with it."""
-
-    ptype: str
-    mode: str  # "fp32" | "autocast" | "master" | "lowp"
-    compute_dtype: torch.dtype
-    stochastic: bool
-    fp32_grad_acc: bool
-    fp16: bool
-
-
-# nxdt.spec.precision names the compute dtype; this is the torch side of the name.
+# nxdt.spec.precision names the compute dtype (its PrecisionSettings, the one settings class);
+# this is the torch side of the name.
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def settings_from_cfg(pcfg: Any) -> PrecisionSettings:
-    """`cfg.precision` → PrecisionSettings (the rules and their ConfigErrors are in
-    nxdt.spec.precision, which validation runs too)."""
-    s = precision_settings(pcfg)
-    return PrecisionSettings(s.ptype, s.mode, TORCH_DTYPES[s.compute_dtype], s.stochastic, s.fp32_grad_acc, s.fp16)
 
 
 def fsdp_mixed_precision_policy(precision_cfg: Any):
     """The FSDP2 MixedPrecisionPolicy for `cfg.precision` (the Precision object's, so fp16 all-gathers
     fp16): bf16/fp16 compute copies with fp32 gradient reduction for the master-weight presets,
     fp32 reduction for bf16SR; None for fp32 / autocast."""
-    return Precision(settings_from_cfg(precision_cfg)).fsdp_mp_policy()
+    return Precision(precision_settings(precision_cfg)).fsdp_mp_policy()
 
 
 def stochastic_master_weights(precision_cfg: Any) -> bool:
     """mixed_precisionSR (or manual with master weights and SR): the bf16 copies are rounded stochastically."""
-    s = settings_from_cfg(precision_cfg)
+    s = precision_settings(precision_cfg)
     return s.mode == "master" and s.stochastic
 
 
@@ -178,8 +158,9 @@ class Precision:
         self.lazy_guard = False
 
     @classmethod
-    def from_cfg(cls, cfg: Any, rank: int | None = None, on_xla: bool = False) -> Precision:
-        """From the whole config (`cfg.precision`, `cfg.seed`); `rank` (default: $RANK) decorrelates SR noise.
+    def from_spec(cls, spec: Any, rank: int | None = None, on_xla: bool = False) -> Precision:
+        """From the run spec (nxdt.spec.RunSpec: its precision settings, `cfg.precision`'s fp16 and
+        NaN-guard keys, `cfg.seed`); `rank` (default: $RANK) decorrelates SR noise.
 
         `on_xla`: the XLA env vars (nxdt.config.env) do the bf16 casting and the stochastic
         rounding there, so the master/low-precision modes keep the dtypes as built; autocast and
@@ -187,10 +168,11 @@ class Precision:
         """
         if rank is None:
             rank = int(os.environ.get("RANK", "0") or 0)
+        cfg = spec.cfg
         pcfg = cfg.precision
-        settings = settings_from_cfg(pcfg)
+        settings = spec.precision
         if on_xla and settings.mode in ("master", "lowp") and not settings.fp16:
-            settings = replace(settings, mode="fp32", compute_dtype=torch.float32, stochastic=False)
+            settings = replace(settings, mode="fp32", compute_dtype="fp32", stochastic=False)
         f = pcfg.fp16
         scaler = None
         if settings.fp16:
@@ -205,6 +187,11 @@ class Precision:
     @property
     def mode(self) -> str:
         return self.settings.mode
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the forward and backward run in (the settings' name in torch)."""
+        return TORCH_DTYPES[self.settings.compute_dtype]
 
     @property
     def loss_scale(self) -> float:
@@ -230,7 +217,7 @@ class Precision:
             with torch.no_grad():
                 for p in model.parameters():
                     if p.is_floating_point():
-                        p.data = p.data.to(self.settings.compute_dtype)
+                        p.data = p.data.to(self.compute_dtype)
         return model
 
     def fsdp_mp_policy(self):
@@ -244,7 +231,7 @@ class Precision:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         if self.mode == "master":
-            return MixedPrecisionPolicy(param_dtype=self.settings.compute_dtype, reduce_dtype=torch.float32)
+            return MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
         if self.mode == "lowp":
             return MixedPrecisionPolicy(reduce_dtype=torch.float32)
         return None
@@ -284,7 +271,7 @@ class Precision:
         """Context for the forward pass."""
         s = self.settings
         if s.mode == "autocast" or (self.delegated and s.mode == "master"):
-            return torch.autocast(device_type=device_type, dtype=s.compute_dtype)
+            return torch.autocast(device_type=device_type, dtype=self.compute_dtype)
         return nullcontext()
 
     def _caches_casts_per_step(self) -> bool:
@@ -302,7 +289,7 @@ class Precision:
         the nesting keeps the cache). Nothing for the other presets (master mode casts once per
         step in begin_step)."""
         if self._caches_casts_per_step():
-            return torch.autocast(device_type=device_type, dtype=self.settings.compute_dtype)
+            return torch.autocast(device_type=device_type, dtype=self.compute_dtype)
         return nullcontext()
 
     def backward_context(self, device_type: str):
@@ -319,7 +306,7 @@ class Precision:
             state.step = self._sr_step
         if self.mode != "master" or self.delegated:
             return
-        dtype = self.settings.compute_dtype
+        dtype = self.compute_dtype
         with torch.no_grad():
             for p in model.parameters():
                 if not p.is_floating_point():

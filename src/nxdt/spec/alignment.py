@@ -68,18 +68,18 @@ def alignment_of(cfg: Any) -> Alignment:
 LORA_FUSED_NAMES = ("qkv_proj", "gate_up_proj")
 
 
-def alignment_notices(cfg: Any) -> list[str]:
-    """Keys accepted and inert here, reported once at start."""
-    peft = alignment_of(cfg).peft
+def alignment_notices(al: Alignment) -> list[str]:
+    """Keys accepted and inert here, reported once at start (`al`: the run spec's alignment)."""
+    peft = al.peft
     if peft is not None and peft.merge_sharded_lora:
         return ["model_alignment_strategy.peft.merge_sharded_lora: inert here (nxdt's checkpoints are read whole "
                 "at any layout; `nxdt convert nxdt-to-hf` writes one PEFT adapter)"]
     return []
 
 
-def check_alignment(cfg: Any) -> None:
-    """One-line ConfigErrors for strategy combinations and values nxdt cannot run."""
-    al = alignment_of(cfg)
+def check_alignment(cfg: Any, al: Alignment) -> None:
+    """One-line ConfigErrors for strategy combinations and values nxdt cannot run (`al`: the run
+    spec's alignment, `alignment_of(cfg)`)."""
     ds = cfg.distributed_strategy
     if al.dpo is not None and al.orpo is not None:
         raise ConfigError(f"{al.dpo_key} and model_alignment_strategy.orpo are both set: pick one preference loss")

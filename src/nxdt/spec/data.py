@@ -1,6 +1,7 @@
 """The data side of a config: the blend (`data.data_prefix`, or `data.datasets` + `data.weights`),
-which data module it gets, and dynamic data selection's domains and reference losses. Validation
-and the data modules read the same values, so the two cannot disagree. Torch-free."""
+which data module it gets, the data keys' cross-checks (`check_data`), and dynamic data
+selection's domains and reference losses. Validation and the data modules read the same values,
+so the two cannot disagree. Torch-free."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ import difflib
 import json
 import math
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from nxdt.config.errors import ConfigError
-from nxdt.spec.alignment import alignment_of
+from nxdt.spec.alignment import Alignment, alignment_of
 
 
 # --------------------------------------------------------------------------- blend
@@ -139,11 +141,23 @@ def data_blend(data: Any) -> DataBlend:
 
 
 # --------------------------------------------------------------------------- data kind
-def datamodule_kind(cfg) -> str:
-    """'custom' | 'sft' | 'preference' | 'dummy' | 'logical_shards' | 'hf' | 'megatron' for `cfg` (see the
-    module doc)."""
+NO_DATA_SOURCE = ("data: no data source; set data.data_prefix (Megatron), data.train_dir (HF datasets), "
+                  "data.datasets, data.use_dummy_dataset, model_alignment_strategy.sft or data.data_module")
+
+
+def datamodule_kind(cfg, alignment: Alignment | None = None) -> str:
+    """'custom' | 'sft' | 'preference' | 'dummy' | 'logical_shards' | 'hf' | 'megatron' for `cfg` (see
+    nxdt.data.select); ConfigError when the config names no data source. `alignment`: the run
+    spec's (default: read from `cfg`)."""
+    kind = data_kind_of(cfg, alignment_of(cfg) if alignment is None else alignment)
+    if kind is None:
+        raise ConfigError(NO_DATA_SOURCE)
+    return kind
+
+
+def data_kind_of(cfg, alignment: Alignment) -> str | None:
+    """`datamodule_kind`, None when the config names no data source (the run spec's `data_kind`)."""
     data = cfg.data
-    alignment = alignment_of(cfg)
     if data.data_module is not None:
         return "custom"
     if alignment.sft is not None:
@@ -163,8 +177,26 @@ def datamodule_kind(cfg) -> str:
         return "hf"
     if has_prefix:
         return "megatron"
-    raise ConfigError("data: no data source; set data.data_prefix (Megatron), data.train_dir (HF datasets), "
-                      "data.datasets, data.use_dummy_dataset, model_alignment_strategy.sft or data.data_module")
+    return None
+
+
+# --------------------------------------------------------------------------- data checks
+def check_data(cfg: Any, alignment: Alignment, kind: str | None) -> None:
+    """The data keys' cross-checks: splits, the blend, packing, a custom module's name, dynamic selection.
+    `kind`: the run spec's data_kind (None: no data source)."""
+    data = cfg.data
+    if not re.fullmatch(r"\s*\d+(\.\d+)?\s*(,\s*\d+(\.\d+)?\s*){2}", data.splits_string):
+        raise ConfigError(f"data.splits_string: expected three comma-separated numbers like '980,10,10', "
+                          f"got '{data.splits_string}'")
+    if data.datasets is not None or data.weights is not None:
+        parse_datasets(data.datasets, data.weights)
+    if data.packing and alignment.sft is None:
+        raise ConfigError("data.packing: packing applies to SFT data only (set model_alignment_strategy.sft)")
+    if data.data_module is not None and not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+", data.data_module):
+        raise ConfigError(f"data.data_module: expected 'package.module.ClassName', got '{data.data_module}'")
+    if data.data_module is None and data.data_prefix is not None:
+        parse_data_prefix(data.data_prefix)
+    check_dynamic_selection(cfg, kind)
 
 
 # --------------------------------------------------------------------------- data selection
@@ -240,12 +272,14 @@ def reference_losses(value: Any, paths: Sequence[str]) -> list[float]:
     raise ConfigError(f"{where}: expected a list of losses, a {{domain: loss}} mapping or a file, got {value!r}")
 
 
-def check_dynamic_selection(cfg: Any) -> None:
-    """The run-independent checks (validation, before any process starts)."""
+def check_dynamic_selection(cfg: Any, kind: str | None) -> None:
+    """The run-independent checks (validation, before any process starts). `kind`: the data kind."""
     data = cfg.data
     if data.dynamic_data_selection == "none":
         return
-    data_kind = datamodule_kind(cfg)
+    if kind is None:
+        raise ConfigError(NO_DATA_SOURCE)
+    data_kind = kind
     if data_kind != "logical_shards":
         raise ConfigError(f"data.dynamic_data_selection={data.dynamic_data_selection}: needs a blend of "
                           f"domains (data.data_prefix or data.datasets); this config's data is '{data_kind}'")

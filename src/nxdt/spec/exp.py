@@ -1,5 +1,6 @@
-"""`exp_manager` settings beyond their types: the samples generated during training and the
-preemption signals (names -> numbers, one parser for validation and the run). Torch-free."""
+"""`exp_manager` settings beyond their types: an evaluate-only run's weights, the samples generated
+during training and the preemption signals (names -> numbers, one parser for validation and the
+run). Torch-free."""
 
 from __future__ import annotations
 
@@ -7,6 +8,23 @@ import signal
 from typing import Any
 
 from nxdt.config.errors import ConfigError
+
+
+# --------------------------------------------------------------------------- evaluate only
+def check_evaluate_only(cfg: Any) -> None:
+    """trainer.max_epochs=0 (evaluate only) needs weights to evaluate: a checkpoint to resume."""
+    exp = cfg.exp_manager
+    if cfg.trainer.max_epochs == 0 and not exp.resume_from_checkpoint and not exp.resume_if_exists:
+        # evaluating freshly initialised weights is never what was meant
+        raise ConfigError("trainer.max_epochs=0 (evaluate only): no weights to evaluate: set "
+                          "exp_manager.resume_from_checkpoint=CHECKPOINT or exp_manager.resume_if_exists=true "
+                          "(this run's newest checkpoint)")
+
+
+def check_exp(cfg: Any) -> None:
+    """exp_manager.samples (`check_samples`) and exp_manager.preemption_signals (`parse_signals`)."""
+    check_samples(cfg)
+    parse_signals(cfg.exp_manager.preemption_signals)
 
 
 # --------------------------------------------------------------------------- sample checks

@@ -1,17 +1,155 @@
-"""The model's architecture and fusion settings beyond a single key's type: rotary and block-type
-options, the layouts transformers' GPT-NeoX is not built for, whether blocks compile
-(`model.fusions.torch_compile` / `model.use_torch_compile`), and where the chunked output layer +
-cross entropy (`model.fusions.cross_entropy_chunk_size`) is built. Torch-free."""
+"""The model's architecture and fusion settings beyond a single key's type: the effective
+architecture numbers (`ModelArch`: the config's keys over a transformers config.json), their
+divisibility by the tensor-parallel size, rotary and block-type options, activation
+checkpointing's class names and chunks, the layouts transformers' GPT-NeoX is not built for,
+whether blocks compile (`model.fusions.torch_compile` / `model.use_torch_compile`), and where the
+chunked output layer + cross entropy (`model.fusions.cross_entropy_chunk_size`) is built. Torch-free."""
 
 from __future__ import annotations
 
 import json
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from nxdt.config.errors import ConfigError
 from nxdt.config.resolvers import shipped_conf_dir
-from nxdt.spec.alignment import alignment_of
+from nxdt.config.validate import did_you_mean
+from nxdt.spec.alignment import Alignment
+from nxdt.spec.layout import Layout
+
+
+# --------------------------------------------------------------------------- effective architecture
+@dataclass(frozen=True)
+class ModelArch:
+    """Architecture numbers as the model builder will see them (hf: config.json under the config's keys)."""
+
+    num_layers: int | None
+    """Decoder blocks (model.num_layers / num_hidden_layers)."""
+    hidden_size: int | None
+    """Width of the residual stream."""
+    ffn_hidden_size: int | None
+    """Width of the MLP (intermediate_size)."""
+    num_attention_heads: int | None
+    """Query heads."""
+    num_kv_heads: int | None
+    """Key/value heads (= num_attention_heads without grouped-query attention)."""
+    max_position_embeddings: int | None
+    """Longest sequence the positions cover."""
+    kv_channels: int | None
+    """Head dimension when given (model.kv_channels / head_dim), else None."""
+    hf_json: dict = field(default_factory=dict, compare=False)
+    """The transformers config.json model.model_config names ({} for megatron or when unreadable)."""
+
+    @property
+    def head_dim(self) -> int | None:
+        """The effective head dimension (kv_channels, else hidden / heads; None when not known yet)."""
+        heads, hidden = self.num_attention_heads, self.hidden_size
+        return self.kv_channels or (hidden // heads if hidden and heads else None)
+
+
+def hf_json(cfg: Any) -> dict:
+    """The content of model.model_config under model_source hf ({} otherwise or when unreadable)."""
+    path = cfg.model.model_config
+    if cfg.model_source != "hf" or not path or not os.path.isfile(str(path)):
+        return {}
+    try:
+        with open(str(path), encoding="utf-8") as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def model_arch(cfg: Any) -> ModelArch:
+    """The effective architecture of `cfg` (hf: config.json's numbers under the config's overrides)."""
+    hf = hf_json(cfg)
+    m = cfg.model
+
+    def pick(key: str, json_key: str):
+        v = getattr(m, key)
+        return v if v is not None else hf.get(json_key)
+
+    heads = pick("num_attention_heads", "num_attention_heads")
+    kv = pick("num_kv_heads", "num_key_value_heads") or heads
+    return ModelArch(
+        num_layers=pick("num_layers", "num_hidden_layers"),
+        hidden_size=pick("hidden_size", "hidden_size"),
+        ffn_hidden_size=pick("ffn_hidden_size", "intermediate_size"),
+        num_attention_heads=heads,
+        num_kv_heads=kv,
+        max_position_embeddings=pick("max_position_embeddings", "max_position_embeddings"),
+        kv_channels=pick("kv_channels", "head_dim"),
+        hf_json=hf,
+    )
+
+
+def check_source(cfg: Any) -> None:
+    """The keys each model_source needs: megatron's architecture numbers, hf's config.json."""
+    model = cfg.model
+    if cfg.model_source == "megatron":
+        for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads"):
+            if getattr(model, key) is None:
+                raise ConfigError(f"model.{key} is required for model_source megatron")
+    elif model.model_config is None:
+        raise ConfigError("model.model_config (a transformers config.json) is required for model_source hf")
+
+
+def check_dimensions(cfg: Any, arch: ModelArch, layout: Layout) -> None:
+    """Numbers >= 1, heads split over tensor parallel, K/V heads and tp dividing one another, the
+    sequence within the positions."""
+    heads, kv, hidden, tp = arch.num_attention_heads, arch.num_kv_heads, arch.hidden_size, layout.tp
+    for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_kv_heads",
+                "max_position_embeddings"):
+        value = getattr(arch, key)
+        if value is not None and value < 1:
+            raise ConfigError(f"model.{key}: must be >= 1, got {value}")
+    if heads is not None:
+        if heads % tp:
+            raise ConfigError(f"model.num_attention_heads ({heads}) is not divisible by "
+                              f"distributed_strategy.tensor_model_parallel_size ({tp})")
+        if hidden is not None and arch.kv_channels is None and hidden % heads:
+            raise ConfigError(f"model.hidden_size ({hidden}) is not divisible by model.num_attention_heads ({heads})")
+        if kv is not None:
+            if heads % kv:
+                raise ConfigError(f"model.num_attention_heads ({heads}) is not divisible by model.num_kv_heads ({kv})")
+            if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
+                raise ConfigError(f"model.num_kv_heads ({kv}) and distributed_strategy.tensor_model_parallel_size "
+                                  f"({tp}) must divide one another (K/V heads are split or replicated across tp)")
+    seq, maxpos = cfg.data.seq_length, arch.max_position_embeddings
+    if seq is not None and maxpos is not None and seq > maxpos:
+        raise ConfigError(f"data.seq_length ({seq}) exceeds model.max_position_embeddings ({maxpos})")
+
+
+# --------------------------------------------------------------------------- activation checkpointing
+# Module classes of a Llama block that `model.activations_checkpoint_recompute` may name (native
+# model; transformers' Llama has the same names, CoreAttention meaning its LlamaAttention).
+RECOMPUTE_CLASSES = ("CoreAttention", "LlamaAttention", "LlamaDecoderLayer", "LlamaLayerNorm", "LlamaMLP",
+                     "LlamaRMSNorm", "Linear", "SiLU", "GELU", "Dropout")
+
+
+def check_recompute_classes(cfg: Any, arch: ModelArch) -> None:
+    """Unknown class names in activations_checkpoint_recompute (Llama models; other transformers
+    architectures are checked against their modules when the model is built)."""
+    names = cfg.model.activations_checkpoint_recompute
+    if not names:
+        return
+    if cfg.model_source == "hf" and arch.hf_json.get("model_type", "llama") != "llama":
+        return
+    for name in names:
+        if name not in RECOMPUTE_CLASSES:
+            raise ConfigError(f"model.activations_checkpoint_recompute: unknown module class '{name}'"
+                              f"{did_you_mean(str(name), RECOMPUTE_CLASSES)}; valid: {', '.join(RECOMPUTE_CLASSES)}")
+
+
+def check_checkpoint_layers(cfg: Any) -> None:
+    """model.checkpoint_num_layers > 1 checkpoints chunks of whole blocks (ranges: the schema's)."""
+    model = cfg.model
+    p, n = model.selective_checkpointing, model.checkpoint_num_layers
+    if n > 1 and (model.activations_checkpoint_granularity != "full" or p is not None):
+        raise ConfigError(f"model.checkpoint_num_layers ({n}) needs model.activations_checkpoint_granularity=full "
+                          "and no model.selective_checkpointing")
 
 
 # --------------------------------------------------------------------------- arch checks
@@ -75,6 +213,7 @@ def hf_model_type(path: str | None) -> str | None:
 
 # --------------------------------------------------------------------------- compile settings
 def wants_compile(cfg: Any) -> bool:
+    """model.fusions.torch_compile, or fms-fsdp's model.use_torch_compile: the blocks compile."""
     model = cfg.model
     return bool(model.fusions.torch_compile or model.use_torch_compile)
 
@@ -94,10 +233,10 @@ def check_compile(cfg: Any, layout: Any) -> None:
 CHUNK_KEY = "model.fusions.cross_entropy_chunk_size"
 
 
-def check_loss_chunking(cfg: Any, layout: Any) -> None:
+def check_loss_chunking(cfg: Any, layout: Layout, alignment: Alignment) -> None:
+    """Where the chunked output layer + cross entropy is not built yet."""
     if not cfg.model.fusions.cross_entropy_chunk_size:
         return
-    alignment = alignment_of(cfg)
     why = ("model_source=hf (transformers' models compute their own logits)" if cfg.model_source == "hf" else
            "distributed_strategy.pipeline_model_parallel_size > 1 (the last stage's loss runs inside the "
            "pipeline schedule)" if layout.pp > 1 else

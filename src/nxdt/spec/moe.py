@@ -1,11 +1,13 @@
-"""Checks of `model.moe`: routing choices that fit together, and what the MoE layer is built with.
+"""`model.moe` in the run spec (`MoESpec`: experts, top-k, the canonical gate) and its checks:
+routing choices that fit together, and what the MoE layer is built with.
 
-Each problem is one ConfigError line naming the dotted key. Called by `validate` (stage 3);
-`canonical_gate_type` runs in stage 1, where aliases are normalised.
+Each problem is one ConfigError line naming the dotted key. Called by `validate` after the schema's
+stage, where `canonical_gate_type` normalises the aliases.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from nxdt.config.errors import ConfigError
@@ -15,12 +17,40 @@ from nxdt.config.schema import canonical_gate_type
 LLAMA_MOE_GATES = ("top_k_balanced_noisy", "switch_balanced")
 
 
-def check_moe(cfg: Any, hf_json: dict) -> None:
-    """model.moe of the typed `cfg`; `hf_json` is model.model_config's content ({} when none)."""
+@dataclass(frozen=True)
+class MoESpec:
+    """What model.moe builds, aliases resolved."""
+
+    num_experts: int
+    """Experts per MoE layer; 0: a dense model."""
+    top_k: int
+    """Experts each token is routed to."""
+    gate_type: str
+    """The gate, canonical: mixtral | top_k_balanced_noisy | switch_balanced (LLaMA-MoE's names mapped)."""
+
+    @property
+    def enabled(self) -> bool:
+        """An MoE model (num_experts > 0)."""
+        return self.num_experts > 0
+
+    @property
+    def llama_moe_gate(self) -> bool:
+        """One of LLaMA-MoE's gates (their own routing and balance loss)."""
+        return self.gate_type in LLAMA_MOE_GATES
+
+
+def moe_of(cfg: Any) -> MoESpec:
+    """The MoE piece of the run spec of a typed `cfg`."""
+    moe = cfg.model.moe
+    return MoESpec(num_experts=int(moe.num_experts), top_k=int(moe.top_k), gate_type=canonical_gate_type(moe.gate_type))
+
+
+def check_moe(cfg: Any, piece: MoESpec, hf_json: dict) -> None:
+    """model.moe of the typed `cfg`; `piece`: its MoESpec; `hf_json` is model.model_config's content ({} when none)."""
     moe = cfg.model.moe
     if moe.num_experts < 0:
         raise ConfigError(f"model.moe.num_experts: must be >= 0, got {moe.num_experts}")
-    gate = canonical_gate_type(moe.gate_type)
+    gate = piece.gate_type
     if gate in LLAMA_MOE_GATES and cfg.model_source != "megatron":  # hf: also when config.json gives the experts
         raise ConfigError(f"model.moe.gate_type {gate}: LLaMA-MoE's gates are built for model_source megatron "
                           f"only (got {cfg.model_source})")
@@ -38,7 +68,7 @@ def check_moe(cfg: Any, hf_json: dict) -> None:
                           f"got {moe.capacity_factor}")
     if moe.sinkhorn_iterations < 1:
         raise ConfigError(f"model.moe.sinkhorn_iterations: must be >= 1, got {moe.sinkhorn_iterations}")
-    check_gate(cfg)
+    check_gate(cfg, gate)
     if cfg.model_source == "megatron" and (cfg.model.activation != "swiglu" or cfg.model.has_bias):
         raise ConfigError("model.moe: experts are SwiGLU without bias; needs model.activation=swiglu and "
                           "model.has_bias=false")
@@ -57,12 +87,11 @@ def check_moe(cfg: Any, hf_json: dict) -> None:
                                   f"capacity); use model_source megatron")
 
 
-def check_gate(cfg: Any) -> None:
-    """The gate and its balance loss: LLaMA-MoE's gates bring their own routing and loss, so the
-    mixtral gate's keys must stay at their defaults with them (they would be ignored), and the
-    other way round."""
+def check_gate(cfg: Any, gate: str) -> None:
+    """The gate (`gate`: canonical) and its balance loss: LLaMA-MoE's gates bring their own routing
+    and loss, so the mixtral gate's keys must stay at their defaults with them (they would be
+    ignored), and the other way round."""
     moe = cfg.model.moe
-    gate = canonical_gate_type(moe.gate_type)
     if moe.gate_balance_loss_weight < 0:
         raise ConfigError(f"model.moe.gate_balance_loss_weight: must be >= 0, got {moe.gate_balance_loss_weight}")
     if moe.gate_noise_epsilon < 0:

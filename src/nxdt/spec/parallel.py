@@ -1,6 +1,7 @@
-"""The parallel layout's rules beyond the batch arithmetic (nxdt.spec.layout): sharding strategies
-(every accepted spelling -> what nxdt builds), the pipeline's stage split and schedule, and context
-parallel. Torch-free."""
+"""The parallel layout's rules beyond the batch arithmetic (nxdt.spec.layout): the world size and
+gradient accumulation the layout derives, sharding strategies (every accepted spelling -> what
+nxdt builds) and the options only sharding builds, HSDP's replicas, devices under XLA, the
+pipeline's stage split and schedule, and context parallel. Torch-free."""
 
 from __future__ import annotations
 
@@ -9,9 +10,30 @@ from dataclasses import dataclass
 from typing import Any
 
 from nxdt.config.errors import ConfigError
+from nxdt.config.inert import backend_of
+from nxdt.config.optim_keys import check_optim_parallel
 from nxdt.config.schema import SHARDING_SPELLINGS, sharding_way
 from nxdt.spec.layout import Layout
-from nxdt.spec.model import wants_compile
+from nxdt.spec.precision import PrecisionSettings
+
+
+# --------------------------------------------------------------------------- world and batches
+def check_accumulation(cfg: Any) -> None:
+    """trainer.accumulate_grad_batches stays 1: the layout derives the micro-batches of a step."""
+    tr = cfg.trainer
+    if tr.accumulate_grad_batches != 1:
+        raise ConfigError(
+            f"trainer.accumulate_grad_batches: {tr.accumulate_grad_batches} is not allowed: gradient accumulation "
+            f"is derived from data.global_batch_size / (data.micro_batch_size x data-parallel size); set those instead")
+
+
+def check_world_size(cfg: Any, world_size: int | None) -> None:
+    """trainer.devices x trainer.num_nodes is the world the job was launched with (when known)."""
+    tr = cfg.trainer
+    if world_size is not None and tr.devices * tr.num_nodes != world_size:
+        raise ConfigError(
+            f"trainer.devices ({tr.devices}) x trainer.num_nodes ({tr.num_nodes}) = {tr.devices * tr.num_nodes} "
+            f"does not match the world size {world_size}")
 
 
 # --------------------------------------------------------------------------- sharding
@@ -56,6 +78,46 @@ def sharding_mode_of(ds: Any) -> ShardingMode:
     """The mode of a `distributed_strategy` section: `sharding_strategy`, else FSDP when fms-fsdp's
     `fsdp: true` is set, else replicate."""
     return WAYS[sharding_way(ds.sharding_strategy, ds.fsdp)]
+
+
+def check_data_parallel(cfg: Any, layout: Layout, sharding: ShardingMode, precision: PrecisionSettings) -> None:
+    """Options that only a sharding data-parallel mode (FSDP2) builds; the optimizer's state
+    layout over tp / ep / the sharded ranks (nxdt.config.optim_keys)."""
+    ds = cfg.distributed_strategy
+    if ds.cpu_offload and not sharding.shard:
+        raise ConfigError("distributed_strategy.cpu_offload=true needs a sharding data-parallel mode (FSDP2 "
+                          "offloads its shards): set distributed_strategy.fsdp=true or sharding_strategy FSDP, "
+                          "HSDP or grad-shard")
+    p = cfg.precision
+    if p.fp32_grads_cc and p.type == "manual" and not sharding.shard and precision.mode == "lowp":
+        # bf16 parameters without master weights: DDP (FSDP2's replicate) reduces the bf16 gradients;
+        # FSDP reduces in fp32 (its reduce_dtype), and master weights give fp32 gradients
+        raise ConfigError("precision.fp32_grads_cc=true with bf16 parameters (precision.type manual, no "
+                          "master_weights) and DDP is not supported yet: use distributed_strategy.fsdp=true "
+                          "(gradients reduced in fp32) or precision.master_weights=true")
+    check_optim_parallel(cfg.model.optim, tp=layout.tp, ep=layout.ep,
+                         fsdp_ways=layout.dp * layout.cp if sharding.shard else 1)
+
+
+def check_hsdp(cfg: Any, layout: Layout) -> None:
+    """distributed_strategy.hsdp_replicate_size divides the data-parallel size."""
+    rep = cfg.distributed_strategy.hsdp_replicate_size
+    if rep is not None and (rep < 1 or layout.dp % rep):
+        raise ConfigError(f"distributed_strategy.hsdp_replicate_size ({rep}) does not divide the data-parallel "
+                          f"size {layout.dp}")
+
+
+def check_xla_devices(cfg: Any) -> None:
+    """One device under XLA (the rule of nxdt.device.use_xla)."""
+    tr = cfg.trainer
+    if tr.devices * tr.num_nodes > 1 and backend_of(cfg) == "xla":
+        # Not built because XLA:CPU, where it could be tested, cannot run it: each torchrun process
+        # gets its own one-device PJRT client (the xla all_reduce is a no-op), and CPU_NUM_DEVICES=2
+        # runs the devices as threads of one process; Lightning and the DeviceMesh want a process each
+        on = tr.accelerator if tr.accelerator in ("xla", "neuron", "tpu") else "auto (torch-xla, PJRT_DEVICE)"
+        raise ConfigError(f"trainer.accelerator {on}: only one device is supported yet "
+                          f"(got trainer.devices x trainer.num_nodes = {tr.devices * tr.num_nodes}); "
+                          "data parallel over XLA devices is not built")
 
 
 # --------------------------------------------------------------------------- pipeline checks
@@ -134,11 +196,10 @@ def check_pipeline(cfg: Any, layout: Any, num_layers: int | None) -> None:
                               f"max(1, microbatches // pipeline_model_parallel_size) = {rounds}")
 
 
-# --------------------------------------------------------------------------- paths
-
-
 # --------------------------------------------------------------------------- cp checks
-def check_context_parallel(cfg: Any, layout: Layout) -> None:
+def check_context_parallel(cfg: Any, layout: Layout, compile: bool) -> None:
+    """Context parallel (ring attention over cp ranks): the sequence split and what it cannot take yet.
+    `compile`: the blocks compile (nxdt.spec.model.wants_compile)."""
     cp = layout.cp
     key = "distributed_strategy.context_parallel_size"
     data, model, ds = cfg.data, cfg.model, cfg.distributed_strategy
@@ -160,7 +221,7 @@ def check_context_parallel(cfg: Any, layout: Layout) -> None:
                 and cfg.model_alignment_strategy.sft.packing),
         "model.attention_dropout > 0": model.attention_dropout > 0,
         "model.sliding_window_size": model.sliding_window_size is not None,
-        "model.fusions.torch_compile": wants_compile(cfg),
+        "model.fusions.torch_compile": compile,
         "HSDP (sharding_strategy hybrid)": sharding_mode(ds.sharding_strategy).hybrid
         or (ds.hsdp_replicate_size or 1) > 1,
         f"trainer.accelerator {cfg.trainer.accelerator}": cfg.trainer.accelerator

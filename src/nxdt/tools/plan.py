@@ -30,18 +30,19 @@ from typing import Any
 
 from nxdt.config.errors import ConfigError
 from nxdt.planner.estimate import batch_lines, flops_line, memory_line, peak_lines, plan, stage_lines
+from nxdt.spec import build_spec
 
 
-def plan_peak(cfg):
-    """trainer.peak_tflops, else this machine's device peak (nxdt.hardware); None if unknown."""
-    from nxdt.spec.precision import precision_settings
+def plan_peak(spec):
+    """trainer.peak_tflops, else this machine's device peak (nxdt.hardware); None if unknown.
+    `spec`: the run spec (nxdt.spec.RunSpec)."""
     from nxdt.hardware import device_peak, local_device_type
 
-    t = cfg.trainer
+    t = spec.cfg.trainer
     device = local_device_type(t.accelerator)
     if device is None and not t.peak_tflops:
         return None
-    return device_peak(device or "cpu", precision_settings(cfg.precision).compute_dtype, t.peak_tflops, t.lnc)
+    return device_peak(device or "cpu", spec.precision.compute_dtype, t.peak_tflops, t.lnc)
 
 
 def format_plan(p: dict[str, Any], peak=None) -> str:
@@ -86,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         result = plan(cfg)
     except (ValueError, FileNotFoundError) as err:
         raise ConfigError(str(err)) from None
-    peak = plan_peak(cfg)
+    spec = build_spec(cfg)  # the run spec, once
+    peak = plan_peak(spec)
     if as_json:
         step = result["model_tflop_per_step"] / result["world_size"] / peak.tflops if peak and result[
             "model_tflop_per_step"] else None
@@ -94,20 +96,19 @@ def main(argv: list[str] | None = None) -> int:
                           "peak_source": peak.source if peak else None, "step_time_s": step}))
         return 0
     print(format_plan(result, peak))
-    notice = _precision_notice(cfg, peak)
+    notice = _precision_notice(spec, peak)
     if notice:
         print(notice)
     return 0
 
 
-def _precision_notice(cfg, peak) -> str | None:
-    """The run's notice for a bf16/fp16 preset on a CPU (or GPU) that runs it slower than fp32."""
+def _precision_notice(spec, peak) -> str | None:
+    """The run's notice for a bf16/fp16 preset on a CPU (or GPU) that runs it slower than fp32 (`spec`: the run spec)."""
     if peak is None or peak.measured is None:  # only where this machine's CPU is the device planned for
         return None
-    from nxdt.spec.precision import precision_settings
     from nxdt.hardware import low_precision_notice
 
-    return low_precision_notice("cpu", precision_settings(cfg.precision).compute_dtype, cfg.precision.type)
+    return low_precision_notice("cpu", spec.precision.compute_dtype, spec.cfg.precision.type)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from nxdt.models import build_model
 from nxdt.precision.precision import Precision
 from nxdt.optim.optimizers import build_optimizer
 from nxdt.optim.schedulers import build_scheduler
+from nxdt.spec import build_spec
 
 
 @dataclass
@@ -32,11 +33,13 @@ def build_harness(cfg, vocab_size: int, *, rank: int = 0, seed: int | None = 0, 
     """`cfg.model` built under `torch.manual_seed(seed)` (None: the caller seeds), converted to
     the precision's parameter dtype, moved to `device`, `parallelize`d (e.g. parallelize_llama
     over a mesh), attached; the optimizer of `cfg.model.optim` and, with `max_steps`, its
-    scheduler. `rank` decorrelates stochastic rounding as $RANK does in a run."""
+    scheduler. `rank` decorrelates stochastic rounding as $RANK does in a run. An entry: the run
+    spec (nxdt.spec.build_spec) is built here, once."""
+    spec = build_spec(cfg)
     if seed is not None:
         torch.manual_seed(seed)
     model = build_model(cfg, vocab_size)
-    precision = Precision.from_cfg(cfg, rank=rank, on_xla=on_xla)
+    precision = Precision.from_spec(spec, rank=rank, on_xla=on_xla)
     model = precision.convert_model(model)
     if device is not None:
         model = model.to(device)

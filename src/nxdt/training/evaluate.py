@@ -35,8 +35,8 @@ from typing import Any
 from lightning.pytorch.callbacks import Callback
 
 from nxdt.checkpoint.resume import ResumePlan, evaluation_plan, load_plan_weights
-from nxdt.spec.alignment import alignment_of
 from nxdt.config.errors import ConfigError
+from nxdt.spec import build_spec
 
 EVAL_SUFFIX = ".eval.json"
 # (split name in the result, the Trainer method that runs it)
@@ -49,9 +49,9 @@ def eval_json_path(checkpoint: Path) -> Path:
     return checkpoint.parent / f"{checkpoint.name}{EVAL_SUFFIX}"
 
 
-def check_evaluable(cfg) -> None:
-    """What evaluate cannot do, refused before anything starts (ConfigError)."""
-    alignment = alignment_of(cfg)
+def check_evaluable(spec) -> None:
+    """What evaluate cannot do, refused before anything starts (ConfigError). `spec`: the run spec."""
+    cfg, alignment = spec.cfg, spec.alignment
     if alignment.preference is not None:
         raise ConfigError("model_alignment_strategy: evaluate reports the token cross entropy of language-model "
                           "data; DPO / ORPO configs validate on the preference loss instead (train's val_loss)")
@@ -88,25 +88,26 @@ def evaluate_only(cfg) -> dict[str, Any]:
 
 
 def evaluate(cfg, plan: ResumePlan) -> dict[str, Any]:
-    """Run the validation and test loops on the weights of `plan`; write and return the result."""
+    """Run the validation and test loops on the weights of `plan`; write and return the result. An
+    entry: the run spec (nxdt.spec.build_spec) is built here, once."""
     import lightning.pytorch as pl
 
     from nxdt.checkpoint.state import META, layout_of, read_json
-    from nxdt.data.select import build_datamodule, datamodule_kind
+    from nxdt.data.select import build_datamodule
     from nxdt.training.finetuning import check_lora_targets
     from nxdt.training.module import NxdtLightningModule
-    from nxdt.training.trainer import quiet_lightning, build_trainer, layout_and_mesh
+    from nxdt.training.trainer import quiet_lightning, build_trainer
 
-    check_evaluable(cfg)
+    spec = build_spec(cfg)
+    check_evaluable(spec)
     quiet_lightning()
     # a split without data is reported in the result ("no data"), not as Lightning's warning
     warnings.filterwarnings("ignore", message=r".*Total length of .* across ranks is zero")
-    layout, mesh_shape = layout_and_mesh(cfg)
-    pl.seed_everything(cfg.seed, workers=True, verbose=False)
-    trainer = build_trainer(cfg, layout, mesh_shape, loggers=[], callbacks=[PlanWeights(plan)])
-    datamodule = build_datamodule(cfg, trainer)
-    check_lora_targets(cfg, datamodule.vocab_size)  # a bad LoRA target: one line, before any process group
-    module = NxdtLightningModule(cfg, layout, vocab_size=datamodule.vocab_size)
+        pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    trainer = build_trainer(cfg, spec.layout, loggers=[], callbacks=[PlanWeights(plan)])
+    datamodule = build_datamodule(spec, trainer)
+    check_lora_targets(spec, datamodule.vocab_size)  # a bad LoRA target: one line, before any process group
+    module = NxdtLightningModule(spec, vocab_size=datamodule.vocab_size)
     strategy = trainer.strategy
     # validate, then test, on the same process group, mesh and model (NxdtStrategy; the one-device
     # XLA strategy rebuilds its trivial mesh for the second loop)
@@ -130,7 +131,7 @@ def evaluate(cfg, plan: ResumePlan) -> dict[str, Any]:
         if keeps:
             strategy.release()
     if not splits:
-        raise ConfigError(f"no validation or test data to evaluate: {_no_data_hint(cfg, datamodule_kind(cfg))}")
+        raise ConfigError(f"no validation or test data to evaluate: {_no_data_hint(cfg, spec.data_kind)}")
     meta = read_json(plan.path / META)
     result = {
         "checkpoint": str(plan.path),
@@ -138,7 +139,7 @@ def evaluate(cfg, plan: ResumePlan) -> dict[str, Any]:
         "consumed_samples": int(meta.get("consumed_samples", 0)),
         "weights_only": plan.weights_only,
         "lora_base": str(plan.base) if plan.base is not None else None,
-        "data": datamodule_kind(cfg),
+        "data": spec.data_kind,
         "splits": splits,
         "layout": {"world_size": world_size, **used},
     }

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from nxdt.spec.alignment import alignment_of
 from nxdt.config.errors import ConfigError
 from nxdt.models import build_model
 from nxdt.models.lora import inject_lora, lora_parameter_counts
@@ -30,10 +29,10 @@ def add_lora(model: torch.nn.Module, peft) -> str:
     return line
 
 
-def check_lora_targets(cfg, vocab_size: int | None) -> None:
-    """Pre-flight: the target modules exist in the model the config builds (a meta-device build:
-    nothing allocated). ConfigError naming the key and the valid names otherwise."""
-    peft = alignment_of(cfg).peft
+def check_lora_targets(spec, vocab_size: int | None) -> None:
+    """Pre-flight: the target modules exist in the model the run spec's config builds (a meta-device
+    build: nothing allocated). ConfigError naming the key and the valid names otherwise."""
+    cfg, peft = spec.cfg, spec.alignment.peft
     if peft is None:
         return
     try:

@@ -20,8 +20,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from nxdt.spec.alignment import alignment_of
-from nxdt.spec.model import wants_compile
 from nxdt.models import build_model, count_parameters, logits_of
 from nxdt.training.finetuning import add_lora
 from nxdt.parallel.mesh import all_reduce_mean
@@ -45,20 +43,22 @@ from nxdt.training.step import (loss_parallel_context, microbatch_forward_backwa
 
 
 class NxdtLightningModule(PreferenceSteps, pl.LightningModule):
-    def __init__(self, cfg, layout, vocab_size: int | None) -> None:
+    def __init__(self, spec, vocab_size: int | None) -> None:
+        """`spec`: the run spec (nxdt.spec.RunSpec), built once at the entry."""
         super().__init__()
         self.automatic_optimization = False
-        self.cfg = cfg
-        self.layout = layout
+        self.spec = spec
+        self.cfg = cfg = spec.cfg
+        self.layout = spec.layout
         self.vocab_size = vocab_size
         self.model: torch.nn.Module | None = None
         self.pipeline = None  # nxdt.parallel.pipeline.Pipeline when pipeline_model_parallel_size > 1
         self.parallel_plan = None  # nxdt.parallel.plan.ParallelPlan, made by configure_model
         self.num_parameters = 0
-        self.alignment = alignment_of(cfg)  # sft / peft (LoRA) / dpo / orpo (nxdt.spec.alignment)
+        self.alignment = spec.alignment  # sft / peft (LoRA) / dpo / orpo (nxdt.spec.alignment)
         self.lora_summary: str | None = None  # LoRA: trainable vs total, for the run summary
         # precision.type / fp16 / NaN guard: dtypes, autocast, loss scale, skipped steps (checkpointed)
-        self.precision = Precision.from_cfg(cfg, on_xla=use_xla(cfg))
+        self.precision = Precision.from_spec(spec, on_xla=use_xla(cfg))
         # per-step scalars go straight to the loggers (step_scalars.py: before the step's checkpoint);
         # on XLA read in a step closure, after the step's graph ran
         self._step_logger = step_logger(cfg)
@@ -133,13 +133,13 @@ class NxdtLightningModule(PreferenceSteps, pl.LightningModule):
     def _loss_fn(self):
         """The per-micro-batch loss (logits, labels, loss_mask) of both paths; its cross entropy
         compiled with the blocks (model.fusions.torch_compile; not on XLA, which compiles anyway)."""
-        compiled = wants_compile(self.cfg) and self.device.type != "xla"
+        compiled = self.spec.compile and self.device.type != "xla"
         return functools.partial(masked_token_loss, cp_group=self._cp_group(), compiled=compiled)
 
     def _microbatch_loss(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
         return microbatch_loss(self.model, mb, self.precision, loss_fn=self._loss_fn(),
                                device_type=self.device.type, cp_mesh=self._cp_mesh(),
-                               loss_chunk_size=self.cfg.model.fusions.cross_entropy_chunk_size)
+                               loss_chunk_size=self.spec.loss_chunk_size)
 
     def on_train_start(self) -> None:
         self.precompute_reference_logps()  # DPO: once, before the first step (nxdt.training.preference)
@@ -168,7 +168,7 @@ class NxdtLightningModule(PreferenceSteps, pl.LightningModule):
             return pipeline_forward_backward(self.pipeline, self.precision, **common)
         return microbatch_forward_backward(self.model, self.precision, self.layout.num_microbatches,
                                            loss_fn=self._loss_fn(), backward=self.manual_backward,
-                                           loss_chunk_size=self.cfg.model.fusions.cross_entropy_chunk_size, **common)
+                                           loss_chunk_size=self.spec.loss_chunk_size, **common)
 
     def log_step_scalar(self, name: str, value: Any, prog_bar: bool = False) -> None:
         """One scalar per optimizer step, through `nxdt.observability.step_scalars` (self.log if switched off)."""

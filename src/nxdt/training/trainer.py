@@ -1,5 +1,5 @@
-"""One training run once its config is loaded and its env vars are set: the layout and mesh shape,
-the log dir and its lock, the loggers and the ordered callback list, the Trainer, the data module
+"""One training run once its config is loaded and its env vars are set: the run spec (built once,
+here, and passed down), the mesh shape, the log dir and its lock, the loggers and the ordered callback list, the Trainer, the data module
 and the LightningModule; then `trainer.fit`. The command line around it (Hydra's flags, sweeps,
 the closing commands) is nxdt.tools.train; evaluation reuses `build_trainer` (nxdt.training.evaluate).
 """
@@ -28,8 +28,7 @@ from nxdt.observability.progress import StepProgressBar
 from nxdt.observability.samples import SampleGenerator
 from nxdt.observability.user_callbacks import extra_callbacks
 from nxdt.parallel.parallelize import compile_backend_missing
-from nxdt.spec.layout import compute_layout
-from nxdt.spec.model import wants_compile
+from nxdt.spec import build_spec
 from nxdt.training import xla
 from nxdt.training.dynamic_selection import DynamicDataSelection
 from nxdt.training.fault_tolerance import FaultTolerance, requeue_slurm_job
@@ -50,14 +49,14 @@ class TrainOutcome:
     """A preemption signal stopped the run (it saved first)."""
 
 
-def build_trainer(cfg, layout, mesh_shape, loggers, callbacks):
+def build_trainer(cfg, layout, loggers, callbacks):
 
 
     t = cfg.trainer
     on_xla = xla.use_xla(cfg)  # torch-xla: Lightning's XLA accelerator with nxdt's bookkeeping (xla.py)
     return pl.Trainer(
         accelerator=xla.lightning_accelerator(cfg) if on_xla else t.accelerator,
-        strategy=xla.build_xla_strategy(mesh_shape) if on_xla else NxdtStrategy(mesh_shape),
+        strategy=xla.build_xla_strategy(layout) if on_xla else NxdtStrategy(layout),
         devices=t.devices,
         num_nodes=t.num_nodes,
         max_epochs=t.max_epochs,
@@ -96,12 +95,6 @@ def quiet_lightning() -> None:
     warnings.filterwarnings("ignore", message=r".*does not have many workers which may be a bottleneck")
 
 
-def layout_and_mesh(cfg):
-    """The run's layout (nxdt.spec.layout) and the shape of its DeviceMesh: the same Layout."""
-    layout = compute_layout(cfg, cfg.trainer.devices * cfg.trainer.num_nodes)
-    return layout, layout
-
-
 def sample_tokenizer(cfg, datamodule):
     """The tokenizer the data module uses, else the one data.tokenizer names."""
     tokenizer = getattr(datamodule, "tokenizer", None)
@@ -115,8 +108,9 @@ def train(cfg, record_job: Callable[[Path], None] | None = None) -> TrainOutcome
     entry writes Hydra's `.hydra/` record there)."""
 
     quiet_lightning()
-    layout, mesh_shape = layout_and_mesh(cfg)
-    check_compile_backend(cfg)  # before anything is written or any process group starts
+    spec = build_spec(cfg)  # the run spec, once: everything below reads it
+    layout = spec.layout
+    check_compile_backend(spec)  # before anything is written or any process group starts
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
 
     dirs = resolve_dirs(cfg)
@@ -128,15 +122,16 @@ def train(cfg, record_job: Callable[[Path], None] | None = None) -> TrainOutcome
     loggers = build_loggers(cfg, dirs)  # a missing package or a bad logger argument: refused, nothing written
     lock = take_run_lock(cfg, dirs.log_dir)  # one writer per log dir; before anything is written
     try:
-        return _train(cfg, record_job, layout, mesh_shape, dirs, resume, callbacks, user_callbacks, loggers, lock)
+        return _train(spec, record_job, dirs, resume, callbacks, user_callbacks, loggers, lock)
     finally:
         if lock is not None:
             lock.release()
 
 
-def check_compile_backend(cfg) -> None:
+def check_compile_backend(spec) -> None:
     """model.fusions.torch_compile where torch cannot compile for the run's device: one line (exit 2)."""
-    if not wants_compile(cfg) or xla.use_xla(cfg):
+    cfg = spec.cfg
+    if not spec.compile or xla.use_xla(cfg):
         return
 
     device = local_device_type(cfg.trainer.accelerator)
@@ -158,21 +153,22 @@ def take_run_lock(cfg, log_dir):
     return RunLock.acquire(log_dir, exp.run_lock_lease, notice=lambda line: print(line, flush=True))
 
 
-def _train(cfg, record_job, layout, mesh_shape, dirs, resume, callbacks, user_callbacks, loggers, lock):
+def _train(spec, record_job, dirs, resume, callbacks, user_callbacks, loggers, lock):
     """train() once the log dir is ours: the loggers, callbacks, trainer, data and model; then fit."""
+    cfg, layout = spec.cfg, spec.layout
     setup_exp_manager(cfg, dirs, _global_rank(), loggers)
     if record_job is not None and _global_rank() == 0:
         record_job(dirs.log_dir)
-    figures = RunFigures(cfg)  # nxdt plan's figures and the device's peak, once, at fit start
+    figures = RunFigures(spec)  # nxdt plan's figures and the device's peak, once, at fit start
     # memory first: a sampled step's scan and profiler start are not in the step time
     callbacks += [MemoryMonitor(cfg, figures), ThroughputMonitor(layout.tokens_per_step, figures),
-                  RunSummary(cfg, layout, str(dirs.log_dir), figures)]
+                  RunSummary(spec, str(dirs.log_dir), figures)]
     if cfg.data.dynamic_data_selection != "none":  # held-out losses move the blend's weights
 
         callbacks.append(DynamicDataSelection())
     if cfg.trainer.enable_progress_bar:
         callbacks.append(StepProgressBar())
-    if wants_compile(cfg) and not xla.use_xla(cfg):  # the compile time, once, after the first step
+    if spec.compile and not xla.use_xla(cfg):  # the compile time, once, after the first step
         callbacks.append(CompileTimer())
     callbacks += user_callbacks  # before the checkpoint callback (sorted last below)
     # checkpointing last (Lightning's order for its own checkpoint callbacks): a step's scalars,
@@ -181,11 +177,11 @@ def _train(cfg, record_job, layout, mesh_shape, dirs, resume, callbacks, user_ca
     # after the step's own save: a preemption save then finds the step saved, or saves it
     fault_tolerance = FaultTolerance(cfg)
     callbacks.append(fault_tolerance)
-    trainer = build_trainer(cfg, layout, mesh_shape, loggers, callbacks)
+    trainer = build_trainer(cfg, layout, loggers, callbacks)
     # custom (data.data_module) > SFT > dummy > data.datasets > HF (train_dir) > Megatron
-    datamodule = build_datamodule(cfg, trainer)
-    check_lora_targets(cfg, datamodule.vocab_size)  # a bad LoRA target: one line, before any process group
-    module = NxdtLightningModule(cfg, layout, vocab_size=datamodule.vocab_size)
+    datamodule = build_datamodule(spec, trainer)
+    check_lora_targets(spec, datamodule.vocab_size)  # a bad LoRA target: one line, before any process group
+    module = NxdtLightningModule(spec, vocab_size=datamodule.vocab_size)
     if cfg.exp_manager.samples.prompts:  # text generated during training (nxdt.observability.samples)
 
         trainer.callbacks.append(SampleGenerator(cfg, sample_tokenizer(cfg, datamodule), datamodule.vocab_size))

@@ -7,7 +7,7 @@ The order of a run on XLA (interface §1, §7):
 1. `nxdt.config.env.apply_env(cfg)` sets XLA_USE_BF16 / XLA_DOWNCAST_BF16 /
    NEURON_RT_STOCHASTIC_ROUNDING_EN / NEURON_CC_FLAGS and the Neuron knobs, never overwriting
    the user's, BEFORE torch / torch_xla is imported (they are read at import).
-2. On XLA the precision env vars do the casting, so `Precision.from_cfg(cfg, on_xla=True)`
+2. On XLA the precision env vars do the casting, so `Precision.from_spec(spec, on_xla=True)`
    leaves dtypes alone except for `autocast` (torch.autocast on the xla device) and fp16
    (loss-scaled fp16 copies); the NaN/inf guard runs in a step closure (no extra graph sync).
 3. Each optimizer step ends with `mark_step()` (one graph per step); the module's per-step
