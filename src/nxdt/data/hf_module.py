@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 
+import datasets
 import numpy as np
 import torch
 
@@ -36,8 +37,6 @@ def load_hf_dataset(path: str, key: str, split: str):
     path = os.path.expanduser(str(path))
     if not os.path.isdir(path):
         raise ConfigError(f"data.{key}: {path}: not a directory (expected a datasets.save_to_disk directory)")
-    import datasets
-
     try:
         ds = datasets.load_from_disk(path)
     except (FileNotFoundError, ValueError, OSError) as err:

@@ -13,6 +13,13 @@
 
 from __future__ import annotations
 
+from nxdt.data.custom import build_custom_datamodule
+from nxdt.data.dummy import DummyDataModule
+from nxdt.data.hf_module import HFDataModule
+from nxdt.data.logical_shards import LogicalShardDataModule
+from nxdt.data.megatron_module import MegatronDataModule
+from nxdt.data.preference import PreferenceDataModule
+from nxdt.data.sft import SFTDataModule
 from nxdt.spec.data import datamodule_kind  # noqa: F401  (re-exported: which module a config gets)
 
 
@@ -20,29 +27,15 @@ def build_datamodule(cfg, trainer):
     """The LightningDataModule for `cfg`, built as Cls(cfg, trainer)."""
     kind = datamodule_kind(cfg)  # data.packing without sft is refused by validation (check_cross)
     if kind == "custom":
-        from nxdt.data.custom import build_custom_datamodule
-
         return build_custom_datamodule(cfg, trainer)
     if kind == "sft":
-        from nxdt.data.sft import SFTDataModule
-
         return SFTDataModule(cfg, trainer)
     if kind == "preference":
-        from nxdt.data.preference import PreferenceDataModule
-
         return PreferenceDataModule(cfg, trainer)
     if kind == "dummy":
-        from nxdt.data.dummy import DummyDataModule
-
         return DummyDataModule(cfg, trainer)
     if kind == "logical_shards":
-        from nxdt.data.logical_shards import LogicalShardDataModule
-
         return LogicalShardDataModule(cfg, trainer)
     if kind == "hf":
-        from nxdt.data.hf_module import HFDataModule
-
         return HFDataModule(cfg, trainer)
-    from nxdt.data.megatron_module import MegatronDataModule
-
     return MegatronDataModule(cfg, trainer)

@@ -30,6 +30,7 @@ import os
 import warnings
 from dataclasses import dataclass
 
+import datasets
 import numpy as np
 import torch
 
@@ -118,8 +119,6 @@ def read_pairs(path: str, key: str, limit: int | None = None) -> list[tuple[str,
 
 
 def _read_arrow(path: str, key: str):
-    import datasets
-
     try:
         if os.path.isdir(path):
             ds = datasets.load_from_disk(path)
