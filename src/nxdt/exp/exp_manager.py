@@ -151,7 +151,7 @@ def setup_exp_manager(cfg, dirs: ExpDirs, global_rank: int, loggers: list) -> li
         (dirs.log_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")
     setup_rank_log_file(dirs.log_dir, bool(exp.log_local_rank_0_only))
     if exp.create_wandb_logger or exp.create_mlflow_logger:
-        from nxdt.exp import loggers as lightning_loggers  # lightning only here: see the module's docstring
+        from nxdt.exp import loggers as lightning_loggers  # lightning after the env vars: see the docstring
 
         lightning_loggers.log_config(loggers, to_container(cfg))  # rank 0 starts the W&B / MLflow run here
     return loggers
@@ -161,7 +161,7 @@ def build_loggers(cfg, dirs: ExpDirs) -> list:
     """TensorBoard, CSV, W&B, MLflow as `exp_manager` asks (every rank builds them; they write on
     rank 0). The W&B project and MLflow experiment are the experiment's name, the run is named
     after the log dir (its version). Raises ConfigError for a missing package or unknown kwargs."""
-    from nxdt.exp import loggers as lightning_loggers  # lightning only here: see the module's docstring
+    from nxdt.exp import loggers as lightning_loggers  # lightning after the env vars: see the docstring
 
     exp = cfg.exp_manager
     loggers = []

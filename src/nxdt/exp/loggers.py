@@ -1,6 +1,7 @@
 """The loggers of `exp_manager` (NeMo's names): TensorBoard, and the optional CSV, Weights & Biases and MLflow.
 
-TensorBoard is Lightning's logger as it is. The other three are Lightning's own loggers with two changes, in a shared mixin:
+TensorBoard is Lightning's logger as it is. The other three are Lightning's own loggers with two
+changes, in a shared mixin:
 - one row per step: nxdt writes a step's scalars to the loggers one at a time, as they are
   computed (`nxdt.observability.step_scalars`), so Lightning's CSV logger would write a row per scalar,
   W&B a history row per scalar and MLflow a request per scalar. The mixin gathers a step's
