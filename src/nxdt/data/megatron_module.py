@@ -32,7 +32,6 @@ from nxdt.data.gpt_dataset import (
     blended_samples_per_dataset,
     get_train_valid_test_split_,
 )
-from nxdt.data.arrow_shards import ArrowShardDocuments
 from nxdt.data.common import NxdtDataModuleBase
 from nxdt.data.indexed import IndexedDataset
 from nxdt.data.tokenizers import build_tokenizer, eod_id
@@ -85,6 +84,9 @@ class MegatronDataModule(NxdtDataModuleBase):
             # fms-fsdp: data.datasets entries under data.data_path
             path = dataset_path(prefix, d.data_path if d.datasets is not None else None)
             if is_shard_folder(path):
+                # pyarrow (about 0.3 s to import) only for shard folders, not in every Megatron run
+                from nxdt.data.arrow_shards import ArrowShardDocuments
+
                 sep = d.sep_token if d.sep_token is not None else self.eod_id
                 docs = ArrowShardDocuments(path, d.col_name, sep_token=sep, bos_token=d.bos_token)
             else:

@@ -20,7 +20,7 @@ from nxdt.data.logical_shards import LogicalShardDataModule
 from nxdt.data.megatron_module import MegatronDataModule
 from nxdt.data.preference import PreferenceDataModule
 from nxdt.data.sft import SFTDataModule
-from nxdt.spec.data import datamodule_kind  # noqa: F401  (re-exported: which module a config gets)
+from nxdt.spec.data import datamodule_kind
 
 
 def build_datamodule(cfg, trainer):

@@ -30,7 +30,6 @@ import os
 import warnings
 from dataclasses import dataclass
 
-import datasets
 import numpy as np
 import torch
 
@@ -119,6 +118,8 @@ def read_pairs(path: str, key: str, limit: int | None = None) -> list[tuple[str,
 
 
 def _read_arrow(path: str, key: str):
+    import datasets  # about 1 s to import: only for arrow / save_to_disk input, not in every run
+
     try:
         if os.path.isdir(path):
             ds = datasets.load_from_disk(path)
