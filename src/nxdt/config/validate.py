@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
-import os
 import re
 from typing import Any, Literal, Union, get_args, get_origin
 
@@ -32,7 +30,7 @@ from nxdt.config import ranges, resolvers, schema
 from nxdt.config.errors import ConfigError
 from nxdt.config.schema import canonical_gate_type
 from nxdt.config.inert import NOT_SUPPORTED_YET
-from nxdt.config.optim_keys import check_optim, check_optim_parallel, sched_rules
+from nxdt.config.optim_keys import check_optim, sched_rules
 from nxdt.config.typed import select, to_typed
 
 
