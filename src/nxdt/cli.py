@@ -6,6 +6,7 @@ so `nxdt --help` stays fast (nothing heavy is imported until a sub-command runs)
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import os
 import sys
@@ -38,13 +39,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        import difflib
-
         close = difflib.get_close_matches(name, COMMANDS, n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
         print(f"error: unknown command '{name}'{hint}\n{_usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[name][0])
+    # the dispatcher stays light: nxdt.config (omegaconf, Hydra) only once a command is chosen
     from nxdt.config.errors import ConfigError
 
     try:

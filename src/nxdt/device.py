@@ -13,6 +13,8 @@ import os
 from collections.abc import Callable, MutableMapping
 from typing import Any
 
+from nxdt.config.env import detect_xla
+
 
 def xla_available() -> bool:
     """torch_xla is importable (without importing it)."""
@@ -22,8 +24,6 @@ def xla_available() -> bool:
 def use_xla(cfg: Any, environ: MutableMapping[str, str] | None = None) -> bool:
     """This run goes through torch-xla: trainer.accelerator xla/neuron/tpu, or (auto) torch_xla is
     installed and PJRT_DEVICE / Neuron hints are present (nxdt.config.env.detect_xla)."""
-    from nxdt.config.env import detect_xla
-
     environ = os.environ if environ is None else environ
     if cfg.trainer.accelerator in ("xla", "neuron", "tpu"):
         return True
@@ -33,20 +33,20 @@ def use_xla(cfg: Any, environ: MutableMapping[str, str] | None = None) -> bool:
 def xla_model():
     """`torch_xla.core.xla_model`, imported on first use (torch-xla is optional and needs its own
     torch build; importing it at module level would make every nxdt import need it)."""
-    import torch_xla.core.xla_model as xm
+    import torch_xla.core.xla_model as xm  # torch-xla is optional
 
     return xm
 
 
 def xla_device():
-    import torch_xla
+    import torch_xla  # torch-xla is optional
 
     return torch_xla.device()
 
 
 def mark_step() -> None:
     """Cut and run the lazily traced graph (end of an optimizer step)."""
-    import torch_xla
+    import torch_xla  # torch-xla is optional
 
     sync = getattr(torch_xla, "sync", None)
     if sync is not None:
@@ -72,13 +72,13 @@ def save_xser(obj: Any, path: str | os.PathLike, master_only: bool = True) -> No
     """Save a (nested) state dict with torch_xla's serialization: tensors are written one file
     each under `<path>.tensors/` and `path` holds the structure. Works for CPU tensors too.
     `master_only`: only the master ordinal writes (all ranks must call it)."""
-    from torch_xla.utils.serialization import save
+    from torch_xla.utils.serialization import save  # torch-xla is optional
 
     save(obj, str(path), master_only=master_only)
 
 
 def load_xser(path: str | os.PathLike) -> Any:
     """Load what `save_xser` wrote; tensors come back on the CPU (move them to the device after)."""
-    from torch_xla.utils.serialization import load
+    from torch_xla.utils.serialization import load  # torch-xla is optional
 
     return load(str(path))

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from lightning.pytorch.callbacks import Callback
 
+from nxdt.checkpoint.lora_merge import save_merged_weights
+from nxdt.checkpoint.lora_state import merged_checkpoint_path
 from nxdt.checkpoint.retention import (
     LAST,
     complete_checkpoints,
@@ -149,8 +151,6 @@ class NxdtCheckpoint(Callback):
         trainer.strategy.barrier("nxdt-final-checkpoint")
         peft = pl_module.spec.alignment.peft  # the run spec's (nxdt.spec.alignment)
         if peft is not None and peft.merge_lora:  # also the merged model, a weights-only start
-            from nxdt.checkpoint.lora_state import merged_checkpoint_path, save_merged_weights
-
             save_merged_weights(trainer.strategy, pl_module.cfg, merged_checkpoint_path(self.checkpoint_path(trainer)))
 
     def _metric(self, trainer) -> float | None:

@@ -39,9 +39,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from nxdt.config.errors import ConfigError
+from nxdt.config.typed import to_yaml
+from nxdt.device import load_xser, save_xser
 from nxdt.checkpoint.save_errors import CheckpointException, CheckpointSaveError, agree, attempt, describe, writer_class
 from nxdt.checkpoint.lora_state import tensors_to_load, tensors_to_save, write_adapter_config
 from nxdt.checkpoint.dtype import flags, model_keys_for_export, weights_for_load, weights_for_save
@@ -158,8 +161,6 @@ class Checkpointer:
             _xser_save(tensors, tmp, rank)
             self._finalize(strategy, tmp, path, rank, barrier=True)
             return
-        import torch.distributed.checkpoint as dcp
-
         writer = writer_class(int(checkpoint.get("global_step", -1)), rank)(str(tmp), sync_files=True)
         if self.async_save:
             future = dcp.async_save(tensors, storage_writer=writer, process_group=group)
@@ -199,8 +200,6 @@ class Checkpointer:
             print(f"checkpoint {tmp.name.removeprefix(TMP_PREFIX)}: " + ("LoRA adapters only" if lora_meta["adapter_only"] else
                   "LoRA adapters and base") + f", {model_bytes / 2**20:.2f} MiB of model tensors", flush=True)
         if cfg is not None:  # the resolved YAML: rerunnable with --config-path/--config-name
-            from nxdt.config.typed import to_yaml
-
             (tmp / CONFIG).write_text(to_yaml(cfg), encoding="utf-8")
 
     def _finalize(self, strategy, tmp: Path, path: Path, rank: int, barrier: bool) -> None:
@@ -281,15 +280,11 @@ def use_xser(flag: bool, device_type: str) -> bool:
 
 
 def _xser_save(tensors: dict[str, torch.Tensor], tmp: Path, rank: int) -> None:
-    import torch_xla.utils.serialization as xser  # only on XLA devices
-
-    xser.save(tensors, str(tmp / f"xser_rank_{rank:05d}.pt"), master_only=False)
+    save_xser(tensors, tmp / f"xser_rank_{rank:05d}.pt", master_only=False)
 
 
 def _xser_load(tensors: dict[str, torch.Tensor], path: Path, rank: int) -> list[str]:
-    import torch_xla.utils.serialization as xser
-
-    loaded = xser.load(str(path / f"xser_rank_{rank:05d}.pt"))
+    loaded = load_xser(path / f"xser_rank_{rank:05d}.pt")
     request, notes = weights_for_load(tensors, loaded)  # master weights first, as with DCP
     for k, t in request.items():
         t.copy_(loaded[k])
@@ -408,8 +403,6 @@ def load_checkpoint(strategy, path: Path, cfg=None, weights_only: bool = False,
     if any(path.glob("xser_rank_*.pt")):
         notes = _xser_load(tensors, path, rank)
     else:
-        import torch.distributed.checkpoint as dcp
-
         # fp32 master weights, where the checkpoint has them, go into the model (checkpoint_dtype)
         request, notes = weights_for_load(tensors, read_dcp_metadata(path).state_dict_metadata)
         try:
@@ -521,8 +514,6 @@ def save_weights(model_state: dict[str, torch.Tensor], path: Path, extra_meta: d
 
     Load it for training with `exp_manager.resume_from_checkpoint=PATH model.weight_init_only=true`.
     """
-    import torch.distributed.checkpoint as dcp
-
     path = Path(path)
     rank = strategy.global_rank if strategy is not None else 0
     tmp = path.parent / f"{TMP_PREFIX}{path.name}"
@@ -553,8 +544,6 @@ def save_weights(model_state: dict[str, torch.Tensor], path: Path, extra_meta: d
 def load_weights(path: Path) -> dict[str, torch.Tensor]:
     """The model tensors of a checkpoint as full tensors on CPU (one process), keyed by FQN: the fp32
     master weights where the checkpoint holds them (`use_master_weights_in_ckpt`), else the weights."""
-    import torch.distributed.checkpoint as dcp
-
     path = Path(path)
     validate_checkpoint(path)
     saved = read_dcp_metadata(path).state_dict_metadata

@@ -22,7 +22,10 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.callbacks import Callback
 
 from nxdt.checkpoint.callbacks import NxdtCheckpoint, check_checkpoint_params
+from nxdt.checkpoint.checkpointer import load_checkpoint, validate_checkpoint
+from nxdt.checkpoint.lora_state import is_adapter_only
 from nxdt.checkpoint.retention import complete_checkpoints
+from nxdt.checkpoint.state import set_rng_state
 from nxdt.config.errors import ConfigError
 from nxdt.config.load import global_rank as _global_rank
 
@@ -63,9 +66,6 @@ def find_resume_checkpoint(cfg, dirs: ExpDirs) -> ResumePlan:
     exp = cfg.exp_manager
     weights_only = cfg.model.weight_init_only
     if exp.resume_from_checkpoint:
-        from nxdt.checkpoint.checkpointer import validate_checkpoint
-        from nxdt.checkpoint.lora_state import is_adapter_only
-
         path = Path(exp.resume_from_checkpoint).absolute()
         validate_checkpoint(path)  # an explicit path must be good: ConfigError otherwise
         own = complete_checkpoints(dirs.checkpoint_dir, warn=False) if weights_only and exp.resume_if_exists else []
@@ -102,9 +102,6 @@ def evaluation_plan(cfg, dirs: ExpDirs | None = None, checkpoint: Path | None = 
     run with trainer.max_epochs=0, evaluate only): the checkpoint the run would start from
     (`find_resume_checkpoint`), and none is an error: evaluating freshly initialised weights is
     never what was meant."""
-    from nxdt.checkpoint.checkpointer import validate_checkpoint
-    from nxdt.checkpoint.lora_state import is_adapter_only
-
     exp = cfg.exp_manager
     if checkpoint is not None:
         plan = ResumePlan(Path(checkpoint).absolute(), False)
@@ -135,8 +132,6 @@ def evaluation_plan(cfg, dirs: ExpDirs | None = None, checkpoint: Path | None = 
 def load_plan_weights(strategy, plan: ResumePlan, cfg) -> None:
     """Load the model of `plan` (nothing else): the LoRA base first when the checkpoint lacks it,
     then the checkpoint, weights-only (a fine-tuning start: fresh adapters) or as saved."""
-    from nxdt.checkpoint.checkpointer import load_checkpoint
-
     if plan.base is not None:
         load_checkpoint(strategy, plan.base, cfg, weights_only=True, frozen_only=True)
     load_checkpoint(strategy, plan.path, cfg, weights_only=plan.weights_only, model_only=not plan.weights_only)
@@ -151,8 +146,6 @@ class ResumeHelper(Callback):
         self._rng: dict | None = None
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        from nxdt.checkpoint.checkpointer import load_checkpoint
-
         if self.plan.path is not None and self.plan.weights_only:
             load_checkpoint(trainer.strategy, self.plan.path, pl_module.cfg, weights_only=True)
             if trainer.is_global_zero:
@@ -170,7 +163,5 @@ class ResumeHelper(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self._rng is not None:
-            from nxdt.checkpoint.state import set_rng_state
-
             set_rng_state(self._rng)
             self._rng = None

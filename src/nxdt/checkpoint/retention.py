@@ -26,6 +26,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from nxdt.checkpoint.checkpointer import TMP_PREFIX, validate_checkpoint
 from nxdt.checkpoint.state import write_json
 from nxdt.config.errors import ConfigError
 
@@ -40,8 +41,6 @@ def is_validation_metric(name: str) -> bool:
 def write_score(path: Path, monitor: str, value: float, step: int) -> bool:
     """Record `value` for the checkpoint at `path` (or its `.tmp-` directory while an async save
     is in flight: the file then moves with the rename). False when neither exists any more."""
-    from nxdt.checkpoint.checkpointer import TMP_PREFIX
-
     for target in (path, path.parent / f"{TMP_PREFIX}{path.name}"):
         if target.is_dir():
             write_json(target / SCORE, {"monitor": monitor, "value": value, "step": step})
@@ -112,8 +111,6 @@ def list_checkpoints(checkpoint_dir: Path) -> list[Path]:
 def complete_checkpoints(checkpoint_dir: Path, warn: bool = True) -> list[tuple[int, Path]]:
     """(step, path) of every complete, readable checkpoint, oldest first. Others are skipped with
     a warning and left in place."""
-    from nxdt.checkpoint.checkpointer import TMP_PREFIX, validate_checkpoint
-
     found = []
     for path in list_checkpoints(checkpoint_dir):
         try:

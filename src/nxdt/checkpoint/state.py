@@ -19,6 +19,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    _init_optim_state,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from nxdt.config.errors import ConfigError
 
@@ -162,12 +172,6 @@ def model_and_optimizer_state(model: torch.nn.Module, optimizers: list, weights_
     saved with one layout loads into another. ZeRO-1 (ZeroRedundancyOptimizer) contributes each
     rank's own shard under the same FQN keys.
     """
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
-
     canon = _canonical(model)
     options = StateDictOptions(flatten_optimizer_state_dict=True)
     state: dict[str, Any] = {f"model.{canon(k)}": v for k, v in get_model_state_dict(model, options=options).items()}
@@ -187,12 +191,6 @@ def set_model_and_optimizer_state(model: torch.nn.Module, optimizers: list, stat
                                   partial: bool = False) -> None:
     """Load `state` (keys as made by `model_and_optimizer_state`) into the model and optimizers;
     `partial`: the state holds a part of the model's tensors (LoRA adapters, or a base without them)."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
     canon = _canonical(model)
     local = {canon(k): k for k in model.state_dict()}
     local.update({canon(k): k for k, _ in model.named_parameters()})
@@ -214,8 +212,6 @@ def set_model_and_optimizer_state(model: torch.nn.Module, optimizers: list, stat
 
 
 def _is_zero1(optimizer) -> bool:
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
     return isinstance(optimizer, ZeroRedundancyOptimizer)
 
 
@@ -226,8 +222,6 @@ def _zero1_params(model, zero) -> list[tuple[str, torch.nn.Parameter, dict]]:
 
 def _zero1_state(model, zero) -> dict[str, Any]:
     """This rank's shard of a ZeroRedundancyOptimizer, keyed like a flattened optimizer state dict."""
-    from torch.distributed.checkpoint.state_dict import _init_optim_state
-
     _init_optim_state(zero.optim)  # a fresh optimizer has no state tensors for DCP to load into
     # the scheduler sets lr on the outer param_groups; ZeRO copies them inward only at step()
     zero._sync_param_groups(zero.param_groups, zero.optim.param_groups)
@@ -321,8 +315,6 @@ class SafeReader(FileSystemReader):
     """FileSystemReader whose `.metadata` is read with a restricted unpickler."""
 
     def read_metadata(self, *args: Any, **kwargs: Any):
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
         path = Path(self.path) / ".metadata"
         with open(path, "rb") as f:
             metadata = _SafeUnpickler(io.BytesIO(f.read())).load()

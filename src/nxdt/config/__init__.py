@@ -12,9 +12,9 @@ Public API:
 
 from nxdt.config.env import apply_env, format_inert
 from nxdt.config.errors import ConfigError
-from nxdt.config.inert import NOT_SUPPORTED_YET
+from nxdt.config.inert import NOT_SUPPORTED_YET, describe
 from nxdt.config.load import compose, config_from_dict, main_guard, report
-from nxdt.config.schema import NxdtConfig, describe
+from nxdt.config.schema import NxdtConfig
 from nxdt.config.typed import to_yaml
 
 __all__ = [

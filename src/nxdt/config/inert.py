@@ -15,6 +15,7 @@ before torch is imported. This module imports only the standard library and nxdt
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import json
 import os
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nxdt.config import schema
+from nxdt.config.errors import ConfigError
 from nxdt.config.env import detect_xla
 from nxdt.config.typed import select
 
@@ -336,3 +338,24 @@ def help_marks(key: str) -> list[str]:
 def always_inert(key: str) -> bool:
     """Nothing reads the key, by design (inert in every run, on every backend)."""
     return any(k == key and entry.always for k, entry in INERT)
+
+
+def describe(section: str | None = None) -> str:
+    """Human-readable key reference (for --help): one line per key, optionally one section (or key)
+    only. Marks: [Neuron] (acts on Neuron/XLA only), [inert ...] and [not supported yet ...] (the
+    tables of this module). An unknown section is a ConfigError with a did-you-mean."""
+    fields = list(schema.iter_fields())
+    if section:
+        fields = [f for f in fields if f[0] == section or f[0].startswith(section + ".")]
+        if not fields:
+            names = sorted({k.rsplit(".", i)[0] for k, *_ in schema.iter_fields() for i in range(k.count(".") + 1)})
+            close = difflib.get_close_matches(section, names, n=1, cutoff=0.6)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"--help {section}: no such section or key{hint}; sections: "
+                              f"{', '.join(sorted({k.split('.')[0] for k in names if '.' in k}))}")
+    lines = []
+    for key, tname, default, help_, meta in fields:
+        shown = "null" if default is None else repr(default)
+        tags = "".join(f" [{mark}]" for mark in (["Neuron"] if meta.get("neuron") else []) + help_marks(key))
+        lines.append(f"{key} ({schema.type_with_range(tname, meta)}, default {shown}){tags}: {help_}")
+    return "\n".join(lines)

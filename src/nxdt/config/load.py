@@ -25,7 +25,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import yaml
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf._utils import get_yaml_loader
 from omegaconf.errors import OmegaConfBaseException
 
 from nxdt.config import resolvers, schema
@@ -87,9 +94,6 @@ def _available(config_dir: Path) -> str:
 
 
 def _check_yaml(path: Path) -> None:
-    import yaml
-    from omegaconf._utils import get_yaml_loader
-
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
@@ -132,8 +136,6 @@ def _requoted(line: str) -> str | None:
 
 def _parse_requoted(parser: Any, line: str) -> Any:
     """The override `_requoted` makes of `line`, parsed, or None."""
-    from hydra.errors import HydraException
-
     retry = _requoted(line)
     if retry is None:
         return None
@@ -148,9 +150,6 @@ _QUOTE_HINT = "quote a value that holds '=': key='a=b', in the shell \"key='a=b'
 
 
 def _parse_overrides(overrides: list[str]) -> list:
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-
     parser = OverridesParser.create()
     parsed = []
     for line in overrides:
@@ -266,9 +265,6 @@ def compose(argv: list[str], default_config_dir: str | os.PathLike | None = None
 
 def _defaults_list(config_file: Path) -> list[str]:
     """The YAML's Hydra defaults list as lines (`_self_`, `group: option`), for --info."""
-    import yaml
-    from omegaconf._utils import get_yaml_loader
-
     data = yaml.load(config_file.read_text(encoding="utf-8"), Loader=get_yaml_loader()) or {}
     entries = data.get("defaults") or []
     lines = [", ".join(f"{k}: {v}" for k, v in e.items()) if isinstance(e, dict) else str(e) for e in entries]
@@ -276,10 +272,6 @@ def _defaults_list(config_file: Path) -> list[str]:
 
 
 def _hydra_compose(config_dir: Path, config_name: str, overrides: list[str], config_file: Path) -> dict:
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
     try:

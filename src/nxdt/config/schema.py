@@ -3,7 +3,7 @@
 One dataclass per YAML section. `nxdt.config.load` merges the user's YAML over
 `defaults()` so every key below exists in the composed `cfg`; `nxdt.config.validate`
 walks these classes to reject unknown keys, wrong types and values outside an
-enumeration (`Literal[...]`). `describe()` prints the whole tree for `--help`.
+enumeration (`Literal[...]`). `nxdt.config.inert.describe()` prints the whole tree for `--help`.
 
 Conventions:
 - `doc(default, "help")` puts the help text in `field(metadata=...)`.
@@ -31,7 +31,6 @@ This module imports only the standard library (and nxdt.config's sharding table,
 """
 
 import dataclasses
-import difflib
 from dataclasses import dataclass, is_dataclass
 from typing import Any, Dict, List, Literal, Optional, Union, get_args, get_origin, get_type_hints
 
@@ -571,26 +570,3 @@ def iter_fields(cls: type = NxdtConfig, prefix: str = ""):
 def type_with_range(tname: str, meta: Dict[str, Any]) -> str:
     """'int or null' with the field's range: 'int >= 1 or null' (nxdt.config.ranges)."""
     return ranges.describe([(name, name == "float") for name in tname.split(" or ")], meta)
-
-
-def describe(section: Optional[str] = None) -> str:
-    """Human-readable key reference (for --help): one line per key, optionally one section (or key)
-    only. Marks: [Neuron] (acts on Neuron/XLA only), [inert ...] and [not supported yet ...] (the
-    tables of nxdt.config.inert). An unknown section is a ConfigError with a did-you-mean."""
-    from nxdt.config import inert  # imports this module
-
-    fields = list(iter_fields())
-    if section:
-        fields = [f for f in fields if f[0] == section or f[0].startswith(section + ".")]
-        if not fields:
-            names = sorted({k.rsplit(".", i)[0] for k, *_ in iter_fields() for i in range(k.count(".") + 1)})
-            close = difflib.get_close_matches(section, names, n=1, cutoff=0.6)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
-            raise ConfigError(f"--help {section}: no such section or key{hint}; sections: "
-                              f"{', '.join(sorted({k.split('.')[0] for k in names if '.' in k}))}")
-    lines = []
-    for key, tname, default, help_, meta in fields:
-        shown = "null" if default is None else repr(default)
-        tags = "".join(f" [{mark}]" for mark in (["Neuron"] if meta.get("neuron") else []) + inert.help_marks(key))
-        lines.append(f"{key} ({type_with_range(tname, meta)}, default {shown}){tags}: {help_}")
-    return "\n".join(lines)

@@ -17,6 +17,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
+from omegaconf import OmegaConf
+
 from nxdt.config import schema
 from nxdt.config.errors import ConfigError
 
@@ -61,8 +63,6 @@ def to_container(cfg: Any) -> dict[str, Any]:
 
 def to_yaml(cfg: Any) -> str:
     """The resolved YAML of `cfg`; rerunnable with --config-path DIR --config-name NAME."""
-    from omegaconf import OmegaConf
-
     return OmegaConf.to_yaml(OmegaConf.create(to_container(cfg)))
 
 

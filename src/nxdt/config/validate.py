@@ -20,19 +20,17 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
-import os
 import re
 from typing import Any, Literal, Union, get_args, get_origin
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from nxdt.config import ranges, schema
+from nxdt.config import ranges, resolvers, schema
 from nxdt.config.errors import ConfigError
 from nxdt.config.schema import canonical_gate_type
 from nxdt.config.inert import NOT_SUPPORTED_YET
-from nxdt.config.optim_keys import check_optim_parallel, sched_rules
+from nxdt.config.optim_keys import check_optim, sched_rules
 from nxdt.config.typed import select, to_typed
 
 
@@ -208,8 +206,6 @@ def _interpolated(node: Any, prefix: str = "") -> set[str]:
 
 
 def _resolve(cfg: DictConfig) -> None:
-    from nxdt.config import resolvers
-
     resolvers.register()
     try:
         OmegaConf.resolve(cfg)
@@ -346,10 +342,6 @@ def _optional(hint: Any) -> bool:
 
 
 def _check_optim(optim: Any) -> None:
-    try:
-        from nxdt.config.optim_keys import check_optim
-    except ImportError:  # pragma: no cover - the module is written in parallel
-        return
     check_optim(optim, path="model.optim")
 
 

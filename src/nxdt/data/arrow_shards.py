@@ -26,6 +26,7 @@ import os
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from nxdt.config.errors import ConfigError
 from nxdt.spec.paths import SHARD_SUFFIXES
@@ -51,8 +52,6 @@ def _column_chunks(path: str, col: str):
     keep = None
     try:
         if path.endswith(".parquet"):
-            import pyarrow.parquet as pq
-
             schema = pq.read_schema(path)
             _check_column(schema, col, path)
             chunks = pq.read_table(path, columns=[col]).column(0).chunks

@@ -19,6 +19,8 @@ import importlib
 import os
 import sys
 
+import lightning.pytorch as pl
+
 from nxdt.config.errors import ConfigError
 
 
@@ -45,8 +47,6 @@ def import_class(path: str, key: str = "data.data_module"):
 
 def build_custom_datamodule(cfg, trainer):
     """Import `cfg.data.data_module`, check it is a LightningDataModule, build it as Cls(cfg, trainer)."""
-    import lightning.pytorch as pl
-
     path = cfg.data.data_module
     cls = import_class(path)
     if not (isinstance(cls, type) and issubclass(cls, pl.LightningDataModule)):

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from nxdt.data.common import NxdtDataModuleBase
+from nxdt.data.tokenizers import build_tokenizer
 
 
 class RandomTokens(torch.utils.data.Dataset):
@@ -44,8 +45,6 @@ class DummyDataModule(NxdtDataModuleBase):
         super().__init__(cfg, trainer)
         vocab = cfg.model.vocab_size
         if vocab is None:
-            from nxdt.data.tokenizers import build_tokenizer
-
             self.tokenizer = build_tokenizer(cfg.data.tokenizer)
             vocab = len(self.tokenizer)
         self.vocab_size = int(vocab)

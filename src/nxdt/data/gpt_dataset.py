@@ -31,6 +31,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from nxdt.spec.data import SPLIT_NAMES  # noqa: F401 - the split order, re-exported
 from nxdt.config.errors import ConfigError
@@ -193,8 +194,6 @@ class GPTDataset(torch.utils.data.Dataset):
             paths = [f"{base}_{part}_idx.npy" for part in ("doc", "sample", "shuffle")]
             if _distributed():
                 # Global rank 0 builds and writes the cache while the others wait, then they load it.
-                import torch.distributed as dist
-
                 built = self._build_and_cache(cache_dir, paths) if dist.get_rank() == 0 else None
                 dist.barrier()
                 if built is not None:

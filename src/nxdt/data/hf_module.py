@@ -36,7 +36,7 @@ def load_hf_dataset(path: str, key: str, split: str):
     path = os.path.expanduser(str(path))
     if not os.path.isdir(path):
         raise ConfigError(f"data.{key}: {path}: not a directory (expected a datasets.save_to_disk directory)")
-    import datasets
+    import datasets  # about 1 s to import: only for save_to_disk input, not in every run (nxdt.data.select)
 
     try:
         ds = datasets.load_from_disk(path)

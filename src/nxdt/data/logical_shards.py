@@ -36,9 +36,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from nxdt.spec.data import DataBlend, data_blend
+from nxdt.spec.data import DataBlend, data_blend, domain_names, reference_losses
 from nxdt.config.errors import ConfigError
 from nxdt.data.dynamic_selection import DomainDraw, DomainSelection
+from nxdt.data.gpt_dataset import get_train_valid_test_split_
 from nxdt.data.indexed import IndexedDataset
 from nxdt.data.megatron_module import MegatronDataModule
 
@@ -218,8 +219,6 @@ class LogicalShardDataModule(MegatronDataModule):
         self.selection: DomainSelection | None = None
         self._heldout: dict[int, list[dict[str, torch.Tensor]]] = {}
         if data.dynamic_data_selection != "none":
-            from nxdt.spec.data import domain_names, reference_losses
-
             self.selection = DomainSelection(
                 domain_names(self.names), reference_losses(data.dynamic_selection.reference_losses, self.names),
                 data.dynamic_selection, self.weights, self.seed, self.global_batch_size)
@@ -229,8 +228,6 @@ class LogicalShardDataModule(MegatronDataModule):
 
     def _split_documents(self, name: str, k: int):
         """(documents, ids of split k) of one dataset, cut by data.splits_string."""
-        from nxdt.data.gpt_dataset import get_train_valid_test_split_
-
         ix = self._open(name)
         bounds = get_train_valid_test_split_(self.data.splits_string, len(ix))
         return ix, np.arange(bounds[k], bounds[k + 1], dtype=np.int64)

@@ -14,6 +14,13 @@
 from __future__ import annotations
 
 from nxdt.config.errors import ConfigError
+from nxdt.data.custom import build_custom_datamodule
+from nxdt.data.dummy import DummyDataModule
+from nxdt.data.hf_module import HFDataModule
+from nxdt.data.logical_shards import LogicalShardDataModule
+from nxdt.data.megatron_module import MegatronDataModule
+from nxdt.data.preference import PreferenceDataModule
+from nxdt.data.sft import SFTDataModule
 from nxdt.spec.data import NO_DATA_SOURCE, datamodule_kind  # noqa: F401  (re-exported: which module a config gets)
 
 
@@ -23,29 +30,15 @@ def build_datamodule(spec, trainer):
     if kind is None:
         raise ConfigError(NO_DATA_SOURCE)
     if kind == "custom":
-        from nxdt.data.custom import build_custom_datamodule
-
         return build_custom_datamodule(cfg, trainer)
     if kind == "sft":
-        from nxdt.data.sft import SFTDataModule
-
         return SFTDataModule(cfg, trainer, alignment=spec.alignment)
     if kind == "preference":
-        from nxdt.data.preference import PreferenceDataModule
-
         return PreferenceDataModule(cfg, trainer, alignment=spec.alignment)
     if kind == "dummy":
-        from nxdt.data.dummy import DummyDataModule
-
         return DummyDataModule(cfg, trainer)
     if kind == "logical_shards":
-        from nxdt.data.logical_shards import LogicalShardDataModule
-
         return LogicalShardDataModule(cfg, trainer)
     if kind == "hf":
-        from nxdt.data.hf_module import HFDataModule
-
         return HFDataModule(cfg, trainer)
-    from nxdt.data.megatron_module import MegatronDataModule
-
     return MegatronDataModule(cfg, trainer)

@@ -118,7 +118,7 @@ def read_pairs(path: str, key: str, limit: int | None = None) -> list[tuple[str,
 
 
 def _read_arrow(path: str, key: str):
-    import datasets
+    import datasets  # about 1 s to import: only for arrow / save_to_disk input, not in every run
 
     try:
         if os.path.isdir(path):

@@ -11,10 +11,15 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from typing import Any
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from nxdt.config.errors import ConfigError
 from nxdt.config.schema import TokenizerConfig
+from nxdt.data.assets import bundled_tokenizer_dir
 
 
 def _require_file(path: str | None, key: str, what: str) -> str:
@@ -46,8 +51,6 @@ def build_tokenizer(tok_cfg: TokenizerConfig | None = None):
 
 
 def _huggingface(tok_cfg: Any):
-    from nxdt.data.assets import bundled_tokenizer_dir
-
     path = tok_cfg.type
     path = str(bundled_tokenizer_dir()) if path is None else os.path.expanduser(str(path))
     if not os.path.isdir(path):
@@ -55,8 +58,6 @@ def _huggingface(tok_cfg: Any):
             f"data.tokenizer.type: tokenizer directory not found: {path} "
             "(nxdt loads tokenizers offline; point it at a directory made by save_pretrained)"
         )
-    from transformers import AutoTokenizer
-
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True, use_fast=tok_cfg.use_fast)
     except (OSError, ValueError) as err:
@@ -70,9 +71,6 @@ def _megatron_gpt2(tok_cfg: Any):
     vocab = _require_file(tok_cfg.vocab_file, "vocab_file", "the megatron GPT2BPE tokenizer")
     merges = _require_file(tok_cfg.merge_file, "merge_file", "the megatron GPT2BPE tokenizer")
     # Built from `tokenizers` directly: the transformers GPT-2 class changed its arguments in v5.
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     try:
         bpe = models.BPE.from_file(vocab, merges)
     except Exception as err:  # noqa: BLE001 - tokenizers raises plain Exception
@@ -86,15 +84,13 @@ def _megatron_gpt2(tok_cfg: Any):
 
 def _sentencepiece(tok_cfg: Any):
     model = _require_file(tok_cfg.model, "model", "the sentencepiece tokenizer")
-    try:
+    try:  # optional extra: sentencepiece (transformers' LlamaTokenizer needs it)
         import sentencepiece  # noqa: F401
     except ImportError as err:
         raise ConfigError(
             "data.tokenizer.library: 'sentencepiece' needs the sentencepiece package (pip install sentencepiece)"
         ) from err
-    import tempfile
-
-    from transformers import LlamaTokenizer
+    from transformers import LlamaTokenizer  # needs the optional sentencepiece, checked above
 
     # from_pretrained on a directory holding `tokenizer.model` works the same in transformers 4 and 5.
     with tempfile.TemporaryDirectory(prefix="nxdt-spm-") as tmp:

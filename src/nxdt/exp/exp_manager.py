@@ -5,6 +5,10 @@ Which checkpoint a run resumes from, and the checkpoint callbacks, are `nxdt.che
 Log dir: `exp_manager.explicit_log_dir`, else `<exp_dir or ./nxdt_experiments>/<name>/<version>`,
 with no version sub-folder when `resume_if_exists` (so a rerun of the same command finds its
 checkpoints). Checkpoints go to `<log_dir>/checkpoints/` (`ExpDirs.checkpoint_dir`).
+
+The train entry imports this module (`resolve_dirs`) before it sets the config's environment
+variables (nxdt.tools.train), so it imports no torch or lightning at module level: the loggers
+(nxdt.exp.loggers, lightning) are imported inside `build_loggers` and `setup_exp_manager`.
 """
 
 from __future__ import annotations
@@ -147,9 +151,9 @@ def setup_exp_manager(cfg, dirs: ExpDirs, global_rank: int, loggers: list) -> li
         (dirs.log_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")
     setup_rank_log_file(dirs.log_dir, bool(exp.log_local_rank_0_only))
     if exp.create_wandb_logger or exp.create_mlflow_logger:
-        from nxdt.exp.loggers import log_config
+        from nxdt.exp import loggers as lightning_loggers  # lightning after the env vars: see the docstring
 
-        log_config(loggers, to_container(cfg))  # rank 0 starts the W&B / MLflow run here
+        lightning_loggers.log_config(loggers, to_container(cfg))  # rank 0 starts the W&B / MLflow run here
     return loggers
 
 
@@ -157,21 +161,19 @@ def build_loggers(cfg, dirs: ExpDirs) -> list:
     """TensorBoard, CSV, W&B, MLflow as `exp_manager` asks (every rank builds them; they write on
     rank 0). The W&B project and MLflow experiment are the experiment's name, the run is named
     after the log dir (its version). Raises ConfigError for a missing package or unknown kwargs."""
-    from lightning.pytorch.loggers import TensorBoardLogger
+    from nxdt.exp import loggers as lightning_loggers  # lightning after the env vars: see the docstring
 
     exp = cfg.exp_manager
     loggers = []
     if exp.create_tensorboard_logger:
-        loggers.append(TensorBoardLogger(save_dir=str(dirs.log_dir), name="", version="", default_hp_metric=False))
+        loggers.append(lightning_loggers.tensorboard_logger(dirs.log_dir))
     if exp.create_csv_logger or exp.create_wandb_logger or exp.create_mlflow_logger:
-        from nxdt.exp import loggers as optional
-
-        optional.check_logger_packages(exp)
+        lightning_loggers.check_logger_packages(exp)
         experiment, run = exp.name or cfg.name, dirs.log_dir.name
         if exp.create_csv_logger:
-            loggers.append(optional.NxdtCSVLogger(dirs.log_dir))
+            loggers.append(lightning_loggers.NxdtCSVLogger(dirs.log_dir))
         if exp.create_wandb_logger:
-            loggers.append(optional.wandb_logger(exp, dirs.log_dir, experiment, run))
+            loggers.append(lightning_loggers.wandb_logger(exp, dirs.log_dir, experiment, run))
         if exp.create_mlflow_logger:
-            loggers.append(optional.mlflow_logger(exp, dirs.log_dir, experiment, run))
+            loggers.append(lightning_loggers.mlflow_logger(exp, dirs.log_dir, experiment, run))
     return loggers

@@ -1,6 +1,7 @@
-"""The optional loggers of `exp_manager` (NeMo's names): CSV, Weights & Biases and MLflow.
+"""The loggers of `exp_manager` (NeMo's names): TensorBoard, and the optional CSV, Weights & Biases and MLflow.
 
-All three are Lightning's own loggers with two changes, in a shared mixin:
+TensorBoard is Lightning's logger as it is. The other three are Lightning's own loggers with two
+changes, in a shared mixin:
 - one row per step: nxdt writes a step's scalars to the loggers one at a time, as they are
   computed (`nxdt.observability.step_scalars`), so Lightning's CSV logger would write a row per scalar,
   W&B a history row per scalar and MLflow a request per scalar. The mixin gathers a step's
@@ -24,7 +25,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, WandbLogger
+from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -115,6 +116,11 @@ class NxdtMLFlowLogger(_OneRowPerStep, MLFlowLogger):
 
 
 # --------------------------------------------------------------------------- building
+def tensorboard_logger(log_dir: Path) -> TensorBoardLogger:
+    """Lightning's TensorBoardLogger writing its event files into the log dir itself."""
+    return TensorBoardLogger(save_dir=str(log_dir), name="", version="", default_hp_metric=False)
+
+
 def check_logger_packages(exp) -> None:
     """A logger whose package is missing: one line naming the key and the install command, before
     anything is written (a look-up, not an import)."""
@@ -139,7 +145,7 @@ def _check_kwargs(kwargs: Mapping[str, Any], key: str, functions: Mapping[str, A
 def wandb_logger(exp, log_dir: Path, experiment: str, run: str) -> NxdtWandbLogger:
     """W&B run `run` in project `experiment` (unless WANDB_PROJECT or the kwargs say otherwise),
     files under the log dir (unless WANDB_DIR says otherwise); WANDB_MODE=offline needs no network."""
-    import wandb
+    import wandb  # optional extra: wandb (nxdt[wandb]); check_logger_packages said so before
 
     kwargs = dict(exp.wandb_logger_kwargs)
     # WandbLogger passes its other keyword arguments to wandb.init, which would reject unknown ones

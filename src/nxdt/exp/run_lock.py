@@ -196,7 +196,7 @@ class RunLock:
 def _guarded(directory: Path):
     """An exclusive flock on the directory itself (Linux allows flock on a directory's fd; where the
     filesystem or OS does not, no guard)."""
-    try:
+    try:  # fcntl is POSIX only
         import fcntl
     except ImportError:  # not POSIX
         yield

@@ -24,13 +24,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.tensor import distribute_tensor
 
 from nxdt.checkpoint.checkpointer import check_model_matches, load_weights, validate_checkpoint
+from nxdt.checkpoint.dtype import weights_for_load
+from nxdt.checkpoint.lora_merge import with_base
+from nxdt.checkpoint.state import SafeReader, read_dcp_metadata
 from nxdt.config.errors import ConfigError
 from nxdt.config.load import load_saved_config
+from nxdt.config.schema import TokenizerConfig
+from nxdt.data.tokenizers import build_tokenizer
 from nxdt.models.builder import build_model, init_model_weights, padded_vocab_size
-from nxdt.models.lora import is_lora_key
+from nxdt.models.lora import is_lora_key, merged_state_dict
+from nxdt.parallel.tensor_parallel import apply_tensor_parallel
 
 
 @dataclass
@@ -57,9 +65,6 @@ def read_run_config(path: Path):
 
 def tokenizer_for(path: Path, cfg, tokenizer_dir: Path | None):
     """--tokenizer DIR, else the checkpoint's own tokenizer/ folder, else the run's data.tokenizer."""
-    from nxdt.config.schema import TokenizerConfig
-    from nxdt.data.tokenizers import build_tokenizer
-
     if tokenizer_dir is None and (path / "tokenizer").is_dir():
         tokenizer_dir = path / "tokenizer"
     tok_cfg = cfg.data.tokenizer
@@ -86,9 +91,6 @@ def merged_tensors(path: Path, tensors: dict[str, torch.Tensor], cfg, meta: dict
     """The checkpoint's tensors with LoRA adapters folded in (a plain checkpoint: unchanged)."""
     if not any(is_lora_key(k) for k in tensors):
         return tensors
-    from nxdt.checkpoint.lora_state import with_base
-    from nxdt.models.lora import merged_state_dict
-
     lora = meta.get("lora") or {}
     if lora.get("adapter_only"):
         flag = "--base"
@@ -181,12 +183,6 @@ def _load_tensor_parallel(path: Path, cfg, rows: int, meta: dict[str, Any], tp_m
                           tensors: dict[str, torch.Tensor] | None) -> nn.Module:
     """The model sharded over `tp_mesh`; each rank reads its shards from the checkpoint, or takes them
     from the whole `tensors` when given (LoRA, folded in already)."""
-    import torch.distributed.checkpoint as dcp
-
-    from nxdt.checkpoint.dtype import weights_for_load
-    from nxdt.checkpoint.state import SafeReader, read_dcp_metadata
-    from nxdt.parallel.tensor_parallel import apply_tensor_parallel
-
     tp = tp_mesh.size()
     ds = dataclasses.replace(cfg.distributed_strategy, tensor_model_parallel_size=tp)
     model = build_model(dataclasses.replace(cfg, distributed_strategy=ds), vocab_size=rows, device="meta")
@@ -200,8 +196,6 @@ def _load_tensor_parallel(path: Path, cfg, rows: int, meta: dict[str, Any], tp_m
     own = model.state_dict()
     wanted = {f"model.{k}": v for k, v in own.items()}
     if tensors is not None:
-        from torch.distributed.tensor import distribute_tensor
-
         check_model_matches(path, {"model_shapes": {f"model.{k}": list(v.shape) for k, v in tensors.items()}}, wanted)
         with torch.no_grad():
             for key, t in own.items():

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from nxdt.models.moe import attach_router_aux_loss
+
 # Where shipped model configs live when running from a source checkout: <repo>/conf.
 _REPO_ROOT = Path(__file__).resolve().parents[3]
 _CONF_DIR = _REPO_ROOT / "conf"
@@ -99,6 +101,7 @@ def build_hf_model(model_config: str | Path, overrides: dict[str, Any] | None = 
     Built on the current default device: call it under `with torch.device("meta"):` to
     allocate nothing.
     """
+    # transformers' model classes only for model_source: hf (seconds to import; native models never need them)
     from transformers import AutoConfig, AutoModelForCausalLM
 
     d = load_config_dict(model_config, overrides)
@@ -112,8 +115,6 @@ def build_hf_model(model_config: str | Path, overrides: dict[str, Any] | None = 
     finally:
         torch.set_default_dtype(prev)
     if getattr(config, "num_local_experts", None):  # Mixtral-style MoE: nxdt's aux loss and statistics
-        from nxdt.models.moe import attach_router_aux_loss
-
         coef = config.router_aux_loss_coef if config.output_router_logits else 0.0
         blocks = [m for m in model.modules() if hasattr(m, "gate") and hasattr(m, "experts")]
         if not blocks:  # e.g. model.moe keys over a dense Llama config.json: never train it as dense silently

@@ -16,10 +16,11 @@ differ from the native (Llama) ones: `nxdt.models.neox` maps the weights.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # llama.py imports this module lazily (LlamaArgs.to_hf_config_dict)
-    from nxdt.models.llama import LlamaArgs
+# a native model's arguments, nxdt.models.llama.LlamaArgs (read by attribute): llama.py imports this
+# module (LlamaArgs.to_hf_config_dict), so this one does not import it back
+LlamaArgs = Any
 
 # the plain Mixtral router: anything else is nxdt's own (LLaMA-MoE gates, sinkhorn, ...)
 _MIXTRAL_MOE = {"frequency": 1, "routing_algorithm": "top_k", "router_activation": "softmax",

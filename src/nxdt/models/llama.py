@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nxdt.models.chunked_loss import chunked_cross_entropy
+from nxdt.models.hf_export import hf_config_dict
 from nxdt.models.kv_cache import KVCache
 from nxdt.models.moe import LlamaMoE, MoEArgs, MoEExperts, MoERouter
 
@@ -143,8 +144,6 @@ class LlamaArgs:
     def to_hf_config_dict(self) -> dict[str, Any]:
         """The equivalent transformers config.json (Llama, Mixtral or GPT-NeoX) as a dict;
         ValueError for options none of them can express. See `nxdt.models.hf_export`."""
-        from nxdt.models.hf_export import hf_config_dict
-
         return hf_config_dict(self)
 
 

@@ -11,13 +11,16 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_only
 
-from nxdt.hardware import Peak, device_peak
+from nxdt import hardware
+from nxdt.hardware import Peak, device_peak, low_precision_notice
 from nxdt.models.param_count import ParameterCount, activated_lines
-from nxdt.planner.estimate import batch_lines, flops_line, memory_line, peak_lines, plan, stage_lines
 from nxdt.observability.eta import FirstStepsTiming
+from nxdt.observability.memory import CpuStepPeak
+from nxdt.planner.estimate import batch_lines, flops_line, memory_line, peak_lines, plan, stage_lines
 
 GIB = 1024**3
 
@@ -54,8 +57,6 @@ class RunFigures:
 
     def precision_notice(self, device: torch.device) -> str | None:
         """The one line for a bf16/fp16 preset on a device that runs it slower than fp32 (nxdt.hardware)."""
-        from nxdt.hardware import low_precision_notice
-
         return low_precision_notice(device, self.spec.precision.compute_dtype, self.cfg.precision.type)
 
 
@@ -127,9 +128,7 @@ class ThroughputMonitor(Callback):
         """Most steps faster than a CPU peak measured here: the probe ran under other load. Drop
         the stored figure so that the next run measures again."""
         if self.peak is not None and self.peak.measured and self._above_peak > self._steps / 2:
-            from nxdt.hardware import forget_cpu_peak
-
-            forget_cpu_peak(self.peak.measured)
+            hardware.forget_cpu_peak(self.peak.measured)
             if trainer.is_global_zero:
                 print(f"note: MFU above 100% on {self._above_peak} of {self._steps} steps: the CPU peak "
                       f"({self.peak.tflops:.4g} TFLOP/s) was measured while the machine was busy; "
@@ -171,8 +170,6 @@ class MemoryMonitor(Callback):
             self.kind = "cuda"
             torch.cuda.reset_peak_memory_stats(device)
         elif device.type == "cpu" and not self.cfg.exp_manager.profiler.enabled:  # one profiler at a time
-            from nxdt.observability.memory import CpuStepPeak
-
             self.kind, self._cpu = "cpu", CpuStepPeak()
 
     def _sampled_step(self) -> bool:
@@ -212,8 +209,6 @@ class MemoryMonitor(Callback):
 
 def _gather(value: int, device: torch.device) -> list[int]:
     """`value` of every rank (this one's alone without a process group)."""
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [value]
     mine = torch.tensor([value], dtype=torch.int64, device=device)

@@ -24,6 +24,8 @@ import sys
 from collections.abc import Iterable
 
 import torch
+from torch._C._profiler import _ExtraFields_Allocation
+from torch.profiler import ProfilerActivity, profile
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -60,8 +62,6 @@ def live_cpu_storages() -> dict[int, int]:
 
 def _allocations(profiler) -> list[tuple[int, int, int]]:
     """(time, address, bytes) of the CPU allocator's events in time order (bytes < 0: a free)."""
-    from torch._C._profiler import _ExtraFields_Allocation
-
     found, stack = [], list(profiler.profiler.kineto_results.experimental_event_tree())
     while stack:
         event = stack.pop()
@@ -107,8 +107,6 @@ def _silence_unknown_block_warning() -> None:
     if _primed:
         return
     _primed = True
-    from torch.profiler import ProfilerActivity, profile
-
     block = torch.empty(1024)
     sys.stderr.flush()
     saved = os.dup(2)
@@ -136,8 +134,6 @@ class CpuStepPeak:
         anything (the previous gradients): not counted."""
         if torch._C._autograd._profiler_enabled():
             return False
-        from torch.profiler import ProfilerActivity, profile
-
         # kineto prints a "USDT ... profiler_start/stop" line at every start and stop otherwise
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         self._start = live_cpu_storages()

@@ -15,10 +15,13 @@ import inspect
 from pathlib import Path
 from typing import Any, Mapping
 
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Callback
 
 from nxdt.config.errors import ConfigError
 from nxdt.data.custom import import_class
+from nxdt.observability.profiler import StepProfiler
 
 
 def build_user_callbacks(entries: list[Any]) -> list[Callback]:
@@ -26,9 +29,6 @@ def build_user_callbacks(entries: list[Any]) -> list[Callback]:
 
 
 def _build(entry: Any, key: str) -> Callback:
-    from hydra.errors import InstantiationException
-    from hydra.utils import instantiate
-
     target = entry.get("_target_") if isinstance(entry, Mapping) else None
     if not isinstance(target, str):
         raise ConfigError(f"{key}: expected {{_target_: package.module.ClassName, <arguments>}}, got {entry!r}")
@@ -58,7 +58,5 @@ def extra_callbacks(cfg, log_dir: Path, world_size: int, global_rank: int) -> tu
     ([the profiler] if exp_manager.profiler.enabled, the user's trainer.callbacks)."""
     profiler: list[Callback] = []
     if cfg.exp_manager.profiler.enabled:
-        from nxdt.observability.profiler import StepProfiler
-
         profiler.append(StepProfiler(cfg.exp_manager.profiler, log_dir / "profiler", world_size, global_rank))
     return profiler, build_user_callbacks(cfg.trainer.callbacks)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor, Replicate
 
 from nxdt.config import optim_keys
 from nxdt.config.errors import ConfigError
@@ -132,8 +133,6 @@ class SM3(ParameterwiseOptimizer):
 
 
 def _is_sharded(p: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor, Replicate
-
     return isinstance(p, DTensor) and any(not isinstance(pl, Replicate) for pl in p.placements)
 
 

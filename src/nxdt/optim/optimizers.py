@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from nxdt.config import optim_keys
@@ -263,8 +264,6 @@ def _can_fuse(cls: type[Optimizer], kwargs: Mapping, groups: list[dict]) -> bool
     CPU or CUDA: all plain, or all DTensors of one mesh (tensor parallel, FSDP2 shards: the kernel runs
     on each local shard). The fused op takes no mix of the two (e.g. tp's replicated norms beside its
     shards under pipelining), nor DTensors of several meshes (experts on the ep mesh)."""
-    from torch.distributed.tensor import DTensor
-
     if cls not in (torch.optim.Adam, torch.optim.AdamW) or "fused" in kwargs or "foreach" in kwargs:
         return False
     if kwargs.get("capturable") or kwargs.get("differentiable"):

@@ -43,9 +43,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
+from nxdt.device import in_step_closure
 from nxdt.spec.precision import PrecisionSettings, precision_settings
 from nxdt.precision.overflow import all_ranks_finite
+from nxdt.precision.sr_fsdp import sr_states_of
 from nxdt.precision.stochastic_rounding import round_to
 
 log = logging.getLogger(__name__)
@@ -124,10 +127,6 @@ def stochastic_master_weights(precision_cfg: Any) -> bool:
 
 # --------------------------------------------------------------------------- the object
 def _is_fsdp_managed(model: nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - every supported torch has it
-        return False
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
@@ -228,8 +227,6 @@ class Precision:
         unsynced micro-batch gradients in fp32). bf16SR / manual without master weights: the
         parameters are already bf16; reduce in fp32.
         """
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
         if self.mode == "master":
             return MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
         if self.mode == "lowp":
@@ -246,8 +243,6 @@ class Precision:
             h.remove()
         self._hooks = []
         self.delegated = delegate or _is_fsdp_managed(model)
-        from nxdt.precision.sr_fsdp import sr_states_of
-
         self._sr_states = sr_states_of(model) if self.settings.stochastic else []
         for state in self._sr_states:  # FSDP2's all-gather rounds with this run's seed (and rank)
             state.seed, state.step = self.seed, self._sr_step
@@ -344,8 +339,6 @@ class Precision:
         Call after finish_grads and before clipping, once per optimizer step.
         """
         if self.lazy_guard and self.scaler is None and self.on_nonfinite == "stop":
-            from nxdt.device import in_step_closure
-
             args = (loss.detach(),) if loss is not None else ()
             in_step_closure(lambda *a: self._check_now(step, a[0] if a else None, grad_norm.detach(), model),
                             *args, grad_norm.detach())

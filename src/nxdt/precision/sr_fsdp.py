@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from nxdt.precision.stochastic_rounding import stochastic_round_to_bf16
@@ -136,8 +137,6 @@ def wrap_for_stochastic_rounding(model: nn.Module, state: SRState) -> None:
 
 def _wrap(t: torch.Tensor, state: SRState, index: int) -> torch.Tensor:
     """The subclass goes on the local tensor: a tensor-parallel DTensor keeps its layout around it."""
-    from torch.distributed.tensor import DTensor
-
     if isinstance(t, DTensor):
         return DTensor.from_local(StochasticRoundingShard(t.to_local(), state, index), t.device_mesh, t.placements,
                                   run_check=False, shape=t.shape, stride=t.stride())

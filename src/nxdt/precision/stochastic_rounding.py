@@ -12,6 +12,7 @@ sign-magnitude, and the add only touches the magnitude bits (a carry out of the 
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 _LOW16 = 1 << 16
 
@@ -24,8 +25,6 @@ def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator | None 
     """
     to_local = getattr(x, "to_local", None)
     if to_local is not None:  # DTensor: round the local shard, keep the layout
-        from torch.distributed.tensor import DTensor
-
         local = stochastic_round_to_bf16(to_local(), generator)
         return DTensor.from_local(local, x.device_mesh, x.placements, run_check=False,
                                   shape=x.shape, stride=x.stride())

@@ -30,8 +30,13 @@ import itertools
 import os
 import sys
 from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
 
 from nxdt.config.errors import ConfigError
 
@@ -133,9 +138,6 @@ def parse_command_line(argv: list[str]) -> CommandLine:
 def expand_sweeps(overrides: list[str]) -> list[list[str]]:
     """The jobs of a sweep: one override list per combination (Hydra's BasicSweeper order: the
     last swept key varies fastest). Without sweep overrides: one job, the overrides as given."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-
     parser = OverridesParser.create()
     choices: list[list[str]] = []
     for line in overrides:
@@ -154,9 +156,6 @@ def expand_sweeps(overrides: list[str]) -> list[list[str]]:
 
 def sweep_keys(overrides: list[str]) -> list[str]:
     """The overrides that are sweeps (`key=a,b`, `key=range(...)`, `key=choice(...)`)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-
     parser = OverridesParser.create()
     found = []
     for line in overrides:
@@ -176,16 +175,12 @@ def override_dirname(overrides: list[str]) -> str:
 
 # --------------------------------------------------------------------------- printing
 def nxdt_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("nxdt")
     except PackageNotFoundError:  # a checkout on sys.path, not installed
         return "unknown"
 
 def _yaml(node: Any) -> str:
-    from omegaconf import OmegaConf
-
     return OmegaConf.to_yaml(OmegaConf.create(node) if not isinstance(node, str) else node)
 
 

@@ -27,10 +27,23 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
+from safetensors.torch import save_file
+
+from nxdt.checkpoint.lora_merge import with_base
 from nxdt.config.errors import ConfigError
-from nxdt.checkpoint.lora_state import with_base
 from nxdt.config.load import load_saved_config
-from nxdt.tools.convert import check_output_free, hf_config_for, write_hf_model
+from nxdt.models.lora import (
+    PEFT_PREFIX,
+    is_lora_key,
+    lora_pairs,
+    merged_state_dict,
+    peft_adapter_config,
+    peft_adapter_state,
+    peft_target_modules,
+)
+from nxdt.models.neox import native_to_neox
+from nxdt.tools.hf_folder import check_output_free, hf_config_for, write_hf_model
 
 ADAPTER_DIR, BASE_DIR = "adapter", "base"
 ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
@@ -39,8 +52,6 @@ ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json
 def lora_to_hf(ckpt: Path, tensors: dict[str, Any], output: Path, max_shard_bytes: int, dtype: str | None = None,
                *, base: Path | None = None, adapter_only: bool = False) -> None:
     """Write the folders of the module docstring for the LoRA checkpoint `ckpt` (its model tensors: `tensors`)."""
-    from nxdt.models.lora import is_lora_key, lora_pairs, merged_state_dict
-
     cfg_file = ckpt / "config.yaml"
     if not cfg_file.is_file():
         raise ConfigError(f"{cfg_file} is missing: a LoRA checkpoint's adapters need its lora_rank and lora_alpha")
@@ -95,8 +106,6 @@ def peft_section(cfg, cfg_file: Path):
 def adapter_state(tensors: dict[str, Any], config: dict[str, Any], model_source: str,
                   bias: str) -> tuple[dict[str, Any] | None, str]:
     """(PEFT's adapter tensors, "") in transformers' names, or (None, why not)."""
-    from nxdt.models.lora import is_lora_key, peft_adapter_state
-
     native_neox = config.get("model_type") == "gpt_neox" and model_source == "megatron"
     if not native_neox:
         return peft_adapter_state(tensors, bias), ""
@@ -114,9 +123,6 @@ def neox_names(tensors: dict[str, Any], num_heads: int, bias: str) -> dict[str, 
 
     nxdt.models.neox.native_to_neox renames `<module>.<kind>` by module; an adapter's kind is spelt
     `lora_A_weight` for it (one dotted component) and split back afterwards."""
-    from nxdt.models.lora import is_lora_key
-    from nxdt.models.neox import native_to_neox
-
     wanted = {}
     for key, t in tensors.items():
         if is_lora_key(key):
@@ -131,11 +137,6 @@ def neox_names(tensors: dict[str, Any], num_heads: int, bias: str) -> dict[str, 
 
 def write_adapter(folder: Path, adapter: dict[str, Any], peft, base_path: str | None, dtype: str | None) -> None:
     """adapter_model.safetensors + adapter_config.json into `folder`."""
-    import torch
-    from safetensors.torch import save_file
-
-    from nxdt.models.lora import PEFT_PREFIX, peft_adapter_config, peft_target_modules
-
     if dtype:
         adapter = {k: v.to(getattr(torch, dtype)) for k, v in adapter.items()}
     targets = peft_target_modules({k.removeprefix(PEFT_PREFIX): v for k, v in adapter.items()})

@@ -24,7 +24,10 @@ import os
 import sys
 from pathlib import Path
 
+from nxdt.config.env import apply_env
 from nxdt.config.errors import ConfigError
+from nxdt.config.load import main_guard
+from nxdt.spec import load_config
 
 USAGE = "usage: nxdt evaluate --checkpoint DIR [key=value ...]"
 
@@ -68,11 +71,10 @@ def load_checkpoint_config(checkpoint: Path, overrides: list[str]):
     if not checkpoint.is_dir():  # the commonest mistake, said before torch is imported
         raise ConfigError(f"checkpoint {checkpoint} does not exist or is not a directory")
     # the checkpoint first (incomplete, not nxdt's, truncated shards): that is what is wrong with a
-    # directory that is not a whole checkpoint, whatever its config says. It imports torch, not
-    # torch-xla: the environment the config sets (apply_env) is still set before that.
+    # directory that is not a whole checkpoint, whatever its config says. Imported here: torch only
+    # after the checks above; not torch-xla, so the env vars the config sets (apply_env) still come first.
     from nxdt.checkpoint.checkpointer import CONFIG, validate_checkpoint
     from nxdt.checkpoint.lora_state import is_adapter_only
-    from nxdt.spec import load_config
 
     validate_checkpoint(checkpoint)
     if not (checkpoint / CONFIG).is_file():
@@ -97,9 +99,8 @@ def _main(argv: list[str] | None = None) -> int:
         return 0
     checkpoint, overrides = parse_args(argv)
     cfg = load_checkpoint_config(checkpoint, overrides)
-    from nxdt.config.env import apply_env
-
     apply_env(cfg)  # validation already named the keys that have no effect here
+    # the run's modules (torch-xla among them) only after the env vars are set (nxdt.config.env)
     from nxdt.checkpoint.resume import evaluation_plan
     from nxdt.training.evaluate import evaluate
 
@@ -109,8 +110,6 @@ def _main(argv: list[str] | None = None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`nxdt evaluate`: bad input is one line (rank 0) and exit 2 on every rank (main_guard)."""
-    from nxdt.config.load import main_guard
-
     return main_guard(_main)(argv)
 
 

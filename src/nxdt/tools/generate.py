@@ -21,7 +21,14 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from nxdt.checkpoint.checkpointer import validate_checkpoint
 from nxdt.config.errors import ConfigError
+from nxdt.inference.generate import SamplingParams, generate
+from nxdt.inference.load import load_for_inference
 from nxdt.spec.exp import sampling_problem
 
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -106,10 +113,6 @@ def _distributed():
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return 0, None
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
     kind = "cuda" if torch.cuda.is_available() else "cpu"
     if kind == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -122,14 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     check_args(args)
     prompts = read_prompts(args)
-    from nxdt.checkpoint.checkpointer import validate_checkpoint
-
     validate_checkpoint(args.checkpoint)  # one line, before any process group starts
-    import torch
-
-    from nxdt.inference.generate import SamplingParams, generate
-    from nxdt.inference.load import load_for_inference
-
     rank, tp_mesh = _distributed()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if tp_mesh is not None:

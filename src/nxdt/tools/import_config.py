@@ -36,7 +36,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from nxdt.config.errors import ConfigError
+from nxdt.config.load import compose
+from nxdt.spec import check_not_supported, validate
+from nxdt.tools.neox_mapping import NeoxMapper
 
 # top-level order of the written YAML (as in the shipped configs)
 SECTIONS = ("name", "model_source", "seed", "trainer", "exp_manager", "distributed_strategy", "data", "model",
@@ -53,8 +58,6 @@ def _one_line(text: Any) -> str:
 def read_neox(paths: list[str]) -> tuple[dict[str, Any], dict[str, tuple[str, str]], list[tuple[str, str, str]]]:
     """Merge NeoX YAML files in order: (merged config with '-' turned into '_' in top-level keys,
     key -> (file, key as spelled there), [(key, earlier file, later file)] for each override)."""
-    import yaml
-
     merged: dict[str, Any] = {}
     origin: dict[str, tuple[str, str]] = {}
     overrides: list[tuple[str, str, str]] = []
@@ -90,8 +93,6 @@ def read_neox(paths: list[str]) -> tuple[dict[str, Any], dict[str, tuple[str, st
 
 # --------------------------------------------------------------------------- writing YAML
 def _scalar(value: Any) -> str:
-    import yaml
-
     text = yaml.safe_dump(value, default_flow_style=True, width=10**9, allow_unicode=True, sort_keys=False).strip()
     if text.endswith("..."):
         text = text[:-3].strip()
@@ -151,9 +152,6 @@ def render(name: str, out: Any, command: str, files: list[str], overrides: list[
 def validate_text(text: str) -> tuple[Any, list[str]]:
     """Load `text` as a config file through nxdt's loader and validator (no file checks, features not
     built yet allowed); returns (typed config, notices). ConfigError when it does not validate."""
-    from nxdt.config.load import compose
-    from nxdt.spec import check_not_supported, validate
-
     notices: list[str] = []
     with tempfile.TemporaryDirectory(prefix="nxdt-import-") as tmp:
         (Path(tmp) / "imported.yaml").write_text(text, encoding="utf-8")
@@ -173,8 +171,6 @@ def validate_text(text: str) -> tuple[Any, list[str]]:
 def import_neox(files: list[str], *, name: str, command: str, num_gpus: int | None = None,
                 num_nodes: int | None = None, vocab_size: int | None = None) -> tuple[str, Any, list[str]]:
     """(YAML text, Output, notices) for NeoX `files`; ConfigError on bad input."""
-    from nxdt.tools.neox_mapping import NeoxMapper
-
     merged, origin, overrides = read_neox(files)
     out = NeoxMapper(merged, origin, num_gpus=num_gpus, num_nodes=num_nodes, vocab_size=vocab_size).run()
     text = render(name, out, command, files, overrides)

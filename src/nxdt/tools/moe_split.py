@@ -38,8 +38,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from nxdt.checkpoint.checkpointer import load_weights, save_weights
+from nxdt.checkpoint.state import META
 from nxdt.config.errors import ConfigError
 from nxdt.models.moe import GATE_TYPES, LlamaMoE, MoEArgs
+from nxdt.tools.hf_folder import copy_tokenizer, read_hf_folder, tokenizer_dir_for
 
 METHODS = ("random", "clustering")
 KMEANS_ITERATIONS = 30
@@ -52,14 +55,9 @@ _MLP = re.compile(r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.mlp)\.gate_proj
 def read_dense(path: Path) -> tuple[dict[str, torch.Tensor], Path | None]:
     """(tensors keyed like the model's state dict, tokenizer folder or None) of an nxdt checkpoint
     (has meta.json) or a transformers folder (has config.json)."""
-    from nxdt.checkpoint.state import META
-    from nxdt.tools.convert import read_hf_folder, tokenizer_dir_for
-
     if not path.is_dir():
         raise ConfigError(f"--input {path}: no such directory")
     if (path / META).is_file():
-        from nxdt.checkpoint.checkpointer import load_weights
-
         return load_weights(path), tokenizer_dir_for(path)
     if (path / "config.json").is_file():
         return read_hf_folder(path)[1], path
@@ -307,9 +305,6 @@ def main(argv: list[str] | None = None) -> int:
     except SplitCheckError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    from nxdt.checkpoint.checkpointer import save_weights
-    from nxdt.tools.convert import copy_tokenizer
-
     scale = identity_score_scale(E) if args.score_scale is None else args.score_scale
     record = {"source": str(args.input), "num_experts": E, "expert_size": ffn // E, "method": args.method,
               "seed": args.seed, "router_init_std": args.router_init_std, "gate_type": args.gate_type,

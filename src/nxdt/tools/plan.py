@@ -29,15 +29,16 @@ import sys
 from typing import Any
 
 from nxdt.config.errors import ConfigError
+from nxdt.hardware import device_peak, local_device_type, low_precision_notice
+from nxdt.models.param_count import ParameterCount, activated_lines
 from nxdt.planner.estimate import batch_lines, flops_line, memory_line, peak_lines, plan, stage_lines
-from nxdt.spec import build_spec
+from nxdt.spec import build_spec, load_config
+from nxdt.tools.train import REPO_CONF_DIR
 
 
 def plan_peak(spec):
     """trainer.peak_tflops, else this machine's device peak (nxdt.hardware); None if unknown.
     `spec`: the run spec (nxdt.spec.RunSpec)."""
-    from nxdt.hardware import device_peak, local_device_type
-
     t = spec.cfg.trainer
     device = local_device_type(t.accelerator)
     if device is None and not t.peak_tflops:
@@ -46,8 +47,6 @@ def plan_peak(spec):
 
 
 def format_plan(p: dict[str, Any], peak=None) -> str:
-    from nxdt.models.param_count import ParameterCount, activated_lines
-
     lay, mem = p["layout"], p["memory_per_rank_bytes"]
     counts = ParameterCount(total=p["parameters"], activated=p["parameters_activated"], **p["parameter_breakdown"])
     lines = [
@@ -73,9 +72,6 @@ def format_plan(p: dict[str, Any], peak=None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from nxdt.spec import load_config
-    from nxdt.tools.train import REPO_CONF_DIR
-
     argv = list(sys.argv[1:] if argv is None else argv)
     as_json = "--json" in argv
     argv = [a for a in argv if a != "--json"]
@@ -106,8 +102,6 @@ def _precision_notice(spec, peak) -> str | None:
     """The run's notice for a bf16/fp16 preset on a CPU (or GPU) that runs it slower than fp32 (`spec`: the run spec)."""
     if peak is None or peak.measured is None:  # only where this machine's CPU is the device planned for
         return None
-    from nxdt.hardware import low_precision_notice
-
     return low_precision_notice("cpu", spec.precision.compute_dtype, spec.cfg.precision.type)
 
 

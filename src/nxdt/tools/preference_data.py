@@ -18,6 +18,8 @@ import json
 import random
 from pathlib import Path
 
+from nxdt.data.assets import bundled_corpus_path
+
 
 def read_chapters(path: str | Path) -> list[tuple[str, list[str]]]:
     """(book, words) per chapter of a jsonl(.gz) corpus of {"title": "Book N", "text": ...}."""
@@ -67,8 +69,6 @@ def write_jsonl(rows: list[dict[str, str]], path: str | Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from nxdt.data.assets import bundled_corpus_path
-
     parser = argparse.ArgumentParser(prog="nxdt preference-data", description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", required=True, help="the jsonl (or .jsonl.gz) file to write")
     parser.add_argument("--rows", type=int, default=512, help="number of rows (default 512)")

@@ -22,14 +22,21 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import multiprocessing
 import os
 import sys
 import time
 from collections.abc import Iterator
 
+import numpy as np
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
 from nxdt.config.errors import ConfigError
 from nxdt.config.schema import TokenizerConfig
+from nxdt.data.assets import bundled_tokenizer_dir
+from nxdt.data.indexed import IndexedDatasetBuilder, best_fitting_dtype, data_file_path, index_file_path
 from nxdt.data.jsonl import iter_jsonl
+from nxdt.data.tokenizers import build_tokenizer, eod_id
 
 _CHUNK_DOCS = 64  # documents per tokenizer call / per worker task
 
@@ -118,8 +125,6 @@ _WORKER: dict = {}
 
 
 def _init_worker(tokenizer_dir: str, eod: int | None) -> None:
-    from nxdt.data.tokenizers import build_tokenizer
-
     _WORKER["tok"] = build_tokenizer(TokenizerConfig(library="huggingface", type=tokenizer_dir))
     _WORKER["eod"] = eod
 
@@ -144,8 +149,6 @@ def _output_prefixes(prefix: str, keys: list[str]) -> list[str]:
 
 
 def _progress(quiet: bool):
-    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
     return Progress(
         SpinnerColumn(),
         TextColumn("[bold]{task.description}"),
@@ -183,12 +186,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    import numpy as np
-
-    from nxdt.data.assets import bundled_tokenizer_dir
-    from nxdt.data.indexed import IndexedDatasetBuilder, best_fitting_dtype, data_file_path, index_file_path
-    from nxdt.data.tokenizers import build_tokenizer, eod_id
-
     for path in args.input:
         if not os.path.isfile(path):
             raise ConfigError(f"--input: file not found: {path}")
@@ -220,8 +217,6 @@ def main(argv: list[str] | None = None) -> int:
                     encoded = map(_encode_chunk, chunks)
                     pool = None
                 else:
-                    import multiprocessing
-
                     # spawn, not fork: this process has threads by now (the progress
                     # display's refresher, torch's or tokenizers' pools when called
                     # in-process), and a child forked while one of them holds a lock

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import difflib
 import math
 import statistics
 import sys
@@ -26,7 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+
 from nxdt.config.errors import ConfigError
+from nxdt.config.load import load_saved_config
+from nxdt.spec.layout import compute_layout
+from nxdt.tools.plan import plan
 
 # Plotted by default, in this order, with a title each; any other logged tag can be named by --metrics.
 TITLES = {
@@ -67,8 +73,6 @@ class Run:
 def _event_sessions(run_dir: Path) -> list[tuple[dict[str, list[tuple[int, float]]], float, float]]:
     """Per event file that holds scalars: ({tag: [(step, value)]}, first, last wall time), in
     the order they were written. Each (re)start of a run writes a new file."""
-    from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
-
     sessions = []
     for path in sorted(run_dir.glob("events.out.tfevents.*")):
         acc = EventAccumulator(str(path), size_guidance={SCALARS: 0})  # 0 = keep every point, not a sample
@@ -164,8 +168,6 @@ def _attach_config(run: Run) -> None:
     if not path.is_file():
         run.config_note = "no config.yaml"
         return
-    from nxdt.config.load import load_saved_config
-
     try:
         run.cfg = load_saved_config(path)
     except ConfigError as err:
@@ -193,8 +195,6 @@ def steps_trained(run: Run) -> int | None:
 
 
 def _layout_fact(cfg) -> str:
-    from nxdt.spec.layout import compute_layout
-
     try:
         lay = compute_layout(cfg)
     except ConfigError as err:
@@ -205,8 +205,6 @@ def _layout_fact(cfg) -> str:
 
 def _parameters_fact(cfg) -> str:
     """The exact count `nxdt plan` prints (the model built on the meta device: no memory, no weights)."""
-    from nxdt.tools.plan import plan
-
     try:
         n = plan(cfg)["parameters"]
     except Exception as err:  # a nicety: a moved tokenizer or HF model config must not stop the report
@@ -307,7 +305,7 @@ def _png_name(metric: str) -> str:
 def write_plots(runs: list[Run], metrics: list[str], out: Path) -> list[str] | None:
     """One PNG per metric that some run logged (the runs overlaid; with several runs a lower panel
     shows each run minus the first on their shared steps). None when matplotlib is missing."""
-    try:
+    try:  # optional extra: matplotlib (nxdt[report])
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
@@ -416,8 +414,6 @@ def _chosen_metrics(arg: str | None, runs: list[Run]) -> list[str]:
     chosen = [m.strip() for m in arg.split(",") if m.strip()]
     for metric in chosen:
         if metric not in logged:  # a typo, most likely: nothing would be plotted or compared
-            import difflib
-
             close = difflib.get_close_matches(metric, logged, n=1)
             hint = f"did you mean '{close[0]}'? " if close else ""
             raise ConfigError(f"--metrics: '{metric}' is logged by none of the runs "

@@ -22,6 +22,11 @@ import os
 import sys
 from collections.abc import Iterator
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from nxdt.data.assets import bundled_corpus_path, bundled_tokenizer_dir
+
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<unk>"]
 
 
@@ -35,9 +40,6 @@ def _iter_texts(path: str) -> Iterator[str]:
 
 def train(input_path: str, output_dir: str, vocab_size: int = 8192):
     """Train the BPE on `input_path` and save a `transformers` tokenizer to `output_dir`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
@@ -74,8 +76,6 @@ def train(input_path: str, output_dir: str, vocab_size: int = 8192):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from nxdt.data.assets import bundled_corpus_path, bundled_tokenizer_dir
-
     parser = argparse.ArgumentParser(prog="nxdt-train-tokenizer", description=__doc__.split("\n")[0])
     parser.add_argument("--input", default=str(bundled_corpus_path()), help="jsonl(.gz) with a 'text' field")
     parser.add_argument("--output", default=str(bundled_tokenizer_dir()), help="output tokenizer directory")

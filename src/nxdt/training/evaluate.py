@@ -103,7 +103,7 @@ def evaluate(cfg, plan: ResumePlan) -> dict[str, Any]:
     quiet_lightning()
     # a split without data is reported in the result ("no data"), not as Lightning's warning
     warnings.filterwarnings("ignore", message=r".*Total length of .* across ranks is zero")
-        pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
     trainer = build_trainer(cfg, spec.layout, loggers=[], callbacks=[PlanWeights(plan)])
     datamodule = build_datamodule(spec, trainer)
     check_lora_targets(spec, datamodule.vocab_size)  # a bad LoRA target: one line, before any process group
