@@ -6,6 +6,7 @@ the import."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "nxdt"
@@ -90,3 +91,26 @@ def test_the_checker_sees_an_offending_import(tmp_path, monkeypatch):
         assert "models/bad.py:4: nxdt.models must not import nxdt.training.module" in str(err)
     else:
         raise AssertionError("the offending import was not reported")
+
+
+def _doc_chunks(text: str) -> dict[str, str]:
+    """docs/architecture.md cut at each package's heading (### `nxdt.X`) or table row (| `nxdt.X`)."""
+    marks = sorted((m.start(), m.group(1)) for m in re.finditer(r"^(?:###|\|) `nxdt\.(\w+)`", text, re.M))
+    return {name: text[start:end] for (start, name), (end, _) in zip(marks, [*marks[1:], (len(text), "")])}
+
+
+def test_architecture_doc_names_every_package_and_module():
+    """docs/architecture.md is the map: a package or module added without its line there fails here
+    (each module is named in its own package's section or row)."""
+    chunks = _doc_chunks((SRC.parents[1] / "docs" / "architecture.md").read_text(encoding="utf-8"))
+    missing = []
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC)
+        package = _package(path)
+        if package == "__init__":
+            continue
+        if package not in chunks:
+            missing.append(f"nxdt.{package}")
+        elif rel.name != "__init__.py" and len(rel.parts) > 1 and f"`{rel.name}`" not in chunks[package]:
+            missing.append(str(rel))
+    assert not missing, "docs/architecture.md does not name: " + ", ".join(sorted(set(missing)))

@@ -43,7 +43,7 @@ aten = torch.ops.aten
 def _cp_api():
     # Private torch module: import it in one place so a torch without it fails with one line.
     try:
-        from torch.distributed.tensor.experimental import _context_parallel as cp
+        from torch.distributed.tensor.experimental import _context_parallel as cp  # private: one place, one line if absent
     except ImportError as err:  # pragma: no cover - depends on the installed torch
         raise RuntimeError(f"context_parallel_size > 1 needs torch's context-parallel module: {err}") from err
     return cp

@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from nxdt.config.errors import ConfigError
 from nxdt.spec.alignment import Alignment, alignment_of
 
@@ -227,8 +229,6 @@ def _read_file(path: str) -> Any:
         if path.endswith(".json"):
             with open(path, encoding="utf-8") as stream:
                 return json.load(stream)
-        from omegaconf import OmegaConf
-
         return OmegaConf.to_container(OmegaConf.load(path))
     except Exception as exc:  # noqa: BLE001 - any parse error is the user's file
         raise ConfigError(f"{REFERENCE_LOSSES_KEY}: cannot read {path}: {' '.join(str(exc).split())}") from None

@@ -5,6 +5,7 @@ run). Torch-free."""
 from __future__ import annotations
 
 import signal
+from difflib import get_close_matches
 from typing import Any
 
 from nxdt.config.errors import ConfigError
@@ -85,8 +86,6 @@ def parse_signals(names, key: str = SIGNALS_KEY) -> list[signal.Signals]:
             raise ConfigError(f"{key}[{i}]: {full} cannot be caught by a process (it ends it at once); "
                               "use SIGTERM or SIGUSR1 (Slurm: --signal=USR1@120)")
         if full not in known:
-            from difflib import get_close_matches
-
             close = get_close_matches(full, known, n=1)
             hint = f"; did you mean {close[0]}?" if close else ""
             raise ConfigError(f"{key}[{i}]: '{name}' is not a signal name{hint} (e.g. SIGTERM, SIGUSR1)")

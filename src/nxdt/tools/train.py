@@ -80,7 +80,7 @@ def load_job(cl, overrides: list[str], log_dir=None, quiet: bool = False):
 
 def train(cfg, **kwargs):
     """nxdt.training.trainer.train (imported here: torch only after `apply_env`)."""
-    from nxdt.training.trainer import train as train_run
+    from nxdt.training.trainer import train as train_run  # torch only after apply_env (env vars first)
 
     return train_run(cfg, **kwargs)
 

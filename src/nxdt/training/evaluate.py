@@ -32,11 +32,18 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
 from nxdt.checkpoint.resume import ResumePlan, evaluation_plan, load_plan_weights
+from nxdt.checkpoint.state import META, layout_of, read_json
 from nxdt.config.errors import ConfigError
+from nxdt.data.select import build_datamodule
+from nxdt.exp.exp_manager import resolve_dirs
 from nxdt.spec import build_spec
+from nxdt.training.finetuning import check_lora_targets
+from nxdt.training.module import NxdtLightningModule
+from nxdt.training.trainer import build_trainer, quiet_lightning
 
 EVAL_SUFFIX = ".eval.json"
 # (split name in the result, the Trainer method that runs it)
@@ -82,22 +89,12 @@ class PlanWeights(Callback):
 
 def evaluate_only(cfg) -> dict[str, Any]:
     """A training command line with trainer.max_epochs=0: evaluate the checkpoint it would start from."""
-    from nxdt.exp.exp_manager import resolve_dirs
-
     return evaluate(cfg, evaluation_plan(cfg, resolve_dirs(cfg)))
 
 
 def evaluate(cfg, plan: ResumePlan) -> dict[str, Any]:
     """Run the validation and test loops on the weights of `plan`; write and return the result. An
     entry: the run spec (nxdt.spec.build_spec) is built here, once."""
-    import lightning.pytorch as pl
-
-    from nxdt.checkpoint.state import META, layout_of, read_json
-    from nxdt.data.select import build_datamodule
-    from nxdt.training.finetuning import check_lora_targets
-    from nxdt.training.module import NxdtLightningModule
-    from nxdt.training.trainer import quiet_lightning, build_trainer
-
     spec = build_spec(cfg)
     check_evaluable(spec)
     quiet_lightning()

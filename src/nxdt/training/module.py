@@ -28,6 +28,7 @@ from nxdt.parallel.expert_parallel import expert_parameters
 from nxdt.parallel.mesh import submesh
 from nxdt.parallel.context_parallel import shard_sequence
 from nxdt.parallel.parallelize import parallelize_llama
+from nxdt.parallel.pipeline import build_pipeline, model_of
 from nxdt.parallel.plan import make_plan
 from nxdt.parallel.tensor_parallel import total_norm
 from nxdt.training.preference import PreferenceSteps
@@ -238,8 +239,6 @@ class NxdtLightningModule(PreferenceSteps, pl.LightningModule):
     # ---- pipeline parallel (pipeline_model_parallel_size > 1) ----------------------------------
     def _configure_pipeline(self, model: torch.nn.Module) -> None:
         """Split into this rank's stages (each parallelized like a whole model) and build the schedule."""
-        from nxdt.parallel.pipeline import build_pipeline, model_of
-
         # fp16: the schedule's loss is multiplied by the current loss scale (so is every stage's backward)
         scale = (lambda: self.precision.loss_scale) if self.precision.scaler is not None else None
         self.pipeline = build_pipeline(model, self.device_mesh, self.cfg, self.layout, self.device,

@@ -50,6 +50,7 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from nxdt.config.errors import ConfigError
@@ -198,8 +199,6 @@ def reference_from_table(table: torch.Tensor) -> Reference:
 
 def all_gather_over(group) -> Callable[[torch.Tensor], torch.Tensor]:
     """The `all_gather` of compute_reference_logps over a process group: [M, 2] → [group size, M, 2]."""
-    import torch.distributed as dist
-
     def gather(local: torch.Tensor) -> torch.Tensor:
         parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, local.contiguous(), group=group)

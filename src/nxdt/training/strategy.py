@@ -13,7 +13,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
+
+from nxdt.checkpoint.checkpointer import Checkpointer, ResumedLoader, batches_done_in_epoch, load_checkpoint, use_xser
 
 from nxdt.parallel.mesh import build_mesh, dp_rank_and_size
 from nxdt.spec.layout import Layout
@@ -35,8 +38,6 @@ class NxdtStrategy(ModelParallelStrategy):
         self._nxdt_mesh = None  # the DeviceMesh this strategy built (what keep_alive keeps)
 
     def setup_environment(self) -> None:
-        import torch.distributed as dist
-
         if self.keep_alive and dist.is_initialized() and self._nxdt_mesh is not None:
             self.accelerator.setup_device(self.root_device)
             self._device_mesh = self.lightning_module._device_mesh = self._nxdt_mesh
@@ -56,8 +57,6 @@ class NxdtStrategy(ModelParallelStrategy):
         # Destroy every process group (the default one, the mesh's, the checkpointer's) while the
         # interpreter is still whole: left to interpreter exit, a gloo thread can abort a rank
         # ("terminate called without an active exception") after a successful run.
-        import torch.distributed as dist
-
         if dist.is_initialized() and getattr(self, "_owns_process_group", True):
             dist.destroy_process_group()
 
@@ -83,8 +82,6 @@ class NxdtStrategy(ModelParallelStrategy):
     @property
     def checkpointer(self):
         if getattr(self, "_checkpointer", None) is None:
-            from nxdt.checkpoint.checkpointer import Checkpointer, use_xser
-
             exp = self.lightning_module.cfg.exp_manager
             self._checkpointer = Checkpointer(bool(exp.async_checkpointing),
                                               use_xser(exp.save_xser, self.root_device.type))
@@ -100,8 +97,6 @@ class NxdtStrategy(ModelParallelStrategy):
         self.checkpointer.save(self, checkpoint, Path(filepath), self.lightning_module.cfg)
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        from nxdt.checkpoint.checkpointer import batches_done_in_epoch, load_checkpoint
-
         path = Path(self.broadcast(str(checkpoint_path)))
         state = load_checkpoint(self, path, self.lightning_module.cfg)
         self._resume_skip = batches_done_in_epoch(state)
@@ -112,8 +107,6 @@ class NxdtStrategy(ModelParallelStrategy):
         # counts the epoch's batches from its start: make the two agree (see ResumedLoader).
         skip = getattr(self, "_resume_skip", 0)
         if skip and not self.lightning_module.trainer.sanity_checking:
-            from nxdt.checkpoint.checkpointer import ResumedLoader
-
             self._resume_skip = 0
             return ResumedLoader(dataloader, skip)
         return dataloader

@@ -22,19 +22,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from nxdt.device import mark_step, use_xla
+import torch
+import torch.distributed as dist
+from lightning.pytorch.accelerators import XLAAccelerator
+from lightning.pytorch.strategies import SingleDeviceXLAStrategy
+
+from nxdt.device import mark_step
+from nxdt.parallel.mesh import build_mesh
 
 
 def lightning_accelerator(cfg: Any):
     """Lightning's XLAAccelerator ('tpu') counts devices by asking the TPU runtime (and GCP's
     metadata server); this subclass asks torch-xla's PJRT runtime instead, so XLA:CPU, Neuron
     and TPU all work."""
-    from lightning.pytorch.accelerators import XLAAccelerator
-
     class NxdtXLAAccelerator(XLAAccelerator):
         @staticmethod
         def auto_device_count() -> int:
-            import torch_xla.runtime as xr
+            import torch_xla.runtime as xr  # torch-xla is optional (its own torch build): only on XLA
 
             return xr.addressable_runtime_device_count()
 
@@ -44,8 +48,6 @@ def lightning_accelerator(cfg: Any):
 
         @staticmethod
         def get_parallel_devices(devices: Any) -> list:
-            import torch
-
             return [torch.device("xla", i) for i in range(int(devices))]
 
         @staticmethod
@@ -69,10 +71,6 @@ def build_xla_strategy(mesh_shape: Any):
     Several XLA devices are not built; nxdt.config.validate refuses them (why: docs/precision.md,
     "One device only").
     """
-    from lightning.pytorch.strategies import SingleDeviceXLAStrategy
-
-    from nxdt.parallel.mesh import build_mesh
-
     class NxdtXLAStrategy(SingleDeviceXLAStrategy):
         def __init__(self) -> None:
             super().__init__(device=0)
@@ -80,8 +78,6 @@ def build_xla_strategy(mesh_shape: Any):
             self._device_mesh = None
 
         def setup_environment(self) -> None:
-            import torch.distributed as dist
-
             super().setup_environment()
             if not dist.is_initialized():
                 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
