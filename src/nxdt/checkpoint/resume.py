@@ -45,20 +45,21 @@ class ResumePlan:
         return None if self.weights_only else self.path
 
 
-def setup_checkpointing(cfg, dirs) -> tuple[ResumePlan, list]:
-    """Check the checkpoint keys, choose the checkpoint to start from, build the callbacks.
+def setup_checkpointing(cfg, dirs) -> tuple[ResumePlan, ResumeHelper, NxdtCheckpoint | None]:
+    """Check the checkpoint keys, choose the checkpoint to start from, build the two callbacks:
+    the resume helper and the checkpoint callback (None without exp_manager.create_checkpoint_callback).
     Raises ConfigError (nothing written yet) when the resume asked for cannot happen."""
     check_checkpoint_params(cfg.exp_manager.checkpoint_callback_params)
     plan = find_resume_checkpoint(cfg, dirs)
-    callbacks: list = [ResumeHelper(plan)]
     exp = cfg.exp_manager
+    checkpointing = None
     if exp.create_checkpoint_callback:
         params = exp.checkpoint_callback_params
-        callbacks.append(NxdtCheckpoint(
+        checkpointing = NxdtCheckpoint(
             dirpath=dirs.checkpoint_dir, filename=params.filename, save_top_k=params.save_top_k,
             save_last=params.save_last, every_n_train_steps=params.every_n_train_steps,
-            monitor=params.monitor, mode=params.mode, on_error=exp.on_checkpoint_error))
-    return plan, callbacks
+            monitor=params.monitor, mode=params.mode, on_error=exp.on_checkpoint_error)
+    return plan, ResumeHelper(plan), checkpointing
 
 
 def find_resume_checkpoint(cfg, dirs: ExpDirs) -> ResumePlan:

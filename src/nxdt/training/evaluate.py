@@ -38,12 +38,9 @@ from lightning.pytorch.callbacks import Callback
 from nxdt.checkpoint.resume import ResumePlan, evaluation_plan, load_plan_weights
 from nxdt.checkpoint.state import META, layout_of, read_json
 from nxdt.config.errors import ConfigError
-from nxdt.data.select import build_datamodule
 from nxdt.exp.exp_manager import resolve_dirs
 from nxdt.spec import build_spec
-from nxdt.training.finetuning import check_lora_targets
-from nxdt.training.module import NxdtLightningModule
-from nxdt.training.trainer import build_trainer, quiet_lightning
+from nxdt.training.trainer import build_run_parts, quiet_lightning
 
 EVAL_SUFFIX = ".eval.json"
 # (split name in the result, the Trainer method that runs it)
@@ -101,10 +98,7 @@ def evaluate(cfg, plan: ResumePlan) -> dict[str, Any]:
     # a split without data is reported in the result ("no data"), not as Lightning's warning
     warnings.filterwarnings("ignore", message=r".*Total length of .* across ranks is zero")
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
-    trainer = build_trainer(cfg, spec.layout, loggers=[], callbacks=[PlanWeights(plan)])
-    datamodule = build_datamodule(spec, trainer)
-    check_lora_targets(spec, datamodule.vocab_size)  # a bad LoRA target: one line, before any process group
-    module = NxdtLightningModule(spec, vocab_size=datamodule.vocab_size)
+    trainer, datamodule, module = build_run_parts(spec, loggers=[], callbacks=[PlanWeights(plan)])
     strategy = trainer.strategy
     # validate, then test, on the same process group, mesh and model (NxdtStrategy; the one-device
     # XLA strategy rebuilds its trivial mesh for the second loop)

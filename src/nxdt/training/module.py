@@ -20,11 +20,9 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from nxdt.models import build_model, count_parameters, logits_of
-from nxdt.training.finetuning import add_lora
+from nxdt.models import logits_of
 from nxdt.parallel.mesh import all_reduce_mean
-from nxdt.parallel.data_parallel import wants_meta_init, zero1_optimizer
-from nxdt.parallel.expert_parallel import expert_parameters
+from nxdt.parallel.data_parallel import wants_meta_init
 from nxdt.parallel.mesh import submesh
 from nxdt.parallel.context_parallel import shard_sequence
 from nxdt.parallel.parallelize import parallelize_llama
@@ -32,11 +30,10 @@ from nxdt.parallel.pipeline import build_pipeline, model_of
 from nxdt.parallel.plan import make_plan
 from nxdt.parallel.tensor_parallel import total_norm
 from nxdt.training.preference import PreferenceSteps
-from nxdt.optim.optimizers import build_optimizer, param_groups, resolve_optimizer
 from nxdt.precision.precision import Precision
 from nxdt.device import use_xla
 from nxdt.observability.step_scalars import step_logger
-from nxdt.optim.schedulers import build_scheduler
+from nxdt.training.builder import build_base_model, build_optimizer_and_scheduler
 from nxdt.training.loss import EvalTally, masked_token_loss
 from nxdt.models.moe import pop_router_stats
 from nxdt.training.step import (loss_parallel_context, microbatch_forward_backward, microbatch_loss,
@@ -73,19 +70,16 @@ class NxdtLightningModule(PreferenceSteps, pl.LightningModule):
         if self.model is not None:  # Lightning may call this twice (fit after validate, ...)
             return
         # meta-device init (low_cpu_fsdp / meta_init): only this rank's shards are ever allocated
-        meta = wants_meta_init(self.cfg, self.device.type)
-        model = build_model(self.cfg, self.vocab_size, device="meta" if meta else None)
-        self.num_parameters = count_parameters(model)
-        if self.alignment.peft is not None:  # adapters on a frozen base, before precision and parallelism
-            self.lora_summary = add_lora(model, self.alignment.peft)
-        model = self.precision.convert_model(model)
+        base = build_base_model(self.spec, self.vocab_size, self.precision,
+                                meta=wants_meta_init(self.cfg, self.device.type))
+        self.num_parameters, self.lora_summary = base.num_parameters, base.lora_summary
         # what each rank holds and what is done to each module; the start summary's figures read it too
-        self.parallel_plan = make_plan(model, self.layout, self.cfg)
+        self.parallel_plan = make_plan(base.model, self.layout, self.cfg)
         if self.layout.pp > 1:
-            self._configure_pipeline(model)
+            self._configure_pipeline(base.model)
             self.precision.attach(self.model, delegate=True)  # the schedule runs fwd/bwd: autocast only
             return
-        self.model = parallelize_llama(model, self.device_mesh, self.cfg, self.device, plan=self.parallel_plan)
+        self.model = parallelize_llama(base.model, self.device_mesh, self.cfg, self.device, plan=self.parallel_plan)
         self.precision.attach(self.model)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -100,17 +94,8 @@ class NxdtLightningModule(PreferenceSteps, pl.LightningModule):
 
     # ---- optimization --------------------------------------------------------------------------
     def configure_optimizers(self) -> Any:
-        optim_cfg = self.cfg.model.optim
-        dp_group = submesh(self.device_mesh, "dp")
-        if self.cfg.distributed_strategy.zero1 and dp_group.size() > 1:
-            # ZeRO-1: each dp rank keeps the optimizer state of its part of the parameters
-            cls, kwargs = resolve_optimizer(optim_cfg)
-            groups = param_groups(self.model, kwargs.get("weight_decay", 0.0), self.cfg.model.do_layer_norm_weight_decay)
-            optimizer = zero1_optimizer(groups, cls, kwargs, dp_group.get_group(),
-                                        rank_local=expert_parameters(self.model) if self.layout.ep > 1 else None)
-        else:
-            optimizer = build_optimizer(self.model, optim_cfg, self.cfg.model.do_layer_norm_weight_decay)
-        scheduler = build_scheduler(optimizer, optim_cfg.get("sched"), self.cfg.trainer.max_steps)
+        optimizer, scheduler = build_optimizer_and_scheduler(self.spec, self.model, submesh(self.device_mesh, "dp"),
+                                                             self.cfg.trainer.max_steps)
         if scheduler is None:
             return optimizer
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

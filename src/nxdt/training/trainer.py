@@ -14,13 +14,13 @@ from typing import Any, Callable
 
 import lightning.pytorch as pl
 
-from nxdt.checkpoint.callbacks import NxdtCheckpoint
 from nxdt.checkpoint.resume import setup_checkpointing
 from nxdt.config.errors import ConfigError
 from nxdt.config.load import global_rank as _global_rank
 from nxdt.data.select import build_datamodule
 from nxdt.data.tokenizers import build_tokenizer
 from nxdt.exp.exp_manager import build_loggers, resolve_dirs, setup_exp_manager
+from nxdt.device import use_xla
 from nxdt.exp.run_lock import RunLock, check_run_lock
 from nxdt.hardware import local_device_type
 from nxdt.observability.callbacks import CompileTimer, MemoryMonitor, RunFigures, RunSummary, ThroughputMonitor
@@ -53,7 +53,7 @@ def build_trainer(cfg, layout, loggers, callbacks):
 
 
     t = cfg.trainer
-    on_xla = xla.use_xla(cfg)  # torch-xla: Lightning's XLA accelerator with nxdt's bookkeeping (xla.py)
+    on_xla = use_xla(cfg)  # torch-xla: Lightning's XLA accelerator with nxdt's bookkeeping (xla.py)
     return pl.Trainer(
         accelerator=xla.lightning_accelerator(cfg) if on_xla else t.accelerator,
         strategy=xla.build_xla_strategy(layout) if on_xla else NxdtStrategy(layout),
@@ -105,33 +105,62 @@ def sample_tokenizer(cfg, datamodule):
 
 def train(cfg, record_job: Callable[[Path], None] | None = None) -> TrainOutcome:
     """Train one config. `record_job(log_dir)`: called on rank 0 once the log dir is this run's (the
-    entry writes Hydra's `.hydra/` record there)."""
-
+    entry writes Hydra's `.hydra/` record there). Everything that may refuse (checkpoint keys and the
+    resume, the profiler and user callbacks, the loggers, the run lock) runs before anything is written."""
     quiet_lightning()
     spec = build_spec(cfg)  # the run spec, once: everything below reads it
-    layout = spec.layout
     check_compile_backend(spec)  # before anything is written or any process group starts
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
-
     dirs = resolve_dirs(cfg)
-    resume, callbacks = setup_checkpointing(cfg, dirs)  # may refuse: before anything is written
-    # the profiler first (its step boundary and trace writing stay out of the step times measured
-    # after it); the user's trainer.callbacks after nxdt's own. Both may refuse, before anything is written
-    profiler, user_callbacks = extra_callbacks(cfg, dirs.log_dir, layout.world_size, _global_rank())
-    callbacks = profiler + callbacks
+    resume, resume_helper, checkpointing = setup_checkpointing(cfg, dirs)
+    profiler, user_callbacks = extra_callbacks(cfg, dirs.log_dir, spec.layout.world_size, _global_rank())
     loggers = build_loggers(cfg, dirs)  # a missing package or a bad logger argument: refused, nothing written
-    lock = take_run_lock(cfg, dirs.log_dir)  # one writer per log dir; before anything is written
+    lock = take_run_lock(cfg, dirs.log_dir)  # one writer per log dir
     try:
-        return _train(spec, record_job, dirs, resume, callbacks, user_callbacks, loggers, lock)
+        setup_exp_manager(cfg, dirs, _global_rank(), loggers)
+        if record_job is not None and _global_rank() == 0:
+            record_job(dirs.log_dir)
+        fault_tolerance = FaultTolerance(cfg)
+        figures = RunFigures(spec)  # nxdt plan's figures and the device's peak, once, at fit start
+        callbacks = [
+            *profiler,  # first: its step boundary and trace writing stay out of the step times measured after it
+            resume_helper,
+            MemoryMonitor(cfg, figures),  # before throughput: a sampled step's scan is not in the step time
+            ThroughputMonitor(spec.layout.tokens_per_step, figures),
+            RunSummary(spec, str(dirs.log_dir), figures),
+            *([DynamicDataSelection()] if cfg.data.dynamic_data_selection != "none" else []),  # moves the blend
+            *([StepProgressBar()] if cfg.trainer.enable_progress_bar else []),
+            *([CompileTimer()] if spec.compile and not use_xla(cfg) else []),  # once, after the first step
+            *user_callbacks,  # the user's trainer.callbacks after nxdt's own
+            # checkpointing after every callback that logs (Lightning's order for its own checkpoint
+            # callbacks): a step's scalars, throughput included, are logged before its checkpoint is saved
+            *([checkpointing] if checkpointing is not None else []),
+            fault_tolerance,  # after the step's own save: a preemption save then finds the step saved, or saves it
+        ]
+        trainer, datamodule, module = build_run_parts(spec, loggers, callbacks)
+        if cfg.exp_manager.samples.prompts:  # text generated during training (nxdt.observability.samples)
+            trainer.callbacks.append(SampleGenerator(cfg, sample_tokenizer(cfg, datamodule), datamodule.vocab_size))
+        return _fit(trainer, datamodule, module, resume, fault_tolerance, dirs, lock)
     finally:
         if lock is not None:
             lock.release()
 
 
+def build_run_parts(spec, loggers: list, callbacks: list):
+    """The Trainer, the data module and the LightningModule of a run or an evaluation, in the order
+    they need each other: the data module asks the Trainer's strategy for the dp layout, the module
+    takes the data's vocabulary. A bad LoRA target is one line, before any process group starts."""
+    trainer = build_trainer(spec.cfg, spec.layout, loggers, callbacks)
+    # custom (data.data_module) > SFT > dummy > data.datasets > HF (train_dir) > Megatron
+    datamodule = build_datamodule(spec, trainer)
+    check_lora_targets(spec, datamodule.vocab_size)
+    return trainer, datamodule, NxdtLightningModule(spec, vocab_size=datamodule.vocab_size)
+
+
 def check_compile_backend(spec) -> None:
     """model.fusions.torch_compile where torch cannot compile for the run's device: one line (exit 2)."""
     cfg = spec.cfg
-    if not spec.compile or xla.use_xla(cfg):
+    if not spec.compile or use_xla(cfg):
         return
 
     device = local_device_type(cfg.trainer.accelerator)
@@ -153,39 +182,10 @@ def take_run_lock(cfg, log_dir):
     return RunLock.acquire(log_dir, exp.run_lock_lease, notice=lambda line: print(line, flush=True))
 
 
-def _train(spec, record_job, dirs, resume, callbacks, user_callbacks, loggers, lock):
-    """train() once the log dir is ours: the loggers, callbacks, trainer, data and model; then fit."""
-    cfg, layout = spec.cfg, spec.layout
-    setup_exp_manager(cfg, dirs, _global_rank(), loggers)
-    if record_job is not None and _global_rank() == 0:
-        record_job(dirs.log_dir)
-    figures = RunFigures(spec)  # nxdt plan's figures and the device's peak, once, at fit start
-    # memory first: a sampled step's scan and profiler start are not in the step time
-    callbacks += [MemoryMonitor(cfg, figures), ThroughputMonitor(layout.tokens_per_step, figures),
-                  RunSummary(spec, str(dirs.log_dir), figures)]
-    if cfg.data.dynamic_data_selection != "none":  # held-out losses move the blend's weights
-
-        callbacks.append(DynamicDataSelection())
-    if cfg.trainer.enable_progress_bar:
-        callbacks.append(StepProgressBar())
-    if spec.compile and not xla.use_xla(cfg):  # the compile time, once, after the first step
-        callbacks.append(CompileTimer())
-    callbacks += user_callbacks  # before the checkpoint callback (sorted last below)
-    # checkpointing last (Lightning's order for its own checkpoint callbacks): a step's scalars,
-    # throughput included, are all logged before the step's checkpoint is saved
-    callbacks.sort(key=lambda callback: isinstance(callback, NxdtCheckpoint))
-    # after the step's own save: a preemption save then finds the step saved, or saves it
-    fault_tolerance = FaultTolerance(cfg)
-    callbacks.append(fault_tolerance)
-    trainer = build_trainer(cfg, layout, loggers, callbacks)
-    # custom (data.data_module) > SFT > dummy > data.datasets > HF (train_dir) > Megatron
-    datamodule = build_datamodule(spec, trainer)
-    check_lora_targets(spec, datamodule.vocab_size)  # a bad LoRA target: one line, before any process group
-    module = NxdtLightningModule(spec, vocab_size=datamodule.vocab_size)
-    if cfg.exp_manager.samples.prompts:  # text generated during training (nxdt.observability.samples)
-
-        trainer.callbacks.append(SampleGenerator(cfg, sample_tokenizer(cfg, datamodule), datamodule.vocab_size))
-    ckpt_path = resume.full_resume  # weights only: ResumeHelper loads them
+def _fit(trainer, datamodule, module, resume, fault_tolerance: FaultTolerance, dirs, lock) -> TrainOutcome:
+    """trainer.fit from the checkpoint the run resumes (weights only: ResumeHelper loads them), with
+    the preemption signal handlers installed; a preempted run releases its lock and requeues."""
+    ckpt_path = resume.full_resume
     fault_tolerance.install()  # a preemption signal during fit's setup (model build, checkpoint load) counts too
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=str(ckpt_path) if ckpt_path else None)
