@@ -87,8 +87,9 @@ def prepare_data(data_dir: Path) -> str:
 def model_flops_per_token(args) -> float:
     """The run's model FLOPs per token (nxdt plan's figure: the model built on the meta device)."""
     from nxdt.planner.estimate import plan
+    from nxdt.spec import build_spec
 
-    return float(plan(compose(args))["flops_per_token"])
+    return float(plan(build_spec(compose(args)))["flops_per_token"])
 
 
 def measure_cpu_peaks(budget_s: float = 1.0) -> dict[str, float]:

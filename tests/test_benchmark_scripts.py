@@ -16,6 +16,7 @@ import throughput_runs  # noqa: E402
 
 from nxdt.spec import load_config  # noqa: E402
 from nxdt.planner.estimate import plan  # noqa: E402
+from nxdt.spec import build_spec
 
 
 @pytest.mark.parametrize("shape, parameters, gflop_per_token", [
@@ -25,7 +26,7 @@ from nxdt.planner.estimate import plan  # noqa: E402
 def test_gpu_shapes_are_the_llama_3_models(shape, parameters, gflop_per_token):
     argv = throughput_runs.common_overrides(throughput_runs.SHAPES[shape], "/data/prefix", "/tmp/unused", 10, "cuda", 8, True)
     cfg = load_config(argv, world_size=8, default_config_dir=throughput_runs.CONF_DIR, check_paths=False, quiet=True)
-    p = plan(cfg)
+    p = plan(build_spec(cfg))
     assert p["parameters"] == parameters and p["sharding"] == "fsdp" and cfg.trainer.accelerator == "gpu"
     assert p["flops_per_token"] / 1e9 == pytest.approx(gflop_per_token, abs=0.01)
 

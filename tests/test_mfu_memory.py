@@ -350,7 +350,7 @@ def test_the_start_summary_says_it_and_both_print_the_step_time_the_peak_allows(
     module = SimpleNamespace(vocab_size=VOCAB, device=torch.device("cpu"))
     RunSummary(build_spec(cfg), None).on_fit_start(None, module)
     lines = capsys.readouterr().out.splitlines()
-    flop_per_step = plan(cfg, VOCAB)["model_tflop_per_step"] * 1e12  # 678,528 x 4 x 32 FLOP
+    flop_per_step = plan(build_spec(cfg), VOCAB)["model_tflop_per_step"] * 1e12  # 678,528 x 4 x 32 FLOP
     assert lines[-3] == "  peak         0.8 GFLOP/s per device (measured bf16 matmul on AMD EPYC 7R13, " + \
         f"{torch.get_num_threads()} thread{'s' if torch.get_num_threads() != 1 else ''})"
     assert lines[-2] == (f"  step time    >= {flop_per_step / 0.8e9 * 1e3:.3g} ms at that peak (model FLOPs / peak: "

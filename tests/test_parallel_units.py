@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from nxdt.spec import config_from_dict
+from nxdt.spec import build_spec
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
@@ -21,8 +22,9 @@ from test_pipeline import BLOCKS  # noqa: E402
 
 
 def _dp_sections(cfg):
-    """data_parallel_config takes the distributed_strategy and precision sections."""
-    return cfg.distributed_strategy, cfg.precision
+    """data_parallel_config takes the run spec's sharding and precision settings."""
+    spec = build_spec(cfg)
+    return spec.sharding, spec.precision
 
 
 def tiny_cfg(**model):
@@ -300,7 +302,7 @@ def test_mesh_shape_for_hsdp_and_data_parallel_config():
     cfg = load("distributed_strategy.sharding_strategy=HSDP", "trainer.devices=4", world_size=4)
     shape = compute_layout(cfg, 4).with_sharding("HSDP", num_nodes=2)
     assert (shape.dp_replicate, shape.dp_shard) == (2, 2)
-    assert data_parallel_config(cfg.distributed_strategy, cfg.precision).mode == "shard"
+    assert data_parallel_config(*_dp_sections(cfg)).mode == "shard"
     grad = data_parallel_config(*_dp_sections(load("distributed_strategy.sharding_strategy=grad-shard")))
     assert grad.mode == "shard" and not grad.reshard_after_forward
     assert data_parallel_config(*_dp_sections(load("distributed_strategy.fsdp=true"))).mode == "shard"

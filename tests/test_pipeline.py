@@ -13,6 +13,7 @@ from conftest import TINY_OVERRIDES, run_cli
 from nxdt.config.errors import ConfigError
 from nxdt.spec import config_from_dict
 from nxdt.spec.parallel import pipeline_stage_starts
+from nxdt.spec import build_spec
 
 
 # --------------------------------------------------------------------------- in-process units
@@ -50,7 +51,7 @@ def test_plan_gives_each_stage_the_styles_of_its_own_layers(source):
         model_keys = {"model_config": "model_configs/tiny_llama", "num_layers": 4, "hidden_size": 64}
     cfg = config_from_dict({"model_source": source, "model": model_keys, "distributed_strategy": ds})
     model = build_model(cfg, 512, device="meta")
-    plan = make_plan(model, Layout(tp=2, pp=2), cfg)
+    plan = make_plan(model, build_spec(cfg, layout=Layout(tp=2, pp=2)))
     assert plan.stage_starts == (0, 2, 4) and plan.rank_stages == ((0,), (1,)) and plan.schedule == "1F1B"
     first, last = (stage.tensor_parallel for stage in plan.stages)
     assert "model.embed_tokens" in first and "lm_head" not in first and "model.norm" not in first

@@ -276,8 +276,7 @@ def test_plan_and_start_summary_print_one_parallel_plan(capsys):
     from nxdt.observability.callbacks import RunSummary
     from nxdt.parallel.plan import make_plan
     from nxdt.planner.estimate import plan
-    from nxdt.spec import load_config
-    from nxdt.spec.layout import compute_layout
+    from nxdt.spec import build_spec, load_config
 
     overrides = ["trainer.devices=8", "distributed_strategy.tensor_model_parallel_size=2",
                  "distributed_strategy.pipeline_model_parallel_size=2", "distributed_strategy.zero1=true",
@@ -287,16 +286,17 @@ def test_plan_and_start_summary_print_one_parallel_plan(capsys):
 
     cfg = load_config(["--config-path", CONF, "--config-name", "tiny_llama_cpu", *overrides],
                       world_size=8, check_paths=False, quiet=True)
-    layout = compute_layout(cfg)
+    spec = build_spec(cfg)
+    layout = spec.layout
     # the run: its model (built as configure_model builds it) and the plan it applies
-    run_plan = make_plan(build_model(cfg, 512), layout, cfg)
+    run_plan = make_plan(build_model(cfg, 512), spec)
     assert run_plan.layout == layout and (layout.dp, layout.tp, layout.pp) == (2, 2, 2)
     module = SimpleNamespace(vocab_size=512, device=torch.device("cpu"), parallel_plan=run_plan)
-    RunSummary(cfg, layout, None).on_fit_start(None, module)
+    RunSummary(spec, None).on_fit_start(None, module)
     summary = capsys.readouterr().out.splitlines()
 
     # the planner's own plan (a meta-device model) is the run's
-    planner_plan = make_plan(build_model(cfg, 512, device="meta"), layout, cfg)
+    planner_plan = make_plan(build_model(cfg, 512, device="meta"), spec)
     assert planner_plan.stage_starts == run_plan.stage_starts and planner_plan.rank_stages == run_plan.rank_stages
     assert planner_plan.rank_stages == ((0,), (1,))
     for mine, theirs in zip(planner_plan.stages, run_plan.stages):
@@ -304,7 +304,7 @@ def test_plan_and_start_summary_print_one_parallel_plan(capsys):
                                                                       theirs.data_parallel)
         assert {k: type(v) for k, v in mine.tensor_parallel.items()} == {k: type(v) for k, v in
                                                                          theirs.tensor_parallel.items()}
-    assert plan(cfg, 512, run_plan) == plan(cfg, 512)
+    assert plan(spec, 512, run_plan) == plan(spec, 512)
 
     def line(lines: list[str], head: str) -> str:
         return next(text for text in lines if text.startswith(f"  {head}"))

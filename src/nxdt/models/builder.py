@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from nxdt.config.schema import canonical_gate_type
 from nxdt.models.adapter import HF, NATIVE, adapter_of, attach_adapter
 from nxdt.models.hf import HF_MOE_OVERRIDES, HF_OVERRIDES, build_hf_model
 from nxdt.models.llama import LlamaArgs, NxdtLlamaForCausalLM
@@ -107,7 +106,7 @@ def moe_args_from_cfg(moe: Any) -> MoEArgs | None:
     not added). The statistics are logged either way."""
     if not moe.num_experts:
         return None
-    gate_type = canonical_gate_type(moe.gate_type)
+    gate_type = moe.gate_type  # LLaMA-MoE's class names are normalised by validation (nxdt.config.schema)
     if gate_type == "mixtral":
         coef = moe.router_aux_loss_coef if moe.output_router_logits else 0.0
     else:

@@ -43,7 +43,7 @@ class RunFigures:
         """`parallel`: the run's parallel plan (nxdt.parallel.plan, the module's `parallel_plan`): the
         figures are read from the plan the run applied (None: the planner makes the same one)."""
         if self._plan is None:
-            self._plan = plan(self.cfg, vocab_size, parallel)
+            self._plan = plan(self.spec, vocab_size, parallel)
         return self._plan
 
 

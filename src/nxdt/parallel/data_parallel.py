@@ -38,7 +38,6 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from nxdt.models import init_model_weights
 from nxdt.models.adapter import adapter_of
-from nxdt.spec.parallel import sharding_mode_of
 from nxdt.parallel.expert_parallel import expert_modules, expert_parameters
 from nxdt.parallel.mesh import expert_mesh, submesh
 from nxdt.precision.precision import fsdp_mixed_precision_policy, stochastic_master_weights
@@ -47,7 +46,7 @@ from nxdt.precision.sr_fsdp import SRState, wrap_for_stochastic_rounding
 
 @dataclass(frozen=True)
 class DataParallelConfig:
-    """What `apply_data_parallel` does; built from the config by `data_parallel_config`."""
+    """What `apply_data_parallel` does; built from the run spec by `data_parallel_config` (the plan holds it)."""
 
     mode: str = "replicate"
     """'replicate' (DDP semantics) or 'shard' (FSDP2 over dp_shard, HSDP when dp_replicate > 1)."""
@@ -61,15 +60,15 @@ class DataParallelConfig:
     """mixed_precisionSR: the bf16 all-gather copy is stochastically rounded (nxdt.precision.sr_fsdp)."""
 
 
-def data_parallel_config(ds, precision) -> DataParallelConfig:
-    """From the `distributed_strategy` and `precision` config sections."""
-    sharding = sharding_mode_of(ds)
+def data_parallel_config(sharding, precision, cpu_offload: bool = False) -> DataParallelConfig:
+    """From the run spec's sharding mode (nxdt.spec.parallel.ShardingMode) and precision settings
+    (nxdt.spec.precision.PrecisionSettings), and `distributed_strategy.cpu_offload`."""
     shard = sharding.shard
     return DataParallelConfig(
         mode="shard" if shard else "replicate",
         reshard_after_forward=sharding.reshard_after_forward,
         mp_policy=fsdp_mixed_precision_policy(precision) if shard else None,
-        cpu_offload=ds.cpu_offload,
+        cpu_offload=cpu_offload,
         stochastic_rounding=shard and stochastic_master_weights(precision),
     )
 

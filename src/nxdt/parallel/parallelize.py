@@ -27,7 +27,6 @@ from nxdt.parallel.activation_checkpointing import apply_activation_checkpointin
 from nxdt.parallel.context_parallel import apply_context_parallel
 from nxdt.parallel.data_parallel import (
     apply_data_parallel,
-    data_parallel_config,
     is_meta,
     materialize,
     set_gradient_sync,
@@ -37,6 +36,7 @@ from nxdt.parallel.expert_parallel import apply_expert_parallel
 from nxdt.parallel.mesh import expert_mesh
 from nxdt.parallel.plan import TP_COMPILED_PARTS, ParallelPlan, make_plan
 from nxdt.parallel.tensor_parallel import apply_tensor_parallel
+from nxdt.spec import build_spec
 from nxdt.spec.layout import Layout
 
 __all__ = ["parallelize_llama", "apply_data_parallel", "set_gradient_sync", "transformer_blocks"]
@@ -46,9 +46,8 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh, cfg, device: torch.dev
                       plan: ParallelPlan | None = None) -> nn.Module:
     """Apply `plan` (made for the whole model: nxdt.parallel.plan.make_plan) to `model`, the whole
     model or one of its pipeline stages. Without a plan: `model`'s own, as one stage on `mesh`'s tp."""
-    ds = cfg.distributed_strategy
-    if plan is None:
-        plan = make_plan(model, Layout(tp=mesh["tp"].size()), cfg, pipeline=False)
+    if plan is None:  # a caller without a run (tests, benchmarks): its spec on this mesh's tp
+        plan = make_plan(model, build_spec(cfg, layout=Layout(tp=mesh["tp"].size())), pipeline=False)
     stage = plan.stage_for(model)
     # 1. tensor (+ sequence) parallel over the tp axis
     apply_tensor_parallel(model, mesh["tp"], plan.sequence_parallel, stage.tensor_parallel)
@@ -63,7 +62,7 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh, cfg, device: torch.dev
     #    model.fusions.torch_compile (or fms-fsdp's model.use_torch_compile)
     apply_compile(model, paths=stage.compile)
     # 4. data parallel over (dp_replicate, dp_shard): replicate / FSDP2 / HSDP
-    apply_data_parallel(model, mesh, data_parallel_config(ds, cfg.precision), units=stage.data_parallel)
+    apply_data_parallel(model, mesh, plan.data_parallel, units=stage.data_parallel)
     # 5. a model built on the meta device gets its local shards allocated and initialised now
     if is_meta(model):
         materialize(model, device if device is not None else mesh.device_type)

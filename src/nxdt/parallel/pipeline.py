@@ -39,6 +39,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from nxdt.models.adapter import adapter_of
+from nxdt.spec import build_spec
 from nxdt.parallel.plan import ParallelPlan, make_plan
 
 
@@ -182,8 +183,8 @@ def build_pipeline(
     `plan`: the run's (nxdt.parallel.plan.make_plan of `model` on `layout`), made here when not given;
     `parallelize_fn(part, mesh, cfg, plan=plan)` applies it to each stage.
     """
-    if plan is None:
-        plan = make_plan(model, layout, cfg)
+    if plan is None:  # a caller without a run (tests): its spec on `layout`
+        plan = make_plan(model, build_spec(cfg, layout=layout))
     num_stages = plan.num_stages
     schedule_cls = get_schedule_class(plan.schedule)
     pp_mesh = mesh["pp"]

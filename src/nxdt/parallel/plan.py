@@ -29,11 +29,10 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from nxdt.models.adapter import adapter_of
 from nxdt.parallel.activation_checkpointing import checkpoint_plan
+from nxdt.parallel.data_parallel import DataParallelConfig, data_parallel_config
 from nxdt.parallel.tensor_parallel import llama_tp_plan, tp_local_numel
 from nxdt.spec.layout import Layout
-from nxdt.spec.model import wants_compile
-from nxdt.spec.parallel import V_SCHEDULES, ShardingMode, default_pipeline_schedule, pipeline_stage_starts, \
-    sharding_mode_of
+from nxdt.spec.parallel import V_SCHEDULES, ShardingMode, default_pipeline_schedule, pipeline_stage_starts
 
 # Under tensor parallelism a block's attention and MLP are compiled, each whole, and its norms and
 # residual adds stay eager: with torch 2.13 a whole compiled block loses the gradient of a tp-
@@ -73,6 +72,8 @@ class ParallelPlan:
     layers_path: str
     last_stage_paths: tuple[str, ...]
     """modules outside the decoder layers that live on the last stage (final norm, output layer)"""
+    data_parallel: DataParallelConfig
+    """how the data-parallel units are wrapped: replicate / FSDP2 (reshard, mixed precision, offload, SR)"""
 
     @property
     def num_stages(self) -> int:
@@ -114,12 +115,14 @@ def stage_ids_of_rank(pp_rank: int, pp: int, vpp: int, v_style: bool = False) ->
     return tuple(pp_rank + k * pp for k in range(vpp))
 
 
-def make_plan(model: nn.Module, layout: Layout, cfg: Any, pipeline: bool = True) -> ParallelPlan:
-    """The plan for `model` (the whole model; a meta-device one will do) on `layout` under `cfg`.
+def make_plan(model: nn.Module, spec: Any, pipeline: bool = True) -> ParallelPlan:
+    """The plan for `model` (the whole model; a meta-device one will do) under the run spec `spec`
+    (nxdt.spec.RunSpec: its layout, sharding, precision and compile settings, and the plain keys).
 
     `pipeline=False`: `model` as one stage whatever layout.pp says (a stage part parallelized on its
     own: it holds the embedding / final norm when it has them)."""
     adapter = adapter_of(model)
+    cfg, layout = spec.cfg, spec.layout
     ds = cfg.distributed_strategy
     layers_path = adapter.layers_path(model)
     named = list(adapter.decoder(model).layers.named_children())
@@ -140,7 +143,7 @@ def make_plan(model: nn.Module, layout: Layout, cfg: Any, pipeline: bool = True)
         first, last = s == 0, s == num_stages - 1
         styles = llama_tp_plan(model, tp, sp, blocks, first, last) if tp > 1 else {}
         compiled: list[str] = []
-        if wants_compile(cfg):
+        if spec.compile:
             for path, block in blocks:
                 compiled += ([f"{path}.{n}" for n in TP_COMPILED_PARTS if getattr(block, n, None) is not None]
                              if tp > 1 else [path])
@@ -149,7 +152,8 @@ def make_plan(model: nn.Module, layout: Layout, cfg: Any, pipeline: bool = True)
             checkpoint=checkpoint_plan(blocks, cfg.model, adapter.recompute_aliases),
             compile=tuple(compiled), data_parallel=tuple(path for path, _ in blocks)))
     return ParallelPlan(
-        layout=layout, sharding=sharding_mode_of(ds), sequence_parallel=sp, schedule=schedule,
+        layout=layout, sharding=spec.sharding, sequence_parallel=sp, schedule=schedule,
+        data_parallel=data_parallel_config(spec.sharding, spec.precision, ds.cpu_offload),
         stage_starts=tuple(starts),
         rank_stages=tuple(stage_ids_of_rank(r, layout.pp, layout.vpp, schedule in V_SCHEDULES)
                           for r in range(layout.pp)) if num_stages > 1 else ((0,),),

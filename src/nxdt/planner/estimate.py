@@ -33,8 +33,6 @@ from nxdt.models import build_model
 from nxdt.models.flops import ModelShape, flops_per_token, lookup_parameters, model_shape
 from nxdt.models.param_count import expert_parameter_names, parameter_counts
 from nxdt.parallel.plan import ParallelPlan, make_plan
-from nxdt.spec.alignment import alignment_of
-from nxdt.spec.layout import compute_layout
 
 GPT2_VOCAB = 50257
 LLAMA2_VOCAB = 32000
@@ -169,13 +167,13 @@ def in_flight_microbatches(schedule: str, pp: int, vpp: int, nmb: int) -> float:
     return chunks / vpp
 
 
-def plan(cfg, vocab_size: int | None = None, parallel: ParallelPlan | None = None) -> dict[str, Any]:
-    """Everything `nxdt plan` prints, as one JSON-ready dict. `vocab_size`: the run's tokenizer
-    size (unpadded) when the caller knows it; None picks it as the module docstring says.
-    `parallel`: the run's parallel plan (nxdt.parallel.plan); None: made here for the model built on
-    the meta device, as a run makes it for its own model (the same plan for the same config)."""
-    world = cfg.trainer.devices * cfg.trainer.num_nodes
-    layout = compute_layout(cfg, world)
+def plan(spec, vocab_size: int | None = None, parallel: ParallelPlan | None = None) -> dict[str, Any]:
+    """Everything `nxdt plan` prints for the run spec `spec` (nxdt.spec.RunSpec), as one JSON-ready
+    dict. `vocab_size`: the run's tokenizer size (unpadded) when the caller knows it; None picks it
+    as the module docstring says. `parallel`: the run's parallel plan (nxdt.parallel.plan); None:
+    made here for the model built on the meta device, as a run makes it for its own model (the same
+    plan for the same config)."""
+    cfg = spec.cfg
     if vocab_size is not None and cfg.model_source != "hf":
         vocab, vocab_source = int(vocab_size), "the run's tokenizer"
     else:
@@ -183,7 +181,7 @@ def plan(cfg, vocab_size: int | None = None, parallel: ParallelPlan | None = Non
     model = build_model(cfg, vocab, device="meta")
     arch = model_shape(model)
     if parallel is None:
-        parallel = make_plan(model, layout, cfg)
+        parallel = make_plan(model, spec)
     counts = parameter_counts(model)
     rank = RankShare.of(model, parallel, cfg)
     mem = _rank_memory(cfg, model, parallel, rank)
@@ -192,7 +190,7 @@ def plan(cfg, vocab_size: int | None = None, parallel: ParallelPlan | None = Non
     # model FLOPs of one token of the whole model (a LoRA run's base weights are frozen)
     seq = cfg.data.seq_length or cfg.model.encoder_seq_length
     lookup = lookup_parameters(model)
-    frozen = counts.activated - lookup if alignment_of(cfg).lora else 0
+    frozen = counts.activated - lookup if spec.alignment.lora else 0
     flops = flops_per_token(arch, counts, lookup, seq, frozen=frozen)
     ds, fsdp = cfg.distributed_strategy, parallel.sharding.shard
     lay = parallel.layout
@@ -200,7 +198,7 @@ def plan(cfg, vocab_size: int | None = None, parallel: ParallelPlan | None = Non
         "config": cfg.name,
         "model_source": cfg.model_source,
         "precision": cfg.precision.type,
-        "world_size": world,
+        "world_size": spec.layout.world_size,
         "layout": {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "vpp": lay.vpp, "ep": lay.ep,
                    "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard if fsdp else 1},
         "parameters": counts.total,

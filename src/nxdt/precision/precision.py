@@ -46,7 +46,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 from nxdt.device import in_step_closure
-from nxdt.spec.precision import PrecisionSettings, precision_settings
+from nxdt.spec.precision import PrecisionSettings
 from nxdt.precision.overflow import all_ranks_finite
 from nxdt.precision.sr_fsdp import sr_states_of
 from nxdt.precision.stochastic_rounding import round_to
@@ -112,17 +112,16 @@ class DynamicLossScaler:
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def fsdp_mixed_precision_policy(precision_cfg: Any):
-    """The FSDP2 MixedPrecisionPolicy for `cfg.precision` (the Precision object's, so fp16 all-gathers
-    fp16): bf16/fp16 compute copies with fp32 gradient reduction for the master-weight presets,
-    fp32 reduction for bf16SR; None for fp32 / autocast."""
-    return Precision(precision_settings(precision_cfg)).fsdp_mp_policy()
+def fsdp_mixed_precision_policy(settings: PrecisionSettings):
+    """The FSDP2 MixedPrecisionPolicy of a run's precision settings (the Precision object's, so fp16
+    all-gathers fp16): bf16/fp16 compute copies with fp32 gradient reduction for the master-weight
+    presets, fp32 reduction for bf16SR; None for fp32 / autocast."""
+    return Precision(settings).fsdp_mp_policy()
 
 
-def stochastic_master_weights(precision_cfg: Any) -> bool:
+def stochastic_master_weights(settings: PrecisionSettings) -> bool:
     """mixed_precisionSR (or manual with master weights and SR): the bf16 copies are rounded stochastically."""
-    s = precision_settings(precision_cfg)
-    return s.mode == "master" and s.stochastic
+    return settings.mode == "master" and settings.stochastic
 
 
 # --------------------------------------------------------------------------- the object

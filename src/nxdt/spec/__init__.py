@@ -65,14 +65,16 @@ class RunSpec:
     """The effective architecture numbers and the transformers config.json (nxdt.spec.model)."""
 
 
-def build_spec(cfg: schema.NxdtConfig, world_size: int | None = None) -> RunSpec:
+def build_spec(cfg: schema.NxdtConfig, world_size: int | None = None, layout: Layout | None = None) -> RunSpec:
     """The run spec of a typed config (`validate`d: the cross-checks are validation's); `world_size`
-    defaults to trainer.devices x trainer.num_nodes. ConfigError only where a piece cannot be
-    derived (a layout that does not divide, a precision combination that means nothing)."""
+    defaults to trainer.devices x trainer.num_nodes. `layout`: a caller that brings its own mesh
+    (a test driving parallelize_llama on a tp-only mesh) gives its layout instead. ConfigError only
+    where a piece cannot be derived (a layout that does not divide, a precision combination that
+    means nothing)."""
     al = alignment_of(cfg)
     return RunSpec(
         cfg=cfg,
-        layout=compute_layout(cfg, world_size),
+        layout=layout if layout is not None else compute_layout(cfg, world_size),
         sharding=sharding_mode_of(cfg.distributed_strategy),
         precision=precision_settings(cfg.precision),
         alignment=al,

@@ -79,11 +79,11 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return 0
     cfg = load_config(argv, check_paths=False, check_supported=False, default_config_dir=REPO_CONF_DIR, quiet=True)
+    spec = build_spec(cfg)  # the run spec, once
     try:
-        result = plan(cfg)
+        result = plan(spec)
     except (ValueError, FileNotFoundError) as err:
         raise ConfigError(str(err)) from None
-    spec = build_spec(cfg)  # the run spec, once
     peak = plan_peak(spec)
     if as_json:
         step = result["model_tflop_per_step"] / result["world_size"] / peak.tflops if peak and result[

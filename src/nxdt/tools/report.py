@@ -31,7 +31,7 @@ from tensorboard.backend.event_processing.event_accumulator import SCALARS, Even
 
 from nxdt.config.errors import ConfigError
 from nxdt.config.load import load_saved_config
-from nxdt.spec.layout import compute_layout
+from nxdt.spec import build_spec
 from nxdt.tools.plan import plan
 
 # Plotted by default, in this order, with a title each; any other logged tag can be named by --metrics.
@@ -196,7 +196,7 @@ def steps_trained(run: Run) -> int | None:
 
 def _layout_fact(cfg) -> str:
     try:
-        lay = compute_layout(cfg)
+        lay = build_spec(cfg).layout
     except ConfigError as err:
         return f"not computed ({err})"
     ep = f", ep {lay.ep}" if lay.ep > 1 else ""
@@ -206,7 +206,7 @@ def _layout_fact(cfg) -> str:
 def _parameters_fact(cfg) -> str:
     """The exact count `nxdt plan` prints (the model built on the meta device: no memory, no weights)."""
     try:
-        n = plan(cfg)["parameters"]
+        n = plan(build_spec(cfg))["parameters"]
     except Exception as err:  # a nicety: a moved tokenizer or HF model config must not stop the report
         return f"not computed ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
     return f"{n:,}" if n < 1e6 else f"{n:,} ({n / 1e6:.1f} M)" if n < 1e9 else f"{n:,} ({n / 1e9:.2f} B)"

@@ -74,7 +74,7 @@ class NxdtLightningModule(PreferenceSteps, pl.LightningModule):
                                 meta=wants_meta_init(self.cfg, self.device.type))
         self.num_parameters, self.lora_summary = base.num_parameters, base.lora_summary
         # what each rank holds and what is done to each module; the start summary's figures read it too
-        self.parallel_plan = make_plan(base.model, self.layout, self.cfg)
+        self.parallel_plan = make_plan(base.model, self.spec)
         if self.layout.pp > 1:
             self._configure_pipeline(base.model)
             self.precision.attach(self.model, delegate=True)  # the schedule runs fwd/bwd: autocast only
