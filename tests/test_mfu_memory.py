@@ -43,7 +43,7 @@ def _cfg(*overrides: str, name: str = "tiny_llama_cpu"):
 
 def test_flops_per_token_is_the_hand_count():
     """6 x the multiplied weights + 12 x layers x heads x head_dim x (s + 1) / 2 keys."""
-    p = plan(_cfg(*TINY), VOCAB)
+    p = plan(build_spec(_cfg(*TINY)), VOCAB)
     h, f, d, layers, s = 64, 176, 16, 2, 32
     per_layer = h * 4 * d + 2 * h * 2 * d + 4 * d * h + 3 * h * f + 2 * h  # q, k and v (2 heads), o, MLP, 2 norms
     matmul_params = layers * per_layer + h + h * VOCAB  # + final norm + lm_head; the embedding is a lookup
@@ -78,7 +78,7 @@ def test_flops_match_torchs_flop_counter_on_the_native_model():
 def test_flops_count_activated_experts_tied_embeddings_and_frozen_weights():
     """MoE: top_k of E experts (parameter_counts.activated); a tied lm_head is multiplied, so the
     shared table counts; LoRA's frozen base does no weight-gradient matmul (4 per weight)."""
-    moe = plan(_cfg(name="tiny_mixtral_cpu"), VOCAB)
+    moe = plan(build_spec(_cfg(name="tiny_mixtral_cpu")), VOCAB)
     embedding = VOCAB * 256
     assert moe["flops_per_token_split"]["matmul"] == 6 * (moe["parameters_activated"] - embedding)
     assert moe["parameters_activated"] < moe["parameters"]
