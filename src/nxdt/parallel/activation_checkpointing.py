@@ -234,7 +234,7 @@ def checkpoint_plan(blocks: list[tuple[str, nn.Module]], model_cfg,
     chunk = model_cfg.checkpoint_num_layers
     if chunk > 1:
         # GPT-NeoX: consecutive blocks of this model (or pipeline stage) in chunks of `chunk`; the
-        # last chunk is shorter when it does not divide (as NeoX). Validation (check_cross) allows
+        # last chunk is shorter when it does not divide (as NeoX). Validation (nxdt.spec.model) allows
         # it only with full granularity and no fraction, so `classes` is whole blocks here.
         paths = [path for path, _ in blocks]
         return tuple(tuple(paths[start:start + chunk]) for start in range(0, len(paths), chunk))
