@@ -127,7 +127,7 @@ def _sweep_root(cl, first_job: list[str]) -> Path:
 
 
 def _job_subdir(cl, job_num: int, overrides: list[str]) -> str:
-
+    """A sweep job's folder under the sweep's: hydra.sweep.subdir (default: the job's number)."""
     subdir = cl.hydra.get("hydra.sweep.subdir", "${hydra.job.num}")
     return subdir.replace("${hydra.job.num}", str(job_num)).replace(
         "${hydra.job.override_dirname}", override_dirname(overrides))

@@ -50,8 +50,8 @@ class TrainOutcome:
 
 
 def build_trainer(cfg, layout, loggers, callbacks):
-
-
+    """Lightning's Trainer for nxdt: its strategy builds the DeviceMesh of `layout`; one batch is one
+    optimizer step; nxdt's samplers, checkpoint callback and progress bar instead of Lightning's."""
     t = cfg.trainer
     on_xla = use_xla(cfg)  # torch-xla: Lightning's XLA accelerator with nxdt's bookkeeping (xla.py)
     return pl.Trainer(
