@@ -62,10 +62,17 @@ def setup_checkpointing(cfg, dirs) -> tuple[ResumePlan, ResumeHelper, NxdtCheckp
     return plan, ResumeHelper(plan), checkpointing
 
 
+def check_weight_init(cfg) -> None:
+    """model.weight_init_only names no weights without exp_manager.resume_from_checkpoint (reads no file)."""
+    if cfg.model.weight_init_only and not cfg.exp_manager.resume_from_checkpoint:
+        raise ConfigError("model.weight_init_only: needs exp_manager.resume_from_checkpoint (the weights to load)")
+
+
 def find_resume_checkpoint(cfg, dirs: ExpDirs) -> ResumePlan:
     """The checkpoint to load (and how) from resume_from_checkpoint / resume_if_exists."""
     exp = cfg.exp_manager
     weights_only = cfg.model.weight_init_only
+    check_weight_init(cfg)
     if exp.resume_from_checkpoint:
         path = Path(exp.resume_from_checkpoint).absolute()
         validate_checkpoint(path)  # an explicit path must be good: ConfigError otherwise
@@ -77,8 +84,6 @@ def find_resume_checkpoint(cfg, dirs: ExpDirs) -> ResumePlan:
                       flush=True)
             return ResumePlan(own[-1][1], False, base=path if is_adapter_only(own[-1][1]) else None)
         return ResumePlan(path, weights_only)
-    if weights_only:
-        raise ConfigError("model.weight_init_only: needs exp_manager.resume_from_checkpoint (the weights to load)")
     if not exp.resume_if_exists:
         return ResumePlan()
     found = complete_checkpoints(dirs.checkpoint_dir)

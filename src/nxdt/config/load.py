@@ -36,7 +36,7 @@ from omegaconf._utils import get_yaml_loader
 from omegaconf.errors import OmegaConfBaseException
 
 from nxdt.config import resolvers, schema
-from nxdt.config.errors import ConfigError
+from nxdt.config.errors import ConfigError, ConfigErrors
 from nxdt.config.typed import to_typed
 from nxdt.config.validate import check_schema
 
@@ -50,6 +50,14 @@ _USAGE = ("expected --config-path/-cp DIR, --config-name/-cn NAME, key=value, +k
 def _one_line(text: Any, limit: int = 300) -> str:
     s = " ".join(str(text).split())
     return s if len(s) <= limit else s[: limit - 3] + "..."
+
+
+def error_text(err: ConfigError, limit: int = 2000) -> str:
+    """What an entry prints for `err` after `error: `: one line; several problems found together
+    (ConfigErrors) as their first line and one indented line each."""
+    if isinstance(err, ConfigErrors):
+        return "\n".join([_one_line(err.headline, limit), *(f"  {_one_line(p, limit)}" for p in err.problems)])
+    return _one_line(err, limit=limit)
 
 
 def _show(path: Path) -> str:
@@ -363,7 +371,7 @@ def main_guard(fn: Callable) -> Callable:
             if full_error_requested():
                 raise
             if is_rank_zero():
-                print(f"error: {_one_line(err, limit=2000)}", file=sys.stderr, flush=True)
+                print(f"error: {error_text(err)}", file=sys.stderr, flush=True)
             else:
                 # Every rank finds the same error; torchrun stops all ranks as soon as one exits.
                 # The others give rank 0 a moment to say why, so the one line is never lost.

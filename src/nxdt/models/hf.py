@@ -55,7 +55,9 @@ def resolve_model_config(path: str | Path) -> Path:
         tried.append(str(candidate))
         if candidate.is_file():
             return candidate
-    raise FileNotFoundError(f"model.model_config {str(path)!r} not found; tried: {', '.join(tried)}")
+    tried = list(dict.fromkeys(tried))  # an absolute path is the same candidate three times
+    where = f"; tried: {', '.join(tried)}" if tried != [str(given)] else ""
+    raise FileNotFoundError(f"model.model_config {str(path)!r} not found{where}")
 
 
 # `model.moe.<key>` → transformers MoE config attribute (with num_experts > 0)

@@ -83,7 +83,8 @@ def precision_bytes(cfg, optimizer: str) -> Bytes:
     return b
 
 
-def _vocab(cfg) -> tuple[int | None, str]:
+def planned_vocab(cfg) -> tuple[int | None, str]:
+    """(the vocabulary the plan builds the model with, where it comes from); see the module docstring."""
     if cfg.model_source == "hf":
         return None, "from model_config"
     if cfg.model.vocab_size:
@@ -177,7 +178,7 @@ def plan(spec, vocab_size: int | None = None, parallel: ParallelPlan | None = No
     if vocab_size is not None and cfg.model_source != "hf":
         vocab, vocab_source = int(vocab_size), "the run's tokenizer"
     else:
-        vocab, vocab_source = _vocab(cfg)
+        vocab, vocab_source = planned_vocab(cfg)
     model = build_model(cfg, vocab, device="meta")
     arch = model_shape(model)
     if parallel is None:

@@ -2,6 +2,10 @@
 
     nxdt plan --config-path conf --config-name hf_llama3_70B_config [key=value ...] [--json]
 
+The config is checked as `nxdt train` checks it before it starts (`check_as_training`: the same
+functions; a plan that prints means the run will start), except the paths it names: the plan looks
+only at the config.json it reads, and lists the keys of the others in a `not checked` line.
+
 Parameters (exact, on the meta device), memory per rank and model FLOPs per token and per step:
 what they count and how is nxdt.planner.estimate (docs/plan.md has every formula).
 
@@ -31,9 +35,16 @@ from typing import Any
 from nxdt.config.errors import ConfigError
 from nxdt.hardware import device_peak, local_device_type, low_precision_notice
 from nxdt.models.param_count import ParameterCount, activated_lines
-from nxdt.planner.estimate import batch_lines, flops_line, memory_line, peak_lines, plan, stage_lines
+from nxdt.observability.user_callbacks import build_user_callbacks
+from nxdt.planner.estimate import batch_lines, flops_line, memory_line, peak_lines, plan, planned_vocab, stage_lines
 from nxdt.spec import build_spec, load_config
+from nxdt.spec.paths import check_files
 from nxdt.tools.train import REPO_CONF_DIR
+from nxdt.training.finetuning import check_lora_targets
+from nxdt.training.trainer import check_run
+
+# the files the plan reads itself (the model's config.json), checked as a run checks them
+PLAN_READS = ("model.model_config",)
 
 
 def plan_peak(spec):
@@ -66,9 +77,15 @@ def format_plan(p: dict[str, Any], peak=None) -> str:
         # the start summary's lines: global batch, tokens per step, max_steps and the tokens in all
         *batch_lines(p["global_batch_size"], p["micro_batch_size"], p["num_microbatches"], p["seq_length"],
                      p["max_steps"], p["max_tokens"]),
+        *not_checked_lines(p.get("not_checked")),
         *peak_lines(p, peak, p["world_size"]),
     ]
     return "\n".join(lines)
+
+
+def not_checked_lines(keys: list[str] | None) -> list[str]:
+    """The keys whose paths the plan did not look at (`check_as_training`), in one line."""
+    return [f"  not checked  the paths of {', '.join(keys)} (nxdt train checks them before it starts)"] if keys else []
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,8 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
         return 0
-    cfg = load_config(argv, check_paths=False, check_supported=False, default_config_dir=REPO_CONF_DIR, quiet=True)
-    spec = build_spec(cfg)  # the run spec, once
+    spec, not_checked = check_as_training(argv)
     try:
         result = plan(spec)
     except (ValueError, FileNotFoundError) as err:
@@ -89,13 +105,29 @@ def main(argv: list[str] | None = None) -> int:
         step = result["model_tflop_per_step"] / result["world_size"] / peak.tflops if peak and result[
             "model_tflop_per_step"] else None
         print(json.dumps({**result, "peak_tflops": peak.tflops if peak else None,
-                          "peak_source": peak.source if peak else None, "step_time_s": step}))
+                          "peak_source": peak.source if peak else None, "step_time_s": step,
+                          "not_checked": not_checked}))
         return 0
-    print(format_plan(result, peak))
+    print(format_plan({**result, "not_checked": not_checked}, peak))
     notice = _precision_notice(spec, peak)
     if notice:
         print(notice)
     return 0
+
+
+def check_as_training(argv: list[str]):
+    """The config of `argv` checked as the training entry checks it before anything starts (the
+    same functions: validation with the values not supported yet, the pre-flight `check_run`, the
+    user's callbacks, the LoRA targets), except the files, which it does not look at (but the ones
+    the plan reads). Returns (the run spec, the keys whose files were not checked)."""
+    cfg = load_config(argv, check_paths=False, default_config_dir=REPO_CONF_DIR, quiet=True)
+    not_checked = check_files(cfg, look=PLAN_READS)  # a data source named; every problem at once
+    spec = build_spec(cfg)  # the run spec, once
+    check_run(spec)
+    build_user_callbacks(cfg.trainer.callbacks)
+    if spec.alignment.peft is not None:
+        check_lora_targets(spec, planned_vocab(cfg)[0])
+    return spec, not_checked
 
 
 def _precision_notice(spec, peak) -> str | None:

@@ -14,19 +14,23 @@ from typing import Any, Callable
 
 import lightning.pytorch as pl
 
-from nxdt.checkpoint.resume import setup_checkpointing
+from nxdt.checkpoint.callbacks import check_checkpoint_params
+from nxdt.checkpoint.resume import check_weight_init, setup_checkpointing
 from nxdt.config.errors import ConfigError
 from nxdt.config.load import global_rank as _global_rank
 from nxdt.data.select import build_datamodule
 from nxdt.data.tokenizers import build_tokenizer
 from nxdt.exp.exp_manager import build_loggers, resolve_dirs, setup_exp_manager
+from nxdt.exp.loggers import check_logger_packages
 from nxdt.device import use_xla
 from nxdt.exp.run_lock import RunLock, check_run_lock
 from nxdt.hardware import local_device_type
 from nxdt.observability.callbacks import CompileTimer, MemoryMonitor, RunFigures, RunSummary, ThroughputMonitor
+from nxdt.observability.profiler import check_profiler
 from nxdt.observability.progress import StepProgressBar
 from nxdt.observability.samples import SampleGenerator
 from nxdt.observability.user_callbacks import extra_callbacks
+from nxdt.optim.optimizers import resolve_optimizer
 from nxdt.parallel.parallelize import compile_backend_missing
 from nxdt.spec import build_spec
 from nxdt.training import xla
@@ -109,7 +113,7 @@ def train(cfg, record_job: Callable[[Path], None] | None = None) -> TrainOutcome
     resume, the profiler and user callbacks, the loggers, the run lock) runs before anything is written."""
     quiet_lightning()
     spec = build_spec(cfg)  # the run spec, once: everything below reads it
-    check_compile_backend(spec)  # before anything is written or any process group starts
+    check_run(spec)  # before anything is written or any process group starts (nxdt plan runs it too)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     dirs = resolve_dirs(cfg)
     resume, resume_helper, checkpointing = setup_checkpointing(cfg, dirs)
@@ -155,6 +159,22 @@ def build_run_parts(spec, loggers: list, callbacks: list):
     datamodule = build_datamodule(spec, trainer)
     check_lora_targets(spec, datamodule.vocab_size)
     return trainer, datamodule, NxdtLightningModule(spec, vocab_size=datamodule.vocab_size)
+
+
+def check_run(spec) -> None:
+    """The checks a run makes before anything is written that read no file; `nxdt plan` runs the same
+    (nxdt.tools.plan). The files' own checks are nxdt.spec.paths; the LoRA targets are checked
+    once the data's vocabulary is known (`build_run_parts`; the plan calls `check_lora_targets`)."""
+    cfg = spec.cfg
+    exp = cfg.exp_manager
+    check_compile_backend(spec)
+    check_checkpoint_params(exp.checkpoint_callback_params)
+    check_weight_init(cfg)
+    if exp.profiler.enabled:
+        check_profiler(exp.profiler, spec.layout.world_size)
+    if exp.create_csv_logger or exp.create_wandb_logger or exp.create_mlflow_logger:
+        check_logger_packages(exp)
+    resolve_optimizer(cfg.model.optim)  # configure_optimizers builds it after the process group starts
 
 
 def check_compile_backend(spec) -> None:

@@ -1,0 +1,154 @@
+"""What training refuses, `nxdt plan` refuses with the same line; every path problem at once.
+
+All in-process: the config errors stop before any process group starts.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch.distributed as dist
+from conftest import REPO, train_in_process
+
+from nxdt.config.errors import ConfigError, ConfigErrors
+from nxdt.config.load import main_guard
+from nxdt.spec import load_config
+from nxdt.spec.paths import MAKE_DATA_HINT, check_files
+from nxdt.tools.plan import main as plan_main
+
+CONF = str(REPO / "conf")
+
+
+def _plan_in_process(capsys, *argv: str) -> tuple[int, str, str]:
+    """`nxdt plan` through the entry's guard (one line, exit 2): (exit status, stdout, stderr)."""
+    try:
+        rc = int(main_guard(plan_main)(["--config-path", CONF, *argv]) or 0)
+    except SystemExit as stop:
+        rc = int(stop.code)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+# --------------------------------------------------------------------------- item 6: every path at once
+
+
+def test_sft_config_lists_every_missing_path_in_one_error(tmp_path):
+    """The shipped SFT config with nothing on this machine: one error, a first line with the count,
+    then one line per missing path with its dotted key; exit 2, no process group started."""
+    argv = ["--config-path", CONF, "--config-name", "hf_llama3_8B_SFT_config",
+            f"data.train_dir={tmp_path / 'train.jsonl'}", f"data.val_dir={tmp_path / 'val.jsonl'}",
+            f"data.tokenizer.type={tmp_path / 'tok'}", f"model.model_config={tmp_path / 'cfg/config.json'}",
+            f"exp_manager.resume_from_checkpoint={tmp_path / 'ckpt'}",
+            f"exp_manager.explicit_log_dir={tmp_path / 'logs'}"]
+    run = train_in_process(argv)
+    assert run.rc == 2, (run.out[-2000:], run.err[-2000:])
+    assert not dist.is_initialized()
+    assert "Traceback" not in run.err
+    lines = [line for line in run.err.splitlines() if line.strip()]
+    assert lines == [
+        "error: 5 missing or unusable paths:",
+        f"  data.train_dir: data path not found: {tmp_path / 'train.jsonl'}",
+        f"  data.val_dir: data path not found: {tmp_path / 'val.jsonl'}",
+        f"  data.tokenizer.type: tokenizer directory not found: {tmp_path / 'tok'}",
+        f"  model.model_config: transformers config.json not found: {tmp_path / 'cfg/config.json'}",
+        f"  exp_manager.resume_from_checkpoint: checkpoint not found: {tmp_path / 'ckpt'}",
+    ]
+    assert not (tmp_path / "logs").exists()  # nothing written
+
+
+def test_path_problems_of_every_kind_collected(tmp_path):
+    """Megatron data (two prefixes, one missing its .idx, one both files) and a log dir that is a file:
+    every problem in one ConfigErrors, in the order of the keys; a single problem keeps its one line."""
+    (tmp_path / "a.bin").write_bytes(b"x")
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    cfg = load_config(["--config-path", CONF, "--config-name", "tiny_llama_cpu",
+                       f"data.data_prefix=[0.5,{tmp_path}/a,0.5,{tmp_path}/b]",
+                       f"exp_manager.explicit_log_dir={afile}"], check_paths=False, quiet=True)
+    with pytest.raises(ConfigErrors) as info:
+        check_files(cfg)
+    problems = info.value.problems
+    assert len(problems) == 3, problems  # a prefix missing both files is one problem (its .bin)
+    assert problems[0] == f"data.data_prefix: indexed dataset file not found: {tmp_path / 'a.idx'} ({MAKE_DATA_HINT})"
+    assert problems[1] == f"data.data_prefix: indexed dataset file not found: {tmp_path / 'b.bin'} ({MAKE_DATA_HINT})"
+    assert problems[2] == f"exp_manager.explicit_log_dir: {afile} is a file, not a directory"
+    assert str(info.value).splitlines()[0] == "3 missing or unusable paths:"
+    # one problem: the one line as before, a plain ConfigError
+    (tmp_path / "a.idx").write_bytes(b"x")
+    cfg = load_config(["--config-path", CONF, "--config-name", "tiny_llama_cpu", f"data.data_prefix=[1.0,{tmp_path}/a]",
+                       f"exp_manager.explicit_log_dir={afile}"], check_paths=False, quiet=True)
+    with pytest.raises(ConfigError) as one:
+        check_files(cfg)
+    assert not isinstance(one.value, ConfigErrors)
+    assert str(one.value) == f"exp_manager.explicit_log_dir: {afile} is a file, not a directory"
+
+
+def test_missing_model_config_names_its_path_once(capsys, tmp_path):
+    """`nxdt plan` (which reads config.json) on a missing absolute model_config: the path once."""
+    missing = tmp_path / "config.json"
+    rc, _, err = _plan_in_process(capsys, "--config-name", "hf_llama3_8B_config", f"model.model_config={missing}")
+    assert rc == 2
+    assert err.count(str(missing)) == 1, err
+
+
+# --------------------------------------------------------------------------- item 5: the plan checks as training
+
+
+REFUSED = {
+    "hf MoE with pp > 1": ("hf_mixtral_8x7b_config", ["distributed_strategy.pipeline_model_parallel_size=2"],
+                           "error: 'distributed_strategy.pipeline_model_parallel_size' > 1 with model.moe and "
+                           "model_source hf is not supported yet (got 2)"),
+    "weight_init_only without weights": ("tiny_llama_cpu", ["model.weight_init_only=true"],
+                                         "error: model.weight_init_only: needs exp_manager.resume_from_checkpoint "
+                                         "(the weights to load)"),
+    "checkpoint mode": ("tiny_llama_cpu", ["exp_manager.checkpoint_callback_params.mode=min"],
+                        "error: exp_manager.checkpoint_callback_params.mode: 'min' with monitor 'step' would keep "
+                        "the oldest checkpoints; use mode: max (or monitor a metric such as val_loss)"),
+    "profiler ranks": ("tiny_llama_cpu", ["exp_manager.profiler.enabled=true", "exp_manager.profiler.ranks=[7]"],
+                       "error: exp_manager.profiler.ranks: [7] has [7] outside the world of 2 ranks (0..1)"),
+    "user callback": ("tiny_llama_cpu", ["trainer.callbacks=[{_target_: nope_pkg.Thing}]"],
+                      "error: trainer.callbacks[0]: cannot import module 'nope_pkg' for 'nope_pkg.Thing' "
+                      "(No module named 'nope_pkg')"),
+    "LoRA target": ("tiny_llama_lora_cpu", ["model_alignment_strategy.peft.target_modules=[nope]",
+                                            "exp_manager.resume_if_exists=false"],
+                    "error: model_alignment_strategy.peft.target_modules: 'nope' is not a linear layer of this "
+                    "model; valid: ['down_proj', 'gate_proj', 'gate_up_proj', 'k_proj', 'o_proj', 'q_proj', "
+                    "'qkv_proj', 'up_proj', 'v_proj']"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_plan_refuses_what_training_refuses(capsys, tmp_path, kjv_prefix, case):
+    """Each config the training entry refuses before it starts, `nxdt plan` refuses with the same
+    one line and exit 2 (before: the plan printed, then training refused)."""
+    name, overrides, expected = REFUSED[case]
+    data = [f"data.data_prefix=[1.0,{kjv_prefix}]"] if name.startswith("tiny") else []
+    run = train_in_process(["--config-path", CONF, "--config-name", name, *data, *overrides,
+                            f"exp_manager.explicit_log_dir={tmp_path / 'logs'}"])
+    trained = [line for line in run.err.splitlines() if line.startswith("error:")]
+    assert run.rc == 2 and trained == [expected], (run.rc, run.err[-2000:])
+    assert not dist.is_initialized()
+    rc, out, err = _plan_in_process(capsys, "--config-name", name, *overrides)
+    assert rc == 2 and out == ""
+    assert err.splitlines() == [expected]
+
+
+def test_plan_lists_the_paths_it_did_not_check(capsys, tmp_path):
+    """The plan looks at no file but the config.json it reads: the others, by key, in one line (and
+    in --json); a missing data source (no file needed) is refused as training refuses it."""
+    rc, out, err = _plan_in_process(capsys, "--config-name", "hf_llama3_8B_SFT_config")
+    assert rc == 0, err
+    lines = [line for line in out.splitlines() if line.startswith("  not checked")]
+    assert lines == ["  not checked  the paths of data.train_dir, data.val_dir, data.tokenizer.type, "
+                     "exp_manager.resume_from_checkpoint, exp_manager.exp_dir (nxdt train checks them before it "
+                     "starts)"]
+    rc, out, _ = _plan_in_process(capsys, "--config-name", "tiny_llama_cpu",
+                                  f"exp_manager.explicit_log_dir={tmp_path}", "--json")
+    assert rc == 0
+    assert json.loads(out)["not_checked"] == ["data.data_prefix", "data.tokenizer.type",
+                                              "exp_manager.explicit_log_dir"]
+    rc, out, err = _plan_in_process(capsys, "--config-name", "tiny_llama_cpu", "data.data_prefix=null")
+    assert rc == 2 and err.splitlines() == [
+        "error: data.data_prefix is required for model_source megatron (or set data.train_dir, "
+        "data.use_dummy_dataset or data.data_module)"]
