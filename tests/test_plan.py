@@ -316,3 +316,49 @@ def test_plan_and_start_summary_print_one_parallel_plan(capsys):
         assert figures(line(summary, "layout"))[key] == figures(line(cli, "layout"))[key]
     assert line(summary, "stages") == line(cli, "stages") == "  stages       1F1B: 1,606,656, 1,606,912"
     assert line(summary, "memory/rank") == line(cli, "memory/rank") + "  (estimate, fullest rank)"
+
+
+# --------------------------------------------------------------------------- LoRA
+
+
+def test_lora_counts_frozen_base_without_grads_or_optimizer_state(capsys):
+    """tiny_llama_lora_cpu on one rank: the frozen base holds its weights only; the adapters (rank 8
+    on qkv_proj, o_proj, gate_up_proj, down_proj: NxDT's names for q, k, v, o, gate, up and down)
+    their weights, gradients and AdamW state."""
+    h, f, kv, layers, vocab, r = 256, 704, 4 * 32, 4, 256, 8
+    base = layers * (h * (h + 2 * kv) + h * h + h * 2 * f + f * h + 2 * h) + 2 * vocab * h + h
+    # A (r x in) + B (out x r) on each of q, k, v, o, gate, up, down
+    adapters = layers * r * ((h + h) + 2 * (h + kv) + (h + h) + 2 * (h + f) + (f + h))
+    assert (base, adapters) == (3_082_496, 149_504)
+    one_rank = ["trainer.devices=1", "model.vocab_size=256", "distributed_strategy.zero1=false"]
+    p = _plan(capsys, "tiny_llama_lora_cpu", *one_rank)
+    assert (p["parameters"], p["parameters_trainable"], p["parameters_per_rank"]) == (base, adapters, base + adapters)
+    mem = p["memory_per_rank_bytes"]
+    assert (mem["params"], mem["grads"], mem["optimizer"]) == (4 * (base + adapters), 4 * adapters, 8 * adapters)
+    # bf16 weights with fp32 masters: a frozen weight is its fp32 copy + the bf16 one, no master in the optimizer
+    p = _plan(capsys, "tiny_llama_lora_cpu", *one_rank, "precision.type=mixed_precision")
+    mem = p["memory_per_rank_bytes"]
+    assert (mem["params"], mem["grads"], mem["optimizer"]) == ((2 + 4) * base + 2 * adapters, 4 * adapters,
+                                                               (4 + 8) * adapters)
+    # the same model without LoRA: every weight trains
+    full = _plan(capsys, "tiny_llama_cpu", *one_rank)["memory_per_rank_bytes"]
+    assert (full["params"], full["grads"], full["optimizer"]) == (4 * base, 4 * base, 8 * base)
+
+
+def test_8b_sft_lora_per_rank(capsys):
+    """hf_llama3_8B_SFT_lora_config (tp 32, autocast: fp32 weights, rank-16 adapters on q/k/v): per
+    rank the SFT config's base shard frozen, plus the adapters split as the run splits them (q_proj
+    colwise: A whole, B / tp; k/v replicated at 8 kv heads < tp: both whole); gradients and AdamW
+    state for the adapters only (before: for all 8.03B weights, 4.98 GiB per rank)."""
+    sft = _plan(capsys, "hf_llama3_8B_SFT_config")
+    lora = _plan(capsys, "hf_llama3_8B_SFT_lora_config")
+    assert lora["layout"]["tp"] == sft["layout"]["tp"] == 32 and lora["precision"] == "autocast"
+    r, h, kv, tp, layers = 16, 4096, 8 * 128, 32, 32
+    adapters_per_rank = layers * ((r * h + h * r // tp) + 2 * (r * h + kv * r))
+    assert adapters_per_rank == 7_405_568
+    assert lora["parameters_trainable"] == layers * (3 * r * h + r * (h + 2 * kv)) == 9_437_184
+    assert lora["parameters_per_rank"] == sft["parameters_per_rank"] + adapters_per_rank
+    mem = lora["memory_per_rank_bytes"]
+    assert mem["params"] == 4 * lora["parameters_per_rank"]
+    assert (mem["grads"], mem["optimizer"]) == (4 * adapters_per_rank, 8 * adapters_per_rank)
+    assert mem["total"] == 2_147_393_536 < 5_345_337_344  # 2.00 GiB per rank, was 4.98 GiB

@@ -30,7 +30,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from nxdt.models.adapter import adapter_of
 from nxdt.parallel.activation_checkpointing import checkpoint_plan
 from nxdt.parallel.data_parallel import DataParallelConfig, data_parallel_config
-from nxdt.parallel.tensor_parallel import llama_tp_plan, tp_local_numel
+from nxdt.parallel.tensor_parallel import llama_tp_plan, lora_local_numel, tp_local_numel
 from nxdt.spec.layout import Layout
 from nxdt.spec.parallel import V_SCHEDULES, ShardingMode, default_pipeline_schedule, pipeline_stage_starts
 
@@ -104,8 +104,11 @@ class ParallelPlan:
         if self.layout.tp == 1:
             return numel
         module, _, param = name.rpartition(".")
-        style = self.stages[self.stage_of(name)].tensor_parallel.get(module)
-        return tp_local_numel(style, param, numel, self.layout.tp)
+        styles = self.stages[self.stage_of(name)].tensor_parallel
+        linear, _, leaf = module.rpartition(".")
+        if leaf in ("lora_A", "lora_B"):  # a LoRA adapter: placed after its linear's style
+            return lora_local_numel(styles.get(linear), leaf, numel, self.layout.tp)
+        return tp_local_numel(styles.get(module), param, numel, self.layout.tp)
 
 
 def stage_ids_of_rank(pp_rank: int, pp: int, vpp: int, v_style: bool = False) -> tuple[int, ...]:

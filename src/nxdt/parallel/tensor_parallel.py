@@ -228,6 +228,15 @@ def tp_local_numel(style: ParallelStyle | None, param: str, numel: int, tp: int)
     return numel
 
 
+def lora_local_numel(base_style: ParallelStyle | None, adapter: str, numel: int, tp: int) -> int:
+    """Elements of a LoRA adapter's weight (`adapter`: lora_A or lora_B) one tensor-parallel rank
+    holds, its linear placed by `base_style`: split where `lora_adapter_placements` shards it."""
+    base = (Shard(0) if isinstance(base_style, ColwiseParallel) else Shard(1) if isinstance(base_style, RowwiseParallel)
+            else Replicate())
+    placement = lora_adapter_placements(base)[adapter == "lora_B"]
+    return math.ceil(numel / tp) if isinstance(placement, Shard) else numel
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False,
                           plan: dict[str, ParallelStyle] | None = None) -> nn.Module:
     """Shard `model` over `tp_mesh` in place (no-op when tp == 1) by `plan` (a ParallelPlan's styles

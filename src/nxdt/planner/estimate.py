@@ -31,6 +31,7 @@ from torch import nn
 
 from nxdt.models import build_model
 from nxdt.models.flops import ModelShape, flops_per_token, lookup_parameters, model_shape
+from nxdt.models.lora import inject_lora, lora_parameter_counts
 from nxdt.models.param_count import expert_parameter_names, parameter_counts
 from nxdt.parallel.plan import ParallelPlan, make_plan
 
@@ -181,16 +182,19 @@ def plan(spec, vocab_size: int | None = None, parallel: ParallelPlan | None = No
         vocab, vocab_source = planned_vocab(cfg)
     model = build_model(cfg, vocab, device="meta")
     arch = model_shape(model)
+    counts = parameter_counts(model)  # the model's own (a LoRA run's base)
+    lookup = lookup_parameters(model)
+    peft = spec.alignment.peft
+    if peft is not None:  # the run's adapters (nxdt.training.finetuning.add_lora), the rest frozen
+        inject_lora(model, peft.target_modules, peft.lora_rank, peft.lora_alpha, peft.lora_dropout, peft.lora_bias)
     if parallel is None:
         parallel = make_plan(model, spec)
-    counts = parameter_counts(model)
     rank = RankShare.of(model, parallel, cfg)
     mem = _rank_memory(cfg, model, parallel, rank)
     act_b = _activation_bytes(cfg, arch, parallel, rank.stages)
 
     # model FLOPs of one token of the whole model (a LoRA run's base weights are frozen)
     seq = cfg.data.seq_length or cfg.model.encoder_seq_length
-    lookup = lookup_parameters(model)
     frozen = counts.activated - lookup if spec.alignment.lora else 0
     flops = flops_per_token(arch, counts, lookup, seq, frozen=frozen)
     ds, fsdp = cfg.distributed_strategy, parallel.sharding.shard
@@ -205,6 +209,7 @@ def plan(spec, vocab_size: int | None = None, parallel: ParallelPlan | None = No
         "parameters": counts.total,
         "parameters_activated": counts.activated,  # per token; = parameters for a dense model
         "parameter_breakdown": counts.as_dict(),
+        "parameters_trainable": lora_parameter_counts(model)[0],  # = parameters unless LoRA freezes the base
         "parameters_per_rank": rank.dense + rank.experts,
         "parameters_per_stage": rank.per_stage,
         "vocab_size": arch.vocab,
@@ -237,6 +242,10 @@ class RankShare:
     experts: int
     per_stage: list[int]
     """every stage's parameters (whole, unsharded)"""
+    frozen_dense: int = 0
+    """of `dense`, the elements that do not train (a LoRA run's base): no gradient, no optimizer state"""
+    frozen_experts: int = 0
+    """of `experts`, the elements that do not train"""
 
     @classmethod
     def of(cls, model: nn.Module, parallel: ParallelPlan, cfg) -> RankShare:
@@ -246,18 +255,21 @@ class RankShare:
         expert_fsdp_ways = lay.dp // lay.ep if fsdp else 1  # edp: the experts' replicas (dp = edp x ep)
         expert_names = expert_parameter_names(model)
         n = parallel.num_stages
-        per_stage, dense, experts = [0] * n, [0] * n, [0] * n
+        per_stage = [0] * n
+        # elements per stage: [dense, experts] and of those the frozen ones (a LoRA run's base)
+        held, frozen = [[0, 0] for _ in range(n)], [[0, 0] for _ in range(n)]
         for name, p in model.named_parameters():
-            s = parallel.stage_of(name)
+            s, expert = parallel.stage_of(name), name in expert_names
             per_stage[s] += p.numel()
-            if name in expert_names:
-                experts[s] += _expert_shard_numel(p.numel(), lay.ep, expert_fsdp_ways)
-            else:
-                dense[s] += math.ceil(parallel.tp_local_numel(name, p.numel()) / shard_ways)
-        ranks = parallel.rank_stages
-        worst = max(ranks, key=lambda stages: sum(dense[s] + experts[s] for s in stages))
-        return cls(stages=worst, dense=sum(dense[s] for s in worst), experts=sum(experts[s] for s in worst),
-                   per_stage=per_stage)
+            here = (_expert_shard_numel(p.numel(), lay.ep, expert_fsdp_ways) if expert
+                    else math.ceil(parallel.tp_local_numel(name, p.numel()) / shard_ways))
+            held[s][expert] += here
+            if not p.requires_grad:
+                frozen[s][expert] += here
+        worst = max(parallel.rank_stages, key=lambda stages: sum(sum(held[s]) for s in stages))
+        return cls(stages=worst, dense=sum(held[s][0] for s in worst), experts=sum(held[s][1] for s in worst),
+                   per_stage=per_stage, frozen_dense=sum(frozen[s][0] for s in worst),
+                   frozen_experts=sum(frozen[s][1] for s in worst))
 
 
 def _rank_memory(cfg, model: nn.Module, parallel: ParallelPlan, rank: RankShare) -> dict[str, int]:
@@ -270,11 +282,17 @@ def _rank_memory(cfg, model: nn.Module, parallel: ParallelPlan, rank: RankShare)
     factored = 0
     if optim_name == "sm3":  # refused with tp / ep / FSDP sharding: every parameter is whole here
         factored = sum(sm3_accumulator_elems(p.shape) for name, p in model.named_parameters()
-                       if parallel.stage_of(name) in rank.stages)
+                       if parallel.stage_of(name) in rank.stages and p.requires_grad)
     b = precision_bytes(cfg, optim_name)
     lay = parallel.layout
-    return rank_memory(rank.dense, rank.experts, b, states, zero1=bool(cfg.distributed_strategy.zero1)
-                       and not parallel.sharding.shard, dp=lay.dp, ep=lay.ep, factored=factored)
+    # gradients and optimizer state: the trainable elements only
+    mem = rank_memory(rank.dense - rank.frozen_dense, rank.experts - rank.frozen_experts, b, states,
+                      zero1=bool(cfg.distributed_strategy.zero1) and not parallel.sharding.shard, dp=lay.dp,
+                      ep=lay.ep, factored=factored)
+    # frozen weights: the weight itself (under fp32 masters the fp32 copy is the weight, kept for it
+    # too: nxdt.precision casts every parameter each step), no gradient, not in the optimizer
+    mem["params"] += (rank.frozen_dense + rank.frozen_experts) * (b.param + b.master)
+    return mem
 
 
 def _activation_bytes(cfg, arch: ModelShape, parallel: ParallelPlan, stages: tuple[int, ...]) -> int:
