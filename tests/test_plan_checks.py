@@ -110,6 +110,9 @@ REFUSED = {
     "user callback": ("tiny_llama_cpu", ["trainer.callbacks=[{_target_: nope_pkg.Thing}]"],
                       "error: trainer.callbacks[0]: cannot import module 'nope_pkg' for 'nope_pkg.Thing' "
                       "(No module named 'nope_pkg')"),
+    "custom data module": ("tiny_llama_cpu", ["data.data_module=collections.OrderedDict"],
+                           "error: data.data_module: 'collections.OrderedDict' is not a "
+                           "lightning.pytorch.LightningDataModule subclass"),
     "LoRA target": ("tiny_llama_lora_cpu", ["model_alignment_strategy.peft.target_modules=[nope]",
                                             "exp_manager.resume_if_exists=false"],
                     "error: model_alignment_strategy.peft.target_modules: 'nope' is not a linear layer of this "
@@ -152,3 +155,14 @@ def test_plan_lists_the_paths_it_did_not_check(capsys, tmp_path):
     assert rc == 2 and err.splitlines() == [
         "error: data.data_prefix is required for model_source megatron (or set data.train_dir, "
         "data.use_dummy_dataset or data.data_module)"]
+
+
+def test_plan_of_an_evaluation_refuses_what_evaluate_refuses(capsys, tmp_path):
+    """trainer.max_epochs=0 (evaluate only): the plan runs evaluate's checks (a DPO config has no
+    token cross entropy to report), as `nxdt train` would before evaluating."""
+    rc, out, err = _plan_in_process(capsys, "--config-name", "tiny_llama_dpo_cpu", "trainer.max_epochs=0",
+                                    f"exp_manager.resume_from_checkpoint={tmp_path / 'ckpt'}")
+    assert rc == 2 and out == ""
+    assert err.splitlines() == [
+        "error: model_alignment_strategy: evaluate reports the token cross entropy of language-model data; "
+        "DPO / ORPO configs validate on the preference loss instead (train's val_loss)"]

@@ -45,13 +45,18 @@ def import_class(path: str, key: str = "data.data_module"):
     return cls
 
 
-def build_custom_datamodule(cfg, trainer):
-    """Import `cfg.data.data_module`, check it is a LightningDataModule, build it as Cls(cfg, trainer)."""
-    path = cfg.data.data_module
+def custom_datamodule_class(path: str):
+    """The class `data.data_module` names, imported and checked to be a LightningDataModule (ConfigError)."""
     cls = import_class(path)
     if not (isinstance(cls, type) and issubclass(cls, pl.LightningDataModule)):
         raise ConfigError(f"data.data_module: '{path}' is not a lightning.pytorch.LightningDataModule subclass")
-    module = cls(cfg, trainer)
+    return cls
+
+
+def build_custom_datamodule(cfg, trainer):
+    """Import `cfg.data.data_module`, check it is a LightningDataModule, build it as Cls(cfg, trainer)."""
+    path = cfg.data.data_module
+    module = custom_datamodule_class(path)(cfg, trainer)
     if getattr(module, "vocab_size", None) is None:
         vocab = cfg.model.vocab_size
         if vocab is None:
