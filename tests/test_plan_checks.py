@@ -132,6 +132,7 @@ def test_plan_refuses_what_training_refuses(capsys, tmp_path, kjv_prefix, case):
     trained = [line for line in run.err.splitlines() if line.startswith("error:")]
     assert run.rc == 2 and trained == [expected], (run.rc, run.err[-2000:])
     assert not dist.is_initialized()
+    assert not (tmp_path / "logs").exists()  # refused before anything is written
     rc, out, err = _plan_in_process(capsys, "--config-name", name, *overrides)
     assert rc == 2 and out == ""
     assert err.splitlines() == [expected]

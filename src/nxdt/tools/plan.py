@@ -33,17 +33,15 @@ import sys
 from typing import Any
 
 from nxdt.config.errors import ConfigError
-from nxdt.data.custom import custom_datamodule_class
 from nxdt.hardware import device_peak, local_device_type, low_precision_notice
 from nxdt.models.param_count import ParameterCount, activated_lines
 from nxdt.observability.user_callbacks import build_user_callbacks
-from nxdt.planner.estimate import batch_lines, flops_line, memory_line, peak_lines, plan, planned_vocab, stage_lines
+from nxdt.planner.estimate import batch_lines, flops_line, memory_line, peak_lines, plan, stage_lines
 from nxdt.spec import build_spec, load_config
 from nxdt.spec.paths import check_files
 from nxdt.tools.train import REPO_CONF_DIR
 from nxdt.training.evaluate import check_evaluable
-from nxdt.training.finetuning import check_lora_targets
-from nxdt.training.trainer import check_run
+from nxdt.training.trainer import check_run, check_run_parts
 
 # the files the plan reads itself (the model's config.json), checked as a run checks them
 PLAN_READS = ("model.model_config",)
@@ -119,22 +117,19 @@ def main(argv: list[str] | None = None) -> int:
 
 def check_as_training(argv: list[str]):
     """The config of `argv` checked as the training entry checks it before anything starts (the
-    same functions: validation with the values not supported yet, the pre-flight `check_run` and the
-    user's callbacks (evaluate only: `check_evaluable`), a custom data module's class, the LoRA
-    targets), except the files, which it does not look at (but the ones the plan reads).
+    same functions: validation with the values not supported yet, the pre-flight `check_run` (a
+    custom data module's class and the LoRA targets included) and the user's callbacks; evaluate
+    only: `check_evaluable` and `check_run_parts`), except the files, which it does not look at (but the ones the plan reads).
     Returns (the run spec, the keys whose files were not checked)."""
     cfg = load_config(argv, check_paths=False, default_config_dir=REPO_CONF_DIR, quiet=True)
     not_checked = check_files(cfg, look=PLAN_READS)  # a data source named; every problem at once
     spec = build_spec(cfg)  # the run spec, once
     if cfg.trainer.max_epochs == 0:  # evaluate only (nxdt.training.evaluate): its own checks
         check_evaluable(spec)
+        check_run_parts(spec)
     else:
         check_run(spec)
         build_user_callbacks(cfg.trainer.callbacks)
-    if spec.data_kind == "custom":
-        custom_datamodule_class(cfg.data.data_module)
-    if spec.alignment.peft is not None:
-        check_lora_targets(spec, planned_vocab(cfg)[0])
     return spec, not_checked
 
 

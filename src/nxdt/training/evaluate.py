@@ -40,7 +40,7 @@ from nxdt.checkpoint.state import META, layout_of, read_json
 from nxdt.config.errors import ConfigError
 from nxdt.exp.exp_manager import resolve_dirs
 from nxdt.spec import build_spec
-from nxdt.training.trainer import build_run_parts, quiet_lightning
+from nxdt.training.trainer import build_run_parts, check_run_parts, quiet_lightning
 
 EVAL_SUFFIX = ".eval.json"
 # (split name in the result, the Trainer method that runs it)
@@ -94,6 +94,7 @@ def evaluate(cfg, plan: ResumePlan) -> dict[str, Any]:
     entry: the run spec (nxdt.spec.build_spec) is built here, once."""
     spec = build_spec(cfg)
     check_evaluable(spec)
+    check_run_parts(spec)
     quiet_lightning()
     # a split without data is reported in the result ("no data"), not as Lightning's warning
     warnings.filterwarnings("ignore", message=r".*Total length of .* across ranks is zero")

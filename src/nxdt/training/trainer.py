@@ -18,6 +18,7 @@ from nxdt.checkpoint.callbacks import check_checkpoint_params
 from nxdt.checkpoint.resume import check_weight_init, setup_checkpointing
 from nxdt.config.errors import ConfigError
 from nxdt.config.load import global_rank as _global_rank
+from nxdt.data.custom import custom_datamodule_class
 from nxdt.data.select import build_datamodule
 from nxdt.data.tokenizers import build_tokenizer
 from nxdt.exp.exp_manager import build_loggers, resolve_dirs, setup_exp_manager
@@ -32,6 +33,7 @@ from nxdt.observability.samples import SampleGenerator
 from nxdt.observability.user_callbacks import extra_callbacks
 from nxdt.optim.optimizers import resolve_optimizer
 from nxdt.parallel.parallelize import compile_backend_missing
+from nxdt.planner.estimate import planned_vocab
 from nxdt.spec import build_spec
 from nxdt.training import xla
 from nxdt.training.dynamic_selection import DynamicDataSelection
@@ -153,18 +155,27 @@ def train(cfg, record_job: Callable[[Path], None] | None = None) -> TrainOutcome
 def build_run_parts(spec, loggers: list, callbacks: list):
     """The Trainer, the data module and the LightningModule of a run or an evaluation, in the order
     they need each other: the data module asks the Trainer's strategy for the dp layout, the module
-    takes the data's vocabulary. A bad LoRA target is one line, before any process group starts."""
+    takes the data's vocabulary. Their pre-flight checks are `check_run_parts` (the caller's)."""
     trainer = build_trainer(spec.cfg, spec.layout, loggers, callbacks)
     # custom (data.data_module) > SFT > dummy > data.datasets > HF (train_dir) > Megatron
     datamodule = build_datamodule(spec, trainer)
-    check_lora_targets(spec, datamodule.vocab_size)
     return trainer, datamodule, NxdtLightningModule(spec, vocab_size=datamodule.vocab_size)
+
+
+def check_run_parts(spec) -> None:
+    """What building the run's parts (`build_run_parts`) would refuse, checked before anything is
+    written: a custom data module's class, the LoRA targets (on a meta-device model; the vocabulary
+    does not change the names, so the plan's, nxdt.planner.estimate.planned_vocab, will do)."""
+    cfg = spec.cfg
+    if spec.data_kind == "custom":
+        custom_datamodule_class(cfg.data.data_module)
+    if spec.alignment.peft is not None:
+        check_lora_targets(spec, planned_vocab(cfg)[0])
 
 
 def check_run(spec) -> None:
     """The checks a run makes before anything is written that read no file; `nxdt plan` runs the same
-    (nxdt.tools.plan). The files' own checks are nxdt.spec.paths; the LoRA targets are checked
-    once the data's vocabulary is known (`build_run_parts`; the plan calls `check_lora_targets`)."""
+    (nxdt.tools.plan). The files' own checks are nxdt.spec.paths."""
     cfg = spec.cfg
     exp = cfg.exp_manager
     check_compile_backend(spec)
@@ -175,6 +186,7 @@ def check_run(spec) -> None:
     if exp.create_csv_logger or exp.create_wandb_logger or exp.create_mlflow_logger:
         check_logger_packages(exp)
     resolve_optimizer(cfg.model.optim)  # configure_optimizers builds it after the process group starts
+    check_run_parts(spec)
 
 
 def check_compile_backend(spec) -> None:
