@@ -142,15 +142,39 @@ def _check_kwargs(kwargs: Mapping[str, Any], key: str, functions: Mapping[str, A
                               f"known: {', '.join(sorted(known))}")
 
 
-def wandb_logger(exp, log_dir: Path, experiment: str, run: str) -> NxdtWandbLogger:
-    """W&B run `run` in project `experiment` (unless WANDB_PROJECT or the kwargs say otherwise),
-    files under the log dir (unless WANDB_DIR says otherwise); WANDB_MODE=offline needs no network."""
+def _wandb_kwargs(exp) -> dict[str, Any]:
+    """exp_manager.wandb_logger_kwargs, each a parameter of WandbLogger or wandb.init (ConfigError)."""
     import wandb  # optional extra: wandb (nxdt[wandb]); check_logger_packages said so before
 
     kwargs = dict(exp.wandb_logger_kwargs)
     # WandbLogger passes its other keyword arguments to wandb.init, which would reject unknown ones
     # only when the run starts, on rank 0, with a traceback: check both signatures now, on every rank
     _check_kwargs(kwargs, "wandb_logger_kwargs", {"WandbLogger": WandbLogger.__init__, "wandb.init": wandb.init})
+    return kwargs
+
+
+def _mlflow_kwargs(exp) -> dict[str, Any]:
+    """exp_manager.mlflow_logger_kwargs, each a parameter of MLFlowLogger (ConfigError)."""
+    kwargs = dict(exp.mlflow_logger_kwargs)
+    _check_kwargs(kwargs, "mlflow_logger_kwargs", {"MLFlowLogger": MLFlowLogger.__init__})
+    return kwargs
+
+
+def check_loggers(exp) -> None:
+    """The loggers `exp` (exp_manager) asks for: their packages installed, their keyword arguments
+    taken by their classes; one line, before anything is written (nxdt.training.trainer.check_run)."""
+    if exp.create_csv_logger or exp.create_wandb_logger or exp.create_mlflow_logger:
+        check_logger_packages(exp)
+    if exp.create_wandb_logger:
+        _wandb_kwargs(exp)
+    if exp.create_mlflow_logger:
+        _mlflow_kwargs(exp)
+
+
+def wandb_logger(exp, log_dir: Path, experiment: str, run: str) -> NxdtWandbLogger:
+    """W&B run `run` in project `experiment` (unless WANDB_PROJECT or the kwargs say otherwise),
+    files under the log dir (unless WANDB_DIR says otherwise); WANDB_MODE=offline needs no network."""
+    kwargs = _wandb_kwargs(exp)
     kwargs.setdefault("project", os.environ.get("WANDB_PROJECT") or experiment)
     kwargs.setdefault("name", run)
     if "save_dir" not in kwargs and "dir" not in kwargs:
@@ -161,8 +185,7 @@ def wandb_logger(exp, log_dir: Path, experiment: str, run: str) -> NxdtWandbLogg
 def mlflow_logger(exp, log_dir: Path, experiment: str, run: str) -> NxdtMLFlowLogger:
     """MLflow run `run` in experiment `experiment`; tracking at MLFLOW_TRACKING_URI, else the local
     file store `<log_dir>/mlruns`."""
-    kwargs = dict(exp.mlflow_logger_kwargs)
-    _check_kwargs(kwargs, "mlflow_logger_kwargs", {"MLFlowLogger": MLFlowLogger.__init__})
+    kwargs = _mlflow_kwargs(exp)
     kwargs.setdefault("experiment_name", experiment)
     kwargs.setdefault("run_name", run)
     if not kwargs.get("tracking_uri"):

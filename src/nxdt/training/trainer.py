@@ -22,7 +22,7 @@ from nxdt.data.custom import custom_datamodule_class
 from nxdt.data.select import build_datamodule
 from nxdt.data.tokenizers import build_tokenizer
 from nxdt.exp.exp_manager import build_loggers, resolve_dirs, setup_exp_manager
-from nxdt.exp.loggers import check_logger_packages
+from nxdt.exp.loggers import check_loggers
 from nxdt.device import use_xla
 from nxdt.exp.run_lock import RunLock, check_run_lock
 from nxdt.hardware import local_device_type
@@ -183,8 +183,7 @@ def check_run(spec) -> None:
     check_weight_init(cfg)
     if exp.profiler.enabled:
         check_profiler(exp.profiler, spec.layout.world_size)
-    if exp.create_csv_logger or exp.create_wandb_logger or exp.create_mlflow_logger:
-        check_logger_packages(exp)
+    check_loggers(exp)
     resolve_optimizer(cfg.model.optim)  # configure_optimizers builds it after the process group starts
     check_run_parts(spec)
 
