@@ -116,6 +116,8 @@ REFUSED = {
     "logger argument": ("tiny_llama_cpu", ["exp_manager.create_mlflow_logger=true",
                                            "+exp_manager.mlflow_logger_kwargs.bogus=1"],
                         "error: exp_manager.mlflow_logger_kwargs.bogus: not an argument of MLFlowLogger; known: "),
+    "SFT prompt template": ("hf_llama3_8B_SFT_config", ['+model_alignment_strategy.sft.prompt_template="Q: A:"'],
+                            "error: model_alignment_strategy.sft.prompt_template: must contain '{input}'"),
     "LoRA target": ("tiny_llama_lora_cpu", ["model_alignment_strategy.peft.target_modules=[nope]",
                                             "exp_manager.resume_if_exists=false"],
                     "error: model_alignment_strategy.peft.target_modules: 'nope' is not a linear layer of this "

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nxdt.spec.alignment import alignment_of
+from nxdt.spec.alignment import alignment_of, check_prompt_template
 from nxdt.config.errors import ConfigError
 from nxdt.config.schema import SFTConfig
 from nxdt.data.common import NxdtDataModuleBase
@@ -143,8 +143,7 @@ def _read_arrow(path: str, key: str):
 
 def tokenize_pairs(tokenizer, pairs, template: str | None) -> list[tuple[np.ndarray, int]]:
     """Per example: (token ids, prompt length): BOS + prompt + output + EOS, and len(BOS + prompt)."""
-    if template is not None and "{input}" not in template:
-        raise ConfigError("model_alignment_strategy.sft.prompt_template: must contain '{input}'")
+    check_prompt_template(template)  # validation's rule (nxdt.spec.alignment), for templates given in code
     prompts = [template.replace("{input}", i) if template is not None else i for i, _ in pairs]
     outputs = [o for _, o in pairs]
     p_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]

@@ -77,6 +77,12 @@ def alignment_notices(al: Alignment) -> list[str]:
     return []
 
 
+def check_prompt_template(template: str | None) -> None:
+    """model_alignment_strategy.sft.prompt_template: null, or a template with `{input}` in it."""
+    if template is not None and "{input}" not in template:
+        raise ConfigError("model_alignment_strategy.sft.prompt_template: must contain '{input}'")
+
+
 def check_alignment(cfg: Any, al: Alignment) -> None:
     """One-line ConfigErrors for strategy combinations and values nxdt cannot run (`al`: the run
     spec's alignment, `alignment_of(cfg)`)."""
@@ -88,6 +94,8 @@ def check_alignment(cfg: Any, al: Alignment) -> None:
                           "{input, output} rows, DPO/ORPO read {prompt, chosen, rejected} rows; pick one")
     if al.peft is not None:
         _check_peft(al.peft)
+    if al.sft is not None:
+        check_prompt_template(al.sft.prompt_template)
     if al.preference is None:
         return
     key = al.dpo_key if al.dpo is not None else "model_alignment_strategy.orpo"
