@@ -66,7 +66,13 @@ def _coerce(value: Any, hint: Any) -> Any:
     if hint is type(None):
         return None if value is None else _FAIL
     if origin is Union:
-        for arg in get_args(hint):
+        args = get_args(hint)
+        # typing caches a Union by its set of types: Union[int, float] may come back as a
+        # Union[float, int] some other module made first (seen with torch 2.11 / transformers 5 on
+        # a GPU machine: val_check_interval 100 read as 100.0). A value of one of the types is kept
+        # as it is before any conversion is tried, whatever the order.
+        exact = tuple(a for a in args if isinstance(a, type) and type(value) is a)
+        for arg in (*exact, *args):
             out = _coerce(value, arg)
             if out is not _FAIL:
                 return out
