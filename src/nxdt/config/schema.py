@@ -365,7 +365,7 @@ class MoEConfig:
     routing_algorithm: Literal["top_k", "sinkhorn"] = doc("top_k", "router")
     router_activation: Literal["softmax", "sigmoid"] = doc("softmax", "router score activation")
     sinkhorn_iterations: int = doc(30, "sinkhorn routing iterations", ge=1)
-    sinkhorn_tol: Any = doc(None, "sinkhorn tolerance (optional)", gt=0)
+    sinkhorn_tol: Optional[float] = doc(None, "sinkhorn tolerance (optional; NxDT writes None)", gt=0)
     top_k: int = doc(2, "experts per token", ge=1)
     output_router_logits: bool = doc(False, "return router logits (for the aux loss)")
     router_aux_loss_coef: float = doc(0.02, "load-balancing aux loss coefficient (Mixtral style)", ge=0)
