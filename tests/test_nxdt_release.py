@@ -242,6 +242,22 @@ def test_nxdt_recompute_classes_map_to_nxdts_modules(capsys):
     assert recomputed == [f"model.layers.{i}.mlp" for i in range(4)]  # tiny_llama: 4 layers
 
 
+@pytest.mark.parametrize("names, expected", [
+    (["MixtralRMSNorm", "LlamaRotaryEmbedding"], [f"model.layers.{i}.{n}" for i in range(2)
+                                                 for n in ("input_layernorm", "post_attention_layernorm")]),
+    (["MixtralDecoderLayer"], ["model.layers.0", "model.layers.1"]),
+    (["MixtralRotaryEmbedding"], []),  # nxdt computes the rotary tables once per forward, outside the blocks
+])
+def test_nxdt_mixtral_recompute_classes_on_the_native_moe_model(names, expected):
+    cfg = config_from_dict({"model": {
+        "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 96, "num_attention_heads": 4, "num_kv_heads": 2,
+        "vocab_size": 256, "moe": {"num_experts": 4, "top_k": 2},
+        "activations_checkpoint_granularity": "selective", "activations_checkpoint_recompute": names},
+        "data": {"seq_length": 64}}, check=True)
+    model = apply_activation_checkpointing(build_model(cfg, 256, device="meta"), cfg.model)
+    assert [name for name, m in model.named_modules() if getattr(m, "_nxdt_checkpointed", False)] == expected
+
+
 def test_capturable_is_inert_off_cuda_and_xla():
     cfg = _cfg("megatron_llama_7B_config")  # optim.capturable: True
     assert "model.optim.capturable=true: a CUDA-graph / XLA option" in inert_notice(cfg, "cpu")
