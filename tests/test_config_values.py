@@ -384,3 +384,22 @@ def test_schedule_problems_are_found_at_validation_by_the_rule_the_builder_uses(
     assert error_of(build_scheduler, opt, sched, 300) == message
     assert error_of(load, "model.optim.sched.min_lr=0.5") == (
         "model.optim.sched.min_lr: 0.5 is above the learning rate 0.001 (model.optim.lr)")
+
+
+def test_an_int_or_float_key_keeps_an_int_whatever_union_typing_cached_first():
+    """typing caches Union[int, float] as Union[float, int] when another module made that one first
+    (torch / transformers did on a GPU machine): trainer.val_check_interval 100 must stay the int 100
+    (a count of steps), not become 100.0 and fail the fraction range."""
+    import subprocess
+    import sys
+
+    probe = ("from typing import Optional, Union\n"
+             "first = Optional[Union[float, int]]\n"
+             "from nxdt.spec import load_config\n"
+             "cfg = load_config(['--config-name', 'tiny_llama_cpu', 'trainer.val_check_interval=100'], world_size=2,"
+             " check_paths=False, quiet=True, default_config_dir='conf')\n"
+             "v = cfg.trainer.val_check_interval\n"
+             "print(type(v).__name__, v, Optional[Union[int, float]].__args__[0].__name__)\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["int", "100", "float"]  # the cache did reorder the Union; the value kept its type

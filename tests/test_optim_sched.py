@@ -249,6 +249,32 @@ def test_every_optimizer_builds_and_steps(name):
         assert opt.param_groups[0]["betas"] == (0.9, 0.95)
 
 
+@pytest.mark.parametrize("name", ["adamw", "adam", "adamw_fp32OptState"])
+def test_capturable_true_trains_on_cpu(name):
+    """NxDT's Megatron configs set `capturable: True` (an XLA / CUDA-graph option): torch's Adam(W)
+    asserts on it at the first CPU step; nxdt leaves it out off CUDA/XLA and the run trains."""
+    cfg = OmegaConf.create({"name": name, "lr": 0.05, "weight_decay": 0.01, "betas": [0.9, 0.999],
+                            "capturable": True, "sched": None})
+    torch.manual_seed(0)
+    plain = Tiny()
+    plain(torch.tensor([[1, 2, 3]])).square().mean().backward()
+    with pytest.raises(AssertionError, match="capturable=True"):  # the hazard: torch's own kernel on CPU
+        torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], capturable=True).step()
+    torch.manual_seed(0)
+    m = Tiny()
+    opt = build_optimizer(m, cfg)
+    assert all(not g.get("capturable", False) for g in opt.param_groups)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    losses = []
+    for _ in range(2):
+        opt.zero_grad()
+        loss = m(ids).square().mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert m(ids).square().mean().item() < losses[0]
+
+
 def test_adamw_fp32_opt_state_matches_torch_adamw():
     torch.manual_seed(0)
     for amsgrad in (False, True):

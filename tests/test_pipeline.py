@@ -22,8 +22,10 @@ def test_even_split_and_nxd_cuts():
     # a cut names the last layer of a stage (NxD's create_partition: 32 layers, pp 4 -> 7, 15, 23)
     assert pipeline_stage_starts(32, 4, ["model.layers.7", "model.layers.15", "model.layers.23"]) == [0, 8, 16, 24, 32]
     assert pipeline_stage_starts(4, 2, ["model.layers.0"]) == [0, 1, 4]
-    with pytest.raises(ConfigError, match=r"not divisible by 3 pipeline stages"):
-        pipeline_stage_starts(4, 3)
+    # uneven: as NxD's create_partitions, the extra layers on the later stages
+    assert pipeline_stage_starts(4, 3) == [0, 1, 2, 4]
+    with pytest.raises(ConfigError, match=r"model.num_layers \(2\) is fewer than the 3 pipeline stages"):
+        pipeline_stage_starts(2, 3)
     with pytest.raises(ConfigError, match=r"no module 'model.layers.9'.*model.layers.0 \.\.\. model.layers.2"):
         pipeline_stage_starts(4, 2, ["model.layers.9"])
     with pytest.raises(ConfigError, match=r"has 2 entries; 2 pipeline stages .* need 1"):
@@ -129,13 +131,13 @@ def _bad(kjv_prefix, tmp_path, *extra):
 
 def test_bad_pipeline_input_is_one_clear_line(kjv_prefix, tmp_path):
     pp2 = "distributed_strategy.pipeline_model_parallel_size=2"
-    rc, lines = _bad(kjv_prefix, tmp_path, pp2, "model.num_layers=3")
+    rc, lines = _bad(kjv_prefix, tmp_path, pp2, "model.num_layers=1")
     assert rc == 2 and len(lines) == 1, lines
-    assert "model.num_layers (3) is not divisible by 2 pipeline stages" in lines[0]
+    assert "model.num_layers (1) is fewer than the 2 pipeline stages" in lines[0]
 
     rc, lines = _bad(kjv_prefix, tmp_path, pp2, "distributed_strategy.virtual_pipeline_model_parallel_size=2",
-                     "model.num_layers=6")
-    assert rc == 2 and len(lines) == 1 and "not divisible by 4 pipeline stages" in lines[0], lines
+                     "model.num_layers=3")
+    assert rc == 2 and len(lines) == 1 and "fewer than the 4 pipeline stages" in lines[0], lines
 
     rc, lines = _bad(kjv_prefix, tmp_path, pp2, "model.pipeline_cuts=[model.layers.7]")
     assert rc == 2 and len(lines) == 1, lines

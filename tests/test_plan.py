@@ -83,8 +83,8 @@ def test_text_output_and_bad_input(capsys):
     from nxdt.cli import main as cli
 
     assert cli(["plan", "--config-path", CONF, "--config-name", "tiny_llama_cpu",
-                "distributed_strategy.pipeline_model_parallel_size=2", "model.num_layers=3"]) == 2
-    assert "not divisible by 2 pipeline stages" in capsys.readouterr().err
+                "distributed_strategy.pipeline_model_parallel_size=2", "model.num_layers=1"]) == 2
+    assert "model.num_layers (1) is fewer than the 2 pipeline stages" in capsys.readouterr().err
 
 
 def test_memory_estimate_matches_measured_tensor_bytes(capsys):

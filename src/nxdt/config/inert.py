@@ -138,6 +138,24 @@ def _present(cfg: Any, value: Any) -> bool:
     return value is not None
 
 
+def _true(cfg: Any, value: Any) -> bool:
+    return value is True
+
+
+def _compute_dtype(cfg: Any) -> str:
+    """The dtype the forward runs in, as nxdt.spec.precision reads the preset (bf16 | fp32 | fp16)."""
+    p = cfg.precision
+    if p.fp16.enabled:
+        return "fp16"
+    if p.type == "fp32" or (p.type == "manual" and "1" not in (str(p.xla_use_bf16), str(p.xla_downcast_bf16))):
+        return "fp32"
+    return "bf16"
+
+
+def _not_compute_dtype(cfg: Any, value: Any) -> bool:
+    return value is not None and value != _compute_dtype(cfg)
+
+
 INERT: list[tuple[str, Inert]] = [
     # nothing reads these, by design
     ("trainer.enable_model_summary",
@@ -166,6 +184,9 @@ INERT: list[tuple[str, Inert]] = [
      Inert("NeMo's Lightning key: the scheduler steps once per optimizer step", given=_present)),
     ("model.optim.sched.reduce_on_plateau",
      Inert("NeMo's Lightning key: the scheduler steps once per optimizer step", given=_present)),
+    ("precision.parallel_layers_reduce_dtype",
+     Inert("tensor/sequence-parallel reductions run in the compute dtype of the preset (NxDT's default); "
+           "another reduce dtype is not built", given=_not_compute_dtype)),
     ("model_alignment_strategy.peft.merge_sharded_lora",
      Inert("nxdt's checkpoints are read whole at any layout", notice=False)),
     # per backend
@@ -175,6 +196,9 @@ INERT: list[tuple[str, Inert]] = [
     ("exp_manager.profiler.cuda_memory_snapshot",
      Inert(_PROFILER_OFF, unless=lambda c: c.exp_manager.profiler.enabled)),
     ("exp_manager.profiler.cuda_memory_snapshot", Inert("it records the CUDA allocator", on=OFF_CUDA)),
+    ("model.optim.capturable",
+     Inert("a CUDA-graph / XLA option of torch's optimizers, which assert on it elsewhere: left out of the "
+           "optimizer here", on=("cpu", "mps"), given=_true)),
     ("distributed_strategy.kv_replicator",
      Inert("nxdt replicates the K/V heads tensor_model_parallel_size / num_kv_heads times itself",
            given=_not_tp_over_kv)),

@@ -55,6 +55,18 @@ def canonical_gate_type(name: str) -> str:
     return GATE_ALIASES.get(name, name)
 
 
+RECOMPUTE_ALIASES = {"ActivationMultiplyMLP": "LlamaMLP"}
+"""NxDT class names in `model.activations_checkpoint_recompute` that name a part of a module nxdt's
+Llama (native or transformers') does not split out -> that module. NxDT's HF Llama computes the
+MLP's act(gate) * up in an `ActivationMultiplyMLP`; recomputing the `LlamaMLP` that holds it frees
+those activations too (and recomputes the MLP's projections as well)."""
+
+
+def canonical_recompute_classes(names: list[str]) -> list[str]:
+    """`names` with NxDT's spellings replaced (RECOMPUTE_ALIASES), each once, in order."""
+    return list(dict.fromkeys(RECOMPUTE_ALIASES.get(str(n), str(n)) for n in names))
+
+
 PRECISION_ALIASES = {"mixed_precision_SR": "mixed_precisionSR"}
 """Other spellings of a preset (`precision.type`) -> the preset."""
 
@@ -353,7 +365,7 @@ class MoEConfig:
     routing_algorithm: Literal["top_k", "sinkhorn"] = doc("top_k", "router")
     router_activation: Literal["softmax", "sigmoid"] = doc("softmax", "router score activation")
     sinkhorn_iterations: int = doc(30, "sinkhorn routing iterations", ge=1)
-    sinkhorn_tol: Any = doc(None, "sinkhorn tolerance (optional)", gt=0)
+    sinkhorn_tol: Optional[float] = doc(None, "sinkhorn tolerance (optional; NxDT writes None)", gt=0)
     top_k: int = doc(2, "experts per token", ge=1)
     output_router_logits: bool = doc(False, "return router logits (for the aux loss)")
     router_aux_loss_coef: float = doc(0.02, "load-balancing aux loss coefficient (Mixtral style)", ge=0)
@@ -465,6 +477,9 @@ class PrecisionConfig:
     neuron_rt_stochastic_rounding_en: ZeroOne = doc(
         "0", "manual: '1' = stochastic rounding to bf16 (NEURON_RT_STOCHASTIC_ROUNDING_EN on Neuron)")
     fp16: Fp16Config = doc(Fp16Config, "fp16 with loss scaling (GPT-NeoX)")
+    parallel_layers_reduce_dtype: Optional[Literal["bf16", "fp32", "fp16"]] = doc(
+        None, "NxDT 2.21+: dtype of the tensor/sequence-parallel all-reduces and reduce-scatters; nxdt reduces "
+              "in the compute dtype (NxDT's default: fp32 under type fp32, else bf16)")
     on_nonfinite: Literal["stop", "skip"] = doc(
         "stop", "nxdt: a NaN/inf loss or gradient norm stops the run (stop) or skips the step (skip)")
 

@@ -5,7 +5,8 @@ Stages (in this order):
    every number (the schema's `ge=`/`gt=`/... , `nxdt.config.ranges`; keys given directly before
    keys filled by an interpolation, so the key the user set is the one named); coerces values
    in place (ints and numeric strings such as "3e-4" to floats for float keys) and normalises
-   (vpp null -> 1, sequence_parallel off when tp == 1, megatron defaults, sched.max_steps);
+   (the string 'None' -> null, vpp null -> 1, sequence_parallel off when tp == 1, megatron defaults,
+   NxDT's recompute class names, sched.max_steps);
    `model.optim` by `nxdt.config.optim_keys` (names, keys, ranges, the schedule's steps).
 2. `NOT_SUPPORTED_YET` (`nxdt.config.inert`): values the schema accepts but nxdt does not build yet.
 3. Cross-checks: world size, parallel layout and batch sizes, attention heads, sequence length.
@@ -28,7 +29,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from nxdt.config import ranges, resolvers, schema
 from nxdt.config.errors import ConfigError
-from nxdt.config.schema import canonical_gate_type
+from nxdt.config.schema import canonical_gate_type, canonical_recompute_classes
 from nxdt.config.inert import NOT_SUPPORTED_YET
 from nxdt.config.optim_keys import check_optim, sched_rules
 from nxdt.config.typed import select, to_typed
@@ -66,7 +67,13 @@ def _coerce(value: Any, hint: Any) -> Any:
     if hint is type(None):
         return None if value is None else _FAIL
     if origin is Union:
-        for arg in get_args(hint):
+        args = get_args(hint)
+        # typing caches a Union by its set of types: Union[int, float] may come back as a
+        # Union[float, int] some other module made first (seen with torch 2.11 / transformers 5 on
+        # a GPU machine: val_check_interval 100 read as 100.0). A value of one of the types is kept
+        # as it is before any conversion is tried, whatever the order.
+        exact = tuple(a for a in args if isinstance(a, type) and type(value) is a)
+        for arg in (*exact, *args):
             out = _coerce(value, arg)
             if out is not _FAIL:
                 return out
@@ -248,6 +255,18 @@ def _numbers_from_strings(node: DictConfig) -> None:
             node[key] = float(value)
 
 
+def _none_strings(node: DictConfig | ListConfig) -> None:
+    """A value written `None` (NxDT's configs: `sinkhorn_tol: None`) is YAML's string 'None'; NxDT's
+    Python reads it as None, so it becomes null here, once, before the types are checked."""
+    keys = node.keys() if isinstance(node, DictConfig) else range(len(node))
+    for key in list(keys):
+        value = node[key]
+        if isinstance(value, (DictConfig, ListConfig)):
+            _none_strings(value)
+        elif isinstance(value, str) and value.strip() == "None":
+            node[key] = None
+
+
 def _set(node: DictConfig, key: str, value: Any) -> None:
     with open_dict(node):
         node[key] = value
@@ -259,6 +278,7 @@ def check_schema(cfg: DictConfig) -> list[str]:
         raise ConfigError(f"config must be a mapping, got {_type_of(cfg)}")
     interpolated = _interpolated(cfg)
     _resolve(cfg)
+    _none_strings(cfg)
     data = cfg.get("data")
     free_data = isinstance(data, DictConfig) and data.get("data_module") is not None
     # with a custom data module, extra keys under data are free (known keys are still checked)
@@ -283,6 +303,8 @@ def check_schema(cfg: DictConfig) -> list[str]:
     if model.moe.num_selects is not None:
         model.moe.top_k = model.moe.num_selects
     model.moe.gate_type = canonical_gate_type(model.moe.gate_type)
+    if model.activations_checkpoint_recompute:
+        model.activations_checkpoint_recompute = canonical_recompute_classes(model.activations_checkpoint_recompute)
 
     steps_from_tokens(cfg.trainer, cfg.data, notices)
 

@@ -9,7 +9,8 @@ and line). `data.dev_choose_samples` keeps the first N rows.
 
 Tokens, as TRL and NxDT build them:   BOS + prompt  |  response + EOS   (BOS only if the
 tokenizer has one; both sequences share the prompt). The prompt (BOS included) is at most the
-max prompt length (DPO `max_dpo_prompt_length`, ORPO `max_prompt_length`; null = seq_length - 1);
+max prompt length (DPO `max_prompt_length` or its old name `max_dpo_prompt_length`, ORPO
+`max_prompt_length`; null = seq_length - 1);
 a longer one keeps its first tokens (`truncation_mode: keep_start`) or BOS and its last tokens
 (`keep_end`), and with `truncation_mode: null` it is a one-line error naming the row. A sequence
 longer than seq_length + 1 tokens then loses the end of its response (the prompt is kept).
@@ -61,21 +62,21 @@ def prompt_limit(cfg, al) -> PromptLimit:
     """The max prompt length and truncation mode of the DPO or ORPO block (`al`: the run spec's alignment)."""
     seq = int(cfg.data.seq_length)
     if al.dpo is not None:
-        block, key, length_name = al.dpo, al.dpo_key, "max_dpo_prompt_length"
-        length = al.dpo.max_dpo_prompt_length
+        block, key, length_key = al.dpo, al.dpo_key, al.dpo_prompt_length_key
+        length = al.dpo_prompt_length  # either of its two names (nxdt.spec.alignment)
     elif al.orpo is not None:
-        block, key, length_name = al.orpo, "model_alignment_strategy.orpo", "max_prompt_length"
-        length = al.orpo.max_prompt_length
+        block, key = al.orpo, "model_alignment_strategy.orpo"
+        length_key, length = f"{key}.max_prompt_length", al.orpo.max_prompt_length
     else:
         raise ConfigError("PreferenceDataModule: needs model_alignment_strategy.dpo or .orpo")
     length = seq - 1 if length is None else int(length)
     if not 1 <= length < seq:
-        raise ConfigError(f"{key}.{length_name} ({length}) must be in [1, data.seq_length) "
+        raise ConfigError(f"{length_key} ({length}) must be in [1, data.seq_length) "
                           f"(data.seq_length = {seq}): the response needs room")
     mode = block.truncation_mode
     if mode is not None and mode not in TRUNCATION_MODES:
         raise ConfigError(f"{key}.truncation_mode: {mode!r} is not one of {list(TRUNCATION_MODES)} or null")
-    return PromptLimit(length, mode, f"{key}.{length_name}", f"{key}.truncation_mode")
+    return PromptLimit(length, mode, length_key, f"{key}.truncation_mode")
 
 
 # ----------------------------------------------------------------------------- tokens

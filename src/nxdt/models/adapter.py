@@ -98,6 +98,8 @@ class NativeAdapter(ModelAdapter):
 
     name = "native"
     block_extra_args = 2
+    # NxDT's HF Mixtral class names: nxdt's native MoE model is its Llama with MoE MLPs
+    recompute_aliases = {"MixtralRMSNorm": ("LlamaRMSNorm",), "MixtralDecoderLayer": ("LlamaDecoderLayer",)}
 
     def heads(self, model: nn.Module) -> tuple[int, int]:
         args = self.decoder(model).args

@@ -218,6 +218,18 @@ def resolve_optimizer(optim_cfg: Mapping, path: str = "model.optim") -> tuple[ty
     return cls, kwargs
 
 
+def capturable_where_supported(kwargs: dict[str, Any], params) -> dict[str, Any]:
+    """`kwargs` without `capturable: true` unless every parameter is on a device torch's capturable
+    kernels run on (CUDA, XLA, a private-use backend such as Neuron): NxDT's configs set it for XLA, and
+    on CPU torch's Adam(W) asserts at the first step. Reported inert once (nxdt.config.inert)."""
+    if not kwargs.get("capturable"):
+        return kwargs
+    supported = ("cuda", "xla", torch._C._get_privateuse1_backend_name())
+    if all(p.device.type in supported for p in params):
+        return kwargs
+    return {**kwargs, "capturable": False}
+
+
 def param_groups(model: nn.Module, weight_decay: float,
                  do_layer_norm_weight_decay: bool = False) -> list[dict[str, Any]]:
     """Split trainable parameters into a decay group and a no-decay group (weight_decay 0).
@@ -252,6 +264,7 @@ def build_optimizer(model: nn.Module, optim_cfg: Mapping,
         raise ConfigError("model.optim: the model has no trainable parameters")
     if "weight_decay" not in defaults:  # e.g. rprop, which has no weight decay: one group
         groups = [{"params": [p for g in groups for p in g["params"]]}]
+    kwargs = capturable_where_supported(kwargs, [p for g in groups for p in g["params"]])
     if _can_fuse(cls, kwargs, groups):
         # torch's default Adam(W) on CPU walks the tensors one by one; the fused kernel is several
         # times faster and what transformers.Trainer uses. Same math, rounding-level differences.

@@ -37,6 +37,9 @@ from nxdt.models.adapter import adapter_of
 # Module classes that `activations_checkpoint_recompute` may name: the native names (a model
 # source's adapter maps them onto its own classes: the first one a model has is used).
 NXDT_CLASSES = ("CoreAttention", "LlamaMLP")
+# NxDT's rotary embeddings sit in every attention layer; nxdt's models (and transformers') compute the
+# rotary tables once per forward, outside the blocks: accepted, with no per-layer activations to recompute.
+SHARED_ONCE = ("LlamaRotaryEmbedding", "MixtralRotaryEmbedding")
 # Whole decoder blocks, whatever the block's class (transformers: LlamaDecoderLayer, MixtralDecoderLayer,
 # GPTNeoXLayer); `full` granularity asks for it.
 BLOCK = "LlamaDecoderLayer"
@@ -226,7 +229,8 @@ def checkpoint_plan(blocks: list[tuple[str, nn.Module]], model_cfg,
     total = model_cfg.num_layers or len(blocks)  # hf: null (the count is in config.json)
     chosen = set(selected_blocks(max(total, len(blocks)), fraction))
     present = {type(m).__name__ for _, b in blocks for m in b.modules()}
-    valid = sorted(present | set(NXDT_CLASSES) | {BLOCK})
+    aliased = {name for name, alts in aliases.items() if present & set(alts)}
+    valid = sorted(present | set(NXDT_CLASSES) | {BLOCK} | set(SHARED_ONCE) | aliased)
     unknown = [c for c in classes if c not in valid]
     if unknown:
         raise ConfigError(f"model.activations_checkpoint_recompute: unknown module class {unknown[0]!r}; "

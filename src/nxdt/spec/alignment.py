@@ -31,6 +31,11 @@ class Alignment:
     dpo: Optional[DPOConfig] = None
     orpo: Optional[ORPOConfig] = None
     dpo_key: str = "model_alignment_strategy.dpo"  # where the DPO block was given (for messages)
+    dpo_prompt_length: Optional[int] = None
+    """DPO's max prompt length, from either of its names (max_prompt_length, NxDT 2.23+, or
+    max_dpo_prompt_length); None: up to data.seq_length - 1."""
+    dpo_prompt_length_key: str = "model_alignment_strategy.dpo.max_dpo_prompt_length"
+    """The key that gave it (for messages)."""
 
     @property
     def preference(self) -> Optional[str]:
@@ -61,8 +66,23 @@ def alignment_of(cfg: Any) -> Alignment:
             found[name] = value
             if name == "dpo":
                 dpo_key = "data.alignment_strategy.dpo"
-    return Alignment(sft=found.get("sft"), peft=found.get("peft"), dpo=found.get("dpo"),
-                     orpo=found.get("orpo"), dpo_key=dpo_key)
+    dpo = found.get("dpo")
+    length, length_key = _dpo_prompt_length(dpo, dpo_key) if dpo is not None else (None, "")
+    return Alignment(sft=found.get("sft"), peft=found.get("peft"), dpo=dpo, orpo=found.get("orpo"),
+                     dpo_key=dpo_key, dpo_prompt_length=length,
+                     dpo_prompt_length_key=length_key or f"{dpo_key}.max_dpo_prompt_length")
+
+
+def _dpo_prompt_length(dpo: DPOConfig, key: str) -> tuple[Optional[int], str]:
+    """(length, the key that gave it): NxDT 2.23 renamed max_dpo_prompt_length to max_prompt_length;
+    both are read, and both given must agree."""
+    old, new = dpo.max_dpo_prompt_length, dpo.max_prompt_length
+    if old is not None and new is not None and old != new:
+        raise ConfigError(f"{key}.max_prompt_length ({new}) and {key}.max_dpo_prompt_length ({old}) differ: they "
+                          "are one setting (NxDT's new and old name); give one")
+    if new is not None:
+        return new, f"{key}.max_prompt_length"
+    return old, f"{key}.max_dpo_prompt_length"
 
 
 LORA_FUSED_NAMES = ("qkv_proj", "gate_up_proj")
@@ -112,7 +132,7 @@ def check_alignment(cfg: Any, al: Alignment) -> None:
             raise ConfigError(f"{key}.precompute_ref_log_probs: false is not supported yet without LoRA (it needs a "
                               "second model copy); set it true, or add model_alignment_strategy.peft (the frozen base "
                               "is then the reference)")
-        _check_prompt_length(f"{key}.max_dpo_prompt_length", d.max_dpo_prompt_length, seq)
+        _check_prompt_length(al.dpo_prompt_length_key, al.dpo_prompt_length, seq)
     else:
         o = al.orpo
         if o.beta < 0:

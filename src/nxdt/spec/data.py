@@ -193,6 +193,10 @@ def check_data(cfg: Any, alignment: Alignment, kind: str | None) -> None:
     if data.datasets is not None or data.weights is not None:
         parse_datasets(data.datasets, data.weights)
     if data.packing and alignment.sft is None:
+        if data.use_sft_style_data_module and alignment.preference is None:
+            # NxDT before model_alignment_strategy (2.20): SFT was use_sft_style_data_module + packing
+            raise ConfigError("data.packing: SFT is model_alignment_strategy.sft since NxDT 2.21; this config predates "
+                              "it: add model_alignment_strategy.sft.packing=true to the command line")
         raise ConfigError("data.packing: packing applies to SFT data only (set model_alignment_strategy.sft)")
     if data.data_module is not None and not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+", data.data_module):
         raise ConfigError(f"data.data_module: expected 'package.module.ClassName', got '{data.data_module}'")

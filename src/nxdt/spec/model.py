@@ -126,7 +126,10 @@ def check_dimensions(cfg: Any, arch: ModelArch, layout: Layout) -> None:
 # Module classes of a Llama block that `model.activations_checkpoint_recompute` may name (native
 # model; transformers' Llama has the same names, CoreAttention meaning its LlamaAttention).
 RECOMPUTE_CLASSES = ("CoreAttention", "LlamaAttention", "LlamaDecoderLayer", "LlamaLayerNorm", "LlamaMLP",
-                     "LlamaRMSNorm", "Linear", "SiLU", "GELU", "Dropout")
+                     "LlamaRMSNorm", "Linear", "SiLU", "GELU", "Dropout",
+                     # NxDT's HF Mixtral names (the native MoE model is the Llama), and its rotary
+                     # embeddings, which nxdt computes once per forward (nothing to recompute)
+                     "MixtralRMSNorm", "MixtralDecoderLayer", "LlamaRotaryEmbedding", "MixtralRotaryEmbedding")
 
 
 def check_recompute_classes(cfg: Any, arch: ModelArch) -> None:

@@ -84,7 +84,8 @@ def check_moe(cfg: Any, piece: MoESpec, hf_json: dict) -> None:
             if getattr(moe, key) != plain:
                 raise ConfigError(f"model.moe.{key}={getattr(moe, key)}: not supported with model_source hf "
                                   f"(transformers' Mixtral routes every layer top-k by softmax, renormalized, no "
-                                  f"capacity); use model_source megatron")
+                                  f"capacity); nxdt's own MoE builds it under model_source megatron with the "
+                                  f"architecture in model.* (as megatron_mixtral_8x7b_config)")
 
 
 def check_gate(cfg: Any, gate: str) -> None:

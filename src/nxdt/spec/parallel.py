@@ -133,8 +133,10 @@ def default_pipeline_schedule(vpp: int) -> str:
 def pipeline_stage_starts(num_layers: int, num_stages: int, cuts: list[str] | None = None) -> list[int]:
     """First decoder layer of each stage, plus `num_layers` at the end (num_stages + 1 numbers).
 
-    Without cuts the layers split evenly. A cut names the last layer of a stage, as in NxD
-    (`model.layers.15` with 32 layers and 2 stages: layers 0-15 | 16-31).
+    Without cuts the layers split as NxD's `create_partitions` splits them: evenly, and when they do
+    not divide, one more on each of the last (num_layers % num_stages) stages (126 layers over 8:
+    15 x 2, then 16 x 6). A cut names the last layer of a stage, as in NxD (`model.layers.15` with
+    32 layers and 2 stages: layers 0-15 | 16-31); cuts override the split.
     """
     key = "model.pipeline_cuts"
     if cuts:
@@ -153,13 +155,14 @@ def pipeline_stage_starts(num_layers: int, num_stages: int, cuts: list[str] | No
                 raise ConfigError(f"{key}: cuts must name increasing layers, got {list(cuts)}")
             starts.append(last + 1)
         return starts + [num_layers]
-    if num_layers % num_stages:
+    if num_layers < num_stages:
         raise ConfigError(
-            f"model.num_layers ({num_layers}) is not divisible by {num_stages} pipeline stages "
-            f"(pipeline_model_parallel_size x virtual_pipeline_model_parallel_size); "
-            f"change the sizes or set model.pipeline_cuts")
-    per = num_layers // num_stages
-    return [i * per for i in range(num_stages + 1)]
+            f"model.num_layers ({num_layers}) is fewer than the {num_stages} pipeline stages "
+            f"(pipeline_model_parallel_size x virtual_pipeline_model_parallel_size): each needs a layer")
+    # NxD's create_partitions: num_layers // num_stages each, the remainder one more on the last stages
+    per, extra = divmod(num_layers, num_stages)
+    sizes = [per + (s >= num_stages - extra) for s in range(num_stages)]
+    return [sum(sizes[:s]) for s in range(num_stages + 1)]
 
 
 def check_pipeline(cfg: Any, layout: Any, num_layers: int | None) -> None:

@@ -38,6 +38,7 @@ from nxdt.models.param_count import ParameterCount, activated_lines
 from nxdt.observability.user_callbacks import build_user_callbacks
 from nxdt.planner.estimate import batch_lines, flops_line, memory_line, peak_lines, plan, stage_lines
 from nxdt.spec import build_spec, load_config
+from nxdt.spec.parallel import pipeline_stage_starts
 from nxdt.spec.paths import check_files
 from nxdt.tools.train import REPO_CONF_DIR
 from nxdt.training.evaluate import check_evaluable
@@ -57,6 +58,29 @@ def plan_peak(spec):
     return device_peak(device or "cpu", spec.precision.compute_dtype, t.peak_tflops, t.lnc)
 
 
+def layers_per_stage(spec) -> list[int] | None:
+    """Decoder layers of each pipeline stage (model.pipeline_cuts, else NxD's split); None without pp."""
+    lay, cuts = spec.layout, spec.cfg.model.pipeline_cuts
+    if lay.pp == 1 or spec.model.num_layers is None:
+        return None
+    starts = pipeline_stage_starts(int(spec.model.num_layers), lay.pp * lay.vpp, list(cuts) if cuts else None)
+    return [b - a for a, b in zip(starts, starts[1:])]
+
+
+def _layers_line(p: dict[str, Any]) -> list[str]:
+    """'  layers/stage 15 x 2, 16 x 6': runs of equal stages, in stage order."""
+    per = p.get("layers_per_stage")
+    if not per:
+        return []
+    runs: list[list[int]] = []
+    for n in per:
+        if runs and runs[-1][0] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([n, 1])
+    return ["  layers/stage " + ", ".join(f"{n} x {k}" if k > 1 else f"{n}" for n, k in runs)]
+
+
 def format_plan(p: dict[str, Any], peak=None) -> str:
     lay, mem = p["layout"], p["memory_per_rank_bytes"]
     counts = ParameterCount(total=p["parameters"], activated=p["parameters_activated"], **p["parameter_breakdown"])
@@ -71,6 +95,7 @@ def format_plan(p: dict[str, Any], peak=None) -> str:
     ]
     lines += [
         *stage_lines(p),
+        *_layers_line(p),
         f"  sharding     {p['sharding']}   activation checkpointing: {p['activations_checkpoint'] or 'off'}",
         memory_line(mem),
         flops_line(p),
@@ -100,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         result = plan(spec)
     except (ValueError, FileNotFoundError) as err:
         raise ConfigError(str(err)) from None
+    result["layers_per_stage"] = layers_per_stage(spec)
     peak = plan_peak(spec)
     if as_json:
         step = result["model_tflop_per_step"] / result["world_size"] / peak.tflops if peak and result[

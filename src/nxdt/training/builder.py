@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from nxdt.models import build_model, count_parameters
-from nxdt.optim.optimizers import build_optimizer, param_groups, resolve_optimizer
+from nxdt.optim.optimizers import build_optimizer, capturable_where_supported, param_groups, resolve_optimizer
 from nxdt.optim.schedulers import build_scheduler
 from nxdt.parallel.data_parallel import zero1_optimizer
 from nxdt.parallel.expert_parallel import expert_parameters
@@ -59,6 +59,7 @@ def build_optimizer_and_scheduler(spec, model: nn.Module, dp_mesh=None, max_step
         # ZeRO-1: each dp rank keeps the optimizer state of its part of the parameters
         cls, kwargs = resolve_optimizer(optim_cfg)
         groups = param_groups(model, kwargs.get("weight_decay", 0.0), cfg.model.do_layer_norm_weight_decay)
+        kwargs = capturable_where_supported(kwargs, [p for g in groups for p in g["params"]])
         optimizer = zero1_optimizer(groups, cls, kwargs, dp_mesh.get_group(),
                                     rank_local=expert_parameters(model) if spec.layout.ep > 1 else None)
     else:
