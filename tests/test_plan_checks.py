@@ -173,3 +173,21 @@ def test_plan_of_an_evaluation_refuses_what_evaluate_refuses(capsys, tmp_path):
     assert err.splitlines() == [
         "error: model_alignment_strategy: evaluate reports the token cross entropy of language-model data; "
         "DPO / ORPO configs validate on the preference loss instead (train's val_loss)"]
+
+
+def test_plan_refuses_a_compile_backend_this_machine_lacks(capsys, tmp_path, kjv_prefix, monkeypatch):
+    """model.fusions.torch_compile where torch cannot compile for the device: training's pre-flight
+    line (nxdt.training.trainer.check_compile_backend), from the plan as well."""
+    import nxdt.training.trainer as trainer
+
+    monkeypatch.setattr(trainer, "compile_backend_missing", lambda device: f"no C compiler for {device}")
+    overrides = ["model.fusions.torch_compile=true"]
+    run = train_in_process(["--config-path", CONF, "--config-name", "tiny_llama_cpu",
+                            f"data.data_prefix=[1.0,{kjv_prefix}]", *overrides,
+                            f"exp_manager.explicit_log_dir={tmp_path / 'logs'}"])
+    expected = ["error: model.fusions.torch_compile: no C compiler for cpu; install it, or set "
+                "model.fusions.torch_compile=false (and model.use_torch_compile=false)"]
+    assert run.rc == 2 and [line for line in run.err.splitlines() if line.startswith("error:")] == expected
+    assert not (tmp_path / "logs").exists()
+    rc, out, err = _plan_in_process(capsys, "--config-name", "tiny_llama_cpu", *overrides)
+    assert (rc, out, err.splitlines()) == (2, "", expected)
