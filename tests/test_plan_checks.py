@@ -13,6 +13,7 @@ from conftest import REPO, train_in_process
 
 from nxdt.config.errors import ConfigError, ConfigErrors
 from nxdt.config.load import main_guard
+from nxdt.models.hf import resolve_model_config
 from nxdt.spec import load_config
 from nxdt.spec.paths import MAKE_DATA_HINT, check_files
 from nxdt.tools.plan import main as plan_main
@@ -85,11 +86,18 @@ def test_path_problems_of_every_kind_collected(tmp_path):
 
 
 def test_missing_model_config_names_its_path_once(capsys, tmp_path):
-    """`nxdt plan` (which reads config.json) on a missing absolute model_config: the path once."""
+    """A missing absolute model_config: its path once, from `nxdt plan` (which reads config.json and
+    checks it as training does) and from the model builder (which tried it three times over)."""
     missing = tmp_path / "config.json"
     rc, _, err = _plan_in_process(capsys, "--config-name", "hf_llama3_8B_config", f"model.model_config={missing}")
-    assert rc == 2
-    assert err.count(str(missing)) == 1, err
+    assert (rc, err.splitlines()) == (2, [f"error: model.model_config: transformers config.json not found: {missing}"])
+    with pytest.raises(FileNotFoundError) as info:
+        resolve_model_config(missing)
+    assert str(info.value) == f"model.model_config '{missing}' not found"
+    with pytest.raises(FileNotFoundError) as info:  # a relative path: the three places it looked
+        resolve_model_config("no_such_dir/config.json")
+    assert str(info.value).startswith("model.model_config 'no_such_dir/config.json' not found; tried: no_such_dir/")
+    assert str(info.value).count("no_such_dir/config.json") == 4
 
 
 # --------------------------------------------------------------------------- item 5: the plan checks as training
