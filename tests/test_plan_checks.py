@@ -166,6 +166,12 @@ def test_plan_lists_the_paths_it_did_not_check(capsys, tmp_path):
     assert rc == 0
     assert json.loads(out)["not_checked"] == ["data.data_prefix", "data.tokenizer.type",
                                               "exp_manager.explicit_log_dir"]
+    # resuming from the log dir's newest checkpoint, none being an error: that is not checked either
+    rc, out, _ = _plan_in_process(capsys, "--config-name", "tiny_llama_cpu", "exp_manager.resume_if_exists=true",
+                                  "--json")
+    assert rc == 0
+    assert json.loads(out)["not_checked"] == ["data.data_prefix", "data.tokenizer.type", "exp_manager.exp_dir",
+                                              "exp_manager.resume_if_exists"]
     rc, out, err = _plan_in_process(capsys, "--config-name", "tiny_llama_cpu", "data.data_prefix=null")
     assert rc == 2 and err.splitlines() == [
         "error: data.data_prefix is required for model_source megatron (or set data.train_dir, "

@@ -149,6 +149,9 @@ def check_as_training(argv: list[str]):
     Returns (the run spec, the keys whose files were not checked)."""
     cfg = load_config(argv, check_paths=False, default_config_dir=REPO_CONF_DIR, quiet=True)
     not_checked = check_files(cfg, look=PLAN_READS)  # a data source named; every problem at once
+    exp = cfg.exp_manager
+    if exp.resume_if_exists and (not exp.resume_ignore_no_checkpoint or cfg.trainer.max_epochs == 0):
+        not_checked.append("exp_manager.resume_if_exists")  # a run refuses a log dir without a checkpoint
     spec = build_spec(cfg)  # the run spec, once
     if cfg.trainer.max_epochs == 0:  # evaluate only (nxdt.training.evaluate): its own checks
         check_evaluable(spec)
