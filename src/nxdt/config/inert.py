@@ -1,6 +1,7 @@
 """Keys the schema accepts that nxdt does not build: the inert ones, and values refused as not built yet.
 
-nxdt reads NxDT's YAML as it is, so it accepts every key NxDT's configs write. Each key is one of:
+nxdt reads NxDT's YAML as it is, so it accepts every key NxDT's configs write (the release configs of
+tests/nxdt_release/, checked by tests/test_migration_doc.py). Each key is one of:
 - built: some module reads it (a test walks the schema and fails on a key nothing reads);
 - refused: `NOT_SUPPORTED_YET` (key -> the values not built), checked by
   `nxdt.config.validate.check_not_supported`: "'<key>' is not supported yet (got ...)";
@@ -40,6 +41,8 @@ class NotSupported:
 
     refuses: Callable[[Any], bool]
     shown: str
+    why: str = ""
+    """What is not built, and why ignoring the value instead would be wrong (docs/migrating-from-nxdt.md)."""
 
     def __call__(self, value: Any) -> bool:
         return self.refuses(value)
@@ -53,9 +56,9 @@ def _gt1(v: Any) -> bool:
 # features land. (Combinations that are refused live with their checks: moe_checks, arch_checks,
 # alignment, nxdt.spec.check_spec.)
 NOT_SUPPORTED_YET: dict[str, NotSupported] = {
-    # NxDT shuffles MoE tokens across this many ranks before routing (load balance); with a capacity
-    # factor that changes which tokens are dropped, so ignoring it would change the results
-    "distributed_strategy.token_shuffle_group_size": NotSupported(_gt1, "> 1"),
+    "distributed_strategy.token_shuffle_group_size": NotSupported(
+        _gt1, "> 1", "NxDT shuffles MoE tokens across this many ranks before routing (load balance); with a "
+                     "capacity factor that changes which tokens are dropped, so ignoring it would change the results"),
 }
 
 

@@ -16,6 +16,8 @@ Conventions:
 - Keys accepted but not built are in `nxdt.config.inert` (inert, or refused as not supported yet).
 - A string default `"${...}"` is an OmegaConf interpolation, resolved after the merge.
 - `internal=True` marks a field filled by nxdt, not a YAML key (`DataConfig.custom`).
+- `alias="other_key"` marks another name of a key (a sibling, or a dotted key): NxDT's newer name of
+  it (docs/migrating-from-nxdt.md lists it as an alias).
 
 At run time the config is an `NxdtConfig` instance (`nxdt.config.typed.to_typed`, called by
 validation): code reads typed attributes, and the defaults above are the only ones. Open

@@ -47,7 +47,8 @@ class DPOConfig:
     max_dpo_prompt_length: Optional[int] = doc(
         None, "prompt tokens kept (truncation_mode says which); null = up to data.seq_length - 1", ge=1)
     max_prompt_length: Optional[int] = doc(
-        None, "NxDT 2.23+'s name of max_dpo_prompt_length (either may be given; both: they must agree)", ge=1)
+        None, "NxDT 2.23+'s name of max_dpo_prompt_length (either may be given; both: they must agree)", ge=1,
+        alias="max_dpo_prompt_length")
     precompute_ref_log_probs: bool = doc(
         True, "reference log-probs computed once before training and checkpointed with the data state; "
               "false needs LoRA (the frozen base is the reference)")
