@@ -68,6 +68,7 @@ def test_statuses_come_from_the_tables():
         "distributed_strategy.token_shuffle_group_size"].why in what
     assert migration.key_row("model_alignment_strategy.dpo.max_prompt_length")[0] == (
         "alias of `model_alignment_strategy.dpo.max_dpo_prompt_length`")
+    assert "[alias of max_dpo_prompt_length]" in inert.describe("model_alignment_strategy.dpo.max_prompt_length")
     assert "`ActivationMultiplyMLP` = `LlamaMLP`" in migration.key_row("model.activations_checkpoint_recompute")[1]
     assert migration.key_row("model.optim.sched.name")[0] == "built"
     assert migration.key_row("model.no_such_key")[0] == "not accepted"

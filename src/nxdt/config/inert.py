@@ -369,8 +369,8 @@ def always_inert(key: str) -> bool:
 
 def describe(section: str | None = None) -> str:
     """Human-readable key reference (for --help): one line per key, optionally one section (or key)
-    only. Marks: [Neuron] (acts on Neuron/XLA only), [inert ...] and [not supported yet ...] (the
-    tables of this module). An unknown section is a ConfigError with a did-you-mean."""
+    only. Marks: [Neuron] (acts on Neuron/XLA only), [alias of ...] (the schema's `alias=`), [inert ...]
+    and [not supported yet ...] (the tables of this module). An unknown section is a ConfigError with a did-you-mean."""
     fields = list(schema.iter_fields())
     if section:
         fields = [f for f in fields if f[0] == section or f[0].startswith(section + ".")]
@@ -383,6 +383,7 @@ def describe(section: str | None = None) -> str:
     lines = []
     for key, tname, default, help_, meta in fields:
         shown = "null" if default is None else repr(default)
-        tags = "".join(f" [{mark}]" for mark in (["Neuron"] if meta.get("neuron") else []) + help_marks(key))
+        alias = [f"alias of {meta['alias']}"] if meta.get("alias") else []
+        tags = "".join(f" [{mark}]" for mark in (["Neuron"] if meta.get("neuron") else []) + alias + help_marks(key))
         lines.append(f"{key} ({schema.type_with_range(tname, meta)}, default {shown}){tags}: {help_}")
     return "\n".join(lines)
