@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from nxdt.device import bf16_native, cuda_available, device_name
+
 # Dense TFLOP/s per device by compute dtype ("tf32": fp32 matmuls on tensor cores). Sources:
 # - NVIDIA H100 / H200 datasheets (sparsity figures halved): SXM 989.4 bf16/fp16, 494.7 TF32,
 #   66.9 FP32; PCIe 756 / 378 / 51; NVL 835 / 418 / 60 (H200 NVL as H100 NVL); H200 SXM = H100 SXM.
@@ -67,13 +69,13 @@ class Peak:
 def local_device_type(accelerator: str) -> str | None:
     """The device `trainer.accelerator` means on this machine: "cuda" (gpu / cuda / auto with a GPU),
     "cpu" (cpu, or auto without one), None for anything else (a GPU asked for and none here, xla)."""
-    if accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available():
+    if accelerator in ("gpu", "cuda", "auto") and cuda_available():
         return "cuda"
     return "cpu" if accelerator in ("cpu", "auto") else None
 
 
 def table_peak(name: str, dtype: str) -> float | None:
-    """The table's TFLOP/s for a device name (torch.cuda.get_device_name, or "trn1" / "trn2")
+    """The table's TFLOP/s for a device name (nxdt.device.device_name, or "trn1" / "trn2")
     and a compute dtype (fp32 | tf32 | bf16 | fp16); None for a device not in the table."""
     for key, figures in PEAK_TFLOPS:
         if key.lower() in name.lower():
@@ -103,7 +105,7 @@ def device_peak(device: torch.device | str, compute_dtype: str, override: float 
         return Peak(float(override), "trainer.peak_tflops")
     kind = torch.device(device).type
     if kind == "cuda":
-        name = torch.cuda.get_device_name(torch.device(device))
+        name = device_name(device)
         dtype = _cuda_dtype(compute_dtype)
         tflops = table_peak(name, dtype)
         return Peak(tflops, f"{name}, dense {dtype}") if tflops else None
@@ -294,8 +296,8 @@ def low_precision_notice(device: torch.device | str, compute_dtype: str, preset:
                 f"{cpu_capability()}) runs {'slower than fp32' if native else 'without native kernels'}: measured "
                 f"matmul {compute_dtype} {_rate(low)} vs fp32 {_rate(fp32)}, {fp32 / low:.3g}x slower; expect the "
                 f"steps to be up to that much slower than with precision.type=fp32 (the run goes on as configured)")
-    if kind == "cuda" and compute_dtype == "bf16" and not torch.cuda.is_bf16_supported(including_emulation=False):
-        name = torch.cuda.get_device_name(torch.device(device))
+    if kind == "cuda" and compute_dtype == "bf16" and not bf16_native(device):
+        name = device_name(device)
         return (f"notice: precision.type={preset} computes in bf16, which {name} has no native support for "
                 f"(compute capability < 8.0): expect it to be slower than fp16 or fp32; use precision.type=fp32 "
                 f"(or an fp16 preset) here (the run goes on as configured)")

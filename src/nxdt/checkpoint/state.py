@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from nxdt.config.errors import ConfigError
+from nxdt.device import accelerator_rng_state, set_accelerator_rng_state
 
 MARKER = "COMPLETE"  # written last: a directory with it is a whole checkpoint
 META = "meta.json"
@@ -104,8 +105,9 @@ def rng_state() -> dict[str, Any]:
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    accelerator = accelerator_rng_state()  # "cuda" (or "neuron", ...): the states of all its devices
+    if accelerator is not None:
+        state[accelerator[0]] = accelerator[1]
     return to_json(state)
 
 
@@ -131,8 +133,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    for kind in set(state) - {"python", "numpy", "torch"}:
+        set_accelerator_rng_state(kind, state[kind])
 
 
 # --------------------------------------------------------------------------- model + optimizer state

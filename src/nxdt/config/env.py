@@ -14,6 +14,7 @@ smoke mode: trainer.max_steps = 10, no TensorBoard, no checkpoints.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shlex
 from collections.abc import MutableMapping
@@ -110,6 +111,22 @@ def detect_xla(cfg: Any, environ: MutableMapping[str, str] | None = None) -> boo
     if any(k in environ for k in ("NEURON_RT_VISIBLE_CORES", "NEURON_RT_NUM_CORES", "NEURON_RT_ROOT_COMM_ID")):
         return True
     return os.path.exists("/dev/neuron0")
+
+
+NEURON_MISSING = ("trainer.accelerator neuron: neither torch_neuronx (TorchNeuron, the native `neuron` device) nor "
+                  "torch-xla is installed; install torch-neuronx matching this torch (TorchNeuron, Neuron >= 2.33, "
+                  "trn2 / trn3), or set trainer.accelerator=cpu (or gpu)")
+
+
+def neuron_missing(accelerator: str) -> str | None:
+    """The one line for trainer.accelerator neuron where neither package that runs it can be imported
+    (found without importing torch: nxdt.spec refuses it before anything starts); None otherwise.
+    Which of the two a run takes is nxdt.device.neuron_device."""
+    if accelerator != "neuron":
+        return None
+    if any(importlib.util.find_spec(name) is not None for name in ("torch_neuronx", "torch_xla")):
+        return None
+    return NEURON_MISSING
 
 
 def inert_keys(cfg: Any) -> list[str]:

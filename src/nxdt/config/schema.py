@@ -114,7 +114,8 @@ class TrainerConfig:
     devices: int = doc(1, "devices (processes) per node; devices x num_nodes must equal the world size", ge=1)
     num_nodes: int = doc(1, "number of nodes", ge=1)
     accelerator: Literal["auto", "cpu", "gpu", "cuda", "mps", "xla", "neuron", "tpu"] = doc(
-        "auto", "Lightning accelerator; 'xla'/'neuron' selects torch-xla (Neuron env vars are set)")
+        "auto", "Lightning accelerator; 'neuron': TorchNeuron's native device where torch_neuronx provides it, "
+        "else torch-xla; 'xla'/'tpu': torch-xla (Neuron env vars are set)")
     max_epochs: int = doc(-1, "maximum epochs; -1 = run by max_steps; 0 = evaluate only, no training: loss and "
                               "perplexity on the validation and test splits of the weights of exp_manager."
                               "resume_from_checkpoint, else (resume_if_exists) the newest checkpoint of the run "

@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_only
 
 from nxdt import hardware
+from nxdt.device import max_memory_allocated, reset_peak_memory
 from nxdt.hardware import Peak, device_peak, low_precision_notice
 from nxdt.models.param_count import ParameterCount, activated_lines
 from nxdt.observability.eta import FirstStepsTiming
@@ -168,7 +169,7 @@ class MemoryMonitor(Callback):
         device = pl_module.device
         if device.type == "cuda":
             self.kind = "cuda"
-            torch.cuda.reset_peak_memory_stats(device)
+            reset_peak_memory(device)
         elif device.type == "cpu" and not self.cfg.exp_manager.profiler.enabled:  # one profiler at a time
             self.kind, self._cpu = "cpu", CpuStepPeak()
 
@@ -184,7 +185,7 @@ class MemoryMonitor(Callback):
         sampled = self._sampled_step()
         self._steps += 1
         if self.kind == "cuda":
-            self.peak_bytes = torch.cuda.max_memory_allocated(pl_module.device)
+            self.peak_bytes = max_memory_allocated(pl_module.device)
         elif self._measuring:
             self._measuring = False
             self.peak_bytes = max(self.peak_bytes, self._cpu.end())

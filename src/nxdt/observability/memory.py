@@ -1,6 +1,6 @@
 """The measured peak memory of a training step, per rank: bytes of live tensors, not the process's RSS.
 
-CUDA: the caching allocator's own count, `torch.cuda.max_memory_allocated` since fit start
+CUDA: the caching allocator's own count, `max_memory_allocated` (nxdt.device) since fit start
 (reset then): every step is covered, for free.
 
 CPU: torch keeps no allocation statistics for CPU tensors (torch.cpu has none; the

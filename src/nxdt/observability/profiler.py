@@ -23,6 +23,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.profiler import ProfilerAction, ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
 from nxdt.config.errors import ConfigError
+from nxdt.device import dump_memory_snapshot, record_memory_history
 
 SNAPSHOT_ENTRIES = 100_000  # allocator events kept (PyTorch's memory_viz guide uses this)
 RECORDING = (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
@@ -107,13 +108,13 @@ class StepProfiler(Callback):
     def _trace_ready(self, prof: profile) -> None:
         tensorboard_trace_handler(str(self.out_dir), worker_name=f"rank{self.rank}")(prof)
         if self._snapshot == "recording":
-            torch.cuda.memory._dump_snapshot(str(self.out_dir / f"memory_snapshot_rank{self.rank}.pickle"))
-            torch.cuda.memory._record_memory_history(enabled=None)
+            dump_memory_snapshot(self.out_dir / f"memory_snapshot_rank{self.rank}.pickle")
+            record_memory_history(False)
             self._snapshot = "written"
 
     def _maybe_start_snapshot(self) -> None:
         if self._snapshot == "waiting" and self._schedule(self._steps) in RECORDING:
-            torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_ENTRIES)
+            record_memory_history(True, SNAPSHOT_ENTRIES)
             self._snapshot = "recording"
 
     def _stop(self) -> None:
@@ -122,7 +123,7 @@ class StepProfiler(Callback):
             self._steps += 1  # the step in progress ends here
             prof.stop()  # a window being recorded is written (on_trace_ready)
         if self._snapshot == "recording":  # the window had not reached the trace: stop recording anyway
-            torch.cuda.memory._record_memory_history(enabled=None)
+            record_memory_history(False)
             self._snapshot = "off"
         self._finished = True
 

@@ -36,6 +36,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from nxdt.device import accelerator_available
 from nxdt.models import init_model_weights
 from nxdt.models.adapter import adapter_of
 from nxdt.parallel.expert_parallel import expert_modules, expert_parameters
@@ -133,7 +134,7 @@ def _fully_shard(model: nn.Module, mesh: DeviceMesh, dp_cfg: DataParallelConfig,
         mesh=dp_mesh,
         mp_policy=dp_cfg.mp_policy or MixedPrecisionPolicy(),
         # pinned host memory needs an accelerator; on a CPU-only run offloading changes nothing
-        offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if dp_cfg.cpu_offload else OffloadPolicy(),
+        offload_policy=CPUOffloadPolicy(pin_memory=accelerator_available()) if dp_cfg.cpu_offload else OffloadPolicy(),
     )
     if dp_cfg.stochastic_rounding:  # before fully_shard: FSDP shards (and keeps) the subclass
         wrap_for_stochastic_rounding(model, SRState())  # Precision.attach seeds and steps it

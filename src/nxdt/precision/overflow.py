@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from nxdt.device import current_device
+
 
 def all_ranks_finite(finite: bool, device: torch.device) -> bool:
     """True when `finite` is True on every rank of the default group (one tiny all-reduce);
@@ -21,7 +23,7 @@ def all_ranks_finite(finite: bool, device: torch.device) -> bool:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return finite
     if dist.get_backend() == "nccl" and device.type != "cuda":  # NCCL only reduces CUDA tensors
-        device = torch.device("cuda", torch.cuda.current_device())
+        device = current_device("cuda")
     flag = torch.tensor([0.0 if finite else 1.0], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item() == 0.0)

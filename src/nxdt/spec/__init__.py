@@ -146,6 +146,7 @@ def config_from_dict(values: dict, world_size: int | None = None, check: bool = 
 def check_spec(cfg: schema.NxdtConfig, world_size: int | None = None) -> RunSpec:
     """Build the run spec of a schema-checked config and run each piece's cross-checks (they live
     beside the piece they constrain), in this order; the first problem is a ConfigError."""
+    parallel.check_accelerator_installed(cfg)
     parallel.check_accumulation(cfg)
     exp.check_evaluate_only(cfg)
     parallel.check_world_size(cfg, world_size)

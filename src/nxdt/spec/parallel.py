@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from nxdt.config.env import neuron_missing
 from nxdt.config.errors import ConfigError
 from nxdt.config.inert import backend_of
 from nxdt.config.optim_keys import check_optim_parallel
@@ -105,6 +106,13 @@ def check_hsdp(cfg: Any, layout: Layout) -> None:
     if rep is not None and (rep < 1 or layout.dp % rep):
         raise ConfigError(f"distributed_strategy.hsdp_replicate_size ({rep}) does not divide the data-parallel "
                           f"size {layout.dp}")
+
+
+def check_accelerator_installed(cfg: Any) -> None:
+    """trainer.accelerator neuron with neither TorchNeuron nor torch-xla installed: one line, first."""
+    missing = neuron_missing(cfg.trainer.accelerator)
+    if missing:
+        raise ConfigError(missing)
 
 
 def check_xla_devices(cfg: Any) -> None:

@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from nxdt.checkpoint.checkpointer import validate_checkpoint
 from nxdt.config.errors import ConfigError
+from nxdt.device import accelerator_type, process_group_backend, set_device
 from nxdt.inference.generate import SamplingParams, generate
 from nxdt.inference.load import load_for_inference
 from nxdt.spec.exp import sampling_problem
@@ -113,11 +114,11 @@ def _distributed():
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return 0, None
-    kind = "cuda" if torch.cuda.is_available() else "cpu"
-    if kind == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    kind = accelerator_type() or "cpu"
+    if kind != "cpu":
+        set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if kind == "cuda" else "gloo")
+        dist.init_process_group(process_group_backend(kind))
     return dist.get_rank(), init_device_mesh(kind, (world,), mesh_dim_names=("tp",))
 
 
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = read_prompts(args)
     validate_checkpoint(args.checkpoint)  # one line, before any process group starts
     rank, tp_mesh = _distributed()
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = args.device or accelerator_type() or "cpu"
     if tp_mesh is not None:
         device = tp_mesh.device_type if device == "cpu" or tp_mesh.device_type == "cpu" else device
     t0 = time.perf_counter()

@@ -1,7 +1,8 @@
 """NxdtStrategy: Lightning's ModelParallelStrategy with nxdt's own DeviceMesh.
 
 Lightning's ModelParallelStrategy already does what we need and nothing we don't: it starts
-the process group (gloo on CPU, NCCL on CUDA), does not wrap the model (the LightningModule's
+the process group (gloo on CPU, NCCL on CUDA; nxdt passes TorchNeuron's `neuron` backend on its
+native device), does not wrap the model (the LightningModule's
 `configure_model` applies parallelism), and saves checkpoints with torch.distributed.checkpoint.
 Its own mesh is 2-D (data_parallel, tensor_parallel); we pass it a consistent (world // tp, tp)
 split so its checks pass, then replace the mesh with nxdt's 5-D one
@@ -13,13 +14,61 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
+from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from nxdt.checkpoint.checkpointer import Checkpointer, ResumedLoader, batches_done_in_epoch, load_checkpoint, use_xser
 
+from nxdt.device import device_count, memory_stats, process_group_backend, set_device
 from nxdt.parallel.mesh import build_mesh, dp_rank_and_size
 from nxdt.spec.layout import Layout
+
+
+class NeuronAccelerator(Accelerator):
+    """Lightning's accelerator for TorchNeuron's native `neuron` device (trainer.accelerator neuron
+    where torch_neuronx provides it: nxdt.device.neuron_device). Lightning has none of its own; the
+    device calls are nxdt.device's, by device type (torch.accelerator)."""
+
+    def setup_device(self, device: torch.device) -> None:
+        if device.type != "neuron":
+            raise ValueError(f"NeuronAccelerator: expected a neuron device, got {device}")
+        set_device(device.index or 0)
+
+    def teardown(self) -> None:
+        pass
+
+    def get_device_stats(self, device: Any) -> dict[str, Any]:
+        return memory_stats(torch.device(device))
+
+    @staticmethod
+    def parse_devices(devices: Any) -> list[int]:
+        if isinstance(devices, list):
+            return [int(d) for d in devices]
+        count = device_count() if str(devices) in ("auto", "-1") else int(devices)
+        return list(range(count))
+
+    @staticmethod
+    def get_parallel_devices(devices: Any) -> list[torch.device]:
+        return [torch.device("neuron", i) for i in devices]
+
+    @staticmethod
+    def auto_device_count() -> int:
+        return device_count()
+
+    @staticmethod
+    def is_available() -> bool:
+        return device_count() > 0
+
+    @staticmethod
+    def name() -> str:
+        return "neuron"
+
+
+def native_neuron_strategy(mesh_shape: Layout) -> "NxdtStrategy":
+    """NxdtStrategy on TorchNeuron's native device: the process group on its `neuron` backend."""
+    return NxdtStrategy(mesh_shape, process_group_backend=process_group_backend("neuron"))
 
 
 class NxdtStrategy(ModelParallelStrategy):

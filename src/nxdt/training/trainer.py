@@ -23,7 +23,7 @@ from nxdt.data.select import build_datamodule
 from nxdt.data.tokenizers import build_tokenizer
 from nxdt.exp.exp_manager import build_loggers, resolve_dirs, setup_exp_manager
 from nxdt.exp.loggers import check_loggers
-from nxdt.device import use_xla
+from nxdt.device import check_neuron, neuron_device, use_xla
 from nxdt.exp.run_lock import RunLock, check_run_lock
 from nxdt.hardware import local_device_type
 from nxdt.observability.callbacks import CompileTimer, MemoryMonitor, RunFigures, RunSummary, ThroughputMonitor
@@ -40,7 +40,7 @@ from nxdt.training.dynamic_selection import DynamicDataSelection
 from nxdt.training.fault_tolerance import FaultTolerance, requeue_slurm_job
 from nxdt.training.finetuning import check_lora_targets
 from nxdt.training.module import NxdtLightningModule
-from nxdt.training.strategy import NxdtStrategy
+from nxdt.training.strategy import NeuronAccelerator, NxdtStrategy, native_neuron_strategy
 
 
 @dataclass
@@ -59,10 +59,15 @@ def build_trainer(cfg, layout, loggers, callbacks):
     """Lightning's Trainer for nxdt: its strategy builds the DeviceMesh of `layout`; one batch is one
     optimizer step; nxdt's samplers, checkpoint callback and progress bar instead of Lightning's."""
     t = cfg.trainer
-    on_xla = use_xla(cfg)  # torch-xla: Lightning's XLA accelerator with nxdt's bookkeeping (xla.py)
+    if use_xla(cfg):  # torch-xla: Lightning's XLA accelerator with nxdt's bookkeeping (xla.py)
+        accelerator, strategy = xla.lightning_accelerator(cfg), xla.build_xla_strategy(layout)
+    elif neuron_device(t.accelerator) == "neuron":  # TorchNeuron's native device (nxdt.device)
+        accelerator, strategy = NeuronAccelerator(), native_neuron_strategy(layout)
+    else:
+        accelerator, strategy = t.accelerator, NxdtStrategy(layout)
     return pl.Trainer(
-        accelerator=xla.lightning_accelerator(cfg) if on_xla else t.accelerator,
-        strategy=xla.build_xla_strategy(layout) if on_xla else NxdtStrategy(layout),
+        accelerator=accelerator,
+        strategy=strategy,
         devices=t.devices,
         num_nodes=t.num_nodes,
         max_epochs=t.max_epochs,
@@ -178,6 +183,7 @@ def check_run(spec) -> None:
     (nxdt.tools.plan). The files' own checks are nxdt.spec.paths."""
     cfg = spec.cfg
     exp = cfg.exp_manager
+    check_neuron(cfg.trainer.accelerator)  # neither TorchNeuron nor torch-xla: one line
     check_compile_backend(spec)
     check_checkpoint_params(exp.checkpoint_callback_params)
     check_weight_init(cfg)
