@@ -89,6 +89,12 @@ class RingSDPA:
     def __call__(self, q, k, v, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False, scale=None):
         if attn_mask is not None or not is_causal or dropout_p:
             raise RuntimeError("context parallel attention supports causal attention without a mask or dropout only")
+        if torch.is_autocast_enabled(q.device.type):
+            # as autocast casts F.scaled_dot_product_attention's inputs: the kernels the ring calls are
+            # not autocast ops, and transformers' rotary leaves q, k in fp32 (its cos/sin follow the
+            # fp32 hidden states) beside a low-precision v
+            dtype = torch.get_autocast_dtype(q.device.type)
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         return _RingAttention.apply(q, k, v, self.group, scale)
 
 

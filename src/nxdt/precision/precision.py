@@ -134,6 +134,17 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if to_local is not None else t
 
 
+def _set_data(p: nn.Parameter, value: torch.Tensor) -> None:
+    """`p.data = value`, for a DTensor parameter (tensor / sequence parallel) too: setting `.data`
+    swaps only the DTensor's outer metadata, its local shard (what the ops compute with) stays the
+    old tensor, so the swap is made there as well. Without it a tp/sp norm weight claims bf16 and
+    computes in fp32, and activation checkpointing's recompute sees the other dtype."""
+    p.data = value
+    local = getattr(value, "_local_tensor", None)
+    if local is not None:
+        p._local_tensor = local
+
+
 class Precision:
     def __init__(self, settings: PrecisionSettings, *, on_nonfinite: str = "stop", max_consecutive_skips: int = 50,
                  scaler: DynamicLossScaler | None = None, seed: int = 0) -> None:
@@ -307,7 +318,7 @@ class Precision:
                     continue
                 p.grad = None
                 self._masters[p] = p.data
-                p.data = self._round(p.data, dtype)
+                _set_data(p, self._round(p.data, dtype))
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scaler.scale if self.scaler is not None else loss
@@ -322,7 +333,7 @@ class Precision:
                     grad = acc if acc is not None else p.grad
                     p.grad = None
                     if master is not None:
-                        p.data = master
+                        _set_data(p, master)
                     if grad is not None:
                         p.grad = grad.to(p.dtype)
         if self.scaler is not None and self.scaler.scale != 1.0:
