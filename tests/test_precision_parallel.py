@@ -222,3 +222,33 @@ def test_fsdp_mixed_precisionSR_tracks_one_rank_and_fp32(tmp_path):
           f"max |loss - fp32| = {gap_fp32:.4f} (tolerance {TOL}); final {r0['losses'][-1]:.4f} vs fp32 {fp32[-1]:.4f}")
     assert fp32[-1] < fp32[0] - 1.0
     assert gap_sr < TOL and gap_fp32 < TOL
+
+
+# ----------------------------------------------------------------------------- DTensor parameters
+def _dtensor_swap_worker(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+    from nxdt.models.llama import LlamaRMSNorm
+
+    prec = Precision.from_spec(build_spec(_cfg("precision.type=mixed_precision")), rank=rank)
+    norm = parallelize_module(LlamaRMSNorm(8), init_device_mesh("cpu", (world,)), SequenceParallel(use_local_output=True))
+    prec.attach(norm)
+    master = norm.weight.to_local()
+    prec.begin_step(norm)
+    during = [str(norm.weight.dtype), str(norm.weight.to_local().dtype)]
+    out = norm(torch.randn(1, 4, 8).to(torch.bfloat16))  # this rank's sequence shard
+    out.float().sum().backward()
+    prec.finish_grads(norm)
+    return {"during": during, "out": str(out.dtype), "after": [str(norm.weight.dtype), str(norm.weight.to_local().dtype)],
+            "master_back": norm.weight.to_local().data_ptr() == master.data_ptr(), "grad": str(norm.weight.grad.dtype)}
+
+
+def test_sequence_parallel_norm_weights_compute_in_bf16_under_master_weights(tmp_path):
+    """mixed_precision swaps bf16 copies into the parameters for the step: a sequence-parallel norm's
+    weight is a DTensor, whose local shard (what its ops compute with) must be swapped too, and the
+    fp32 master put back after the backward (else the norm computes in fp32 while claiming bf16, and
+    full activation checkpointing's recompute sees the other dtype: NxDT's DPO config, shrunk)."""
+    for res in _spawn(_dtensor_swap_worker, tmp_path):
+        assert res == {"during": ["torch.bfloat16"] * 2, "out": "torch.bfloat16",
+                       "after": ["torch.float32"] * 2, "master_back": True, "grad": "torch.float32"}, res
