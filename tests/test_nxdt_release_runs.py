@@ -1,5 +1,5 @@
 """NxDT's release configs train, not only plan: each of tests/nxdt_release/ (the 22 files of NxDT's
-last release and the 2 removed earlier, tests/nxdt_release/README.md), shrunk by command-line
+last release and the 2 removed earlier, tests/nxdt_release/README.md) but the 2 refused below, shrunk by command-line
 overrides only (2 layers, hidden 64, 4 heads, tp 2 on 2 CPU ranks, short sequences, a small
 global batch, 3 steps) and pointed at the bundled corpus, starts and trains 3 steps with a finite
 loss. Everything else stays as the file ships it: optimizer (capturable included), precision
