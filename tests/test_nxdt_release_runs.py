@@ -24,28 +24,16 @@ from conftest import CORPUS, TOKENIZER_DIR, read_scalars, run_pool
 from omegaconf import OmegaConf
 
 from nxdt.tools.preference_data import make_preference_rows, read_chapters, write_jsonl
+from test_nxdt_release import HF as RELEASE_HF
+from test_nxdt_release import MEGATRON, MODEL_CONFIGS, RELEASE
 
-RELEASE = Path(__file__).resolve().parent / "nxdt_release"
-MODEL_CONFIGS = Path(__file__).resolve().parents[1] / "conf" / "model_configs"
 STEPS = 3
 HIDDEN, HEADS, FFN, SEQ = 64, 4, 128, 64
 
-# config -> the shipped config.json (conf/model_configs/<folder>) its shrunk copy starts from
-HF = {
-    "hf_llama3.1_405B_trn1_config": "llama3.1_405B", "hf_llama3_405B_config": "llama3.1_405B",
-    "hf_llama3.1_70B_config": "llama3.1_70B", "hf_llama3.1_8B_config": "llama3.1_8B",
-    "hf_llama3_70B_CP_config": "llama3_70B", "hf_llama3_70B_config": "llama3_70B",
-    "hf_llama3_70B_trn2_config": "llama3_70B",
-    "hf_llama3_8B_DPO_config": "llama3_8B", "hf_llama3_8B_ORPO_config": "llama3_8B",
-    "hf_llama3_8B_SFT_config": "llama3_8B", "hf_llama3_8B_SFT_lora_config": "llama3_8B",
-    "hf_llama3_8B_config": "llama3_8B", "hf_llama3_8B_trn2_config": "llama3_8B",
-    "hf_llama_7B_config": "llama2_7B", "hf_mistral_7B_SFT_config": "mistral_7B",
-}
-MEGATRON = ["megatron_gpt_config", "megatron_llama2_7B_SFT_config", "megatron_llama_70b_config",
-            "megatron_llama_7B_config", "megatron_mistral_config", "megatron_mixtral_8x7b_config",
-            "megatron_mixtral_8x7b_dropless_config"]
 # Refused by design, asserted in tests/test_nxdt_release.py: see the module's docstring.
 HF_MOE_REFUSED = {"hf_mixtral_8x7b_config", "hf_mixtral_8x7b_dropless_config"}
+# config -> the shipped config.json (conf/model_configs/<folder>) its shrunk copy starts from
+HF = {name: folder for name, folder in RELEASE_HF.items() if name not in HF_MOE_REFUSED}
 NAMES = sorted([*HF, *MEGATRON])
 SFT = {"hf_llama3_8B_SFT_config", "hf_llama3_8B_SFT_lora_config", "hf_mistral_7B_SFT_config",
        "megatron_llama2_7B_SFT_config"}
