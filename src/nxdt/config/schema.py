@@ -274,7 +274,8 @@ class DynamicSelectionConfig:
     update_interval: int = doc(100, "steps between two weight updates (each evaluates every domain)", ge=1)
     eval_batches: int = doc(1, "held-out global batches per domain at each update (from the domain's "
                                "validation range of data.splits_string)", ge=1)
-    eta: float = doc(1.0, "step size: weights <- weights x exp(eta x max(loss - reference, 0)), normalized", gt=0)
+    eta: float = doc(1.0, "step size: weights <- weights x exp(eta x (loss - reference)), normalized (the _paper "
+                          "rule: max(loss - reference, 0))", gt=0)
     smoothing: float = doc(1e-4, "then mixed with uniform: (1 - c) x weights + c / domains (Sheared-LLaMA's c)",
                            ge=0, lt=1)
 
@@ -332,9 +333,11 @@ class DataConfig:
               "end-of-document id", ge=0)
     bos_token: Optional[int] = doc(None, "fms-fsdp: token put before every document of arrow / parquet shards; "
                                          "null = none", ge=0)
-    dynamic_data_selection: Literal["none", "sheared_llama"] = doc(
-        "none", "LLaMA-MoE: sheared_llama moves the blend's weights toward the domains whose held-out loss is "
-                "furthest above its reference (Sheared-LLaMA's dynamic batch loading); none = static weights")
+    dynamic_data_selection: Literal["none", "sheared_llama", "sheared_llama_paper"] = doc(
+        "none", "LLaMA-MoE: move the blend's weights by each domain's held-out loss against its reference "
+                "(Sheared-LLaMA's dynamic batch loading): sheared_llama = LLaMA-MoE's rule (the signed "
+                "difference), sheared_llama_paper = the paper's (only the excess above the reference); "
+                "none = static weights")
     dynamic_selection: DynamicSelectionConfig = doc(DynamicSelectionConfig, "dynamic_data_selection's settings")
     custom: Dict[str, Any] = doc(
         {}, "not a YAML key: the data.* keys nxdt does not know, read by the custom data.data_module", internal=True)

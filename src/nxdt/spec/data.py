@@ -253,7 +253,7 @@ def reference_losses(value: Any, paths: Sequence[str]) -> list[float]:
     path as written or its `domain_names` name) or a JSON/YAML file holding either."""
     where = REFERENCE_LOSSES_KEY
     if value is None:
-        raise ConfigError(f"{REFERENCE_LOSSES_KEY}: required with data.dynamic_data_selection=sheared_llama (one loss per "
+        raise ConfigError(f"{REFERENCE_LOSSES_KEY}: required with data.dynamic_data_selection (one loss per "
                           f"domain: {', '.join(domain_names(paths))})")
     if isinstance(value, str):
         where = f"{REFERENCE_LOSSES_KEY} ({value})"
