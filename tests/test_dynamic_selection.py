@@ -305,3 +305,24 @@ def test_data_datasets_with_selection_state_round_trip(tmp_path):
     assert [[d for d, _, _ in batch] for batch in keys] == [
         resumed.selection.draw.domains(s).tolist() for s in range(2, 6)]
     assert resumed.selection.schedule.weights_at(3).tolist() == new.tolist()
+
+
+def test_prob_map_presets_weigh_the_domains_by_name():
+    """LLaMA-MoE's --prob_map presets (data.prob_map) and its reference losses (llama2_7b_slimpajama), matched
+    to the datasets by SlimPajama domain: a folder named after it, or Megatron's <domain>_text_document."""
+    from nxdt.spec.data import data_blend, reference_losses
+
+    def data(**extra):
+        return config_from_dict({"data": {"datasets": ["/d/en_cc", "/d/github_text_document", "/d/en_book"],
+                                          **extra}}).data
+
+    blend = data_blend(data(prob_map="sheared_llama"))
+    assert blend.blend == ((0.361, "/d/en_cc"), (0.008, "/d/github_text_document"), (0.091, "/d/en_book"))
+    assert [w for w, _ in data_blend(data(prob_map="llama")).blend] == [0.67, 0.045, 0.045]
+    assert reference_losses("llama2_7b_slimpajama", ["/d/en_cc", "/d/github_text_document", "/d/en_book"]) == [
+        REF_LOSS["en_cc"], REF_LOSS["github"], REF_LOSS["en_book"]]
+    with pytest.raises(ConfigError, match="data.prob_map llama: dataset 'web' is not a SlimPajama domain"):
+        data_blend(config_from_dict({"data": {"datasets": ["/d/en_cc", "/d/web"], "prob_map": "llama"}}).data)
+    with pytest.raises(ConfigError, match=r"data.prob_map \(uniform\) sets the blend's weights: remove data.weights"):
+        data_blend(config_from_dict({"data": {"datasets": ["/d/en_cc", "/d/github"], "weights": [1, 2],
+                                              "prob_map": "uniform"}}).data)

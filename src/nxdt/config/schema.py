@@ -270,7 +270,8 @@ class DistributedStrategyConfig:
 class DynamicSelectionConfig:
     reference_losses: Optional[Union[List[float], Dict[str, float], str]] = doc(
         None, "per-domain reference loss: a list in blend order, a {domain: loss} mapping (domain = the "
-              "dataset's path or its last folder/file name) or a JSON/YAML file holding either")
+              "dataset's path or its last folder/file name), a JSON/YAML file holding either, or "
+              "llama2_7b_slimpajama (LLaMA-MoE's: Llama-2-7B's SlimPajama losses by domain)")
     update_interval: int = doc(100, "steps between two weight updates (each evaluates every domain)", ge=1)
     eval_batches: int = doc(1, "held-out global batches per domain at each update (from the domain's "
                                "validation range of data.splits_string)", ge=1)
@@ -339,6 +340,10 @@ class DataConfig:
                 "difference), sheared_llama_paper = the paper's (only the excess above the reference); "
                 "none = static weights")
     dynamic_selection: DynamicSelectionConfig = doc(DynamicSelectionConfig, "dynamic_data_selection's settings")
+    prob_map: Optional[Literal["llama", "sheared_llama", "uniform"]] = doc(
+        None, "LLaMA-MoE's blend presets: the weights of the datasets by SlimPajama domain (each dataset named "
+              "after its domain: en_cc, en_c4, github, en_wikipedia, en_book, en_arxiv, en_stack); llama = LLaMA's "
+              "portions, sheared_llama = Sheared-LLaMA's, uniform; null = data.weights / data_prefix's")
     custom: Dict[str, Any] = doc(
         {}, "not a YAML key: the data.* keys nxdt does not know, read by the custom data.data_module", internal=True)
 
