@@ -210,3 +210,29 @@ def test_bad_inputs_are_one_line(hf_model, tmp_path):
         with pytest.raises(ConfigError) as err:
             nxd_to_nxdt(src, tmp_path / f"out{i}", config)
         assert says in str(err.value) and "\n" not in str(err.value), (says, str(err.value))
+
+
+def test_converted_checkpoint_resumes_training(hf_model, tmp_path, kjv_prefix):
+    """`exp_manager.resume_from_checkpoint=CKPT model.weight_init_only=true` trains from the converted
+    NxD checkpoint (tp 4 x pp 2, kv_replicator 2, xser), in one process: the losses of its first two
+    steps are those of a run started from the same weights imported from safetensors (`hf-to-nxdt`),
+    and not those of a run from nxdt's own initialization."""
+    root, sd = hf_model
+    tag = tmp_path / "tag"
+    write_nxd(tag, _shard(sd, 4, 2, 2, False), xser=True)
+    nxd_to_nxdt(tag, tmp_path / "from_nxd", _yaml(root, 4, 2, 2))
+    hf_to_nxdt(root / "hf", tmp_path / "from_hf")
+    losses = {}
+    for name in ("from_nxd", "from_hf", "scratch"):
+        start = [] if name == "scratch" else [f"exp_manager.resume_from_checkpoint={tmp_path / name}",
+                                              "model.weight_init_only=true"]
+        run = train_in_process(["--config-name", "tiny_llama_cpu", *TINY_OVERRIDES, "trainer.devices=1",
+                                "trainer.max_steps=2", "model_source=hf",
+                                f"model.model_config={root / 'hf' / 'config.json'}",
+                                f"data.data_prefix=[1.0,{kjv_prefix}]",
+                                f"exp_manager.explicit_log_dir={tmp_path / name}_run", *start])
+        assert run.rc == 0, run.err[-3000:]
+        losses[name] = [v for _, v in sorted(read_scalars(tmp_path / f"{name}_run")["reduced_train_loss"].items())]
+    assert len(losses["from_nxd"]) == 2
+    assert losses["from_nxd"] == pytest.approx(losses["from_hf"], abs=1e-6)
+    assert abs(losses["from_nxd"][0] - losses["scratch"][0]) > 1e-4, losses
