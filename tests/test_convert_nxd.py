@@ -28,7 +28,7 @@ from nxdt.tools.convert import hf_to_nxdt
 from nxdt.tools.convert_nxd import nxd_to_nxdt
 
 HF = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 176,
-      "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 8192,
+      "num_attention_heads": 8, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 8192,
       "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu",
       "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False}
 
@@ -47,7 +47,7 @@ def _q_order(q: torch.Tensor, heads: int, kv: int, tp: int, mult: int, hd: int, 
 
 def _shard(sd: dict, tp: int, pp: int, mult: int, trn2: bool) -> dict[tuple[int, int], dict]:
     c = HF
-    heads, kv, hd, layers = c["num_attention_heads"], c["num_key_value_heads"], c["hidden_size"] // 4, c["num_hidden_layers"]
+    heads, kv, hd, layers = c["num_attention_heads"], c["num_key_value_heads"], c["hidden_size"] // c["num_attention_heads"], c["num_hidden_layers"]
     per_stage = layers // pp
     out = {(t, p): {} for t in range(tp) for p in range(pp)}
     for t in range(tp):
@@ -156,9 +156,9 @@ def _logits(weights: dict, ids: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(("tp", "pp", "mult", "trn2", "xser"), [
-    (2, 2, None, False, False),   # tp 2 = kv heads: no replication
+    (2, 2, None, False, False),   # tp 2 = kv heads: no replication, 4 query heads per KV head per rank
     (2, 2, None, False, True),
-    (4, 2, 2, False, True),       # tp 4 > 2 kv heads: Trn1's repeat and query shuffle
+    (4, 2, 2, False, True),       # tp 4 > 2 KV heads: Trn1's repeat and query shuffle, 2 query heads a rank
     (4, 1, 2, True, False),       # Trn2's repeat_interleave
 ])
 def test_nxd_layout_gives_transformers_logits(hf_model, tmp_path, capsys, tp, pp, mult, trn2, xser):
@@ -166,8 +166,13 @@ def test_nxd_layout_gives_transformers_logits(hf_model, tmp_path, capsys, tp, pp
     tag = tmp_path / "checkpoints" / "hf_llama--step=5-consumed_samples=40.0.ckpt"
     write_nxd(tag, _shard(sd, tp, pp, mult or 1, trn2), xser)
     out = tmp_path / "nxdt"
-    assert convert_main(["nxd-to-nxdt", "--input", str(tag.parent), "--output", str(out),
-                         "--config", str(_yaml(root, tp, pp, mult))]) == 0
+    # the input as NxD's checkpoint dir (newest `done` tag), the tag, or its model/ folder; the YAML's
+    # model.model_config overridden on the command line as NxDT's shipped YAMLs need it
+    given = {(2, False): tag.parent, (2, True): tag / "model", (4, False): tag, (4, True): tag.parent}[(tp, xser)]
+    config = _yaml(root, tp, pp, mult)
+    config.write_text(config.read_text().replace(str(root / "hf" / "config.json"), "/home/ubuntu/config.json"))
+    assert convert_main(["nxd-to-nxdt", "--input", str(given), "--output", str(out), "--config", str(config),
+                         f"model.model_config={root / 'hf' / 'config.json'}"]) == 0
     said = capsys.readouterr().out
     assert f"tp {tp} x pp {pp}, {'xser' if xser else 'torch.save'}" in said and "optimizer state not carried" in said
     weights = load_weights(out)
@@ -195,7 +200,7 @@ def test_bad_inputs_are_one_line(hf_model, tmp_path):
     (tmp_path / "empty").mkdir()
     cases = {
         "written with tp 2 x pp 2, the config says tp 4 x pp 2": (tag, _yaml(root, 4, 2, 2)),
-        "model.layers.0.self_attn.qkv_proj.weight_qkv: 64 rows per tp rank, 96 expected": (tag, _yaml(root, 2, 2, 2)),
+        "model.layers.0.self_attn.qkv_proj.weight_qkv: 48 rows per tp rank, 64 expected": (tag, _yaml(root, 2, 2, 2)),
         "model.layers.1.self_attn: the 2 copies of each of the 2 K/V heads differ": (ktag, _yaml(root, 4, 1, 2)),
         "tensor_2.pt is missing": (xtag, _yaml(root, 2, 2, None)),
         "not an NxDT checkpoint": (tmp_path / "empty", _yaml(root, 2, 2, None)),

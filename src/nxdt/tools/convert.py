@@ -3,7 +3,7 @@
     nxdt convert hf-to-nxdt --input HF_DIR --output CKPT
     nxdt convert nxdt-to-hf --input CKPT --output HF_DIR [--max-shard-size 5GB] [--dtype bfloat16]
                             [--base BASE_CKPT] [--adapter-only]
-    nxdt convert nxd-to-nxdt --input NXDT_CKPT --output CKPT --config NXDT_YAML
+    nxdt convert nxd-to-nxdt --input NXDT_CKPT --output CKPT --config NXDT_YAML [KEY=VALUE ...]
                              (a checkpoint NxDT wrote, NxD's layout: nxdt.tools.convert_nxd)
 
 Llama and Mixtral: both model sources use transformers' parameter names, so the tensors are
@@ -112,9 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--output", required=True, type=Path)
     c.add_argument("--config", type=Path, default=None, metavar="NXDT_YAML",
                    help="the YAML the NxDT run trained with (architecture, tp, pp, kv_replicator)")
+    c.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="overrides of that YAML, e.g. model.model_config=/path/config.json")
     args = parser.parse_args(argv)
     if args.direction in (NXD_COMMAND, *NXD_ALIASES):
-        for line in nxd_to_nxdt(args.input, args.output, args.config):
+        for line in nxd_to_nxdt(args.input, args.output, args.config, args.overrides):
             print(line)
     elif args.direction == "hf-to-nxdt":
         if hf_to_nxdt(args.input, args.output) is not None:

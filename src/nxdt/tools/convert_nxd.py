@@ -1,12 +1,13 @@
 """`nxdt convert nxd-to-nxdt`: a checkpoint NxDT wrote (NxD's trainer layout) → an nxdt checkpoint.
 
-    nxdt convert nxd-to-nxdt --input NXDT_CKPT --output CKPT --config NXDT_YAML
+    nxdt convert nxd-to-nxdt --input NXDT_CKPT --output CKPT --config NXDT_YAML [KEY=VALUE ...]
     (alias: nxdt-legacy-to-nxdt)
 
 NXDT_CKPT: the tag folder (`...--step=5-consumed_samples=160.0.ckpt`), its `model/` folder, or the
 checkpoint dir (its newest completed tag). NXDT_YAML: the YAML the run trained with, composed and
 schema-checked by nxdt's own config loading: it gives the architecture (model.model_config's config.json with the
-YAML's overrides), tp and pp, and `distributed_strategy.kv_replicator`. NxDT's HF-style Llama
+YAML's overrides), tp and pp, and `distributed_strategy.kv_replicator`; KEY=VALUE overrides it as on
+the training command line (NxDT's YAMLs name `model.model_config: /home/ubuntu/config.json`). NxDT's HF-style Llama
 (model_source hf) is read, both formats (torch.save and xser) (nxdt.checkpoint.nxd_legacy).
 
 The output is a weights-only nxdt checkpoint under transformers' names: start training from it
@@ -33,14 +34,14 @@ ALIASES = ("nxdt-legacy-to-nxdt",)
 LLAMA_TYPES = ("llama", "mistral")
 
 
-def read_yaml(path: Path):
+def read_yaml(path: Path, overrides: list[str] | None = None):
     """The typed config of an NxDT YAML, composed and schema-checked by nxdt's loader; not the run's
     cross-checks (batch sizes, devices, files): only the model and its layout are read."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"--config {path}: no such file")
-    return validate(compose(["--config-path", str(path.resolve().parent), "--config-name", path.stem]),
-                    check_supported=False)
+    argv = ["--config-path", str(path.resolve().parent), "--config-name", path.stem, *(overrides or [])]
+    return validate(compose(argv), check_supported=False)
 
 
 def layout_of(cfg) -> tuple[NxdLayout, dict[str, Any]]:
@@ -69,15 +70,16 @@ def layout_of(cfg) -> tuple[NxdLayout, dict[str, Any]]:
     return lay, hf
 
 
-def nxd_to_nxdt(input_path: Path, output: Path, config: Path | None) -> list[str]:
-    """Convert; returns the lines to print (what was read, what was not carried over)."""
+def nxd_to_nxdt(input_path: Path, output: Path, config: Path | None, overrides: list[str] | None = None) -> list[str]:
+    """Convert; returns the lines to print (what was read, what was not carried over). `overrides`:
+    KEY=VALUE for the YAML, as on the training command line (e.g. model.model_config=...)."""
     if config is None:
         raise ConfigError("--config NXDT_YAML: needed (the YAML the NxDT run trained with: the model's "
                           "architecture, tp, pp and distributed_strategy.kv_replicator)")
     output = Path(output)
     if output.exists():
         raise ConfigError(f"--output {output} exists; choose a new path (nothing is overwritten)")
-    cfg = read_yaml(config)
+    cfg = read_yaml(config, overrides)
     lay, hf = layout_of(cfg)
     ckpt = scan(input_path)
     tensors, kv_order = merge(ckpt, lay)
