@@ -45,9 +45,12 @@ def _q_order(q: torch.Tensor, heads: int, kv: int, tp: int, mult: int, hd: int, 
     return [splits[r].reshape(-1, w.shape[-1]) for r in range(tp)]
 
 
-def _shard(sd: dict, tp: int, pp: int, mult: int, trn2: bool) -> dict[tuple[int, int], dict]:
+def _shard(sd: dict, tp: int, pp: int, mult: int, trn2: bool, qkv: str = "fused") -> dict[tuple[int, int], dict]:
+    """NxD's rank files. qkv: fused (GQAQKVColumnParallelLinear with fuse_qkv: `qkv_proj.weight_qkv`),
+    split (without fuse_qkv: `qkv_proj.weight_q/_k/_v`), separate (qkv_linear false: q_proj/k_proj/v_proj)."""
     c = HF
-    heads, kv, hd, layers = c["num_attention_heads"], c["num_key_value_heads"], c["hidden_size"] // c["num_attention_heads"], c["num_hidden_layers"]
+    heads, kv, layers = c["num_attention_heads"], c["num_key_value_heads"], c["num_hidden_layers"]
+    hd = c["hidden_size"] // heads
     per_stage = layers // pp
     out = {(t, p): {} for t in range(tp) for p in range(pp)}
     for t in range(tp):
@@ -65,7 +68,12 @@ def _shard(sd: dict, tp: int, pp: int, mult: int, trn2: bool) -> dict[tuple[int,
             o = (_q_order(sd[a + "o_proj.weight"].T, heads, kv, tp, mult, hd, trn2)[t].T if mult > 1
                  else rows(sd[a + "o_proj.weight"], 1))
             k, v = rows(repeat(sd[a + "k_proj.weight"])), rows(repeat(sd[a + "v_proj.weight"]))
-            s[a + "qkv_proj.weight_qkv"] = torch.cat([q, k, v], dim=0).contiguous()
+            if qkv == "fused":
+                s[a + "qkv_proj.weight_qkv"] = torch.cat([q, k, v], dim=0).contiguous()
+            else:
+                names = ("qkv_proj.weight_q", "qkv_proj.weight_k", "qkv_proj.weight_v") if qkv == "split" else (
+                    "q_proj.weight", "k_proj.weight", "v_proj.weight")
+                s.update({a + n: w.contiguous() for n, w in zip(names, (q, k, v))})
             s[a + "o_proj.weight"] = o.contiguous()
             s[p + "mlp.gate_up_proj.weight"] = torch.cat([rows(sd[p + "mlp.gate_proj.weight"]),
                                                           rows(sd[p + "mlp.up_proj.weight"])], dim=0)
@@ -155,20 +163,22 @@ def _logits(weights: dict, ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids).logits
 
 
-@pytest.mark.parametrize(("tp", "pp", "mult", "trn2", "xser"), [
-    (2, 2, None, False, False),   # tp 2 = kv heads: no replication, 4 query heads per KV head per rank
-    (2, 2, None, False, True),
-    (4, 2, 2, False, True),       # tp 4 > 2 KV heads: Trn1's repeat and query shuffle, 2 query heads a rank
-    (4, 1, 2, True, False),       # Trn2's repeat_interleave
+@pytest.mark.parametrize(("tp", "pp", "mult", "trn2", "xser", "qkv"), [
+    (2, 2, None, False, False, "fused"),  # tp 2 = kv heads: no replication, 4 query heads per KV head per rank
+    (2, 2, None, False, True, "fused"),
+    (4, 2, 2, False, True, "fused"),      # tp 4 > 2 KV heads: Trn1's repeat and query shuffle, 2 query heads a rank
+    (4, 1, 2, True, False, "fused"),      # Trn2's repeat_interleave
+    (4, 2, 2, False, False, "split"),
+    (2, 1, None, False, True, "separate"),
 ])
-def test_nxd_layout_gives_transformers_logits(hf_model, tmp_path, capsys, tp, pp, mult, trn2, xser):
+def test_nxd_layout_gives_transformers_logits(hf_model, tmp_path, capsys, tp, pp, mult, trn2, xser, qkv):
     root, sd = hf_model
     tag = tmp_path / "checkpoints" / "hf_llama--step=5-consumed_samples=40.0.ckpt"
-    write_nxd(tag, _shard(sd, tp, pp, mult or 1, trn2), xser)
+    write_nxd(tag, _shard(sd, tp, pp, mult or 1, trn2, qkv), xser)
     out = tmp_path / "nxdt"
     # the input as NxD's checkpoint dir (newest `done` tag), the tag, or its model/ folder; the YAML's
     # model.model_config overridden on the command line as NxDT's shipped YAMLs need it
-    given = {(2, False): tag.parent, (2, True): tag / "model", (4, False): tag, (4, True): tag.parent}[(tp, xser)]
+    given = [tag.parent, tag / "model", tag][(tp + pp + int(xser)) % 3]
     config = _yaml(root, tp, pp, mult)
     config.write_text(config.read_text().replace(str(root / "hf" / "config.json"), "/home/ubuntu/config.json"))
     assert convert_main(["nxd-to-nxdt", "--input", str(given), "--output", str(out), "--config", str(config),
