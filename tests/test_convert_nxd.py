@@ -185,6 +185,7 @@ def test_nxd_layout_gives_transformers_logits(hf_model, tmp_path, capsys, tp, pp
                          f"model.model_config={root / 'hf' / 'config.json'}"]) == 0
     said = capsys.readouterr().out
     assert f"tp {tp} x pp {pp}, {'xser' if xser else 'torch.save'}" in said and "optimizer state not carried" in said
+    assert "NxDT's step 5, consumed_samples 40" in said
     weights = load_weights(out)
     assert set(weights) == set(sd)
     reference = LlamaForCausalLM.from_pretrained(root / "hf", dtype=torch.float32).eval()

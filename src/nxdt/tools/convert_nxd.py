@@ -19,6 +19,7 @@ ZeRO-1), an order the checkpoint does not record, so Adam's moments start fresh 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,13 @@ def layout_of(cfg) -> tuple[NxdLayout, dict[str, Any]]:
     return lay, hf
 
 
+def progress_of(tag_name: str) -> dict[str, float]:
+    """step and consumed_samples from the tag's name (`<name>--step=S-consumed_samples=C.ckpt`), as
+    NxDT's checkpoint callback names it; {} where the name does not say."""
+    return {key: float(m.group(1)) for key in ("step", "consumed_samples")
+            if (m := re.search(rf"(?:^|[-_]){key}=(\d+(?:\.\d+)?)", tag_name))}
+
+
 def nxd_to_nxdt(input_path: Path, output: Path, config: Path | None, overrides: list[str] | None = None) -> list[str]:
     """Convert; returns the lines to print (what was read, what was not carried over). `overrides`:
     KEY=VALUE for the YAML, as on the training command line (e.g. model.model_config=...)."""
@@ -83,13 +91,15 @@ def nxd_to_nxdt(input_path: Path, output: Path, config: Path | None, overrides: 
     lay, hf = layout_of(cfg)
     ckpt = scan(input_path)
     tensors, kv_order = merge(ckpt, lay)
+    progress = progress_of(ckpt.tag.name)
     meta = {"hf_config": hf, "source": str(ckpt.tag),
             "nxd_source": {"tp": ckpt.tp, "pp": ckpt.pp, "xser": ckpt.xser, "kv_replicator": lay.kv_replicator,
-                           "kv_replication": kv_order if lay.kv_replicator > 1 else None}}
+                           "kv_replication": kv_order if lay.kv_replicator > 1 else None, **progress}}
     save_weights(tensors, output, meta)
     lines = [f"read {ckpt.tag}: tp {ckpt.tp} x pp {ckpt.pp}, {'xser' if ckpt.xser else 'torch.save'}, "
              f"{len(tensors)} tensors" + (f", K/V replicated x{lay.kv_replicator} ({kv_order})"
-                                           if lay.kv_replicator > 1 else "")]
+                                           if lay.kv_replicator > 1 else "")
+             + (", NxDT's " + ", ".join(f"{k} {v:g}" for k, v in progress.items()) if progress else "")]
     if not ckpt.complete:
         lines.append(f"notice: {ckpt.tag} has no `done` marker (NxD writes it last): the save may not have finished")
     if ckpt.has_optimizer:
