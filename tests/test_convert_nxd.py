@@ -39,6 +39,12 @@ def _q_order(q: torch.Tensor, heads: int, kv: int, tp: int, mult: int, hd: int, 
     w = q.reshape(heads, hd, -1)
     if trn2:  # blocked replication: heads in order
         return list(w.reshape(tp, -1, w.shape[-1]))
+    if kv * mult != tp:  # beyond what the converter writes: each rank's query slots take, in order, the next
+        # heads of the KV head NxD's runtime pairs them with (rank r holds replicated KV heads r*kv_pp.., Trn1's repeat)
+        q_pp, kv_pp = heads // tp, kv * mult // tp
+        pools = [list(range(g * heads // kv, (g + 1) * heads // kv)) for g in range(kv)]
+        order = [pools[(r * kv_pp + j // (q_pp // kv_pp)) % kv].pop(0) for r in range(tp) for j in range(q_pp)]
+        return list(w[order].reshape(tp, -1, w.shape[-1]))
     w = w.reshape(-1, heads // (kv * mult), hd, w.shape[-1])  # trn1: convert_full_state_to_tp's shuffle
     idx = torch.arange(0, kv) * tp // kv
     splits = torch.cat([w[idx + i] for i in range(tp // kv)], dim=0)
@@ -82,6 +88,38 @@ def _shard(sd: dict, tp: int, pp: int, mult: int, trn2: bool, qkv: str = "fused"
                 s[p + n] = sd[p + n].clone()
             s[a + "rotary_emb.inv_freq"] = torch.ones(hd // 2)  # an old persistent buffer: dropped
     return out
+
+
+def _attention(ranks: list[tuple[torch.Tensor, ...]], x: torch.Tensor, hd: int) -> torch.Tensor:
+    """Causal attention as NxD computes it (no RoPE: it rotates every head alike): each tp rank its
+    query heads over its own K/V heads (repeat_kv within the rank), o_proj's partial sums added."""
+    out = 0
+    for q, k, v, o in ranks:
+        heads = [(x @ w.T).unflatten(-1, (-1, hd)).transpose(1, 2) for w in (q, k, v)]
+        group = heads[0].shape[1] // heads[1].shape[1]
+        a = torch.nn.functional.scaled_dot_product_attention(
+            heads[0], heads[1].repeat_interleave(group, 1), heads[2].repeat_interleave(group, 1), is_causal=True)
+        out = out + a.transpose(1, 2).flatten(2) @ o.T
+    return out
+
+
+@pytest.mark.parametrize(("tp", "mult", "trn2"), [(2, 1, False), (4, 2, False), (4, 2, True), (2, 2, False)])
+def test_written_shards_compute_transformers_attention(hf_model, tp, mult, trn2):
+    """The NxD layouts the tests write are NxD models of the same weights: per-rank attention (NxD's
+    runtime) equals transformers' grouped-query attention within 1e-6. (2, 2): 2 KV heads x 2 copies
+    over tp 2, a layout NxD runs but its converter cannot write."""
+    _, sd = hf_model
+    heads, kv, hd = HF["num_attention_heads"], HF["num_key_value_heads"], HF["hidden_size"] // HF["num_attention_heads"]
+    rep_pp = kv * mult // tp
+    sizes = [heads // tp * hd, rep_pp * hd, rep_pp * hd]
+    a = "model.layers.0.self_attn."
+    shards = _shard(sd, tp, 1, mult, trn2)
+    ranks = [(*torch.split(shards[(t, 0)][a + "qkv_proj.weight_qkv"], sizes), shards[(t, 0)][a + "o_proj.weight"])
+             for t in range(tp)]
+    x = torch.randn(2, 12, HF["hidden_size"])
+    expect = _attention([tuple(sd[a + n + "_proj.weight"] for n in "qkvo")], x, hd)
+    assert (_attention(ranks, x, hd) - expect).abs().max().item() <= 1e-6
+    assert expect.abs().max().item() > 1e-2
 
 
 @contextlib.contextmanager
@@ -170,6 +208,7 @@ def _logits(weights: dict, ids: torch.Tensor) -> torch.Tensor:
     (4, 1, 2, True, False, "fused"),      # Trn2's repeat_interleave
     (4, 2, 2, False, False, "split"),
     (2, 1, None, False, True, "separate"),
+    (2, 1, 2, False, False, "fused"),     # 2 KV heads x 2 copies over tp 2: 2 KV heads a rank (NxD's runtime order)
 ])
 def test_nxd_layout_gives_transformers_logits(hf_model, tmp_path, capsys, tp, pp, mult, trn2, xser, qkv):
     root, sd = hf_model
