@@ -70,7 +70,8 @@ def _shard(sd: dict, tp: int, pp: int, mult: int, trn2: bool, qkv: str = "fused"
             a = p + "self_attn."
             repeat = (lambda x: torch.repeat_interleave(x.reshape(kv, hd, -1), mult, 0).reshape(kv * mult * hd, -1)) \
                 if trn2 else (lambda x: x.repeat(mult, 1))
-            q = _q_order(sd[a + "q_proj.weight"], heads, kv, tp, mult, hd, trn2)[t] if mult > 1 else rows(sd[a + "q_proj.weight"])
+            q = (_q_order(sd[a + "q_proj.weight"], heads, kv, tp, mult, hd, trn2)[t] if mult > 1
+                 else rows(sd[a + "q_proj.weight"]))
             o = (_q_order(sd[a + "o_proj.weight"].T, heads, kv, tp, mult, hd, trn2)[t].T if mult > 1
                  else rows(sd[a + "o_proj.weight"], 1))
             k, v = rows(repeat(sd[a + "k_proj.weight"])), rows(repeat(sd[a + "v_proj.weight"]))

@@ -261,9 +261,10 @@ def _split_qkv(ranks: list[dict[str, torch.Tensor]], prefix: str, lay: NxdLayout
         if key in ranks[0]:
             tensors = [r.pop(key) for r in ranks]
             if tensors[0].shape[0] != sum(sizes):
-                raise ConfigError(f"{key}: {tensors[0].shape[0]} rows per tp rank, {sum(sizes)} expected (q {sizes[0]} "
-                                  f"+ k {sizes[1]} + v {sizes[2]}: {lay.num_heads} heads, {lay.num_kv_heads} K/V heads x "
-                                  f"kv_replicator {mult}, head_dim {lay.head_dim}, tp {lay.tp})")
+                raise ConfigError(f"{key}: {tensors[0].shape[0]} rows per tp rank, {sum(sizes)} expected "
+                                  f"(q {sizes[0]} + k {sizes[1]} + v {sizes[2]}: {lay.num_heads} heads, "
+                                  f"{lay.num_kv_heads} K/V heads x kv_replicator {mult}, head_dim {lay.head_dim}, "
+                                  f"tp {lay.tp})")
             split = [torch.split(t, sizes, dim=0) for t in tensors]
             return {n: [s[i] for s in split] for i, n in enumerate("qkv")}, mult
     for names, mult in ((("qkv_proj.weight_q", "qkv_proj.weight_k", "qkv_proj.weight_v"), lay.kv_replicator),
