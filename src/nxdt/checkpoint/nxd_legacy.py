@@ -47,7 +47,7 @@ Followed (read, not imported):
     pipeline/model.py (local_state_dict)
   aws-neuron/neuronx-distributed-training @ 9169aa03 (2025-09-22): lightning_modules/nlp_overrides.py
     (NLPCheckpointIO), models/hf_models/modeling_llama.py, examples/checkpoint_converter_scripts/
-  pytorch/xla torch_xla/utils/serialization.py (TensorReference, `<path>.tensors/tensor_<tid>.pt`)
+  pytorch/xla @ 05ad6e46: torch_xla/utils/serialization.py (TensorReference, `<path>.tensors/tensor_<tid>.pt`)
 """
 
 from __future__ import annotations
