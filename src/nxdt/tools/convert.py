@@ -3,6 +3,8 @@
     nxdt convert hf-to-nxdt --input HF_DIR --output CKPT
     nxdt convert nxdt-to-hf --input CKPT --output HF_DIR [--max-shard-size 5GB] [--dtype bfloat16]
                             [--base BASE_CKPT] [--adapter-only]
+    nxdt convert nxd-to-nxdt --input NXDT_CKPT --output CKPT --config NXDT_YAML [KEY=VALUE ...]
+                             (a checkpoint NxDT wrote, NxD's layout: nxdt.tools.convert_nxd)
 
 Llama and Mixtral: both model sources use transformers' parameter names, so the tensors are
 copied as they are. GPT-NeoX / Pythia (config.json model_type gpt_neox): the weights are renamed
@@ -35,6 +37,7 @@ from nxdt.config.errors import ConfigError
 from nxdt.models.lora import is_lora_key
 from nxdt.models.neox import neox_model_keys, neox_to_native
 from nxdt.tools.convert_lora import lora_to_hf
+from nxdt.tools.convert_nxd import ALIASES as NXD_ALIASES, COMMAND as NXD_COMMAND, nxd_to_nxdt
 from nxdt.tools.hf_folder import check_output_free, copy_tokenizer, hf_config_for, read_hf_folder, write_hf_model
 
 NXDT_MODEL_FILE = "nxdt_model.yaml"
@@ -102,8 +105,20 @@ def main(argv: list[str] | None = None) -> int:
                         "adapters (save_lora_base: false), e.g. the run's exp_manager.resume_from_checkpoint")
     b.add_argument("--adapter-only", action="store_true",
                    help="LoRA: write only the PEFT adapter folder (OUTPUT/adapter), no merged or base model")
+    c = sub.add_parser(NXD_COMMAND, aliases=list(NXD_ALIASES),
+                       help="a checkpoint NxDT wrote (NxD's tp/pp rank files, torch.save or xser) → nxdt weights")
+    c.add_argument("--input", required=True, type=Path,
+                   help="the tag folder (...ckpt), its model/ folder, or the checkpoint dir (newest completed tag)")
+    c.add_argument("--output", required=True, type=Path)
+    c.add_argument("--config", type=Path, default=None, metavar="NXDT_YAML",
+                   help="the YAML the NxDT run trained with (architecture, tp, pp, kv_replicator)")
+    c.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="overrides of that YAML, e.g. model.model_config=/path/config.json")
     args = parser.parse_args(argv)
-    if args.direction == "hf-to-nxdt":
+    if args.direction in (NXD_COMMAND, *NXD_ALIASES):
+        for line in nxd_to_nxdt(args.input, args.output, args.config, args.overrides):
+            print(line)
+    elif args.direction == "hf-to-nxdt":
         if hf_to_nxdt(args.input, args.output) is not None:
             print(f"model keys of the native model: {args.output / NXDT_MODEL_FILE}")
     else:
