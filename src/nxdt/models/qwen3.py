@@ -76,10 +76,11 @@ def qwen3_model_keys(hf: dict[str, Any]) -> dict[str, Any]:
     }
     if scaling:
         keys["rope_scaling"] = dict(scaling)
-    if hf.get("model_type") == "qwen3_moe" and hf.get("num_experts"):
+    experts = hf.get("num_experts") or hf.get("num_local_experts")  # transformers 5 writes the latter
+    if hf.get("model_type") == "qwen3_moe" and experts:
         layers = qwen3_moe_layers(hf)
         keys["moe"] = {
-            "num_experts": hf["num_experts"], "top_k": hf["num_experts_per_tok"], "frequency": 1,
+            "num_experts": experts, "top_k": hf["num_experts_per_tok"], "frequency": 1,
             "ffn_hidden_size": hf["moe_intermediate_size"], "routing_algorithm": "top_k",
             "router_activation": "softmax", "normalize_top_k_affinities": bool(hf.get("norm_topk_prob", True)),
             "capacity_factor": None, "dropless": True,
