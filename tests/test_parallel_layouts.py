@@ -206,8 +206,11 @@ MODELS.update({
     "qwen3_moe": [*QWEN3, "model.num_layers=4", "model.moe.num_experts=4", "model.moe.top_k=2",
                   "model.moe.ffn_hidden_size=48", "model.moe.layers=[1,3]", "model.moe.dropless=true",
                   "model.moe.output_router_logits=true", "model.moe.router_aux_loss_coef=0.1"],
+    # transformers' Qwen3MoeForCausalLM (q/k norms over [B, S, heads, head_dim]): layer 1 MoE, layer 0 dense
+    "hf_qwen3_moe": ["model_source=hf", "model.model_config=${nxdt_conf:model_configs/tiny_qwen3_moe/config.json}",
+                     f"trainer.max_steps={COMPILE_STEPS}"],
 })
-TEN_STEP_MODELS = ("native10", "qwen3", "qwen3_moe")
+TEN_STEP_MODELS = ("native10", "qwen3", "qwen3_moe", "hf_qwen3_moe")
 LAYOUTS.update({
     "qwen3_tp2_sp_selective_ac": ("qwen3", 2, [f"{TP}=2", SP, MBS4, "model.activations_checkpoint_granularity=selective"],
                                   "dp=1  tp=2"),
@@ -216,6 +219,7 @@ LAYOUTS.update({
     "qwen3_moe_tp2_sp": ("qwen3_moe", 2, [f"{TP}=2", SP], "dp=1  tp=2"),
     "qwen3_moe_pp2": ("qwen3_moe", 2, [PP2], "dp=1  tp=1  pp=2"),
     "qwen3_moe_ep2_zero1": ("qwen3_moe", 2, [EP2, "distributed_strategy.zero1=true"], "dp=2  tp=1  pp=1  cp=1  ep=2"),
+    "hf_qwen3_moe_tp2_sp": ("hf_qwen3_moe", 2, [f"{TP}=2", SP], "dp=1  tp=2"),
 })
 # ---- end of Qwen3
 
@@ -245,7 +249,7 @@ NORM_RTOL = {"tp2_pp2": 2e-5, "compile_fsdp_dp2": 1e-5, "compile_tp2_sp_full_ac"
 # norm moves by 2.3e-4 relative (measured; steps 0-3 within 1e-5, the losses within 1e-5 all ten steps): the
 # attention's sharded rounding reaches the router, and the aux loss's gradient (0.1, top-k counts) is discrete
 NORM_RTOL.update({name: 2e-5 if model == "qwen3" else 1e-4 for name, (model, *_) in LAYOUTS.items()
-                  if model in ("qwen3", "qwen3_moe")})
+                  if model in ("qwen3", "qwen3_moe", "hf_qwen3_moe")})
 NORM_RTOL["qwen3_moe_tp2_sp"] = 5e-4
 
 
