@@ -16,7 +16,9 @@ Design points:
 - Megatron-style options (`normalization`, `activation`, `position_embedding_type`,
   `rotary_percentage`, `has_bias`, dropouts, scaled init, `transformer_block_type`) are
   supported so the NxDT "megatron" model configs mean what they say; GPT-NeoX / Pythia are this
-  model with layernorm, gelu, biases, partial rotary and the gpt_j block (nxdt.models.neox).
+  model with layernorm, gelu, biases, partial rotary and the gpt_j block (nxdt.models.neox); Qwen3 is
+  it with per-head q/k norms (`qk_layernorm`) and its own head_dim (`kv_channels`), Qwen3-MoE adds
+  experts of their own width in chosen layers (nxdt.models.qwen3).
 """
 
 from __future__ import annotations
@@ -149,6 +151,7 @@ class LlamaArgs:
         return self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
 
     def is_moe_layer(self, layer_idx: int) -> bool:
+        """Layer `layer_idx` has experts and a router in place of the MLP."""
         if self.moe is None:
             return False
         return layer_idx in self.moe_layers if self.moe_layers is not None else self.moe.is_moe_layer(layer_idx)
