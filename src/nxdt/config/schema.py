@@ -370,6 +370,12 @@ class FusionsConfig:
 class MoEConfig:
     num_experts: int = doc(0, "experts per MoE layer; 0 = dense model", ge=0)
     frequency: int = doc(1, "layer i is an MoE layer when i % frequency == 0 (1 = every layer)", ge=1)
+    layers: Optional[List[int]] = doc(
+        None, "the MoE layers by index (0-based), the others keep the dense MLP: Qwen3-MoE's layers "
+              "(i + 1) % decoder_sparse_step == 0 not in mlp_only_layers; null = by frequency")
+    ffn_hidden_size: Optional[int] = doc(
+        None, "each expert's width (Megatron's moe_ffn_hidden_size, transformers' moe_intermediate_size); "
+              "null = model.ffn_hidden_size (Mixtral), which the dense layers keep", ge=1)
     dropout: float = doc(0.0, "dropout in the MoE layer", ge=0, lt=1)
     capacity_factor: Optional[float] = doc(None, "expert capacity factor; null = no token dropping (0 with dropless)", ge=0)
     dropless: bool = doc(False, "dropless (blockwise) expert computation")
@@ -407,7 +413,9 @@ class ModelConfig:
     ffn_hidden_size: Optional[int] = doc(None, "MLP intermediate size", ge=1)
     num_attention_heads: Optional[int] = doc(None, "query heads", ge=1)
     num_kv_heads: Optional[int] = doc(None, "key/value heads (GQA); null = num_attention_heads", ge=1)
-    kv_channels: Optional[int] = doc(None, "head dimension; null = hidden_size / num_attention_heads", ge=1)
+    kv_channels: Optional[int] = doc(None, "head dimension (transformers' head_dim); null = hidden_size / num_attention_heads", ge=1)
+    qk_layernorm: bool = doc(False, "a norm (model.normalization) over each head's queries and keys before rotary: "
+                                    "Qwen3's self_attn.q_norm / k_norm (Megatron's qk_layernorm)")
     vocab_size: Optional[int] = doc(None, "vocabulary size; null = from the tokenizer (padded, see make_vocab_size_divisible_by)", ge=1)
     make_vocab_size_divisible_by: int = doc(8, "pad the vocabulary to a multiple of this x tp", ge=1)
     init_method_std: float = doc(0.02, "std of the normal weight init", ge=0)
