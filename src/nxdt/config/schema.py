@@ -444,6 +444,9 @@ class ModelConfig:
     gpt_j_tied: bool = doc(True, "gpt_j: attention and MLP share one input norm (GPT-J, NeMo); false: two "
                            "(GPT-NeoX / Pythia, transformers' use_parallel_residual)")
     has_bias: bool = doc(False, "biases in linear layers")
+    mlp_bias: Optional[bool] = doc(None, "biases in the MLP's linear layers; null = model.has_bias (GPT-NeoX's "
+                                         "use_bias_in_mlp, transformers' mlp_bias: Llama-style files of NeoX have "
+                                         "them without attention biases)")
     # hf-specific
     qkv_linear: bool = doc(False, "NxDT GQAQKVLinear (one module for q, k, v)")
     fuse_qkv: bool = doc(False, "fuse q, k, v projections into one matmul")
