@@ -345,7 +345,7 @@ class DataConfig:
     file_type: Literal["arrow", "hf_parquet", "auto"] = doc(
         "arrow", "fms-fsdp: arrow = token-id shards (.arrow, or .parquet with list<int> rows); hf_parquet = "
                  ".parquet files whose data.col_name column is raw text, tokenized with data.tokenizer when the "
-                 "folder is opened; auto = .arrow token ids and .parquet text")
+                 "folder is opened; auto = .arrow files' 'tokens' ids and .parquet text")
     dynamic_data_selection: Literal["none", "sheared_llama"] = doc(
         "none", "LLaMA-MoE: sheared_llama moves the blend's weights toward the domains whose held-out loss is "
                 "furthest above its reference (Sheared-LLaMA's dynamic batch loading); none = static weights")

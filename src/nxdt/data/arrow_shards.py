@@ -10,7 +10,8 @@ relative paths (fms-fsdp's order), documents in file order.
 
 With `data.file_type: hf_parquet` the .parquet files' `col_name` column is raw text, tokenized
 with the run's tokenizer when the folder is opened (nxdt.data.parquet_text); `auto` reads .arrow
-files as token ids and .parquet files as text (fms-fsdp's AutoHandler).
+files' `tokens` column as token ids and the .parquet files' `col_name` as text (fms-fsdp's
+AutoHandler).
 
 Every document is read as the virtual document [bos] + tokens + [sep] (fms-fsdp's
 `bos_token` / `sep_token`): a leading or trailing token already equal to bos or sep, or to one
@@ -179,6 +180,8 @@ class ArrowShardDocuments(DocumentAccess):
         self.col_name, self.sep_token, self.bos_token = str(col_name), sep_token, bos_token
         self.strip_tokens, self.file_type, self.tokenizer = [int(t) for t in strip_tokens], str(file_type), tokenizer
         self.files = shard_files(self.prefix, self.file_type)
+        # auto: col_name names the text column; the .arrow files' ids are in 'tokens' (fms-fsdp's AutoHandler)
+        self.token_column = "tokens" if self.file_type == "auto" else self.col_name
         if not self.files:
             kinds = " or ".join(FILE_TYPES[self.file_type])
             raise ConfigError(f"data.datasets: {self.prefix} has no {kinds} shards"
@@ -193,7 +196,7 @@ class ArrowShardDocuments(DocumentAccess):
                     self._texts[rel] = tokenize_text_shard(self.shard_path(rel), self.col_name, tokenizer)
                 tokens, s, n = self._texts[rel]
             else:
-                tokens, s, n = index_shard(self.shard_path(rel), self.col_name)
+                tokens, s, n = index_shard(self.shard_path(rel), self.token_column)
             s, n = _strip(tokens, s, n, drop)
             self._tokens.append(tokens)
             starts.append(s)
@@ -278,7 +281,7 @@ class ArrowShardDocuments(DocumentAccess):
         if rel in self._texts:
             tokens = self._texts[rel][0]
             return int(tokens.max()) if len(tokens) else None
-        _, chunks = _column_chunks(self.shard_path(rel), self.col_name)
+        _, chunks = _column_chunks(self.shard_path(rel), self.token_column)
         found = [pc.max(values).as_py() for values, _ in chunks if len(values)]
         return max(found) if found else None
 
