@@ -17,6 +17,7 @@ from test_data_modules import base_cfg, fake_trainer
 
 from nxdt.config.errors import ConfigError
 from nxdt.data.arrow_shards import ArrowShardDocuments
+from nxdt.data.assets import bundled_tokenizer_dir
 from nxdt.data.select import build_datamodule
 from nxdt.spec import build_spec
 
@@ -467,3 +468,65 @@ def test_hf_parquet_datamodule_resumes_bitwise(tmp_path, monkeypatch):
     assert len(resumed) == 2 and not torch.equal(resumed[0]["input_ids"], batches[0]["input_ids"])
     for a, b in zip(batches[2:], resumed):
         assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["labels"], b["labels"])
+
+
+# ----------------------------------------------------------------------------- fms-fsdp configs train (2 ranks)
+
+TINY_MODEL = ["model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=176", "model.num_attention_heads=4",
+              "model.num_kv_heads=2", "model.max_position_embeddings=128", f"model.vocab_size={VOCAB}",
+              "trainer.enable_progress_bar=false"]
+
+
+def _fms_config(path, log_dir, root, **fields) -> None:
+    """A train_config as fms-fsdp's users write it: its field names, comma strings, its model_variant."""
+    values = {"model_variant": "llama3_194m_4k", "ckpt_load_path": str(log_dir), "ckpt_save_path": str(log_dir),
+              "data_path": str(root), "seq_length": 32, "eos_token": SEP, "logical_shards": 2, "num_workers": 0,
+              "sharding_strategy": "hsdp", "mixed_precision": True, "batch_size": 2, "num_steps": 4,
+              "report_interval": 1, "checkpoint_interval": 2, "use_torch_compile": False,
+              "tokenizer_path": str(bundled_tokenizer_dir()), **fields}
+    path.write_text("".join(f"{k}: {v!r}\n" if isinstance(v, str) else f"{k}: {v}\n" for k, v in values.items()))
+
+
+@pytest.fixture(scope="module")
+def fms_runs(tmp_path_factory):
+    """One 2-rank launch: an imported fms-fsdp config on arrow shards (bol / eol / strip_tokens), one on
+    raw-text parquet, that one resumed, and the bf16 gradient-reduction check (tests/fms_runs.py).
+    fms-fsdp's presets are too big for CPU: the model is shrunk with nxdt overrides, nothing else."""
+    from conftest import run_pool
+
+    from nxdt.cli import main as cli
+
+    tmp = tmp_path_factory.mktemp("fms")
+    root = tmp / "data"
+    write_fms_folder(root / "en" / "a", _docs(100, 300, 6))
+    write_fms_folder(root / "en" / "b", _docs(5000, 150, 7), files=3)
+    _write_text_parquet(root / "raw", _texts(300, 8), files=3)
+    logs = {name: tmp / name for name in ("arrow", "parquet")}
+    _fms_config(tmp / "arrow.yaml", logs["arrow"], root, datasets="en/a,en/b", weights="3,1", bos_token=BOS,
+                bol_token=3, eol_token=4, strip_tokens="5,6")
+    _fms_config(tmp / "parquet.yaml", logs["parquet"], root, datasets="raw", weights="1", file_type="hf_parquet",
+                col_name="text")
+    for name in ("arrow", "parquet"):
+        assert cli(["import-config", "fms", str(tmp / f"{name}.yaml"), "--seed=7", "--num-gpus", "2",
+                    "--output", str(tmp / f"fms_{name}.yaml")]) == 0
+    argv = {name: ["--config-path", str(tmp), "--config-name", f"fms_{name}", *TINY_MODEL] for name in logs}
+    runs = {"arrow": argv["arrow"], "parquet": argv["parquet"],
+            "parquet_resumed": [*argv["parquet"], "trainer.max_steps=6"], "reduce": ["reduce-check"]}
+    procs = run_pool(runs, 2, tmp / "pool", entry="fms_runs")
+    return tmp, logs, procs
+
+
+def test_imported_fms_configs_train_on_two_ranks(fms_runs):
+    from conftest import read_scalars
+
+    tmp, logs, procs = fms_runs
+    imported = (tmp / "fms_arrow.yaml").read_text()
+    assert "grad_reduce_dtype: bf16" in imported and "sharding_strategy: HSDP" in imported
+    assert "datasets: [en/a, en/b]" in imported and "strip_tokens: [5, 6]" in imported
+    arrow = read_scalars(logs["arrow"])["reduced_train_loss"]
+    assert sorted(arrow) == [0, 1, 2, 3] and all(np.isfinite(v) and 0 < v < 10 for v in arrow.values())
+    text = read_scalars(logs["parquet"])["reduced_train_loss"]
+    assert sorted(text) == [0, 1, 2, 3, 4, 5]  # 4 steps, then 2 more resumed from the step-4 checkpoint
+    assert "resuming from " in procs["parquet_resumed"].stdout and "step=4-consumed_samples=16.0 (step 4, " in \
+        procs["parquet_resumed"].stdout
+    assert "reduce-check: bf16 = bf16 reference, fp32 = fp32 reference" in procs["reduce"].stdout

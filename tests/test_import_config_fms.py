@@ -43,6 +43,15 @@ def test_every_train_config_field_is_classified():
     assert counts == {"mapped": 35, "approximated": 3, "inert": 13, "not mapped": 0}, counts
 
 
+def test_the_docs_table_names_every_field_and_preset():
+    doc = (REPO / "docs" / "migrating-from-fms-fsdp.md").read_text(encoding="utf-8")
+    for field, (category, _) in FIELDS.items():
+        assert f"| `{field}` |" in doc and f"| {category} |" in doc, field
+    for variant in PRESETS:
+        assert f"| `{variant}` | {preset_model(variant)['num_layers']} |" in doc
+        assert f"{preset_parameters(variant):,} |" in doc
+
+
 def _hf_count(variant: str) -> int:
     m = preset_model(variant)
     cfg = LlamaConfig(vocab_size=m["vocab_size"], hidden_size=m["hidden_size"], intermediate_size=m["ffn_hidden_size"],
@@ -93,6 +102,7 @@ def test_train_sh_arguments_import(tmp_path, capsys):
     assert cfg["data"]["global_batch_size"] == 32 and cfg["data"]["micro_batch_size"] == 2
     assert len(cfg["data"]["datasets"]) == 13 and cfg["data"]["weights"][:2] == [7725.0, 500.0]
     assert cfg["data"]["sep_token"] == 0 and "bos_token" not in cfg["data"]
+    assert "tokenizer" not in cfg["data"] and "notice: tokenizer_path not given: fms-fsdp reads no tokenizer" in err
     assert cfg["distributed_strategy"] == {"sharding_strategy": "HSDP"}
     assert cfg["precision"] == {"type": "mixed_precision", "grad_reduce_dtype": "bf16"}
     assert cfg["model"]["ffn_hidden_size"] == 11008 and cfg["model"]["num_kv_heads"] == 32

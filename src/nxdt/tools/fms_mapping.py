@@ -380,8 +380,13 @@ class FmsMapper:
             o.set("data.strip_tokens", strip, "strip_tokens")
         o.set("data.logical_shards", f["logical_shards"], "logical_shards")
         o.set("data.num_workers", f["num_workers"], "num_workers")
-        o.set("data.tokenizer.library", "huggingface")
-        o.set("data.tokenizer.type", str(f["tokenizer_path"]), "tokenizer_path")
+        if "tokenizer_path" in self.given or f["file_type"] != "arrow":
+            o.set("data.tokenizer.library", "huggingface")
+            o.set("data.tokenizer.type", str(f["tokenizer_path"]), "tokenizer_path")
+        else:
+            o.notices.append("tokenizer_path not given: fms-fsdp reads no tokenizer for arrow shards; nxdt checks the "
+                             "shards' ids against data.tokenizer, left at nxdt's bundled tokenizer (8192 ids): set "
+                             "data.tokenizer.type to the tokenizer the shards were made with")
         if str(f["file_type"]) not in ("arrow", "hf_parquet", "auto"):
             raise ConfigError(f"fms-fsdp file_type: '{f['file_type']}' is not one of fms-fsdp's arrow, hf_parquet, auto")
 
