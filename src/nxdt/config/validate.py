@@ -296,11 +296,14 @@ def _comma_list(node: DictConfig, key: str, kind: type) -> None:
 
 
 def _fms_data_forms(data: DictConfig) -> None:
-    """fms-fsdp's spellings under data: comma strings for datasets / weights / strip_tokens, and
-    eos_token (fms-fsdp's name of sep_token) copied to sep_token; both given: they must agree."""
+    """fms-fsdp's comma strings under data: datasets, weights, strip_tokens."""
     _comma_list(data, "datasets", str)
     _comma_list(data, "weights", float)
     _comma_list(data, "strip_tokens", int)
+
+
+def _eos_alias(data: DictConfig) -> None:
+    """data.eos_token (fms-fsdp's name of sep_token, range-checked already) -> data.sep_token."""
     eos, sep = data.get("eos_token"), data.get("sep_token")
     if eos is None or isinstance(eos, bool) or not isinstance(eos, int):
         return  # absent, or the type check names it
@@ -326,6 +329,8 @@ def check_schema(cfg: DictConfig) -> list[str]:
     numbers: list = []
     _walk_top(cfg, free_data, numbers)
     _check_ranges(numbers, interpolated)
+    if isinstance(data, DictConfig):
+        _eos_alias(data)
     notices: list[str] = []
 
     ds = cfg.distributed_strategy
