@@ -175,3 +175,29 @@ def test_fms_spellings_inside_nxdt_yaml():
         _nxdt("+data.eos_tokn=5")
     with pytest.raises(ConfigError, match=r"unknown key 'data.bol_tok' \(did you mean 'data.bol_token'\?\)"):
         _nxdt("+data.bol_tok=5")
+
+
+def test_grad_reduce_dtype_switch():
+    """bf16 reduction: the FSDP policy's reduce_dtype (its numbers: tests/fms_runs.py, 2 ranks); refused
+    where it cannot act."""
+    import types
+
+    from nxdt.parallel.data_parallel import data_parallel_config
+    from nxdt.spec.precision import precision_settings
+
+    def settings(ptype, reduce, fp16=False):
+        return precision_settings(types.SimpleNamespace(type=ptype, fp16=types.SimpleNamespace(enabled=fp16),
+                                                        grad_reduce_dtype=reduce))
+
+    fsdp, ddp = (types.SimpleNamespace(shard=s, reshard_after_forward=True) for s in (True, False))
+    assert data_parallel_config(fsdp, settings("mixed_precision", "fp32")).mp_policy.reduce_dtype == torch.float32
+    policy = data_parallel_config(fsdp, settings("mixed_precision", "bf16")).mp_policy
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.bfloat16)  # fms-fsdp's bfSixteen
+    policy = data_parallel_config(fsdp, settings("fp32", "bf16")).mp_policy  # fp32 compute, bf16 reduction
+    assert (policy.param_dtype, policy.reduce_dtype) == (None, torch.bfloat16)
+    with pytest.raises(ConfigError, match=r"^precision.grad_reduce_dtype=bf16 needs a sharding data-parallel mode"):
+        data_parallel_config(ddp, settings("mixed_precision", "bf16"))
+    with pytest.raises(ConfigError, match=r"^precision.grad_reduce_dtype=bf16: cannot be combined with precision.fp16"):
+        settings("mixed_precision", "bf16", fp16=True)
+    assert _nxdt("precision.type=mixed_precision", "precision.grad_reduce_dtype=bf16").precision.grad_reduce_dtype \
+        == "bf16"
