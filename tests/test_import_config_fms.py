@@ -9,6 +9,7 @@ tests/test_data_arrow.py (one launch with its other runs)."""
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from nxdt.cli import main as cli
 from nxdt.config.errors import ConfigError
 from nxdt.spec import load_config
 from nxdt.tools.fms_mapping import FIELDS, PRESETS, parse_cli_value, preset_model, preset_parameters
+from nxdt.tools.plan import main as plan_main
 
 FIXTURE = REPO / "tests" / "fms_train_config.py"
 CATEGORIES = ("mapped", "approximated", "inert", "not mapped")
@@ -112,6 +114,9 @@ def test_train_sh_arguments_import(tmp_path, capsys):
     typed = load_config(["--config-path", str(tmp_path), "--config-name", "imported"], check_paths=False, quiet=True)
     assert typed.precision.grad_reduce_dtype == "bf16" and typed.data.logical_shards == 1024
     assert "fms-fsdp keys not mapped: 0" in out
+    # nxdt's own model of the imported config: fms-fsdp's llama2_7b, parameter for parameter
+    assert plan_main(["--config-path", str(tmp_path), "--config-name", "imported", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["parameters"] == preset_parameters("llama2_7b") == 6_738_415_616
 
 
 def test_a_yaml_file_then_arguments_with_fms_fsdps_forms(tmp_path, capsys):
@@ -134,6 +139,8 @@ def test_a_yaml_file_then_arguments_with_fms_fsdps_forms(tmp_path, capsys):
                      ("inert", "n_speculator_heads"), ("unknown", "learning_rat"), ("approximated", "training_stage")):
         assert f"  {cat:<12} {key} = " in out and f"#   {cat:<12} {key} = " in path.read_text(), (key, out)
     assert "fms-fsdp keys not mapped: 6" in out
+    assert plan_main(["--config-path", str(tmp_path), "--config-name", "imported", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["parameters"] == preset_parameters("llama3_1.8b_4k") == 1_884_391_424
     assert "did you mean 'learning_rate'?" in out
     assert [parse_cli_value(v) for v in ("False", "3e-4", "None", "a,b", "1/3", "7725,500")] == [
         False, 3e-4, None, "a,b", "1/3", [7725, 500]]
