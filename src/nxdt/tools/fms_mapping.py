@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ast
 import difflib
-import json
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -289,10 +288,6 @@ def checkpoint_fraction(value: Any) -> float:
     return p
 
 
-def _show(value: Any) -> str:
-    return json.dumps(value) if not isinstance(value, str) else value
-
-
 # ----------------------------------------------------------------------------- the mapping
 class FmsMapper:
     """fms-fsdp fields (as read by read_fms) -> an Output of nxdt keys, comments and the listed fields."""
@@ -308,7 +303,8 @@ class FmsMapper:
             close = difflib.get_close_matches(key, list(FIELDS), n=1)
             hint = f"; did you mean '{close[0]}'?" if close else ""
             # fms-fsdp's update_config prints "Warning: unknown parameter" and goes on
-            self.out.add("unknown", key, fields[key], f"not a train_config field (fms-fsdp warns and ignores it){hint}")
+            self.out.add("unknown", key, fields[key], f"not a train_config field (fms-fsdp warns and ignores it; given "
+                                                      f"in {origin.get(key, '?')}){hint}")
         self.f = {k: _typed(k, fields.get(k, DEFAULTS[k])) for k in FIELDS}
 
     def run(self) -> Output:

@@ -24,6 +24,14 @@ The output is checked by nxdt's validator before it is written; on any problem (
 missing, does not parse or is not a mapping; a value of the wrong type; an output that does not
 validate) one line goes to stderr, the exit code is 2 and --output is left untouched.
 This module and nxdt.tools.neox_mapping do not import torch.
+
+    nxdt import-config fms [FILE.yaml|FILE.json ...] [--key=value ...] --output conf/NAME.yaml
+                       [--num-gpus G] [--num-nodes N] [--name NAME]
+
+fms-fsdp's train_config fields, from files and/or its own `--key=value` arguments (scripts/train.sh;
+parsed as python-fire parses them), the arguments last. The table of every field is
+nxdt.tools.fms_mapping (docs/migrating-from-fms-fsdp.md); the output, the listed fields and the
+errors follow the NeoX importer's rules above.
 """
 
 from __future__ import annotations
@@ -184,8 +192,8 @@ def import_fms(files: list[str], args: list[str], *, name: str, command: str, nu
                num_nodes: int | None = None) -> tuple[str, Any, list[str]]:
     """(YAML text, Output, notices) for fms-fsdp's train_config fields in `files` (YAML/JSON) and
     `args` (`--key=value`, as scripts/train.sh passes them); ConfigError on bad input."""
-    fields, _origin = read_fms(files, args)
-    out = FmsMapper(fields, _origin, num_gpus=num_gpus, num_nodes=num_nodes).run()
+    fields, origin = read_fms(files, args)
+    out = FmsMapper(fields, origin, num_gpus=num_gpus, num_nodes=num_nodes).run()
     values = dict(out.values)
     values["name"] = name
     header = [
