@@ -125,7 +125,7 @@ def test_a_yaml_file_then_arguments_with_fms_fsdps_forms(tmp_path, capsys):
         "eol_token: 8\nfsdp_activation_checkpointing: true\nselective_checkpointing: 1/3\ntraining_stage: annealing\n"
         "tracker: aim\nmixed_precision: false\nvocab_size: 128256\nn_speculator_heads: 4\nlearning_rat: 0.1\n")
     rc, out, err, path = _import(tmp_path, capsys, tmp_path / "fms.yaml", "--weights=7725,500", "--num-gpus", "2",
-                                 "--ckpt_load_path=/elsewhere")
+                                 "--ckpt_load_path", "/elsewhere", "--seed", "7")  # fire's --key value too
     assert rc == 0, err
     cfg = yaml.safe_load(path.read_text())
     d = cfg["data"]
@@ -134,7 +134,7 @@ def test_a_yaml_file_then_arguments_with_fms_fsdps_forms(tmp_path, capsys):
     assert cfg["model"]["selective_checkpointing"] == pytest.approx(1 / 3)
     assert cfg["model"]["optim"]["sched"] == {"name": "LinearAnnealingWithWarmUp", "warmup_steps": 0}
     assert cfg["precision"] == {"type": "fp32"} and cfg["model"]["vocab_size"] == 128256
-    assert cfg["exp_manager"]["resume_if_exists"] is False
+    assert cfg["exp_manager"]["resume_if_exists"] is False and cfg["seed"] == 7
     for cat, key in (("not mapped", "tracker"), ("not mapped", "ckpt_load_path"), ("inert", "vocab_size"),
                      ("inert", "n_speculator_heads"), ("unknown", "learning_rat"), ("approximated", "training_stage")):
         assert f"  {cat:<12} {key} = " in out and f"#   {cat:<12} {key} = " in path.read_text(), (key, out)

@@ -206,6 +206,23 @@ def parse_cli_value(text: str) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
+def fire_pairs(argv: list[str], own: set[str]) -> list[str]:
+    """python-fire's `--key value` spelling joined into `--key=value` (fire takes both): a `--key` that
+    is not one of the command's `own` options and is followed by a word not starting with '-' takes
+    that word as its value."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        takes = arg.startswith("--") and arg[2:3] != "-" and "=" not in arg and arg not in own
+        if takes and i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+            out.append(f"{arg}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(arg)
+            i += 1
+    return out
+
+
 def read_fms(files: list[str], args: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
     """fms-fsdp's train_config fields from YAML/JSON files then `--key=value` arguments (later ones
     override): (fields, field -> where it came from)."""

@@ -28,8 +28,8 @@ This module and nxdt.tools.neox_mapping do not import torch.
     nxdt import-config fms [FILE.yaml|FILE.json ...] [--key=value ...] --output conf/NAME.yaml
                        [--num-gpus G] [--num-nodes N] [--name NAME]
 
-fms-fsdp's train_config fields, from files and/or its own `--key=value` arguments (scripts/train.sh;
-parsed as python-fire parses them), the arguments last. The table of every field is
+fms-fsdp's train_config fields, from files and/or its own `--key=value` (or fire's `--key value`)
+arguments (scripts/train.sh; values parsed as python-fire parses them), files first. The table of every field is
 nxdt.tools.fms_mapping (docs/migrating-from-fms-fsdp.md); the output, the listed fields and the
 errors follow the NeoX importer's rules above.
 """
@@ -50,7 +50,7 @@ from nxdt.config.errors import ConfigError
 from nxdt.config.load import compose
 from nxdt.spec import check_not_supported, validate
 from nxdt.tools.fms_mapping import FIELDS as FMS_FIELDS
-from nxdt.tools.fms_mapping import FMS_COMMIT, FmsMapper, read_fms
+from nxdt.tools.fms_mapping import FMS_COMMIT, FmsMapper, fire_pairs, read_fms
 from nxdt.tools.neox_mapping import NeoxMapper
 
 # top-level order of the written YAML (as in the shipped configs)
@@ -235,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="tokenizer size before padding (default: counted from a local tokenizer.json, else "
                              "50277 for HFTokenizer (GPT-NeoX-20B's), 50257 for GPT-2)")
     parser.add_argument("--name", default=None, help="the config's name (default: the --output file name)")
+    if argv[:1] == ["fms"]:  # fire's `--key value` as `--key=value`
+        argv = ["fms", *fire_pairs(argv[1:], {o for a in parser._actions for o in a.option_strings})]
     args, extra = parser.parse_known_args(argv)
     fms_args = [a for a in extra if args.format == "fms" and a.startswith("--") and a[2:3] != "-"]
     if len(fms_args) != len(extra) or (args.format == "neox" and not args.files):
