@@ -303,6 +303,10 @@ def test_vocabulary_check_on_arrow_shards(tmp_path):
     cfg.data.datasets, cfg.data.bos_token = ["ok"], VOCAB
     with pytest.raises(ConfigError, match=rf"^data.bos_token: {VOCAB} is not below the tokenizer's vocabulary"):
         build_datamodule(build_spec(cfg), fake_trainer()).train_dataloader()
+    cfg.data.bos_token, cfg.data.eol_token = None, VOCAB + 1
+    with pytest.raises(ConfigError, match=rf"^data.eol_token: {VOCAB + 1} is not below the tokenizer's vocabulary "
+                                          rf"\(data.tokenizer.type=null, the bundled tokenizer: {VOCAB} tokens\)$"):
+        build_datamodule(build_spec(cfg), fake_trainer()).train_dataloader()
 
 
 def test_data_with_ids_past_the_vocabulary_stops_the_run_before_training(tmp_path, capsys):

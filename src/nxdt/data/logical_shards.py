@@ -44,6 +44,7 @@ from nxdt.data.dynamic_selection import DomainDraw, DomainSelection
 from nxdt.data.gpt_dataset import get_train_valid_test_split_
 from nxdt.data.indexed import IndexedDataset
 from nxdt.data.megatron_module import MegatronDataModule
+from nxdt.data.vocab_check import tokenizer_label
 
 STATE_VERSION = 1
 PREFETCH_FACTOR = 2  # batches each DataLoader worker prepares ahead (torch's default, pinned here)
@@ -251,6 +252,11 @@ class LogicalShardDataModule(MegatronDataModule):
         # null: one shard per dp rank (fms-fsdp); with dynamic selection the ranks share every shard: one
         L = int(self.logical_shards) if self.logical_shards is not None else (
             1 if self.selection is not None else self.dp_size)
+        for key in ("bol_token", "eol_token"):  # fms-fsdp's line tokens go into every sample
+            token = getattr(self.data, key)
+            if token is not None and token >= self.vocab_size:
+                raise ConfigError(f"data.{key}: {token} is not below the tokenizer's vocabulary "
+                                  f"({tokenizer_label(self.data.tokenizer)}: {self.vocab_size} tokens)")
         self.streams = ShardedStreams(parts, L, self.seq_length, self.seed, self.names,
                                       bol=self.data.bol_token, eol=self.data.eol_token)
         if self.selection is not None:
