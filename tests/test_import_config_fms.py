@@ -203,8 +203,9 @@ def test_grad_reduce_dtype_switch():
     policy = data_parallel_config(fsdp, settings("fp32", "bf16")).mp_policy  # fp32 compute, bf16 reduction
     assert (policy.param_dtype, policy.reduce_dtype) == (None, torch.bfloat16)
     with pytest.raises(ConfigError, match=r"^precision.grad_reduce_dtype=bf16 needs a sharding data-parallel mode"):
-        data_parallel_config(ddp, settings("mixed_precision", "bf16"))
+        _nxdt("precision.type=mixed_precision", "precision.grad_reduce_dtype=bf16")  # DDP: refused at validation
+    assert data_parallel_config(ddp, settings("mixed_precision", "bf16")).mp_policy is None
     with pytest.raises(ConfigError, match=r"^precision.grad_reduce_dtype=bf16: cannot be combined with precision.fp16"):
         settings("mixed_precision", "bf16", fp16=True)
-    assert _nxdt("precision.type=mixed_precision", "precision.grad_reduce_dtype=bf16").precision.grad_reduce_dtype \
-        == "bf16"
+    assert _nxdt("precision.type=mixed_precision", "precision.grad_reduce_dtype=bf16",
+                 "distributed_strategy.fsdp=true").precision.grad_reduce_dtype == "bf16"

@@ -89,6 +89,10 @@ def check_data_parallel(cfg: Any, layout: Layout, sharding: ShardingMode, precis
         raise ConfigError("distributed_strategy.cpu_offload=true needs a sharding data-parallel mode (FSDP2 "
                           "offloads its shards): set distributed_strategy.fsdp=true or sharding_strategy FSDP, "
                           "HSDP or grad-shard")
+    if precision.reduce_dtype == "bf16" and not sharding.shard:
+        raise ConfigError("precision.grad_reduce_dtype=bf16 needs a sharding data-parallel mode (FSDP2 reduces "
+                          "in its reduce_dtype): set distributed_strategy.fsdp=true or sharding_strategy FSDP / "
+                          "HSDP, or keep fp32")
     p = cfg.precision
     if p.fp32_grads_cc and p.type == "manual" and not sharding.shard and precision.mode == "lowp":
         # bf16 parameters without master weights: DDP (FSDP2's replicate) reduces the bf16 gradients;
