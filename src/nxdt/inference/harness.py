@@ -1,15 +1,17 @@
 """`nxdt evaluate --tasks`: standard benchmarks on a checkpoint through lm-evaluation-harness.
 
 usage: nxdt evaluate --checkpoint CKPT --tasks T1,T2 [--include-path DIR] [--limit N] [--batch-size B]
-                     [--num-fewshot K] [--max-gen-toks N] [--tokenizer DIR] [--base CKPT] [--device D]
+                     [--num-fewshot K] [--max-gen-toks N] [--log-samples] [--tokenizer DIR] [--base CKPT]
+                     [--device D]
        torchrun --nproc_per_node N -m nxdt.cli evaluate --checkpoint CKPT --tasks ...   (tensor parallel)
 
 The checkpoint is loaded as `nxdt generate` loads it (any training layout, LoRA folded in; under
 torchrun split over the ranks with tensor parallelism) and put behind the harness's LM interface
 (nxdt.inference.harness_lm). Tasks are the harness's own (hellaswag, arc_easy, ...) or task YAMLs
-found under --include-path. The results (the harness's JSON, without per-sample records) are
-written beside the checkpoint directory as `<checkpoint>.lm_eval.<tasks>.json` and a table is
-printed. lm-evaluation-harness is the optional extra `nxdt[eval]`: without it, one line and exit 2.
+found under --include-path. The results (the harness's JSON; per-example records with
+--log-samples) are written beside the checkpoint directory as `<checkpoint>.lm_eval.<tasks>.json`
+(rank 0) and a table is printed. lm-evaluation-harness is the optional extra `nxdt[eval]`: without
+it, one line and exit 2.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch-size", type=int, default=8, help="rows per forward (default 8)")
     g.add_argument("--num-fewshot", type=int, help="examples in each prompt (default: the task's own)")
     g.add_argument("--max-gen-toks", type=int, default=256, help="new tokens when a task does not say (256)")
+    g.add_argument("--log-samples", action="store_true", help="also keep each example's requests and responses")
     g.add_argument("--tokenizer", type=Path, help="tokenizer folder (default: the checkpoint's)")
     g.add_argument("--base", type=Path, help="base checkpoint of an adapter-only LoRA checkpoint")
     g.add_argument("--device", help="cpu, cuda, ... (default: the accelerator, else cpu)")
@@ -138,9 +141,10 @@ def evaluate_tasks(lm, tasks: list[str], manager, *, limit: float | None = None,
 
 
 def write_results(results: dict[str, Any], path: Path, checkpoint: Path, tasks: list[str]) -> None:
+    """The harness's results as JSON (per-example records only when they were asked for)."""
     from lm_eval.utils import handle_non_serializable  # reason: optional extra nxdt[eval]
 
-    kept = {k: v for k, v in results.items() if k != "samples"}
+    kept = dict(results)
     kept["nxdt"] = {"checkpoint": str(checkpoint.absolute()), "tasks": tasks}
     path.write_text(json.dumps(kept, indent=2, default=handle_non_serializable) + "\n", encoding="utf-8")
 
@@ -164,7 +168,8 @@ def main(argv: list[str]) -> int:
     for note in loaded.notes:
         say(f"note: {note}", file=sys.stderr)
     lm = NxdtLM(loaded, batch_size=args.batch_size, max_gen_toks=args.max_gen_toks)
-    results = evaluate_tasks(lm, tasks, manager, limit=args.limit, num_fewshot=args.num_fewshot)
+    results = evaluate_tasks(lm, tasks, manager, limit=args.limit, num_fewshot=args.num_fewshot,
+                             log_samples=args.log_samples)
     if rank == 0:
         from lm_eval.utils import make_table  # reason: optional extra nxdt[eval]
 
@@ -172,4 +177,7 @@ def main(argv: list[str]) -> int:
         write_results(results, path, args.checkpoint, tasks)
         say(make_table(results))
         say(f"results: {path}")
+    if tp_mesh is not None:  # every rank leaves after rank 0 has written
+        dist.barrier()
+        dist.destroy_process_group()
     return 0
