@@ -152,7 +152,9 @@ class NxdtLM(TemplateLM):
             max_new = int(kwargs["max_gen_toks"])
             if max_new >= self.max_length:
                 raise ConfigError(f"a task asks for {max_new} new tokens: the model's context is {self.max_length}")
-            prompts = {i: self.tok_encode(requests[i].args[0])[-(self.max_length - max_new):] for i in members}
+            # an empty context starts from the prefix token (BOS, else EOS), as a scored one does
+            prompts = {i: self.tok_encode(requests[i].args[0])[-(self.max_length - max_new):] or [self.prefix_token_id]
+                       for i in members}
             members = sorted(members, key=lambda i: -len(prompts[i]))
             for start in range(0, len(members), self.batch_size):
                 batch = members[start:start + self.batch_size]
