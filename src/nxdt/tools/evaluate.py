@@ -94,6 +94,10 @@ def load_checkpoint_config(checkpoint: Path, overrides: list[str]):
 
 def _main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if any(str(a).split("=", 1)[0] == "--tasks" for a in argv):  # lm-evaluation-harness's benchmarks
+        from nxdt.inference import harness  # reason: torch (and the optional lm-eval) only on this path
+
+        return harness.main(argv)
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__.strip())
         return 0
