@@ -71,6 +71,34 @@ def test_megatron_and_hf_sources_build_the_same_architecture():
         torch.testing.assert_close(native(ids), hf(ids).logits, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("routing", [{}, {"capacity_factor": 0.5}, {"capacity_factor": 0.0, "dropless": True},
+                                     {"routing_algorithm": "sinkhorn", "top_k": 1},
+                                     {"router_activation": "sigmoid", "normalize_top_k_affinities": False}])
+def test_hf_mixtral_routes_as_model_moe_says(routing):
+    """model_source hf with a Mixtral config.json builds nxdt's MoE block (NxDT's HF Mixtral runs NxD's
+    MoE layer) under transformers' names: model.moe's routing applies there exactly as in the native
+    model (same weights: same logits); with Mixtral's own routing the logits are transformers'."""
+    moe = {"num_experts": 4, "top_k": 2, **routing}
+    hf = build_model(config_from_dict({"model_source": "hf", "model": {
+        "model_config": "model_configs/tiny_mixtral", "moe": moe}})).eval()
+    assert type(hf.model.layers[0].mlp) is LlamaMoE and hf.model.layers[0].mlp.args.capacity_factor == moe.get(
+        "capacity_factor")
+    native = build_model(config_from_dict({"model_source": "megatron", "model": {
+        "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 96, "num_attention_heads": 4, "num_kv_heads": 2,
+        "max_position_embeddings": 1024, "make_vocab_size_divisible_by": 8, "moe": moe}}), 8192).eval()
+    native.load_state_dict(hf.state_dict())
+    plain = MixtralForCausalLM(hf.config).eval()  # transformers' own blocks, the same weights
+    plain.load_state_dict(hf.state_dict(), strict=True)
+    ids = torch.randint(0, 8192, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ours, theirs = hf(ids).logits, plain(ids).logits
+        torch.testing.assert_close(ours, native(ids), rtol=0, atol=1e-5)
+    if not routing or routing.get("dropless"):  # Mixtral's routing, every token computed: transformers' logits
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+    else:  # capacity 0.5 drops tokens, sinkhorn and sigmoid route otherwise
+        assert (ours - theirs).abs().max() > 1e-3
+
+
 def test_top_k_routing_by_hand():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 0.0, 3.0, 1.0]])
     weights, experts = route(logits, MoEArgs(num_experts=4, top_k=2))
@@ -227,6 +255,16 @@ def test_moe_keys_over_a_dense_hf_config_are_refused():
     with pytest.raises(ValueError, match=r"has no MoE blocks; model.moe needs a Mixtral-style config.json"):
         build_model(config_from_dict({"model_source": "hf", "model": {"model_config": "model_configs/tiny_llama",
                                                                       "moe": {"num_experts": 4}}}), device="meta")
+
+
+def test_hf_mixtral_frequency_is_the_config_jsons():
+    values = {"model_source": "hf", "trainer": {"devices": 1},
+              "data": {"global_batch_size": 8, "micro_batch_size": 1, "seq_length": 128},
+              "model": {"model_config": "${nxdt_conf:model_configs/tiny_mixtral/config.json}",
+                        "moe": {"num_experts": 4, "frequency": 2}}}
+    with pytest.raises(ConfigError, match=r"^model.moe.frequency=2: not supported with model_source hf \(every "
+                                          r"layer of transformers' Mixtral is an MoE layer\)"):
+        config_from_dict(values, check=True)
 
 
 def test_capacity_factor_zero_is_fine_when_dropless():

@@ -48,13 +48,9 @@ ALL = sorted([*HF, *MEGATRON])
 # SFT before model_alignment_strategy (NxDT 2.20): one line that names the override to paste
 SFT_FIX = "model_alignment_strategy.sft.packing=true"
 PREDATES_SFT = {"hf_mistral_7B_SFT_config", "megatron_llama2_7B_SFT_config"}
-# Item 3 of issue 33 (NxD's MoE under transformers' names) is not built: the HF Mixtral configs'
-# capacity factor is refused with model_source hf, in one line.
-HF_MOE_REFUSED = {
-    name: f"error: model.moe.capacity_factor={cf}: not supported with model_source hf (transformers' Mixtral "
-          "routes every layer top-k by softmax, renormalized, no capacity); nxdt's own MoE builds it under "
-          "model_source megatron with the architecture in model.* (as megatron_mixtral_8x7b_config)"
-    for name, cf in (("hf_mixtral_8x7b_config", 2.0), ("hf_mixtral_8x7b_dropless_config", 0.0))}
+# NxDT's HF Mixtral runs NxD's MoE layer: nxdt builds its own MoE block under transformers' names, so
+# their capacity factor (2.0; 0.0 with dropless) applies. As shipped (pp 4) the pipeline is refused first.
+HF_MOE_REFUSED = {"hf_mixtral_8x7b_config", "hf_mixtral_8x7b_dropless_config"}
 
 
 def test_the_release_is_all_here():
@@ -142,12 +138,16 @@ def test_sft_before_model_alignment_strategy_names_the_override(capsys, name):
 
 
 @pytest.mark.parametrize("name", sorted(HF_MOE_REFUSED))
-def test_hf_mixtral_capacity_factor_is_one_line(capsys, name):
-    # as shipped (pp 4): the plan refuses what training refuses first, the pipeline (issue 33 item 3)
+def test_hf_mixtral_plans_with_its_capacity_factor(capsys, name):
+    # as shipped (pp 4): the plan refuses what training refuses first, the pipeline
     assert _refusal(capsys, name) == [
         "error: 'distributed_strategy.pipeline_model_parallel_size' > 1 with model.moe and model_source hf is not "
         "supported yet (got 4)"]
-    assert _refusal(capsys, name, "distributed_strategy.pipeline_model_parallel_size=1") == [HF_MOE_REFUSED[name]]
+    p = _plan(capsys, name, "distributed_strategy.pipeline_model_parallel_size=1")
+    assert p["parameters"] == transformers_count(name)
+    cfg = _cfg(name, "distributed_strategy.pipeline_model_parallel_size=1")
+    moe = build_model(cfg, None, device="meta").model.layers[0].mlp
+    assert (moe.args.capacity_factor, moe.args.dropless) == ((0.0, True) if "dropless" in name else (2.0, False))
 
 
 # --------------------------------------------------------------------------- uneven pipeline splits

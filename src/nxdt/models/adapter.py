@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nxdt.models.hf import init_nxdt_moe
 from nxdt.models.kv_cache import KVCache
 from nxdt.models.llama import NxdtLlamaForCausalLM
 
@@ -167,6 +168,7 @@ class HFAdapter(ModelAdapter):
             if hasattr(module, "_is_hf_initialized"):
                 module._is_hf_initialized = False
         model.init_weights()
+        init_nxdt_moe(model)  # Mixtral's MoE blocks are nxdt's (nxdt.models.hf), unknown to transformers' init
 
 
 NATIVE = NativeAdapter()

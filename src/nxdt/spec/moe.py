@@ -77,15 +77,22 @@ def check_moe(cfg: Any, piece: MoESpec, hf_json: dict) -> None:
             raise ConfigError(f"model.moe.num_experts ({moe.num_experts}) with model_source hf needs a Mixtral-style "
                               f"model.model_config (with num_local_experts); {cfg.model.model_config} is model_type "
                               f"'{hf_json.get('model_type', 'llama')}'")
+        if hf_json.get("model_type", "mixtral") == "mixtral":
+            # nxdt's MoE block in transformers' names (nxdt.models.hf): every routing key applies but the
+            # layer pattern, which is the config.json's (every Mixtral layer is an MoE layer)
+            if moe.frequency != 1:
+                raise ConfigError(f"model.moe.frequency={moe.frequency}: not supported with model_source hf "
+                                  f"(every layer of transformers' Mixtral is an MoE layer); nxdt's own MoE builds it "
+                                  f"under model_source megatron with the architecture in model.*")
+            return
         routing = {"frequency": 1, "routing_algorithm": "top_k", "router_activation": "softmax",
                    "capacity_factor": None, "normalize_top_k_affinities": True, "moe_calculator_score_scale_factor": 1.0,
                    "gate_type": "mixtral"}
         for key, plain in routing.items():
             if getattr(moe, key) != plain:
-                raise ConfigError(f"model.moe.{key}={getattr(moe, key)}: not supported with model_source hf "
-                                  f"(transformers' Mixtral routes every layer top-k by softmax, renormalized, no "
-                                  f"capacity); nxdt's own MoE builds it under model_source megatron with the "
-                                  f"architecture in model.* (as megatron_mixtral_8x7b_config)")
+                raise ConfigError(f"model.moe.{key}={getattr(moe, key)}: not supported with model_source hf and "
+                                  f"model_type {hf_json['model_type']!r} (its own MoE block routes every layer top-k by "
+                                  f"softmax, renormalized, no capacity); Mixtral's is nxdt's MoE block")
 
 
 def check_gate(cfg: Any, gate: str) -> None:
