@@ -53,7 +53,9 @@ MODELS = {
     # an expert takes at most 1.5 x its share of a micro-batch's assignments (some are dropped)
     "moe": ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.output_router_logits=true",
             "model.moe.router_aux_loss_coef=0.1", "model.moe.capacity_factor=1.5"],
-    # transformers' MixtralForCausalLM (dropless: transformers has no capacity), nxdt's aux loss
+    # transformers' MixtralForCausalLM with nxdt's MoE block in its layers (NxDT's HF Mixtral runs NxD's
+    # MoE layer), nxdt's aux loss; dropless, so that decoding under tp + sp (which pads the prompt to a
+    # multiple of tp) routes as one process does and the samples agree
     "hf_moe": ["model_source=hf", "model.model_config=${nxdt_conf:model_configs/tiny_mixtral/config.json}",
                "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.output_router_logits=true",
                "model.moe.router_aux_loss_coef=0.1"],
@@ -154,8 +156,11 @@ LAYOUTS = {
     "moe_ep2_tp2_sp": ("moe", 4, [EP2, f"{TP}=2", SP], "dp=2  tp=2  pp=1  cp=1  ep=2"),
     # ep2 x pp2: one MoE layer per stage; the aux-loss gradients scaled as the schedule scales the loss
     "moe_ep2_pp2": ("moe", 4, [EP2, PP2], "dp=2  tp=1  pp=2  cp=1  ep=2"),
-    # transformers' Mixtral blocks under the same tp plan: the MoE block whole on each tp rank
+    # each expert's intermediate dimension over tp (NxD's expert MLPs), the router whole on each tp rank
+    "moe_tp2": ("moe", 2, [f"{TP}=2"], "dp=1  tp=2"),
+    # transformers' Mixtral under the same tp plan, its experts split over tp too
     "hf_moe_tp2_sp": ("hf_moe", 2, [f"{TP}=2", SP, *SAMPLES], "dp=1  tp=2"),
+    "hf_moe_ep2": ("hf_moe", 2, [EP2], "dp=2  tp=1  pp=1  cp=1  ep=2"),
     # GPT-NeoX blocks (both norms sequence-parallel, biases sharded with their columns) in the four
     # layouts NeoX users train with; activation checkpointing rides along
     "neox_tp2_sp_selective_ac": ("neox", 2, [f"{TP}=2", SP, MBS4, "model.activations_checkpoint_granularity=selective",

@@ -93,6 +93,11 @@ def check_moe(cfg: Any, piece: MoESpec, hf_json: dict) -> None:
                 raise ConfigError(f"model.moe.{key}={getattr(moe, key)}: not supported with model_source hf and "
                                   f"model_type {hf_json['model_type']!r} (its own MoE block routes every layer top-k by "
                                   f"softmax, renormalized, no capacity); Mixtral's is nxdt's MoE block")
+        for key in HF_MOE_NOT_SUPPORTED_YET:
+            size = getattr(cfg.distributed_strategy, key)
+            if size > 1:
+                raise ConfigError(f"'distributed_strategy.{key}' > 1 with model_source hf and model_type "
+                                  f"{hf_json['model_type']!r} is not supported yet (got {size}); Mixtral's MoE takes it")
 
 
 def check_gate(cfg: Any, gate: str) -> None:
@@ -122,9 +127,11 @@ def check_gate(cfg: Any, gate: str) -> None:
 
 
 # parallel layouts an MoE model cannot take yet: cp (each cp rank would balance its own part of
-# a sequence); pp and ep are built for the native (megatron) MoE, not yet for transformers' blocks
+# a sequence); pp and ep are built for nxdt's MoE block (native, and hf Mixtral's), not for another
+# transformers MoE block (checked in check_moe, which knows the config.json's model_type)
 MOE_NOT_SUPPORTED_YET = ("context_parallel_size",)
 HF_MOE_NOT_SUPPORTED_YET = ("pipeline_model_parallel_size", "expert_model_parallel_size")
+HF_MIXTRAL_NOT_SUPPORTED_YET = ("pipeline_model_parallel_size",)
 
 
 def check_moe_layouts_supported(cfg: Any) -> None:
@@ -133,14 +140,11 @@ def check_moe_layouts_supported(cfg: Any) -> None:
     if not cfg.model.moe.num_experts:
         return
     hf = cfg.model_source == "hf"
-    for key in MOE_NOT_SUPPORTED_YET + (HF_MOE_NOT_SUPPORTED_YET if hf else ()):
+    for key in MOE_NOT_SUPPORTED_YET + (HF_MIXTRAL_NOT_SUPPORTED_YET if hf else ()):
         size = getattr(cfg.distributed_strategy, key)
         if size <= 1:
             continue
-        if key == "expert_model_parallel_size":
-            raise ConfigError(f"'distributed_strategy.{key}' > 1 with model_source hf is not supported yet (got {size}); "
-                              "use model_source megatron (same weights, nxdt convert)")
-        source = " and model_source hf" if key in HF_MOE_NOT_SUPPORTED_YET else ""
+        source = " and model_source hf" if key in HF_MIXTRAL_NOT_SUPPORTED_YET else ""
         raise ConfigError(f"'distributed_strategy.{key}' > 1 with model.moe{source} is not supported yet (got {size})")
 
 
