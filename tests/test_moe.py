@@ -5,10 +5,12 @@ tests/test_parallel_layouts.py."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 import torch
+from conftest import REPO
 from transformers import MixtralConfig, MixtralForCausalLM
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
@@ -273,14 +275,32 @@ def test_capacity_factor_zero_is_fine_when_dropless():
     assert cfg.model.moe.dropless and math.isclose(cfg.model.moe.capacity_factor, 0.0)
 
 
-@pytest.mark.parametrize("ds, message", [
-    ({"pipeline_model_parallel_size": 2}, r"'distributed_strategy.pipeline_model_parallel_size' > 1 with model.moe "
-                                          r"and model_source hf is not supported yet"),
-])
-def test_hf_moe_parallel_layouts_not_built_yet_are_refused(ds, message):
-    """transformers' MoE blocks have no pp / ep plan yet (the native Mixtral has): one line each."""
+@pytest.mark.parametrize("ds", [{"pipeline_model_parallel_size": 2}, {"expert_model_parallel_size": 2},
+                                {"tensor_model_parallel_size": 2, "sequence_parallel": True}])
+def test_hf_mixtral_takes_the_native_moe_layouts(ds):
+    """nxdt's MoE block in transformers' Mixtral takes pp, ep and tp as the native model's does (their
+    parity with one process: tests/test_parallel_layouts.py, hf_moe_*)."""
     values = {"model_source": "hf", "trainer": {"devices": 2}, "distributed_strategy": ds,
               "data": {"global_batch_size": 8, "micro_batch_size": 1, "seq_length": 128},
               "model": {"model_config": "${nxdt_conf:model_configs/tiny_mixtral/config.json}", "moe": {"num_experts": 4}}}
+    assert config_from_dict(values, check=True).model.moe.num_experts == 4
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"moe": {"num_experts": 4, "capacity_factor": 2.0}},
+     r"^model.moe.capacity_factor=2.0: not supported with model_source hf and model_type 'phimoe' \(its own MoE block"),
+    ({"moe": {"num_experts": 4}, "ds": {"pipeline_model_parallel_size": 2}},
+     r"^'distributed_strategy.pipeline_model_parallel_size' > 1 with model_source hf and model_type 'phimoe' is not "
+     r"supported yet \(got 2\); Mixtral's MoE takes it$"),
+])
+def test_another_transformers_moe_block_keeps_its_own_routing(tmp_path, extra, message):
+    """Only Mixtral's block is nxdt's: another transformers MoE block (PhiMoE's, with num_local_experts)
+    routes as transformers does, so model.moe's routing and the pp / ep layouts are refused for it."""
+    js = json.loads((REPO / "conf" / "model_configs" / "tiny_mixtral" / "config.json").read_text())
+    js["model_type"] = "phimoe"
+    (tmp_path / "config.json").write_text(json.dumps(js))
+    values = {"model_source": "hf", "trainer": {"devices": 2}, "distributed_strategy": extra.get("ds", {}),
+              "data": {"global_batch_size": 8, "micro_batch_size": 1, "seq_length": 128},
+              "model": {"model_config": str(tmp_path / "config.json"), "moe": extra["moe"]}}
     with pytest.raises(ConfigError, match=message):
         config_from_dict(values, check=True)

@@ -161,6 +161,8 @@ LAYOUTS = {
     # transformers' Mixtral under the same tp plan, its experts split over tp too
     "hf_moe_tp2_sp": ("hf_moe", 2, [f"{TP}=2", SP, *SAMPLES], "dp=1  tp=2"),
     "hf_moe_ep2": ("hf_moe", 2, [EP2], "dp=2  tp=1  pp=1  cp=1  ep=2"),
+    # one Mixtral layer per stage: nxdt's block attaches its aux-loss gradient in each stage's backward
+    "hf_moe_pp2": ("hf_moe", 2, [PP2], "dp=1  tp=1  pp=2"),
     # GPT-NeoX blocks (both norms sequence-parallel, biases sharded with their columns) in the four
     # layouts NeoX users train with; activation checkpointing rides along
     "neox_tp2_sp_selective_ac": ("neox", 2, [f"{TP}=2", SP, MBS4, "model.activations_checkpoint_granularity=selective",
@@ -351,7 +353,7 @@ def test_moe_runs_log_their_routing(runs):
     (of rank 0's micro-batches) at every step; capacity 1.5 drops some assignments (the native
     layer's; transformers' drops none)."""
     for name in ("moe", "moe_zero1_dp2", "moe_ep2_fsdp_full_ac", "moe_ep2_dp4_fsdp", "moe_ep2_tp2_sp", "moe_ep2_pp2",
-                 "hf_moe", "hf_moe_tp2_sp"):
+                 "moe_tp2", "hf_moe", "hf_moe_tp2_sp", "hf_moe_ep2", "hf_moe_pp2"):
         scalars = runs[name].scalars
         aux, dropped = _curve(scalars, "moe/aux_loss"), _curve(scalars, "moe/dropped_fraction")
         share_min, share_max = _curve(scalars, "moe/expert_share_min"), _curve(scalars, "moe/expert_share_max")

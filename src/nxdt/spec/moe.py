@@ -131,7 +131,6 @@ def check_gate(cfg: Any, gate: str) -> None:
 # transformers MoE block (checked in check_moe, which knows the config.json's model_type)
 MOE_NOT_SUPPORTED_YET = ("context_parallel_size",)
 HF_MOE_NOT_SUPPORTED_YET = ("pipeline_model_parallel_size", "expert_model_parallel_size")
-HF_MIXTRAL_NOT_SUPPORTED_YET = ("pipeline_model_parallel_size",)
 
 
 def check_moe_layouts_supported(cfg: Any) -> None:
@@ -139,13 +138,10 @@ def check_moe_layouts_supported(cfg: Any) -> None:
     every NOT_SUPPORTED_YET check)."""
     if not cfg.model.moe.num_experts:
         return
-    hf = cfg.model_source == "hf"
-    for key in MOE_NOT_SUPPORTED_YET + (HF_MIXTRAL_NOT_SUPPORTED_YET if hf else ()):
+    for key in MOE_NOT_SUPPORTED_YET:
         size = getattr(cfg.distributed_strategy, key)
-        if size <= 1:
-            continue
-        source = " and model_source hf" if key in HF_MIXTRAL_NOT_SUPPORTED_YET else ""
-        raise ConfigError(f"'distributed_strategy.{key}' > 1 with model.moe{source} is not supported yet (got {size})")
+        if size > 1:
+            raise ConfigError(f"'distributed_strategy.{key}' > 1 with model.moe is not supported yet (got {size})")
 
 
 def check_expert_parallel(cfg: Any) -> None:
