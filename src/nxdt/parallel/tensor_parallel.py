@@ -130,6 +130,15 @@ def _is_moe(mlp: nn.Module) -> bool:
     return hasattr(mlp, "experts") and hasattr(mlp, "gate")
 
 
+def _moe_output(mlp: nn.Module) -> Placement:
+    """What an MoE layer's output is on a tp rank: this rank's partial sums (nxdt's experts split over
+    tp, reduced by the layer's output style), or whole (a dropout on it needs the whole output; a
+    block with other experts keeps them whole)."""
+    args = getattr(mlp, "args", None)
+    split = isinstance(mlp.experts, MoEExperts) and args is not None and not args.dropout
+    return Partial() if split else Replicate()
+
+
 def block_norms(block: nn.Module) -> list[str]:
     """Names of a decoder block's own norms (its children named ``*layernorm``); which it has
     depends on the block type. Norms inside the MLP (normformer's ffn_layernorm) are not listed."""
@@ -190,10 +199,10 @@ def llama_tp_plan(model: nn.Module, tp: int, sequence_parallel: bool, blocks: li
             else:  # forward(x, rope, mask)
                 plan[f"{p}.self_attn"] = PrepareModuleInput(
                     input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None))
-            if _is_moe(block.mlp):  # gathered in, and this rank's sequence shard of the output kept
+            if _is_moe(block.mlp):  # gathered in; partial sums reduce-scattered (or a whole output sliced)
                 plan[f"{p}.mlp"] = PrepareModuleInputOutput(
                     input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,
-                    output_layouts=(Replicate(),), desired_output_layouts=(seq,), use_local_output=True)
+                    output_layouts=(_moe_output(block.mlp),), desired_output_layouts=(seq,), use_local_output=True)
             else:
                 plan[f"{p}.mlp"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
         plan[f"{p}.self_attn.q_proj"] = ColwiseParallel()
@@ -202,7 +211,10 @@ def llama_tp_plan(model: nn.Module, tp: int, sequence_parallel: bool, blocks: li
         plan[f"{p}.self_attn.o_proj"] = RowwiseParallel(output_layouts=seq if sp else Replicate())
         if _is_moe(block.mlp):
             if isinstance(block.mlp.experts, MoEExperts):  # each expert's F over tp; the router whole
-                plan[f"{p}.mlp.experts"] = ExpertsTensorParallel()
+                plan[f"{p}.mlp.experts"] = ExpertsTensorParallel(reduce_output=_moe_output(block.mlp) != Partial())
+                if not sp and _moe_output(block.mlp) == Partial():  # the partial sums all-reduced
+                    plan[f"{p}.mlp"] = PrepareModuleOutput(output_layouts=(Partial(),),
+                                                           desired_output_layouts=(Replicate(),), use_local_output=True)
             continue
         if hasattr(block.mlp, "gate_proj"):
             plan[f"{p}.mlp.gate_proj"] = ColwiseParallel()
