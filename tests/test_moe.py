@@ -18,6 +18,7 @@ from nxdt.config.errors import ConfigError
 from nxdt.spec import config_from_dict
 from nxdt.models import build_model
 from nxdt.models.llama import LlamaArgs, NxdtLlamaForCausalLM
+from nxdt.parallel.activation_checkpointing import apply_activation_checkpointing
 from nxdt.models.moe import (LlamaMoE, MoEArgs, capacity, keep_within_capacity, load_balancing_loss,
                              pop_router_stats, route, set_aux_loss_scale, sinkhorn)
 
@@ -304,3 +305,15 @@ def test_another_transformers_moe_block_keeps_its_own_routing(tmp_path, extra, m
               "model": {"model_config": str(tmp_path / "config.json"), "moe": extra["moe"]}}
     with pytest.raises(ConfigError, match=message):
         config_from_dict(values, check=True)
+
+
+def test_transformers_moe_block_name_recomputes_nxdts_block():
+    """NxDT's selective recompute names transformers' class (MixtralSparseMoeBlock); in an hf Mixtral
+    that block is nxdt's LlamaMoE, which is recomputed under that name."""
+    cfg = config_from_dict({"model_source": "hf", "data": {"seq_length": 64}, "model": {
+        "model_config": "${nxdt_conf:model_configs/tiny_mixtral/config.json}",
+        "activations_checkpoint_granularity": "selective", "activations_checkpoint_recompute": ["MixtralSparseMoeBlock"]}},
+        check=True)
+    model = apply_activation_checkpointing(build_model(cfg, None, device="meta"), cfg.model)
+    recomputed = [name for name, m in model.named_modules() if getattr(m, "_nxdt_checkpointed", False)]
+    assert recomputed == ["model.layers.0.mlp", "model.layers.1.mlp"]

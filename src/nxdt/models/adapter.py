@@ -128,8 +128,9 @@ class HFAdapter(ModelAdapter):
 
     name = "hf"
     attention_kwarg = "hidden_states"
+    # transformers' Mixtral MoE block is nxdt's LlamaMoE in an hf model (nxdt.models.hf)
     recompute_aliases = {"CoreAttention": ("LlamaAttention", "MixtralAttention", "GPTNeoXAttention"),
-                         "LlamaMLP": ("GPTNeoXMLP",)}
+                         "LlamaMLP": ("GPTNeoXMLP",), "MixtralSparseMoeBlock": ("LlamaMoE",)}
 
     def heads(self, model: nn.Module) -> tuple[int, int]:
         c = model.config
