@@ -243,8 +243,10 @@ def test_one_notice_names_this_runs_inert_settings():
     assert "model.qkv_linear=true, model.fuse_qkv=true: NxDT's fused q/k/v module" in notice
     assert ("exp_manager.checkpoint_callback_params.save_top_k=3: no checkpoints are saved: "
             "exp_manager.create_checkpoint_callback=false") in notice
-    assert "model.fusions.softmax=false: a Neuron compiler fusion" in notice
-    assert "compiler_cache_url=/c: Neuron/XLA only" in notice
+    assert "model.fusions.softmax=false: a fusion of Neuron's compiler in torch-xla's graph" in notice
+    assert "compiler_cache_url=/c: Neuron only" in notice
+    on_neuron = inert_notice(cfg, backend="neuron")  # TorchNeuron: the runtime keys act, torch-xla's do not
+    assert "compiler_cache_url" not in on_neuron and "model.fusions.softmax=false" in on_neuron
     on_xla = inert_notice(cfg, backend="xla")  # the Neuron keys act there; the others still do not
     assert "compiler_cache_url" not in on_xla and "softmax" not in on_xla and "flash_attention=true" in on_xla
     assert inert_notice(load("~exp_manager.resume_ignore_no_checkpoint",
@@ -283,7 +285,7 @@ def test_help_shows_ranges_and_marks():
     assert "trainer.val_check_interval (int >= 1 or float in (0, 1] or null, default null)" in text
     assert "trainer.max_epochs (int >= 0 or -1, default -1)" in text
     assert "model.fusions.flash_attention (bool, default False) [inert: attention is always PyTorch's SDPA" in text
-    assert "model.fusions.softmax (bool, default True) [inert on cpu, cuda, mps: a Neuron compiler fusion" in text
+    assert "model.fusions.softmax (bool, default True) [inert on cpu, cuda, mps, neuron: a fusion of Neuron's compiler" in text
     assert "[not supported yet: > 1]" in next(line for line in text.splitlines()
                                              if line.startswith("distributed_strategy.token_shuffle_group_size"))
     assert "compiler_flags (str or null, default null) [Neuron]: " in text

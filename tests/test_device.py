@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 import importlib.util
 import sys
 from importlib.machinery import ModuleSpec
@@ -20,7 +21,12 @@ import torch
 from conftest import train_in_process
 
 from nxdt import device
+from nxdt.config import env, inert
 from nxdt.config.errors import ConfigError
+from nxdt.hardware import local_device_type
+from nxdt.parallel.parallelize import apply_compile, compile_backend_missing
+from nxdt.spec import load_config
+from nxdt.spec.parallel import check_xla_devices
 from nxdt.training import trainer as trainer_mod
 from nxdt.training.strategy import NeuronAccelerator, native_neuron_strategy
 
@@ -180,7 +186,7 @@ def test_neuron_trainer_on_the_native_device(monkeypatch):
     """build_trainer with TorchNeuron there: nxdt's NeuronAccelerator, NxdtStrategy on the `neuron`
     process group backend (the Trainer is not built: there is no neuron device here)."""
     built = {}
-    monkeypatch.setattr(trainer_mod, "neuron_device", lambda acc: "neuron")
+    monkeypatch.setattr(trainer_mod, "uses_native_neuron", lambda cfg: True)
     monkeypatch.setattr(trainer_mod, "use_xla", lambda cfg: False)
     monkeypatch.setattr(trainer_mod.pl, "Trainer", lambda **kwargs: built.update(kwargs))
     cfg = SimpleNamespace(trainer=SimpleNamespace(
@@ -206,3 +212,99 @@ def test_neuron_without_torchneuron_or_torch_xla_stops_in_one_line(monkeypatch, 
     assert len(errors) == 1, run.err
     assert "trainer.accelerator neuron: neither torch_neuronx (TorchNeuron, the native `neuron` device) nor " \
            "torch-xla is installed" in errors[0]
+
+
+# --------------------------------------------------------------------------- the torch-free side of Neuron
+def _torch_neuronx_version(monkeypatch, version: str | None) -> None:
+    """importlib.metadata answers `version` for torch-neuronx (None: no metadata, a source tree)."""
+    real = importlib.metadata.version
+
+    def fake(name):
+        if name == "torch-neuronx":
+            if version is None:
+                raise importlib.metadata.PackageNotFoundError(name)
+            return version
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", fake)
+
+
+def _run_cfg(accelerator: str, **top):
+    """The typed config of a tiny run on `accelerator` with top-level keys `top` (Neuron's knobs)."""
+    overrides = [f"trainer.accelerator={accelerator}"] + [f"{k}={v}" for k, v in top.items()]
+    return load_config(["--config-name", "tiny_llama_cpu", *overrides], check_paths=False, quiet=True)
+
+
+@pytest.mark.parametrize("version, installed, expected", [
+    ("2.14.0", ("torch_neuronx",), "neuron"),                # TorchNeuron (Neuron 2.33+)
+    ("2.14.0", ("torch_neuronx", "torch_xla"), "neuron"),    # preferred over torch-xla
+    ("2.9.0.2.11.19965", ("torch_neuronx", "torch_xla"), "xla"),  # the XLA-era package (Neuron <= 2.28)
+    (None, ("torch_neuronx",), "neuron"),                    # no metadata, no torch-xla: TorchNeuron
+    (None, ("torch_neuronx", "torch_xla"), "xla"),
+])
+def test_config_layer_tells_torchneuron_from_the_xla_era_package(monkeypatch, version, installed, expected):
+    """Before torch is imported (env vars, inert notices, the one-device rule), trainer.accelerator
+    neuron means the native device where TorchNeuron is installed, torch-xla otherwise."""
+    _installed(monkeypatch, *installed)
+    _torch_neuronx_version(monkeypatch, version)
+    cfg = _cfg("neuron")
+    assert env.neuron_runtime(cfg, {}) == expected
+    assert env.detect_xla(cfg, {}) is (expected == "xla")
+    assert inert.backend_of(cfg, {}) == expected
+
+
+def test_auto_on_a_neuron_machine_picks_torchneuron(monkeypatch):
+    _installed(monkeypatch, "torch_neuronx")
+    _torch_neuronx_version(monkeypatch, "2.14.0")
+    hinted = {"NEURON_RT_VISIBLE_CORES": "0-31"}
+    assert env.neuron_runtime(_cfg("auto"), hinted) == "neuron" and inert.backend_of(_cfg("auto"), hinted) == "neuron"
+    assert env.neuron_runtime(_cfg("auto"), {**hinted, "PJRT_DEVICE": "TPU"}) is None  # another XLA device asked for
+    assert env.detect_xla(_cfg("auto"), {**hinted, "PJRT_DEVICE": "TPU"})
+    monkeypatch.setattr(device, "_neuron_registered", lambda: True)
+    monkeypatch.setattr(env, "neuron_hinted", lambda environ=None: True)
+    assert device.uses_native_neuron(_cfg("auto"), hinted) and device.uses_native_neuron(_cfg("neuron"))
+    assert not device.use_xla(_cfg("auto"), hinted)
+    assert local_device_type("neuron") == "neuron"
+
+
+def test_torchneuron_gets_the_runtime_knobs_not_the_xla_precision_variables(monkeypatch):
+    """apply_env on the native device: NEURON_RT_* / cache / compiler flags set, XLA_* and the presets'
+    compiler flags not (precision is nxdt's own there); on torch-xla both."""
+    _installed(monkeypatch, "torch_neuronx")
+    _torch_neuronx_version(monkeypatch, "2.14.0")
+    cfg = _run_cfg("neuron", neuron_rt_exec_timeout=600, compiler_flags="'--model-type=transformer'")
+    environ: dict[str, str] = {}
+    env.apply_env(cfg, environ)
+    assert environ == {"NEURON_RT_EXEC_TIMEOUT": "600", "NEURON_EXPERIMENTAL_COMPRESS_RG": "0",
+                       "NEURON_CC_FLAGS": "--model-type=transformer"}
+    environ = {}
+    env.apply_env(cfg, environ, is_xla=True)
+    assert {"XLA_USE_BF16", "XLA_DOWNCAST_BF16"} <= set(environ) and environ["NEURON_RT_EXEC_TIMEOUT"] == "600"
+
+
+def test_torchneuron_reports_the_xla_only_keys_inert_and_allows_several_devices(monkeypatch):
+    _installed(monkeypatch, "torch_neuronx")
+    _torch_neuronx_version(monkeypatch, "2.14.0")
+    cfg = _run_cfg("neuron", compiler_cache_url="/tmp/cache", **{"exp_manager.save_xser": "true",
+                                                                 "exp_manager.create_checkpoint_callback": "true",
+                                                                 "model.fusions.torch_compile": "true",
+                                                                 "trainer.devices": 2})
+    keys = [key for key, _value, _why in inert.inert_keys(cfg)]
+    assert keys == ["exp_manager.save_xser"]  # compile runs (TorchNeuron's backend); the cache URL is read
+    check_xla_devices(cfg)  # 2 devices: the one-device rule is torch-xla's
+    monkeypatch.setattr(env, "torchneuron_installed", lambda: False)
+    _installed(monkeypatch, "torch_neuronx", "torch_xla")
+    with pytest.raises(ConfigError, match="only one device is supported yet"):
+        check_xla_devices(cfg)
+
+
+def test_compile_uses_torchneuron_backend_on_its_device(monkeypatch):
+    assert device.compile_backend("neuron") == "neuron" and device.compile_backend("cpu") == "inductor"
+    block = torch.nn.Linear(2, 2)
+    seen = []
+    monkeypatch.setattr(block, "compile", lambda **kwargs: seen.append(kwargs))
+    model = torch.nn.Module()
+    model.block = block
+    apply_compile(model, paths=("block",), backend=device.compile_backend("neuron"))
+    assert seen == [{"backend": "neuron"}]
+    assert "TorchNeuron registers no `neuron` backend" in compile_backend_missing("neuron")

@@ -60,7 +60,8 @@ def test_nxdt_accepts_every_key_nxdt_writes():
 
 def test_statuses_come_from_the_tables():
     assert migration.key_row("model.fusions.flash_attention")[0] == "inert"
-    assert migration.key_row("model.fusions.softmax")[0] == "inert on cpu, cuda, mps"
+    assert migration.key_row("model.fusions.softmax")[0] == "inert on cpu, cuda, mps, neuron"
+    assert migration.key_row("compiler_cache_url")[0] == "inert on cpu, cuda, mps"  # TorchNeuron reads it too
     assert migration.key_row("precision.master_weights")[0] == "built, inert in some runs"
     assert migration.key_row("model.optim.capturable")[0] == "inert on cpu, mps"
     status, what = migration.key_row("distributed_strategy.token_shuffle_group_size")

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from nxdt.config.env import NEURON_MISSING, detect_xla
+from nxdt.config.env import NEURON_MISSING, detect_xla, neuron_runtime
 from nxdt.config.errors import ConfigError
 
 
@@ -66,6 +66,21 @@ def neuron_device(accelerator: str) -> str | None:
     if native_neuron_available():
         return "neuron"
     return "xla" if xla_available() else None
+
+
+def uses_native_neuron(cfg: Any, environ: MutableMapping[str, str] | None = None) -> bool:
+    """This run is on TorchNeuron's native `neuron` device: trainer.accelerator neuron, or auto on a
+    Neuron machine (nxdt.config.env.neuron_runtime), where TorchNeuron provides the device."""
+    acc = cfg.trainer.accelerator
+    if acc == "neuron":
+        return neuron_device(acc) == "neuron"
+    return acc == "auto" and neuron_runtime(cfg, environ) == "neuron" and native_neuron_available()
+
+
+def compile_backend(device_type: str) -> str:
+    """torch.compile's backend for a device type: TorchNeuron's `neuron` on its native device (its
+    dynamo backend: FX graph → StableHLO → neuronx-cc), inductor elsewhere."""
+    return "neuron" if device_type == "neuron" else "inductor"
 
 
 def _torch_minor() -> str:

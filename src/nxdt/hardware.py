@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from nxdt.device import bf16_native, cuda_available, device_name
+from nxdt.config.env import neuron_hinted
+from nxdt.device import bf16_native, cuda_available, device_name, native_neuron_available
 
 # Dense TFLOP/s per device by compute dtype ("tf32": fp32 matmuls on tensor cores). Sources:
 # - NVIDIA H100 / H200 datasheets (sparsity figures halved): SXM 989.4 bf16/fp16, 494.7 TF32,
@@ -68,7 +69,10 @@ class Peak:
 
 def local_device_type(accelerator: str) -> str | None:
     """The device `trainer.accelerator` means on this machine: "cuda" (gpu / cuda / auto with a GPU),
-    "cpu" (cpu, or auto without one), None for anything else (a GPU asked for and none here, xla)."""
+    "neuron" (neuron, or auto on a Neuron machine, where TorchNeuron provides the native device), "cpu"
+    (cpu, or auto without either), None for anything else (a GPU asked for and none here, xla)."""
+    if accelerator in ("neuron", "auto") and native_neuron_available() and (accelerator == "neuron" or neuron_hinted()):
+        return "neuron"
     if accelerator in ("gpu", "cuda", "auto") and cuda_available():
         return "cuda"
     return "cpu" if accelerator in ("cpu", "auto") else None

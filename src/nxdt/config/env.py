@@ -1,10 +1,18 @@
 """Config-derived environment variables, set BEFORE torch / torch-xla is imported.
 
-On XLA (Neuron) `apply_env` sets the runtime/compiler knobs (interface §1) and the precision
-preset's variables (§7). A variable the user already set is never overwritten;
-`NEURON_CC_FLAGS` is appended to, skipping any flag whose option is already present.
-Off XLA nothing is set: the Neuron-only keys that were given are returned so the caller can
-report them once, in one line (`format_inert`).
+On XLA (Neuron's XLA-era path, TPU) `apply_env` sets the runtime/compiler knobs (interface §1) and the
+precision preset's variables (§7). On TorchNeuron's native `neuron` device it sets the Neuron runtime,
+cache and compiler knobs only: precision there is nxdt's own (autocast, master weights, stochastic
+rounding in the optimizer step), as on CUDA, so the XLA_* variables and the presets' compiler flags
+would mean nothing. A variable the user already set is never overwritten; `NEURON_CC_FLAGS` is
+appended to, skipping any flag whose option is already present. Elsewhere nothing is set: the
+Neuron-only keys that were given are returned so the caller can report them once, in one line
+(`format_inert`).
+
+Which path a run takes is told here without importing torch (`neuron_runtime`): TorchNeuron is
+torch-neuronx 2.10 or later (the XLA-era torch-neuronx was last built for torch 2.9, Neuron 2.28;
+TorchNeuron ships for torch 2.13+), preferred over torch-xla where both are installed.
+nxdt.device.native_neuron_available checks the same at run time, once torch is imported.
 
 `COMPILE=1` in the environment (NxDT's graph pre-compilation run) is kept everywhere as a
 smoke mode: trainer.max_steps = 10, no TensorBoard, no checkpoints.
@@ -14,6 +22,7 @@ smoke mode: trainer.max_steps = 10, no TensorBoard, no checkpoints.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 import shlex
@@ -98,19 +107,59 @@ def merge_cc_flags(existing: str, extra: list[str]) -> str:
     return out
 
 
-def detect_xla(cfg: Any, environ: MutableMapping[str, str] | None = None) -> bool:
-    """True when this run uses torch-xla: trainer.accelerator xla/neuron/tpu, or (auto) XLA/Neuron hints."""
+NEURON_HINTS = ("NEURON_RT_VISIBLE_CORES", "NEURON_RT_NUM_CORES", "NEURON_RT_ROOT_COMM_ID")
+# torch-neuronx versions from this one on are TorchNeuron (native `neuron` device); the XLA-era
+# package's versions start with the torch they were built for, 2.9 the last (Neuron 2.28)
+TORCHNEURON_FIRST = (2, 10)
+
+
+def torchneuron_installed() -> bool:
+    """TorchNeuron, the native `neuron` device, is installed (told without importing torch): torch_neuronx
+    of version 2.10 or later. Without version metadata (a source tree on the path), an installed
+    torch_neuronx without torch-xla is taken as TorchNeuron (the XLA-era package needs torch-xla)."""
+    if importlib.util.find_spec("torch_neuronx") is None:
+        return False
+    try:
+        version = importlib.metadata.version("torch-neuronx")
+    except importlib.metadata.PackageNotFoundError:
+        return importlib.util.find_spec("torch_xla") is None
+    parts = [int(p) for p in version.split(".")[:2] if p.isdigit()]
+    return len(parts) == 2 and tuple(parts) >= TORCHNEURON_FIRST
+
+
+def neuron_hinted(environ: MutableMapping[str, str] | None = None) -> bool:
+    """This machine has Neuron devices, or the launcher set Neuron's runtime variables."""
+    environ = os.environ if environ is None else environ
+    return any(k in environ for k in NEURON_HINTS) or os.path.exists("/dev/neuron0")
+
+
+def neuron_runtime(cfg: Any, environ: MutableMapping[str, str] | None = None) -> str | None:
+    """How this run reaches Neuron: "neuron" (TorchNeuron's native device), "xla" (torch-xla: the
+    XLA-era path), or None (not a Neuron run). trainer.accelerator neuron takes TorchNeuron where it
+    is installed, else torch-xla (None when neither is: `neuron_missing` refuses it); auto takes
+    Neuron when the machine or the launcher says so (`neuron_hinted`) and PJRT_DEVICE does not name
+    another XLA device."""
     environ = os.environ if environ is None else environ
     acc = cfg.trainer.accelerator
-    if acc in ("xla", "neuron", "tpu"):
+    if acc == "auto" and not environ.get("PJRT_DEVICE") and neuron_hinted(environ):
+        return "neuron" if torchneuron_installed() else "xla"
+    if acc != "neuron":
+        return None
+    if torchneuron_installed():
+        return "neuron"
+    return "xla" if importlib.util.find_spec("torch_xla") is not None else None
+
+
+def detect_xla(cfg: Any, environ: MutableMapping[str, str] | None = None) -> bool:
+    """True when this run uses torch-xla: trainer.accelerator xla/tpu, neuron without TorchNeuron, or
+    (auto) PJRT_DEVICE / Neuron hints without TorchNeuron (`neuron_runtime`)."""
+    environ = os.environ if environ is None else environ
+    acc = cfg.trainer.accelerator
+    if acc in ("xla", "tpu"):
         return True
-    if acc != "auto":
-        return False
-    if environ.get("PJRT_DEVICE"):
+    if acc == "auto" and environ.get("PJRT_DEVICE"):
         return True
-    if any(k in environ for k in ("NEURON_RT_VISIBLE_CORES", "NEURON_RT_NUM_CORES", "NEURON_RT_ROOT_COMM_ID")):
-        return True
-    return os.path.exists("/dev/neuron0")
+    return acc in ("auto", "neuron") and neuron_runtime(cfg, environ) == "xla"
 
 
 NEURON_MISSING = ("trainer.accelerator neuron: neither torch_neuronx (TorchNeuron, the native `neuron` device) nor "
@@ -160,7 +209,8 @@ def apply_smoke_mode(cfg: Any, environ: MutableMapping[str, str] | None = None) 
 
 
 def apply_env(cfg: Any, environ: MutableMapping[str, str] | None = None, is_xla: bool | None = None) -> list[str]:
-    """Set the config's Neuron/precision environment variables (XLA only); returns inert keys off XLA.
+    """Set the config's Neuron/precision environment variables (XLA; the runtime ones on TorchNeuron);
+    returns the Neuron-only keys given where nothing reads them.
 
     Call before torch is imported. Never overwrites a variable already in `environ`
     (NEURON_CC_FLAGS is appended to). Also applies the COMPILE=1 smoke mode.
@@ -169,7 +219,8 @@ def apply_env(cfg: Any, environ: MutableMapping[str, str] | None = None, is_xla:
     apply_smoke_mode(cfg, environ)
     if is_xla is None:
         is_xla = detect_xla(cfg, environ)
-    if not is_xla:
+    native = not is_xla and neuron_runtime(cfg, environ) == "neuron"
+    if not is_xla and not native:
         return inert_keys(cfg)
 
     wanted: dict[str, str] = {}
@@ -177,10 +228,12 @@ def apply_env(cfg: Any, environ: MutableMapping[str, str] | None = None, is_xla:
         value = getattr(cfg, key)
         if value is not None:
             wanted[var] = _env_value(value)
-    if cfg.model.fusions.softmax is True:
-        wanted["NEURON_FUSE_SOFTMAX"] = "1"
-    penv, pflags = precision_env(cfg)
-    wanted.update(penv)
+    pflags: list[str] = []
+    if is_xla:  # the XLA graph's fusions and precision; on the native device precision is nxdt's own
+        if cfg.model.fusions.softmax is True:
+            wanted["NEURON_FUSE_SOFTMAX"] = "1"
+        penv, pflags = precision_env(cfg)
+        wanted.update(penv)
     for var, value in wanted.items():
         if var not in environ:
             environ[var] = value

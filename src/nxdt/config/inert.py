@@ -10,8 +10,8 @@ tests/nxdt_release/, checked by tests/test_migration_doc.py). Each key is one of
   one notice at start that names it (`inert_notice`, returned by validation with its other
   notices), and `--help` marks the keys inert everywhere or on some backends.
 
-Backends: "cpu", "cuda", "mps" and "xla" (torch-xla: Neuron, TPU), as `backend_of` guesses them
-before torch is imported. This module imports only the standard library and nxdt.config.
+Backends: "cpu", "cuda", "mps", "neuron" (TorchNeuron's native device) and "xla" (torch-xla: Neuron's
+XLA-era path, TPU), as `backend_of` guesses them before torch is imported. This module imports only the standard library and nxdt.config.
 """
 
 from __future__ import annotations
@@ -26,12 +26,19 @@ from typing import Any
 
 from nxdt.config import schema
 from nxdt.config.errors import ConfigError
-from nxdt.config.env import detect_xla
+from nxdt.config.env import detect_xla, neuron_runtime
 from nxdt.config.typed import select
 
-BACKENDS = ("cpu", "cuda", "mps", "xla")
-OFF_XLA = ("cpu", "cuda", "mps")
-OFF_CUDA = ("cpu", "mps", "xla")
+BACKENDS = ("cpu", "cuda", "mps", "neuron", "xla")
+OFF_XLA = ("cpu", "cuda", "mps", "neuron")
+OFF_NEURON = ("cpu", "cuda", "mps")
+"""where the Neuron runtime / compiler knobs have no effect (they act on both Neuron paths)"""
+OFF_CUDA = ("cpu", "mps", "neuron", "xla")
+# the schema's neuron=True keys that TorchNeuron's native device reads too (runtime, cache, compiler
+# variables: nxdt.config.env.apply_env); the others (xser files, the XLA device-move groups, NKI
+# layouts) belong to the torch-xla path
+NEURON_RUNTIME_KEYS = ("compiler_flags", "compiler_cache_url", "aync_exec_max_inflight_requests",
+                       "bucket_size_collectives", "neuron_rt_exec_timeout", "neuron_experimental_compress_rg")
 
 
 @dataclass(frozen=True)
@@ -193,7 +200,10 @@ INERT: list[tuple[str, Inert]] = [
     ("model_alignment_strategy.peft.merge_sharded_lora",
      Inert("nxdt's checkpoints are read whole at any layout", notice=False)),
     # per backend
-    ("model.fusions.softmax", Inert("a Neuron compiler fusion (NEURON_FUSE_SOFTMAX)", on=OFF_XLA)),
+    ("model.fusions.softmax", Inert("a fusion of Neuron's compiler in torch-xla's graph (NEURON_FUSE_SOFTMAX)",
+                                    on=OFF_XLA)),
+    ("exp_manager.save_xser", Inert("torch-xla's serialization: checkpoints are torch.distributed.checkpoint "
+                                    "files on this device", on=OFF_XLA)),
     ("model.fusions.torch_compile", Inert(_XLA_COMPILES, on=("xla",))),
     ("model.use_torch_compile", Inert(_XLA_COMPILES, on=("xla",))),
     ("exp_manager.profiler.cuda_memory_snapshot",
@@ -256,7 +266,7 @@ INERT: list[tuple[str, Inert]] = [
            lambda c: c.data.tokenizer.library == "sentencepiece"),
     ("data.tokenizer.use_fast", Inert("only data.tokenizer.library huggingface reads it",
                                       unless=lambda c: c.data.tokenizer.library == "huggingface")),
-    *_gate(_section_keys("data.dynamic_selection."), "only data.dynamic_data_selection=sheared_llama reads it",
+    *_gate(_section_keys("data.dynamic_selection."), "only data.dynamic_data_selection sheared_llama / sheared_llama_paper reads it",
            lambda c: c.data.dynamic_data_selection != "none"),
     *_gate(["data.data_path", "data.col_name", "data.sep_token", "data.bos_token"],
            "only data.datasets reads it (data_path: its folder; the others: its arrow / parquet shards)",
@@ -267,8 +277,8 @@ INERT: list[tuple[str, Inert]] = [
 def _neuron_entries() -> list[tuple[str, Inert]]:
     """The schema's `neuron=True` keys not listed above: they act on Neuron/XLA only."""
     listed = {k for k, _ in INERT}
-    return [(k, Inert("Neuron/XLA only", on=OFF_XLA)) for k, _t, _d, _h, meta in schema.iter_fields()
-            if meta.get("neuron") and k not in listed]
+    return [(k, Inert("Neuron only", on=OFF_NEURON) if k in NEURON_RUNTIME_KEYS else Inert("torch-xla only", on=OFF_XLA))
+            for k, _t, _d, _h, meta in schema.iter_fields() if meta.get("neuron") and k not in listed]
 
 
 def entries() -> list[tuple[str, Inert]]:
@@ -277,10 +287,13 @@ def entries() -> list[tuple[str, Inert]]:
 
 # --------------------------------------------------------------------------- readers
 def backend_of(cfg: Any, environ: Mapping[str, str] | None = None) -> str:
-    """cpu | cuda | mps | xla, as far as it can be told before torch is imported (the same XLA rule
-    as nxdt.device.use_xla: torch-xla asked for, or hinted at and installed)."""
+    """cpu | cuda | mps | neuron | xla, as far as it can be told before torch is imported (the same
+    rules as nxdt.device: TorchNeuron's native device where installed, nxdt.config.env.neuron_runtime;
+    torch-xla asked for, or hinted at and installed)."""
     environ = os.environ if environ is None else environ
     acc = cfg.trainer.accelerator
+    if neuron_runtime(cfg, dict(environ)) == "neuron":
+        return "neuron"
     if acc in ("xla", "neuron", "tpu"):
         return "xla"
     if acc == "auto" and detect_xla(cfg, dict(environ)) and importlib.util.find_spec("torch_xla") is not None:

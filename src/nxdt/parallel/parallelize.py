@@ -23,6 +23,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._triton import has_triton
 
+from nxdt.device import compile_backend
 from nxdt.parallel.activation_checkpointing import apply_activation_checkpointing
 from nxdt.parallel.context_parallel import apply_context_parallel
 from nxdt.parallel.data_parallel import (
@@ -60,7 +61,7 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh, cfg, device: torch.dev
     # 3. torch.compile each block, after AC and before FSDP (per-block compile keeps FSDP's
     #    per-block hooks outside the compiled graphs, and identical blocks share one graph);
     #    model.fusions.torch_compile (or fms-fsdp's model.use_torch_compile)
-    apply_compile(model, paths=stage.compile)
+    apply_compile(model, paths=stage.compile, backend=compile_backend(mesh.device_type))
     # 4. data parallel over (dp_replicate, dp_shard): replicate / FSDP2 / HSDP
     apply_data_parallel(model, mesh, plan.data_parallel, units=stage.data_parallel)
     # 5. a model built on the meta device gets its local shards allocated and initialised now
@@ -69,10 +70,12 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh, cfg, device: torch.dev
     return model
 
 
-def apply_compile(model: nn.Module, tensor_parallel: bool = False, paths: tuple[str, ...] | None = None) -> None:
+def apply_compile(model: nn.Module, tensor_parallel: bool = False, paths: tuple[str, ...] | None = None,
+                  backend: str = "inductor") -> None:
     """torch.compile the modules at `paths` (a plan's: each decoder block, torchtitan's unit; under
     tensor parallelism each block's attention and MLP, see nxdt.parallel.plan.TP_COMPILED_PARTS);
-    None: every block of `model` (or its attention and MLP with `tensor_parallel`)."""
+    None: every block of `model` (or its attention and MLP with `tensor_parallel`). `backend`: the
+    device's (nxdt.device.compile_backend: TorchNeuron's `neuron`, else inductor)."""
     if paths is None:
         parts = TP_COMPILED_PARTS if tensor_parallel else None
         modules = [getattr(block, name, None) for block in transformer_blocks(model)
@@ -81,12 +84,12 @@ def apply_compile(model: nn.Module, tensor_parallel: bool = False, paths: tuple[
         modules = [model.get_submodule(path) for path in paths]
     for module in modules:
         if module is not None:
-            module.compile()
+            module.compile(backend=backend)
 
 
 def compile_backend_missing(device_type: str) -> str | None:
-    """Why torch.compile's default backend (inductor) cannot compile for `device_type` here, or None:
-    on CPU it needs a C++ compiler, on CUDA triton."""
+    """Why torch.compile cannot compile for `device_type` here, or None: inductor needs a C++ compiler
+    on CPU and triton on CUDA; on TorchNeuron's native device its own `neuron` backend must be registered."""
     if device_type == "cpu":
         candidates = [os.environ.get("CXX"), "g++", "c++", "clang++"]
         if not any(name and shutil.which(name) for name in candidates):
@@ -94,4 +97,6 @@ def compile_backend_missing(device_type: str) -> str | None:
     elif device_type == "cuda":
         if not has_triton():
             return "torch's inductor needs triton to compile for CUDA (pip install triton); it is not installed"
+    elif device_type == "neuron" and "neuron" not in torch._dynamo.list_backends(exclude_tags=()):
+        return "TorchNeuron registers no `neuron` backend for torch.compile in this torch-neuronx"
     return None

@@ -23,7 +23,7 @@ from nxdt.data.select import build_datamodule
 from nxdt.data.tokenizers import build_tokenizer
 from nxdt.exp.exp_manager import build_loggers, resolve_dirs, setup_exp_manager
 from nxdt.exp.loggers import check_loggers
-from nxdt.device import check_neuron, neuron_device, use_xla
+from nxdt.device import check_neuron, use_xla, uses_native_neuron
 from nxdt.exp.run_lock import RunLock, check_run_lock
 from nxdt.hardware import local_device_type
 from nxdt.observability.callbacks import CompileTimer, MemoryMonitor, RunFigures, RunSummary, ThroughputMonitor
@@ -61,7 +61,7 @@ def build_trainer(cfg, layout, loggers, callbacks):
     t = cfg.trainer
     if use_xla(cfg):  # torch-xla: Lightning's XLA accelerator with nxdt's bookkeeping (xla.py)
         accelerator, strategy = xla.lightning_accelerator(cfg), xla.build_xla_strategy(layout)
-    elif neuron_device(t.accelerator) == "neuron":  # TorchNeuron's native device (nxdt.device)
+    elif uses_native_neuron(cfg):  # TorchNeuron's native device: trainer.accelerator neuron / auto (nxdt.device)
         accelerator, strategy = NeuronAccelerator(), native_neuron_strategy(layout)
     else:
         accelerator, strategy = t.accelerator, NxdtStrategy(layout)
