@@ -249,7 +249,7 @@ LAYOUTS.update({
 # Compiled blocks: inductor fuses the elementwise ops (a few fp32 ulps per op, measured below 1e-6 relative on
 # the norms); the loss stays within 1e-5 of eager.
 NORM_RTOL = {"tp2_pp2": 2e-5, "compile_fsdp_dp2": 1e-5, "compile_tp2_sp_full_ac": 1e-5, "dynamic_zero1_dp2": 2e-4, "dynamic_pp2": 2e-4, "neox_zero1_dp2_full_ac": 1e-5, "neox_fsdp_dp2": 1e-5,
-             **{name: 1e-4 for name, (model, *_) in LAYOUTS.items() if model in ("moe", "hf_moe")},
+             **{name: 1e-4 for name, (model, *_) in LAYOUTS.items() if model in ("moe", "hf_moe", "qwen3_moe")},
              **{name: 5e-5 for name, (model, *_) in LAYOUTS.items() if model in PREFERENCE_MODELS}}
 # Qwen3: ten steps, rounding-level gradient-norm moves (measured: tp2+sp 6.2e-6 relative at step 5; step 0
 # equal to all digits, so the q/k norms' gradients are whole); Qwen3-MoE: as moe's, but under tp2+sp step 4's
@@ -258,6 +258,13 @@ NORM_RTOL = {"tp2_pp2": 2e-5, "compile_fsdp_dp2": 1e-5, "compile_tp2_sp_full_ac"
 NORM_RTOL.update({name: 2e-5 if model == "qwen3" else 1e-4 for name, (model, *_) in LAYOUTS.items()
                   if model in ("qwen3", "qwen3_moe", "hf_qwen3_moe")})
 NORM_RTOL["qwen3_moe_tp2_sp"] = 5e-4
+
+
+# Loss tolerance where 1e-5 is not kept over ten steps: Qwen3-MoE's experts split over tp (each expert's
+# intermediate dimension, so down_proj's sums are split in two and added) move step 1's loss by one
+# fp32 ulp (9.5e-7) and step 5's spike (the run's largest gradient) turns that into 1.9e-5 (measured;
+# reducing each expert row before the combine instead gave 6.3e-5), the validation loss alike: rounding.
+LOSS_TOL = {"qwen3_moe_tp2_sp": 3e-5}
 
 
 def _args(log_dir, devices: int, model: str, extra=()) -> list[str]:
@@ -314,7 +321,7 @@ def _assert_same_run(ref: Run, got: Run, label: str, norm_rtol: float = 2e-6, st
     a = [a[s] for s in steps]
     assert len(b) == len(a), (label, a, b)
     gap = max(abs(x - y) for x, y in zip(a, b))
-    assert gap < TOL, f"{label}: max loss gap {gap:.2e}\n{a}\n{b}"
+    assert gap < LOSS_TOL.get(label, TOL), f"{label}: max loss gap {gap:.2e}\n{a}\n{b}"
     for tag in ("gradient_norm", "parameter_norm"):
         ref_norms, norms = [_curve(ref.scalars, tag)[s] for s in steps], _curve(got.scalars, tag)
         rel = max(abs(x / y - 1) for x, y in zip(norms, ref_norms))
@@ -323,7 +330,7 @@ def _assert_same_run(ref: Run, got: Run, label: str, norm_rtol: float = 2e-6, st
         assert _curve(got.scalars, tag) == pytest.approx([_curve(ref.scalars, tag)[s] for s in steps],
                                                          rel=1e-7), (label, tag)
     ref_val = [v for s, v in sorted(ref.scalars["val_loss"].items()) if s >= steps[0]]
-    assert _curve(got.scalars, "val_loss") == pytest.approx(ref_val, abs=TOL), label
+    assert _curve(got.scalars, "val_loss") == pytest.approx(ref_val, abs=LOSS_TOL.get(label, TOL)), label
     print(f"{label}: max loss gap {gap:.2e}")
 
 
