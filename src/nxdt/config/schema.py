@@ -33,12 +33,12 @@ This module imports only the standard library (and nxdt.config's sharding table,
 """
 
 import dataclasses
-from dataclasses import dataclass, is_dataclass
-from typing import Any, Dict, List, Literal, Optional, Union, get_args, get_origin, get_type_hints
+from dataclasses import dataclass
+from typing import Any, Dict, List, Literal, Optional, Union
 
-from nxdt.config import ranges
 from nxdt.config.errors import ConfigError
 from nxdt.config.ranges import doc  # noqa: F401  (re-exported: the schema's field helper)
+from nxdt.config.ranges import hints, section_class, type_name, type_with_range  # noqa: F401  (re-exported)
 from nxdt.config.schema_finetuning import (  # noqa: F401  (re-exported: sections of NxdtConfig)
     TRUNCATION_MODES, AlignmentConfig, DataAlignmentConfig, DPOConfig, ORPOConfig, PeftConfig, SFTConfig)
 
@@ -324,16 +324,19 @@ class DataConfig:
     data_module: Optional[str] = doc(
         None, "custom LightningDataModule 'pkg.module.Class' taking (cfg, trainer); other data keys are free")
     use_dummy_dataset: bool = doc(False, "fms-fsdp: random tokens instead of data (performance runs)")
-    datasets: Optional[List[str]] = doc(None, "fms-fsdp: dataset sub-folders to blend")
-    weights: Optional[List[float]] = doc(None, "fms-fsdp: blend weight of each entry of datasets")
+    datasets: Optional[List[str]] = doc(None, "fms-fsdp: dataset sub-folders to blend (or its comma string 'a,b')")
+    weights: Optional[List[float]] = doc(None, "fms-fsdp: blend weight of each entry of datasets (or '7725,500')")
     logical_shards: Optional[int] = doc(None, "fms-fsdp: logical shards (resumable across rank counts)", ge=1)
     data_path: Optional[str] = doc(None, "fms-fsdp: the folder data.datasets entries are relative to")
     col_name: str = doc("tokens", "fms-fsdp: the token-id column of arrow / parquet shards")
-    sep_token: Optional[int] = doc(
-        None, "fms-fsdp: token appended to every document of arrow / parquet shards; null = the tokenizer's "
-              "end-of-document id", ge=0)
-    bos_token: Optional[int] = doc(None, "fms-fsdp: token put before every document of arrow / parquet shards; "
-                                         "null = none", ge=0)
+    sep_token: Optional[int] = doc(None, "fms-fsdp: appended to every shard document; null = the tokenizer's eod", ge=0)
+    bos_token: Optional[int] = doc(None, "fms-fsdp: put before every shard document; null = none", ge=0)
+    eos_token: Optional[int] = doc(None, "fms-fsdp's name of sep_token (both given: they must agree)", ge=0, alias="sep_token")
+    bol_token: Optional[int] = doc(None, "fms-fsdp: token starting every training sample (line); null = none", ge=0)
+    eol_token: Optional[int] = doc(None, "fms-fsdp: token ending every training sample (line); null = none", ge=0)
+    strip_tokens: List[int] = doc([], "fms-fsdp: ids dropped from a document's first / last position (or '5,6')")
+    file_type: Literal["arrow", "hf_parquet", "auto"] = doc("arrow", "fms-fsdp: arrow = token-id shards; hf_parquet = "
+        ".parquet raw text (data.col_name) tokenized when opened; auto = .arrow 'tokens' ids + .parquet text")
     dynamic_data_selection: Literal["none", "sheared_llama", "sheared_llama_paper"] = doc(
         "none", "LLaMA-MoE: move the blend's weights by each domain's held-out loss against its reference "
                 "(Sheared-LLaMA's dynamic batch loading): sheared_llama = LLaMA-MoE's rule (the signed "
@@ -444,6 +447,9 @@ class ModelConfig:
     gpt_j_tied: bool = doc(True, "gpt_j: attention and MLP share one input norm (GPT-J, NeMo); false: two "
                            "(GPT-NeoX / Pythia, transformers' use_parallel_residual)")
     has_bias: bool = doc(False, "biases in linear layers")
+    mlp_bias: Optional[bool] = doc(None, "biases in the MLP's linear layers; null = model.has_bias (GPT-NeoX's "
+                                         "use_bias_in_mlp, transformers' mlp_bias: Llama-style files of NeoX have "
+                                         "them without attention biases)")
     # hf-specific
     qkv_linear: bool = doc(False, "NxDT GQAQKVLinear (one module for q, k, v)")
     fuse_qkv: bool = doc(False, "fuse q, k, v projections into one matmul")
@@ -496,6 +502,7 @@ class PrecisionConfig:
     neuron_rt_stochastic_rounding_en: ZeroOne = doc(
         "0", "manual: '1' = stochastic rounding to bf16 (NEURON_RT_STOCHASTIC_ROUNDING_EN on Neuron)")
     fp16: Fp16Config = doc(Fp16Config, "fp16 with loss scaling (GPT-NeoX)")
+    grad_reduce_dtype: Literal["fp32", "bf16"] = doc("fp32", "FSDP's gradient-reduction dtype; bf16 = fms-fsdp's bfSixteen")
     parallel_layers_reduce_dtype: Optional[Literal["bf16", "fp32", "fp16"]] = doc(
         None, "NxDT 2.21+: dtype of the tensor/sequence-parallel all-reduces and reduce-scatters; nxdt reduces "
               "in the compute dtype (NxDT's default: fp32 under type fp32, else bf16)")
@@ -546,47 +553,6 @@ def _drop_internal(values: dict, cls: type) -> dict:
     return values
 
 
-def section_class(hint: Any) -> Optional[type]:
-    """The dataclass behind a field type (unwrapping Optional), or None."""
-    if isinstance(hint, type) and is_dataclass(hint):
-        return hint
-    if get_origin(hint) is Union:
-        for arg in get_args(hint):
-            if isinstance(arg, type) and is_dataclass(arg):
-                return arg
-    return None
-
-
-_HINTS: Dict[type, Dict[str, Any]] = {}
-
-
-def hints(cls: type) -> Dict[str, Any]:
-    """Resolved type hints of a schema dataclass (cached)."""
-    if cls not in _HINTS:
-        _HINTS[cls] = get_type_hints(cls)
-    return _HINTS[cls]
-
-
-def type_name(hint: Any) -> str:
-    """A short human name for a type hint: 'int', 'float or null', 'one of [...]'."""
-    origin = get_origin(hint)
-    if hint is Any:
-        return "any"
-    if hint is type(None):
-        return "null"
-    if origin is Literal:
-        return f"one of {list(get_args(hint))}"
-    if origin is Union:
-        return " or ".join(type_name(a) for a in get_args(hint))
-    if origin in (list, List):
-        return "list"
-    if origin in (dict, Dict):
-        return "mapping"
-    if isinstance(hint, type) and is_dataclass(hint):
-        return "mapping"
-    return getattr(hint, "__name__", str(hint))
-
-
 def iter_fields(cls: type = NxdtConfig, prefix: str = ""):
     """Yield (dotted_key, type_name, default, help, metadata) for every leaf key of the schema."""
     inst = cls()
@@ -599,8 +565,3 @@ def iter_fields(cls: type = NxdtConfig, prefix: str = ""):
             yield from iter_fields(sub, key + ".")
             continue
         yield key, type_name(hints(cls)[f.name]), getattr(inst, f.name), f.metadata.get("help", ""), f.metadata
-
-
-def type_with_range(tname: str, meta: Dict[str, Any]) -> str:
-    """'int or null' with the field's range: 'int >= 1 or null' (nxdt.config.ranges)."""
-    return ranges.describe([(name, name == "float") for name in tname.split(" or ")], meta)
