@@ -5,10 +5,12 @@ tests/test_parallel_layouts.py."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 import torch
+from conftest import REPO
 from transformers import MixtralConfig, MixtralForCausalLM
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
@@ -16,6 +18,7 @@ from nxdt.config.errors import ConfigError
 from nxdt.spec import config_from_dict
 from nxdt.models import build_model
 from nxdt.models.llama import LlamaArgs, NxdtLlamaForCausalLM
+from nxdt.parallel.activation_checkpointing import apply_activation_checkpointing
 from nxdt.models.moe import (LlamaMoE, MoEArgs, capacity, keep_within_capacity, load_balancing_loss,
                              pop_router_stats, route, set_aux_loss_scale, sinkhorn)
 
@@ -69,6 +72,34 @@ def test_megatron_and_hf_sources_build_the_same_architecture():
     ids = torch.randint(0, 8192, (2, 12), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.testing.assert_close(native(ids), hf(ids).logits, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("routing", [{}, {"capacity_factor": 0.5}, {"capacity_factor": 0.0, "dropless": True},
+                                     {"routing_algorithm": "sinkhorn", "top_k": 1},
+                                     {"router_activation": "sigmoid", "normalize_top_k_affinities": False}])
+def test_hf_mixtral_routes_as_model_moe_says(routing):
+    """model_source hf with a Mixtral config.json builds nxdt's MoE block (NxDT's HF Mixtral runs NxD's
+    MoE layer) under transformers' names: model.moe's routing applies there exactly as in the native
+    model (same weights: same logits); with Mixtral's own routing the logits are transformers'."""
+    moe = {"num_experts": 4, "top_k": 2, **routing}
+    hf = build_model(config_from_dict({"model_source": "hf", "model": {
+        "model_config": "model_configs/tiny_mixtral", "moe": moe}})).eval()
+    assert type(hf.model.layers[0].mlp) is LlamaMoE and hf.model.layers[0].mlp.args.capacity_factor == moe.get(
+        "capacity_factor")
+    native = build_model(config_from_dict({"model_source": "megatron", "model": {
+        "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 96, "num_attention_heads": 4, "num_kv_heads": 2,
+        "max_position_embeddings": 1024, "make_vocab_size_divisible_by": 8, "moe": moe}}), 8192).eval()
+    native.load_state_dict(hf.state_dict())
+    plain = MixtralForCausalLM(hf.config).eval()  # transformers' own blocks, the same weights
+    plain.load_state_dict(hf.state_dict(), strict=True)
+    ids = torch.randint(0, 8192, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ours, theirs = hf(ids).logits, plain(ids).logits
+        torch.testing.assert_close(ours, native(ids), rtol=0, atol=1e-5)
+    if not routing or routing.get("dropless"):  # Mixtral's routing, every token computed: transformers' logits
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+    else:  # capacity 0.5 drops tokens, sinkhorn and sigmoid route otherwise
+        assert (ours - theirs).abs().max() > 1e-3
 
 
 def test_top_k_routing_by_hand():
@@ -229,22 +260,60 @@ def test_moe_keys_over_a_dense_hf_config_are_refused():
                                                                       "moe": {"num_experts": 4}}}), device="meta")
 
 
+def test_hf_mixtral_frequency_is_the_config_jsons():
+    values = {"model_source": "hf", "trainer": {"devices": 1},
+              "data": {"global_batch_size": 8, "micro_batch_size": 1, "seq_length": 128},
+              "model": {"model_config": "${nxdt_conf:model_configs/tiny_mixtral/config.json}",
+                        "moe": {"num_experts": 4, "frequency": 2}}}
+    with pytest.raises(ConfigError, match=r"^model.moe.frequency=2: not supported with model_source hf \(every "
+                                          r"layer of transformers' Mixtral is an MoE layer\)"):
+        config_from_dict(values, check=True)
+
+
 def test_capacity_factor_zero_is_fine_when_dropless():
     cfg = config_from_dict({**_moe_cfg(capacity_factor=0.0, dropless=True), "trainer": {"devices": 1},
                             "data": {"global_batch_size": 8, "micro_batch_size": 1}}, check=True)
     assert cfg.model.moe.dropless and math.isclose(cfg.model.moe.capacity_factor, 0.0)
 
 
-@pytest.mark.parametrize("ds, message", [
-    ({"pipeline_model_parallel_size": 2}, r"'distributed_strategy.pipeline_model_parallel_size' > 1 with model.moe "
-                                          r"and model_source hf is not supported yet"),
-    ({"expert_model_parallel_size": 2}, r"'distributed_strategy.expert_model_parallel_size' > 1 with model_source hf "
-                                        r"is not supported yet \(got 2\)"),
-])
-def test_hf_moe_parallel_layouts_not_built_yet_are_refused(ds, message):
-    """transformers' MoE blocks have no pp / ep plan yet (the native Mixtral has): one line each."""
+@pytest.mark.parametrize("ds", [{"pipeline_model_parallel_size": 2}, {"expert_model_parallel_size": 2},
+                                {"tensor_model_parallel_size": 2, "sequence_parallel": True}])
+def test_hf_mixtral_takes_the_native_moe_layouts(ds):
+    """nxdt's MoE block in transformers' Mixtral takes pp, ep and tp as the native model's does (their
+    parity with one process: tests/test_parallel_layouts.py, hf_moe_*)."""
     values = {"model_source": "hf", "trainer": {"devices": 2}, "distributed_strategy": ds,
               "data": {"global_batch_size": 8, "micro_batch_size": 1, "seq_length": 128},
               "model": {"model_config": "${nxdt_conf:model_configs/tiny_mixtral/config.json}", "moe": {"num_experts": 4}}}
+    assert config_from_dict(values, check=True).model.moe.num_experts == 4
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"moe": {"num_experts": 4, "capacity_factor": 2.0}},
+     r"^model.moe.capacity_factor=2.0: not supported with model_source hf and model_type 'phimoe' \(its own MoE block"),
+    ({"moe": {"num_experts": 4}, "ds": {"pipeline_model_parallel_size": 2}},
+     r"^'distributed_strategy.pipeline_model_parallel_size' > 1 with model_source hf and model_type 'phimoe' is not "
+     r"supported yet \(got 2\); Mixtral's MoE takes it$"),
+])
+def test_another_transformers_moe_block_keeps_its_own_routing(tmp_path, extra, message):
+    """Only Mixtral's block is nxdt's: another transformers MoE block (PhiMoE's, with num_local_experts)
+    routes as transformers does, so model.moe's routing and the pp / ep layouts are refused for it."""
+    js = json.loads((REPO / "conf" / "model_configs" / "tiny_mixtral" / "config.json").read_text())
+    js["model_type"] = "phimoe"
+    (tmp_path / "config.json").write_text(json.dumps(js))
+    values = {"model_source": "hf", "trainer": {"devices": 2}, "distributed_strategy": extra.get("ds", {}),
+              "data": {"global_batch_size": 8, "micro_batch_size": 1, "seq_length": 128},
+              "model": {"model_config": str(tmp_path / "config.json"), "moe": extra["moe"]}}
     with pytest.raises(ConfigError, match=message):
         config_from_dict(values, check=True)
+
+
+def test_transformers_moe_block_name_recomputes_nxdts_block():
+    """NxDT's selective recompute names transformers' class (MixtralSparseMoeBlock); in an hf Mixtral
+    that block is nxdt's LlamaMoE, which is recomputed under that name."""
+    cfg = config_from_dict({"model_source": "hf", "data": {"seq_length": 64}, "model": {
+        "model_config": "${nxdt_conf:model_configs/tiny_mixtral/config.json}",
+        "activations_checkpoint_granularity": "selective", "activations_checkpoint_recompute": ["MixtralSparseMoeBlock"]}},
+        check=True)
+    model = apply_activation_checkpointing(build_model(cfg, None, device="meta"), cfg.model)
+    recomputed = [name for name, m in model.named_modules() if getattr(m, "_nxdt_checkpointed", False)]
+    assert recomputed == ["model.layers.0.mlp", "model.layers.1.mlp"]

@@ -48,13 +48,9 @@ ALL = sorted([*HF, *MEGATRON])
 # SFT before model_alignment_strategy (NxDT 2.20): one line that names the override to paste
 SFT_FIX = "model_alignment_strategy.sft.packing=true"
 PREDATES_SFT = {"hf_mistral_7B_SFT_config", "megatron_llama2_7B_SFT_config"}
-# Item 3 of issue 33 (NxD's MoE under transformers' names) is not built: the HF Mixtral configs'
-# capacity factor is refused with model_source hf, in one line.
-HF_MOE_REFUSED = {
-    name: f"error: model.moe.capacity_factor={cf}: not supported with model_source hf (transformers' Mixtral "
-          "routes every layer top-k by softmax, renormalized, no capacity); nxdt's own MoE builds it under "
-          "model_source megatron with the architecture in model.* (as megatron_mixtral_8x7b_config)"
-    for name, cf in (("hf_mixtral_8x7b_config", 2.0), ("hf_mixtral_8x7b_dropless_config", 0.0))}
+# NxDT's HF Mixtral runs NxD's MoE layer: nxdt builds its own MoE block under transformers' names, so
+# their capacity factor (2.0; 0.0 with dropless) applies, and its experts split over tp as NxD's do.
+HF_MIXTRAL = ("hf_mixtral_8x7b_config", "hf_mixtral_8x7b_dropless_config")
 
 
 def test_the_release_is_all_here():
@@ -121,7 +117,7 @@ def test_reference_counts_are_the_published_ones():
     assert transformers_count("megatron_llama_7B_config") == 6_738_415_616  # Llama-2-7b
 
 
-@pytest.mark.parametrize("name", [n for n in ALL if n not in HF_MOE_REFUSED and n not in PREDATES_SFT])
+@pytest.mark.parametrize("name", [n for n in ALL if n not in PREDATES_SFT])
 def test_every_release_config_plans_exactly_as_shipped(capsys, name):
     p = _plan(capsys, name)
     assert p["parameters"] == transformers_count(name), name
@@ -141,13 +137,22 @@ def test_sft_before_model_alignment_strategy_names_the_override(capsys, name):
     assert p["parameters"] == transformers_count(name)
 
 
-@pytest.mark.parametrize("name", sorted(HF_MOE_REFUSED))
-def test_hf_mixtral_capacity_factor_is_one_line(capsys, name):
-    # as shipped (pp 4): the plan refuses what training refuses first, the pipeline (issue 33 item 3)
-    assert _refusal(capsys, name) == [
-        "error: 'distributed_strategy.pipeline_model_parallel_size' > 1 with model.moe and model_source hf is not "
-        "supported yet (got 4)"]
-    assert _refusal(capsys, name, "distributed_strategy.pipeline_model_parallel_size=1") == [HF_MOE_REFUSED[name]]
+@pytest.mark.parametrize("name", HF_MIXTRAL)
+def test_hf_mixtral_plans_at_nxdts_layout_within_a_neuron_core(capsys, name):
+    """As shipped: tp 32 x pp 4 (8 layers a stage), sequence parallel, ZeRO-1 over dp 2 of 256 ranks.
+    Each expert's intermediate dimension is split over tp as NxD splits it, so a rank holds 1/32 of
+    every expert: 4.7 GiB per rank (126.8 GiB while experts were whole on each tp rank), under
+    the 16 GiB of the Trn1 NeuronCore NxDT ran it on."""
+    p = _plan(capsys, name)
+    assert (p["layout"]["tp"], p["layout"]["pp"], p["layers_per_stage"]) == (32, 4, [8, 8, 8, 8])
+    hidden, ffn, experts, kv_dim, vocab = 4096, 14336, 8, 1024, 32000
+    attention = (2 * hidden * hidden) // 32 + 2 * hidden * kv_dim // 8  # q, o over tp; one K/V head per rank (8 heads)
+    layer = attention + experts * 3 * hidden * ffn // 32 + experts * hidden + 2 * hidden  # experts / tp, router, norms
+    assert p["parameters_per_rank"] == 8 * layer + vocab * hidden // 32 + hidden == 373_526_528  # the last stage
+    assert p["memory_per_rank_bytes"]["total"] < 16 * 2**30
+    cfg = _cfg(name)
+    moe = build_model(cfg, None, device="meta").model.layers[0].mlp
+    assert (moe.args.capacity_factor, moe.args.dropless) == ((0.0, True) if "dropless" in name else (2.0, False))
 
 
 # --------------------------------------------------------------------------- uneven pipeline splits

@@ -1,5 +1,5 @@
 """NxDT's release configs train, not only plan: each of tests/nxdt_release/ (the 22 files of NxDT's
-last release and the 2 removed earlier, tests/nxdt_release/README.md) but the 2 refused below, shrunk by command-line
+last release and the 2 removed earlier, tests/nxdt_release/README.md), shrunk by command-line
 overrides only (2 layers, hidden 64, 4 heads, tp 2 on 2 CPU ranks, short sequences, a small
 global batch, 3 steps) and pointed at the bundled corpus, starts and trains 3 steps with a finite
 loss. Everything else stays as the file ships it: optimizer (capturable included), precision
@@ -7,10 +7,9 @@ preset, schedule, activation checkpointing, sequence parallel, ZeRO-1, fusions, 
 
 One 2-rank launch runs them all (conftest.run_pool): imports are paid once.
 
-Left out: `hf_mixtral_8x7b_config` and `hf_mixtral_8x7b_dropless_config`. Their capacity factor
-(2.0; 0.0 for dropless) is refused with model_source hf by design (issue 33 item 3 is not built:
-transformers' Mixtral has no capacity), and as shipped their pp 4 with HF MoE is refused first;
-both refusals are asserted in tests/test_nxdt_release.py (test_hf_mixtral_capacity_factor_is_one_line).
+The HF Mixtral ones (`hf_mixtral_8x7b_config`, `hf_mixtral_8x7b_dropless_config`) run nxdt's MoE
+block in transformers' Mixtral with their capacity factor (2.0; dropless), 8 experts each split
+over the 2 tp ranks.
 """
 
 from __future__ import annotations
@@ -30,10 +29,8 @@ from test_nxdt_release import MEGATRON, MODEL_CONFIGS, RELEASE
 STEPS = 3
 HIDDEN, HEADS, FFN, SEQ = 64, 4, 128, 64
 
-# Refused by design, asserted in tests/test_nxdt_release.py: see the module's docstring.
-HF_MOE_REFUSED = {"hf_mixtral_8x7b_config", "hf_mixtral_8x7b_dropless_config"}
 # config -> the shipped config.json (conf/model_configs/<folder>) its shrunk copy starts from
-HF = {name: folder for name, folder in RELEASE_HF.items() if name not in HF_MOE_REFUSED}
+HF = dict(RELEASE_HF)
 NAMES = sorted([*HF, *MEGATRON])
 SFT = {"hf_llama3_8B_SFT_config", "hf_llama3_8B_SFT_lora_config", "hf_mistral_7B_SFT_config",
        "megatron_llama2_7B_SFT_config"}
@@ -44,9 +41,9 @@ CP = {"hf_llama3_70B_CP_config"}
 PREDATES_SFT = {"hf_mistral_7B_SFT_config", "megatron_llama2_7B_SFT_config"}
 
 
-def test_every_release_config_but_the_refused_is_run():
-    assert sorted([*NAMES, *HF_MOE_REFUSED]) == sorted(p.stem for p in RELEASE.glob("*.yaml"))
-    assert len(NAMES) == 22
+def test_every_release_config_is_run():
+    assert NAMES == sorted(p.stem for p in RELEASE.glob("*.yaml"))
+    assert len(NAMES) == 24
 
 
 def _tiny_config_json(name: str, out: Path) -> Path:

@@ -53,7 +53,9 @@ MODELS = {
     # an expert takes at most 1.5 x its share of a micro-batch's assignments (some are dropped)
     "moe": ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.output_router_logits=true",
             "model.moe.router_aux_loss_coef=0.1", "model.moe.capacity_factor=1.5"],
-    # transformers' MixtralForCausalLM (dropless: transformers has no capacity), nxdt's aux loss
+    # transformers' MixtralForCausalLM with nxdt's MoE block in its layers (NxDT's HF Mixtral runs NxD's
+    # MoE layer), nxdt's aux loss; dropless, so that decoding under tp + sp (which pads the prompt to a
+    # multiple of tp) routes as one process does and the samples agree
     "hf_moe": ["model_source=hf", "model.model_config=${nxdt_conf:model_configs/tiny_mixtral/config.json}",
                "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.output_router_logits=true",
                "model.moe.router_aux_loss_coef=0.1"],
@@ -154,8 +156,13 @@ LAYOUTS = {
     "moe_ep2_tp2_sp": ("moe", 4, [EP2, f"{TP}=2", SP], "dp=2  tp=2  pp=1  cp=1  ep=2"),
     # ep2 x pp2: one MoE layer per stage; the aux-loss gradients scaled as the schedule scales the loss
     "moe_ep2_pp2": ("moe", 4, [EP2, PP2], "dp=2  tp=1  pp=2  cp=1  ep=2"),
-    # transformers' Mixtral blocks under the same tp plan: the MoE block whole on each tp rank
+    # each expert's intermediate dimension over tp (NxD's expert MLPs), the router whole on each tp rank
+    "moe_tp2": ("moe", 2, [f"{TP}=2"], "dp=1  tp=2"),
+    # transformers' Mixtral under the same tp plan, its experts split over tp too
     "hf_moe_tp2_sp": ("hf_moe", 2, [f"{TP}=2", SP, *SAMPLES], "dp=1  tp=2"),
+    "hf_moe_ep2": ("hf_moe", 2, [EP2], "dp=2  tp=1  pp=1  cp=1  ep=2"),
+    # one Mixtral layer per stage: nxdt's block attaches its aux-loss gradient in each stage's backward
+    "hf_moe_pp2": ("hf_moe", 2, [PP2], "dp=1  tp=1  pp=2"),
     # GPT-NeoX blocks (both norms sequence-parallel, biases sharded with their columns) in the four
     # layouts NeoX users train with; activation checkpointing rides along
     "neox_tp2_sp_selective_ac": ("neox", 2, [f"{TP}=2", SP, MBS4, "model.activations_checkpoint_granularity=selective",
@@ -242,7 +249,7 @@ LAYOUTS.update({
 # Compiled blocks: inductor fuses the elementwise ops (a few fp32 ulps per op, measured below 1e-6 relative on
 # the norms); the loss stays within 1e-5 of eager.
 NORM_RTOL = {"tp2_pp2": 2e-5, "compile_fsdp_dp2": 1e-5, "compile_tp2_sp_full_ac": 1e-5, "dynamic_zero1_dp2": 2e-4, "dynamic_pp2": 2e-4, "neox_zero1_dp2_full_ac": 1e-5, "neox_fsdp_dp2": 1e-5,
-             **{name: 1e-4 for name, (model, *_) in LAYOUTS.items() if model in ("moe", "hf_moe")},
+             **{name: 1e-4 for name, (model, *_) in LAYOUTS.items() if model in ("moe", "hf_moe", "qwen3_moe")},
              **{name: 5e-5 for name, (model, *_) in LAYOUTS.items() if model in PREFERENCE_MODELS}}
 # Qwen3: ten steps, rounding-level gradient-norm moves (measured: tp2+sp 6.2e-6 relative at step 5; step 0
 # equal to all digits, so the q/k norms' gradients are whole); Qwen3-MoE: as moe's, but under tp2+sp step 4's
@@ -251,6 +258,13 @@ NORM_RTOL = {"tp2_pp2": 2e-5, "compile_fsdp_dp2": 1e-5, "compile_tp2_sp_full_ac"
 NORM_RTOL.update({name: 2e-5 if model == "qwen3" else 1e-4 for name, (model, *_) in LAYOUTS.items()
                   if model in ("qwen3", "qwen3_moe", "hf_qwen3_moe")})
 NORM_RTOL["qwen3_moe_tp2_sp"] = 5e-4
+
+
+# Loss tolerance where 1e-5 is not kept over ten steps: Qwen3-MoE's experts split over tp (each expert's
+# intermediate dimension, so down_proj's sums are split in two and added) move step 1's loss by one
+# fp32 ulp (9.5e-7) and step 5's spike (the run's largest gradient) turns that into 1.9e-5 (measured;
+# reducing each expert row before the combine instead gave 6.3e-5), the validation loss alike: rounding.
+LOSS_TOL = {"qwen3_moe_tp2_sp": 3e-5}
 
 
 def _args(log_dir, devices: int, model: str, extra=()) -> list[str]:
@@ -307,7 +321,7 @@ def _assert_same_run(ref: Run, got: Run, label: str, norm_rtol: float = 2e-6, st
     a = [a[s] for s in steps]
     assert len(b) == len(a), (label, a, b)
     gap = max(abs(x - y) for x, y in zip(a, b))
-    assert gap < TOL, f"{label}: max loss gap {gap:.2e}\n{a}\n{b}"
+    assert gap < LOSS_TOL.get(label, TOL), f"{label}: max loss gap {gap:.2e}\n{a}\n{b}"
     for tag in ("gradient_norm", "parameter_norm"):
         ref_norms, norms = [_curve(ref.scalars, tag)[s] for s in steps], _curve(got.scalars, tag)
         rel = max(abs(x / y - 1) for x, y in zip(norms, ref_norms))
@@ -316,7 +330,7 @@ def _assert_same_run(ref: Run, got: Run, label: str, norm_rtol: float = 2e-6, st
         assert _curve(got.scalars, tag) == pytest.approx([_curve(ref.scalars, tag)[s] for s in steps],
                                                          rel=1e-7), (label, tag)
     ref_val = [v for s, v in sorted(ref.scalars["val_loss"].items()) if s >= steps[0]]
-    assert _curve(got.scalars, "val_loss") == pytest.approx(ref_val, abs=TOL), label
+    assert _curve(got.scalars, "val_loss") == pytest.approx(ref_val, abs=LOSS_TOL.get(label, TOL)), label
     print(f"{label}: max loss gap {gap:.2e}")
 
 
@@ -381,7 +395,7 @@ def test_moe_runs_log_their_routing(runs):
     (of rank 0's micro-batches) at every step; capacity 1.5 drops some assignments (the native
     layer's; transformers' drops none)."""
     for name in ("moe", "moe_zero1_dp2", "moe_ep2_fsdp_full_ac", "moe_ep2_dp4_fsdp", "moe_ep2_tp2_sp", "moe_ep2_pp2",
-                 "hf_moe", "hf_moe_tp2_sp"):
+                 "moe_tp2", "hf_moe", "hf_moe_tp2_sp", "hf_moe_ep2", "hf_moe_pp2"):
         scalars = runs[name].scalars
         aux, dropped = _curve(scalars, "moe/aux_loss"), _curve(scalars, "moe/dropped_fraction")
         share_min, share_max = _curve(scalars, "moe/expert_share_min"), _curve(scalars, "moe/expert_share_max")

@@ -104,9 +104,9 @@ def test_missing_model_config_names_its_path_once(capsys, tmp_path):
 
 
 REFUSED = {
-    "hf MoE with pp > 1": ("hf_mixtral_8x7b_config", ["distributed_strategy.pipeline_model_parallel_size=2"],
-                           "error: 'distributed_strategy.pipeline_model_parallel_size' > 1 with model.moe and "
-                           "model_source hf is not supported yet (got 2)"),
+    "MoE with cp > 1": ("hf_mixtral_8x7b_config", ["distributed_strategy.context_parallel_size=2"],
+                        "error: 'distributed_strategy.context_parallel_size' > 1 with model.moe is not supported yet "
+                        "(got 2)"),
     "weight_init_only without weights": ("tiny_llama_cpu", ["model.weight_init_only=true"],
                                          "error: model.weight_init_only: needs exp_manager.resume_from_checkpoint "
                                          "(the weights to load)"),

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nxdt.models.hf import init_nxdt_moe
 from nxdt.models.kv_cache import KVCache
 from nxdt.models.llama import NxdtLlamaForCausalLM
 
@@ -134,8 +135,9 @@ class HFAdapter(ModelAdapter):
     name = "hf"
     attention_kwarg = "hidden_states"
     head_axis = 2  # transformers' Qwen3 norms q and k as [B, S, heads, head_dim]
+    # transformers' Mixtral MoE block is nxdt's LlamaMoE in an hf model (nxdt.models.hf)
     recompute_aliases = {"CoreAttention": ("LlamaAttention", "MixtralAttention", "GPTNeoXAttention", *QWEN3_ATTENTIONS),
-                         "LlamaMLP": ("GPTNeoXMLP", "Qwen3MLP", "Qwen3MoeMLP")}
+                         "LlamaMLP": ("GPTNeoXMLP", "Qwen3MLP", "Qwen3MoeMLP"), "MixtralSparseMoeBlock": ("LlamaMoE",)}
 
     def heads(self, model: nn.Module) -> tuple[int, int]:
         c = model.config
@@ -174,6 +176,7 @@ class HFAdapter(ModelAdapter):
             if hasattr(module, "_is_hf_initialized"):
                 module._is_hf_initialized = False
         model.init_weights()
+        init_nxdt_moe(model)  # Mixtral's MoE blocks are nxdt's (nxdt.models.hf), unknown to transformers' init
 
 
 NATIVE = NativeAdapter()

@@ -145,7 +145,7 @@ def build_model(cfg: Any, vocab_size: int | None = None, device: str | torch.dev
             overrides = {k: getattr(cfg.model, k) for k in HF_OVERRIDES}
             if cfg.model.moe.num_experts:
                 overrides.update({f"moe.{k}": getattr(cfg.model.moe, k) for k in HF_MOE_OVERRIDES})
-            model = attach_adapter(build_hf_model(model_config, overrides), HF)
+            model = attach_adapter(build_hf_model(model_config, overrides, moe_args_from_cfg(cfg.model.moe)), HF)
         else:
             raise ValueError(f"model_source must be 'megatron' or 'hf', got {source!r}")
     if not _is_meta(model) and adapter_of(model) is NATIVE:

@@ -14,20 +14,30 @@ config's model_type reads it: transformers' GPT-NeoX ignores a `rope_theta` key 
 `rotary_emb_base`, or `rope_parameters.rope_theta` in transformers >= 5 files). The vocabulary size is
 the config.json's (HF models are not padded). With `model.moe.num_experts` > 0 the MoE keys
 override a Mixtral-style config too (num_local_experts, num_experts_per_tok,
-router_aux_loss_coef, output_router_logits), and each MoE block gets nxdt's load-balancing
-loss and routing statistics (nxdt.models.moe.attach_router_aux_loss).
+router_aux_loss_coef, output_router_logits).
+
+Mixtral (model_type mixtral) is built as NxDT builds its HF Mixtral, with NxD's MoE layer in the
+MLP's place: each `MixtralSparseMoeBlock` is replaced by nxdt's own block (nxdt.models.moe.LlamaMoE)
+holding the same parameters under the same names (`mlp.gate.weight`, `mlp.experts.gate_up_proj`,
+`mlp.experts.down_proj`), so HF weights load and export unchanged, and `model.moe`'s routing applies
+(capacity_factor, dropless, sinkhorn, router_activation, normalize_top_k_affinities, dropout, the
+score scale), as do nxdt's tensor and expert parallel plans for its experts. With the default
+routing the logits are transformers' own. Other transformers MoE blocks (a `gate` and `experts`)
+keep their own forward and get nxdt's load-balancing loss and routing statistics by hooks
+(nxdt.models.moe.attach_router_aux_loss).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from nxdt.models.moe import attach_router_aux_loss
+from nxdt.models.moe import LlamaMoE, MoEArgs, MoEExperts, MoERouter, attach_router_aux_loss
 
 # Where shipped model configs live when running from a source checkout: <repo>/conf.
 _REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -97,9 +107,12 @@ def load_config_dict(path: str | Path, overrides: dict[str, Any] | None = None) 
     return d
 
 
-def build_hf_model(model_config: str | Path, overrides: dict[str, Any] | None = None) -> nn.Module:
+def build_hf_model(model_config: str | Path, overrides: dict[str, Any] | None = None,
+                   moe: MoEArgs | None = None) -> nn.Module:
     """A randomly initialised transformers model (fp32, SDPA attention, no KV cache).
 
+    `moe`: model.moe's routing (nxdt.models.builder.moe_args_from_cfg; None: Mixtral's own) for a
+    Mixtral config.json; its experts, top-k and loss weight are the config's after the overrides.
     Built on the current default device: call it under `with torch.device("meta"):` to
     allocate nothing.
     """
@@ -118,10 +131,47 @@ def build_hf_model(model_config: str | Path, overrides: dict[str, Any] | None = 
         torch.set_default_dtype(prev)
     if getattr(config, "num_local_experts", None):  # Mixtral-style MoE: nxdt's aux loss and statistics
         coef = config.router_aux_loss_coef if config.output_router_logits else 0.0
-        blocks = [m for m in model.modules() if hasattr(m, "gate") and hasattr(m, "experts")]
+        blocks = [(name, m) for name, m in model.named_modules() if hasattr(m, "gate") and hasattr(m, "experts")]
         if not blocks:  # e.g. model.moe keys over a dense Llama config.json: never train it as dense silently
             raise ValueError(f"model.model_config {str(model_config)!r} (model_type {model_type!r}) has no MoE "
                              "blocks; model.moe needs a Mixtral-style config.json")
-        for block in blocks:
-            attach_router_aux_loss(block, config.num_local_experts, config.num_experts_per_tok, coef)
+        if model_type == "mixtral":
+            args = replace(moe or MoEArgs(), num_experts=config.num_local_experts, top_k=config.num_experts_per_tok,
+                           aux_loss_coef=coef)
+            _use_nxdt_moe(model, blocks, config, args)
+        else:
+            for _, block in blocks:
+                attach_router_aux_loss(block, config.num_local_experts, config.num_experts_per_tok, coef)
     return model
+
+
+def _use_nxdt_moe(model: nn.Module, blocks: list[tuple[str, nn.Module]], config: Any, args: MoEArgs) -> None:
+    """Replace each Mixtral MoE block by nxdt's (LlamaMoE), handing it the block's own parameters
+    (same names and layouts; on a real device the values transformers initialised)."""
+    if config.hidden_act != "silu":
+        raise ValueError(f"Mixtral experts with hidden_act {config.hidden_act!r}: nxdt's experts are SwiGLU (silu)")
+    if getattr(config, "router_jitter_noise", 0.0):
+        raise ValueError(f"router_jitter_noise {config.router_jitter_noise}: nxdt's MoE block has no router jitter; "
+                         "set it to 0 in the config.json")
+    for name, block in blocks:
+        ours = LlamaMoE(config.hidden_size, config.intermediate_size, args)
+        ours.gate.weight = block.gate.weight
+        ours.experts.gate_up_proj, ours.experts.down_proj = block.experts.gate_up_proj, block.experts.down_proj
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, ours)
+    # transformers records router logits from its own router class, none of which is left: its own
+    # loss (over no logits) is off; nxdt's block attaches the load-balancing loss itself
+    config.output_router_logits = False
+
+
+@torch.no_grad()
+def init_nxdt_moe(model: nn.Module) -> None:
+    """After transformers' init_weights (which knows only its own classes): nxdt's MoE blocks in a
+    transformers model drawn as transformers draws Mixtral's, N(0, initializer_range)."""
+    std = model.config.initializer_range
+    for module in model.modules():
+        if isinstance(module, MoERouter):
+            module.reset_parameters(std)
+        elif isinstance(module, MoEExperts):
+            for p in module.parameters(recurse=False):
+                nn.init.normal_(p, mean=0.0, std=std)

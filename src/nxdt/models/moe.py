@@ -300,11 +300,15 @@ class MoEExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * ffn_hidden_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
 
-    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, weights: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """x [N, H]: the routed tokens sorted by expert, `tokens_per_expert[e]` rows each (a 1-D
-        integer tensor) → [N, H]. Expert parallelism wraps this call (it exchanges the tokens so
-        that each rank runs its own experts over every rank's tokens for them)."""
-        return swiglu_experts(x, tokens_per_expert, self.gate_up_proj, self.down_proj)
+        integer tensor) → [N, H], each row times its routing weight (`weights` [N, 1]; None: 1).
+        Expert parallelism wraps this call (it exchanges the tokens so that each rank runs its own
+        experts over every rank's tokens for them); tensor parallelism returns this rank's partial
+        sums (nxdt.parallel.expert_parallel)."""
+        out = swiglu_experts(x, tokens_per_expert, self.gate_up_proj, self.down_proj)
+        return out if weights is None else out * weights.to(out.dtype)
 
 
 @torch.compiler.disable  # data-dependent row counts: torch.compile would specialize on them
@@ -478,8 +482,7 @@ class LlamaMoE(nn.Module):
         kept = kept.index_select(0, torch.argsort(expert_idx, stable=True))
         token_idx, slot_weight = kept // experts.shape[1], weights.reshape(-1).index_select(0, kept)
         counts = torch.bincount(expert_idx, minlength=a.num_experts)
-        routed = self.experts(x.index_select(0, token_idx), counts)
-        routed = routed * (slot_weight[:, None] * a.score_scale).to(routed.dtype)
+        routed = self.experts(x.index_select(0, token_idx), counts, slot_weight[:, None] * a.score_scale)
         out = torch.zeros_like(x).index_add_(0, token_idx, routed.to(x.dtype))
         out = self.dropout(out).reshape(shape)
         if self.training and torch.is_grad_enabled():

@@ -1,5 +1,5 @@
 """Expert parallelism: each MoE layer's experts sharded over the `ep` axis, tokens exchanged with
-all-to-all.
+all-to-all; and expert tensor parallelism: each expert's intermediate dimension split over `tp`.
 
 The ep axis is carved out of data parallel (nxdt.parallel.mesh): dp = edp x ep, ep innermost, so
 the ranks of one ep group are data-parallel neighbours holding different tokens. Each of them
@@ -22,6 +22,28 @@ arrives already summed over the ep group's tokens, so it is scaled by 1/ep here;
 over the edp axis (when dp > ep) then averages it over the expert's replicas: 1/dp in all, the
 same mean as a dense weight. The model file knows none of this: the plan swaps the experts
 module's class (as FSDP2 does) for one whose forward adds the two exchanges.
+
+Tensor parallel (NxD's ExpertMLPs): every tp rank routes the same (whole, with sequence parallel
+gathered) tokens; each holds every expert's slice r of the intermediate dimension F (of its own
+E/ep experts with expert parallelism). The checkpoint keeps transformers' layouts, contiguous
+shards that reshard between tp sizes like any other:
+
+    gate_up_proj [E, 2F, H]   Shard(1): rank r holds rows [r 2F/tp, (r+1) 2F/tp) of gate-then-up
+    down_proj    [E, H, F]    Shard(2): rank r holds columns [r F/tp, (r+1) F/tp)
+
+A rank's gate_up rows are not its gate and up slices of one F range (tp 2: rank 0 holds the
+whole gate, rank 1 the whole up), so the projected activations [N, 2F] are redistributed from
+Shard(-1) to _StridedShard(-1, split_factor=2) (DTensor's exchange of columns): rank r then has
+gate and up columns of F range r, the SwiGLU is local, and down_proj gives this rank's partial
+sums. The experts' input is Replicate with a Partial gradient (summed over tp on the way back),
+and so are the routing weights the outputs are multiplied by; the layer then adds the weighted
+rows into its [tokens, H] output still as partial sums, which the plan's output style on the MoE
+layer reduces once: all-reduce, or with sequence parallel reduce-scatter to the sequence shard
+(NxD's MoE layer). So the router and the residual get one process's gradients on every tp rank.
+With `model.moe.dropout` > 0 the dropout needs the whole output: the experts all-reduce their
+rows themselves (`reduce_output`) and the layer's output is whole. (A weight placed
+_StridedShard directly would save the exchange, but torch's DCP cannot write a non-contiguous
+shard.)
 """
 
 from __future__ import annotations
@@ -31,9 +53,15 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel.style import ParallelStyle
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from nxdt.models.moe import MoEExperts, swiglu_experts
+
+# each expert weight's tensor-parallel dimension (the intermediate F): gate_up rows, down_proj columns
+TP_DIMS = {"gate_up_proj": 1, "down_proj": 2}
 
 
 def expert_modules(model: nn.Module) -> list[MoEExperts]:
@@ -46,18 +74,119 @@ def expert_parameters(model: nn.Module) -> set[nn.Parameter]:
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh | None) -> None:
-    """Shard every MoEExperts of `model` over `ep_mesh` (no-op without one or at size 1)."""
+    """Shard every MoEExperts of `model` over `ep_mesh` (no-op without one or at size 1); experts
+    already split over tp (ExpertsTensorParallel) go on the expert mesh's (ep, tp) axes."""
     if ep_mesh is None or ep_mesh.size() == 1:
         return
+    ep = ep_mesh.size()
     for experts in expert_modules(model):
-        if experts.num_experts % ep_mesh.size():
-            raise ValueError(f"{experts.num_experts} experts cannot be split over {ep_mesh.size()} expert-parallel ranks")
+        if experts.num_experts % ep:
+            raise ValueError(f"{experts.num_experts} experts cannot be split over {ep} expert-parallel ranks")
+        tp_mesh = getattr(experts, "tp_mesh", None)
         for name, param in list(experts.named_parameters(recurse=False)):
-            # a meta-device model keeps meta shards (materialised later, drawing the full tensor)
-            sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None if param.is_meta else 0)
+            if tp_mesh is None:
+                # a meta-device model keeps meta shards (materialised later, drawing the full tensor)
+                sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None if param.is_meta else 0)
+            else:  # this rank's experts of its tp shard: a view, no communication
+                mesh = ep_mesh._get_root_mesh()["ep", "tp"]
+                local = param.data.to_local().chunk(ep)[ep_mesh.get_local_rank()]
+                sharded = DTensor.from_local(local, mesh, [Shard(0), Shard(TP_DIMS[name])], run_check=False)
             experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         experts.ep_mesh = ep_mesh
         experts.__class__ = _expert_parallel_class(type(experts))
+
+
+class ExpertsTensorParallel(ParallelStyle):
+    """The plan's style for an MoE layer's experts: each expert's intermediate dimension over tp
+    (see the module docstring); the router stays whole on every tp rank. `reduce_output`: the
+    experts return whole rows (all-reduced); otherwise this rank's partial sums, which the layer's
+    output style reduces."""
+
+    def __init__(self, reduce_output: bool = False) -> None:
+        super().__init__()
+        self.reduce_output = reduce_output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, MoEExperts):
+            raise ValueError(f"ExpertsTensorParallel applies to nxdt's MoEExperts, got {type(module).__name__}")
+        tp = device_mesh.size()
+        ffn = module.down_proj.shape[2]
+        if ffn % tp:
+            raise ValueError(f"the experts' intermediate size ({ffn}) is not divisible by tensor_model_parallel_size "
+                             f"({tp})")
+        for name, param in list(module.named_parameters(recurse=False)):
+            src = None if param.is_meta else 0
+            sharded = distribute_tensor(param.data, device_mesh, [Shard(TP_DIMS[name])], src_data_rank=src)
+            module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        module.tp_mesh, module.tp_reduce_output = device_mesh, self.reduce_output
+        module.__class__ = _tensor_parallel_class(type(module))
+        return module
+
+
+@torch.compiler.disable  # data-dependent row counts, as swiglu_experts
+def tp_swiglu_experts(x: torch.Tensor, tokens_per_expert: torch.Tensor, gate_up_proj: torch.Tensor,
+                      down_proj: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
+    """swiglu_experts over this tp rank's shards ([E, 2F/tp, H] rows of gate-then-up, [E, H, F/tp]),
+    x [N, H] the same on every tp rank → this rank's partial sums [N, H] (their sum over tp is the output)."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        x, gate_up_proj, down_proj = x.to(dtype), gate_up_proj.to(dtype), down_proj.to(dtype)
+    counts = tokens_per_expert.tolist()
+    rows = _replicate_in(x, tp_mesh).split(counts)
+    gate_up = torch.cat([F.linear(r, w) for r, w in zip(rows, gate_up_proj.unbind(0))])
+    # Shard(-1) of [N, 2F] → gate and up columns of this rank's F range
+    gate_up = DTensor.from_local(gate_up, tp_mesh, [Shard(1)], run_check=False)
+    gate, up = gate_up.redistribute(tp_mesh, [_StridedShard(1, split_factor=2)]).to_local().chunk(2, dim=-1)
+    h = (F.silu(gate) * up).split(counts)
+    return torch.cat([F.linear(r, w) for r, w in zip(h, down_proj.unbind(0))])
+
+
+def _replicate_in(x: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
+    """x, the same on every tp rank, feeding per-rank partial sums: its gradient is summed over tp."""
+    return DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
+def _run_experts(module: MoEExperts, x: torch.Tensor, tokens_per_expert: torch.Tensor, gate_up: torch.Tensor,
+                 down: torch.Tensor) -> torch.Tensor:
+    """The experts over this rank's (local) weights: whole, or this tp rank's partial sums."""
+    tp_mesh = getattr(module, "tp_mesh", None)
+    if tp_mesh is None:
+        return swiglu_experts(x, tokens_per_expert, gate_up, down)
+    return tp_swiglu_experts(x, tokens_per_expert, gate_up, down, tp_mesh)
+
+
+def _weigh(module: MoEExperts, out: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """The experts' rows times their routing weights: with tp partial sums (unless the experts reduce
+    their output), the weights' gradient summed over tp."""
+    tp_mesh = getattr(module, "tp_mesh", None)
+    if tp_mesh is not None and module.tp_reduce_output:
+        out = DTensor.from_local(out, tp_mesh, [Partial()], run_check=False).redistribute(tp_mesh, [Replicate()])
+        out = out.to_local()
+    elif tp_mesh is not None and weights is not None:
+        weights = _replicate_in(weights, tp_mesh)
+    return out if weights is None else out * weights.to(out.dtype)
+
+
+class TensorParallelExperts(MoEExperts):
+    """MoEExperts whose weights are split over tp (each expert's F): runs its shards."""
+
+    tp_mesh: DeviceMesh
+    tp_reduce_output: bool
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, weights: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        gate_up, down = (w.to_local() for w in (self.gate_up_proj, self.down_proj))
+        return _weigh(self, tp_swiglu_experts(x, tokens_per_expert, gate_up, down, self.tp_mesh), weights)
+
+
+_TP_CLASSES: dict[type, type] = {}
+
+
+def _tensor_parallel_class(cls: type) -> type:
+    if cls not in _TP_CLASSES:
+        _TP_CLASSES[cls] = type(f"TensorParallel{cls.__name__}", (TensorParallelExperts, cls), {})
+    return _TP_CLASSES[cls]
 
 
 _CLASSES: dict[type, type] = {}
@@ -74,7 +203,8 @@ class ExpertParallelExperts(MoEExperts):
 
     ep_mesh: DeviceMesh
 
-    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, weights: torch.Tensor | None = None
+                ) -> torch.Tensor:
         ep = self.ep_mesh.size()
         group = self.ep_mesh.get_group()
         num_local = self.num_experts // ep
@@ -88,10 +218,10 @@ class ExpertParallelExperts(MoEExperts):
         local_expert = torch.arange(num_local, device=x.device).repeat(ep).repeat_interleave(received)
         order = torch.argsort(local_expert, stable=True)
         gate_up, down = (_local_weight(w, x.dtype, ep) for w in (self.gate_up_proj, self.down_proj))
-        out = swiglu_experts(rows[order], received.view(ep, num_local).sum(0), gate_up, down)
+        out = _run_experts(self, rows[order], received.view(ep, num_local).sum(0), gate_up, down)
         # 3. undo the grouping, combine back to the tokens' ranks
         out = torch.empty_like(out).index_copy_(0, order, out)
-        return _all_to_all(out, send_splits, recv_splits, group)
+        return _weigh(self, _all_to_all(out, send_splits, recv_splits, group), weights)
 
 
 def _all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:

@@ -7,7 +7,8 @@ Megatron's layout, written as DTensor parallel styles over the ``tp`` mesh axis:
     self_attn.o_proj            RowwiseParallel      partial sums → all-reduce (or reduce-scatter with SP)
     mlp.{gate,up}_proj          ColwiseParallel
     mlp.down_proj               RowwiseParallel
-    mlp (MoE: gate + experts)   whole on every tp rank (sequence gathered in, sliced out with SP)
+    mlp.gate (MoE router)       whole on every tp rank (sequence gathered in, sliced out with SP)
+    mlp.experts                 ExpertsTensorParallel each expert's intermediate dim over tp (NxD's)
     lm_head                     ColwiseParallel      logits stay a Shard(-1) DTensor for `loss_parallel`
 
 With ``sequence_parallel`` the residual stream between the tp regions is sharded along the
@@ -78,6 +79,8 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from nxdt.models.adapter import adapter_of
 from nxdt.models.lora import adapters_detached, lora_modules
+from nxdt.models.moe import MoEExperts
+from nxdt.parallel.expert_parallel import ExpertsTensorParallel
 
 __all__ = ["KVHeadSelect", "apply_tensor_parallel", "block_norms", "distribute_lora_adapters", "loss_parallel",
            "llama_tp_plan", "tp_local_numel"]
@@ -119,11 +122,21 @@ class KVHeadSelect(ParallelStyle):
 
 
 def _is_moe(mlp: nn.Module) -> bool:
-    """An MoE layer in the MLP's place. Its router and experts are not split over tp: every tp rank
-    routes the same (whole, with sequence parallel gathered) tokens through whole experts, so the
-    arithmetic is one process's and their gradients agree across tp without a reduction. Experts
-    are divided by expert parallelism (over dp) instead; tp ranks repeat the MoE computation."""
+    """An MoE layer in the MLP's place. Its router is not split over tp: every tp rank routes the
+    same (whole, with sequence parallel gathered) tokens, so routing is one process's and the
+    router's gradient agrees across tp without a reduction. nxdt's experts (MoEExperts) split each
+    expert's intermediate dimension over tp (ExpertsTensorParallel, NxD's ExpertMLPs); another
+    block's experts (a transformers MoE block other than Mixtral's) stay whole on every tp rank."""
     return hasattr(mlp, "experts") and hasattr(mlp, "gate")
+
+
+def _moe_output(mlp: nn.Module) -> Placement:
+    """What an MoE layer's output is on a tp rank: this rank's partial sums (nxdt's experts split over
+    tp, reduced by the layer's output style), or whole (a dropout on it needs the whole output; a
+    block with other experts keeps them whole)."""
+    args = getattr(mlp, "args", None)
+    split = isinstance(mlp.experts, MoEExperts) and args is not None and not args.dropout
+    return Partial() if split else Replicate()
 
 
 def block_norms(block: nn.Module) -> list[str]:
@@ -186,10 +199,10 @@ def llama_tp_plan(model: nn.Module, tp: int, sequence_parallel: bool, blocks: li
             else:  # forward(x, rope, mask)
                 plan[f"{p}.self_attn"] = PrepareModuleInput(
                     input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None))
-            if _is_moe(block.mlp):  # gathered in, and this rank's sequence shard of the output kept
+            if _is_moe(block.mlp):  # gathered in; partial sums reduce-scattered (or a whole output sliced)
                 plan[f"{p}.mlp"] = PrepareModuleInputOutput(
                     input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,
-                    output_layouts=(Replicate(),), desired_output_layouts=(seq,), use_local_output=True)
+                    output_layouts=(_moe_output(block.mlp),), desired_output_layouts=(seq,), use_local_output=True)
             else:
                 plan[f"{p}.mlp"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
         plan[f"{p}.self_attn.q_proj"] = ColwiseParallel()
@@ -200,7 +213,12 @@ def llama_tp_plan(model: nn.Module, tp: int, sequence_parallel: bool, blocks: li
             if isinstance(getattr(block.self_attn, qk, None), nn.Module):  # the heads axis (gradients summed)
                 plan[f"{p}.self_attn.{qk}"] = SequenceParallel(sequence_dim=adapter.head_axis, use_local_output=True)
         if _is_moe(block.mlp):
-            continue  # router and experts whole on every tp rank (see _is_moe)
+            if isinstance(block.mlp.experts, MoEExperts):  # each expert's F over tp; the router whole
+                plan[f"{p}.mlp.experts"] = ExpertsTensorParallel(reduce_output=_moe_output(block.mlp) != Partial())
+                if not sp and _moe_output(block.mlp) == Partial():  # the partial sums all-reduced
+                    plan[f"{p}.mlp"] = PrepareModuleOutput(output_layouts=(Partial(),),
+                                                           desired_output_layouts=(Replicate(),), use_local_output=True)
+            continue
         if hasattr(block.mlp, "gate_proj"):
             plan[f"{p}.mlp.gate_proj"] = ColwiseParallel()
         plan[f"{p}.mlp.up_proj"] = ColwiseParallel()
@@ -221,8 +239,9 @@ def tp_local_numel(style: ParallelStyle | None, param: str, numel: int, tp: int)
     """Elements of one parameter (`param`: weight / bias of the module `style` is applied to) that
     one tensor-parallel rank holds. Colwise: weight and bias split; rowwise: the weight split (a
     linear's columns, an embedding's rows), the bias whole; KVHeadSelect: one K/V head per rank
-    (the planner's count: numel / num_kv_heads); other styles leave parameters whole."""
-    if isinstance(style, ColwiseParallel):  # before RowwiseParallel: neither subclasses the other
+    (the planner's count: numel / num_kv_heads); ExpertsTensorParallel: both expert weights split;
+    other styles leave parameters whole."""
+    if isinstance(style, (ColwiseParallel, ExpertsTensorParallel)):  # before RowwiseParallel: neither subclasses the other
         return math.ceil(numel / tp)
     if isinstance(style, RowwiseParallel):
         return math.ceil(numel / tp) if param == "weight" else numel

@@ -6,7 +6,7 @@ count is exact; for a mixture of experts also the parameters activated per token
 E experts' share, nxdt.models.param_count). What each rank holds is read from the run's parallel
 plan (nxdt.parallel.plan.make_plan of that model: the one the run applies): the pipeline stage split
 and each rank's stages (the rank holding the most parameters), each parameter's tensor-parallel
-shard (its module's style), /dp_shard under FSDP, expert weights /ep
+shard (its module's style), /dp_shard under FSDP, expert weights /tp /ep
 (and over their dp/ep replicas under FSDP). Memory per rank is split into
 parameters, gradients, optimizer state (fp32 master weights included) and activations for the
 precision preset, ZeRO-1 / FSDP sharding and activation checkpointing; see docs/plan.md for
@@ -104,9 +104,10 @@ def planned_vocab(cfg) -> tuple[int | None, str]:
 
 
 def _expert_shard_numel(numel: int, ep: int, fsdp_ways: int) -> int:
-    """Elements of one expert weight held by one rank: E/ep whole experts, and under FSDP that
-    shard split again over the experts' replicas, edp = dp/ep ranks (nxdt.parallel.data_parallel
-    shards each experts module over the edp axis). Tensor parallel leaves experts whole."""
+    """Elements of one expert weight held by one rank, `numel` already its tensor-parallel shard
+    (each expert's intermediate dimension / tp, nxdt.parallel.expert_parallel): E/ep experts, and
+    under FSDP that shard split again over the experts' replicas, edp = dp/ep ranks
+    (nxdt.parallel.data_parallel shards each experts module over the edp axis)."""
     return -(-numel // (ep * fsdp_ways))  # integer ceil: exact for any size
 
 
@@ -261,8 +262,9 @@ class RankShare:
         for name, p in model.named_parameters():
             s, expert = parallel.stage_of(name), name in expert_names
             per_stage[s] += p.numel()
-            here = (_expert_shard_numel(p.numel(), lay.ep, expert_fsdp_ways) if expert
-                    else math.ceil(parallel.tp_local_numel(name, p.numel()) / shard_ways))
+            tp_local = parallel.tp_local_numel(name, p.numel())
+            here = (_expert_shard_numel(tp_local, lay.ep, expert_fsdp_ways) if expert
+                    else math.ceil(tp_local / shard_ways))
             held[s][expert] += here
             if not p.requires_grad:
                 frozen[s][expert] += here

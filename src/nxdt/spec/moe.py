@@ -77,15 +77,27 @@ def check_moe(cfg: Any, piece: MoESpec, hf_json: dict) -> None:
             raise ConfigError(f"model.moe.num_experts ({moe.num_experts}) with model_source hf needs a Mixtral-style "
                               f"model.model_config (with num_local_experts); {cfg.model.model_config} is model_type "
                               f"'{hf_json.get('model_type', 'llama')}'")
+        if hf_json.get("model_type", "mixtral") == "mixtral":
+            # nxdt's MoE block in transformers' names (nxdt.models.hf): every routing key applies but the
+            # layer pattern, which is the config.json's (every Mixtral layer is an MoE layer)
+            if moe.frequency != 1:
+                raise ConfigError(f"model.moe.frequency={moe.frequency}: not supported with model_source hf "
+                                  f"(every layer of transformers' Mixtral is an MoE layer); nxdt's own MoE builds it "
+                                  f"under model_source megatron with the architecture in model.*")
+            return
         routing = {"frequency": 1, "routing_algorithm": "top_k", "router_activation": "softmax",
                    "capacity_factor": None, "normalize_top_k_affinities": True, "moe_calculator_score_scale_factor": 1.0,
                    "gate_type": "mixtral"}
         for key, plain in routing.items():
             if getattr(moe, key) != plain:
-                raise ConfigError(f"model.moe.{key}={getattr(moe, key)}: not supported with model_source hf "
-                                  f"(transformers' Mixtral routes every layer top-k by softmax, renormalized, no "
-                                  f"capacity); nxdt's own MoE builds it under model_source megatron with the "
-                                  f"architecture in model.* (as megatron_mixtral_8x7b_config)")
+                raise ConfigError(f"model.moe.{key}={getattr(moe, key)}: not supported with model_source hf and "
+                                  f"model_type {hf_json['model_type']!r} (its own MoE block routes every layer top-k by "
+                                  f"softmax, renormalized, no capacity); Mixtral's is nxdt's MoE block")
+        for key in HF_MOE_NOT_SUPPORTED_YET:
+            size = getattr(cfg.distributed_strategy, key)
+            if size > 1:
+                raise ConfigError(f"'distributed_strategy.{key}' > 1 with model_source hf and model_type "
+                                  f"{hf_json['model_type']!r} is not supported yet (got {size}); Mixtral's MoE takes it")
 
 
 def check_gate(cfg: Any, gate: str) -> None:
@@ -115,7 +127,8 @@ def check_gate(cfg: Any, gate: str) -> None:
 
 
 # parallel layouts an MoE model cannot take yet: cp (each cp rank would balance its own part of
-# a sequence); pp and ep are built for the native (megatron) MoE, not yet for transformers' blocks
+# a sequence); pp and ep are built for nxdt's MoE block (native, and hf Mixtral's), not for another
+# transformers MoE block (checked in check_moe, which knows the config.json's model_type)
 MOE_NOT_SUPPORTED_YET = ("context_parallel_size",)
 HF_MOE_NOT_SUPPORTED_YET = ("pipeline_model_parallel_size", "expert_model_parallel_size")
 
@@ -125,16 +138,10 @@ def check_moe_layouts_supported(cfg: Any) -> None:
     every NOT_SUPPORTED_YET check)."""
     if not cfg.model.moe.num_experts:
         return
-    hf = cfg.model_source == "hf"
-    for key in MOE_NOT_SUPPORTED_YET + (HF_MOE_NOT_SUPPORTED_YET if hf else ()):
+    for key in MOE_NOT_SUPPORTED_YET:
         size = getattr(cfg.distributed_strategy, key)
-        if size <= 1:
-            continue
-        if key == "expert_model_parallel_size":
-            raise ConfigError(f"'distributed_strategy.{key}' > 1 with model_source hf is not supported yet (got {size}); "
-                              "use model_source megatron (same weights, nxdt convert)")
-        source = " and model_source hf" if key in HF_MOE_NOT_SUPPORTED_YET else ""
-        raise ConfigError(f"'distributed_strategy.{key}' > 1 with model.moe{source} is not supported yet (got {size})")
+        if size > 1:
+            raise ConfigError(f"'distributed_strategy.{key}' > 1 with model.moe is not supported yet (got {size})")
 
 
 def check_expert_parallel(cfg: Any) -> None:
