@@ -18,8 +18,9 @@ Shipped (nxdt.rl.rewards.*):
     format_reward   1.0 when the completion matches a regex (`format_reward_pattern(...)` makes one
                     for another pattern); default: the answer as '#### <number>'
     length_penalty  -(completion tokens / 100): shorter is better
-    token_fraction  the share of the completion's tokens equal to token id 1 (`token_fraction_of(id)`
-                    for another id): a reward a tiny random model can move, used by the tests
+    token_fraction  the share of the completion's tokens with an id below 1000 (`token_fraction_of(lo, hi)`
+                    for another range): a property a random tiny model already has sometimes, which
+                    it learns quickly (the tests' and the demo's check that GRPO learns)
 """
 
 from __future__ import annotations
@@ -162,13 +163,13 @@ def length_penalty(prompts, completions, completion_ids=None, **_: Any) -> list[
     return [-n / 100.0 for n in lengths]
 
 
-def token_fraction_of(token_id: int) -> RewardFn:
-    """A reward: the share of a completion's tokens equal to `token_id`."""
+def token_fraction_of(low: int, high: int) -> RewardFn:
+    """A reward: the share of a completion's tokens with low <= id < high."""
 
     def token_fraction(prompts, completions, completion_ids, **_: Any) -> list[float]:
-        return [sum(t == token_id for t in ids) / max(len(ids), 1) for ids in completion_ids]
+        return [sum(low <= t < high for t in ids) / max(len(ids), 1) for ids in completion_ids]
 
     return token_fraction
 
 
-token_fraction = token_fraction_of(1)
+token_fraction = token_fraction_of(0, 1000)
