@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from nxdt.config.errors import ConfigError
+from nxdt.data.prompts import read_prompt_rows
 from nxdt.models.lora import adapters_disabled
 from nxdt.parallel.mesh import submesh
 from nxdt.rl.rewards import RewardError, load_reward_funcs, reward_name
@@ -44,6 +45,18 @@ def _gather_over(group):
 def _std(x: torch.Tensor) -> float:
     x = x[~torch.isnan(x)]
     return float(x.std()) if x.numel() > 1 else 0.0
+
+
+def check_grpo_inputs(spec) -> None:
+    """Pre-flight (before anything is written): every reward function imports, and the prompt file's
+    first rows have a usable `prompt`. ConfigError naming the path otherwise."""
+    g = spec.alignment.grpo
+    if g is None:
+        return
+    load_reward_funcs(g.reward_funcs)
+    if g.task is None:
+        limit = spec.cfg.data.dev_choose_samples
+        read_prompt_rows(spec.cfg.data.train_dir, min(limit or 100, 100))
 
 
 class GRPOSteps:
