@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from nxdt.inference.generate import SamplingParams, generate
 from nxdt.models import logits_of
@@ -189,16 +190,36 @@ def forward_logps(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tenso
     return torch.cat(out)
 
 
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's own storage: a DTensor's local shard, else the tensor."""
+    to_local = getattr(p, "to_local", None)
+    return (to_local() if to_local is not None else p).detach()
+
+
+def _reshard(model: nn.Module) -> None:
+    """FSDP2 (and its replicate) modules dropped back to their shards: a root module stays gathered
+    after its forward, and its next forward would use those copies instead of the shards written here."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def _sharded_parameters(model: nn.Module) -> list[torch.Tensor]:
+    """This rank's parameter storage (resharded first: an unsharded module's parameters are copies)."""
+    _reshard(model)
+    return [_local(p) for p in model.parameters()]
+
+
 class ReferenceWeights:
     """The starting parameters kept aside (this rank's shards), swapped in for the reference forward:
     GRPO's reference without LoRA. `with ref.swapped(model): ...`."""
 
     def __init__(self, model: nn.Module):
-        self.saved = [p.detach().clone() for p in model.parameters()]
+        self.saved = [p.clone() for p in _sharded_parameters(model)]
 
     @contextlib.contextmanager
     def swapped(self, model: nn.Module):
-        params = list(model.parameters())
+        params = _sharded_parameters(model)
         with torch.no_grad():
             current = [p.detach().clone() for p in params]
             for p, ref in zip(params, self.saved):
@@ -206,6 +227,7 @@ class ReferenceWeights:
         try:
             yield model
         finally:
+            _reshard(model)  # the reference's gathered copies gone: the next forward gathers these
             with torch.no_grad():
                 for p, cur in zip(params, current):
                     p.copy_(cur)
