@@ -97,11 +97,12 @@ def test_resume_is_exact(runs):
     (f"{GRPO}.num_generations=3", "num_generations (3) does not divide data.global_batch_size (16)"),
     (f"{GRPO}.num_generations=1", "num_generations = 1 with scale_rewards='group'"),
     (f"{GRPO}.reward_funcs=[no_such_pkg.rewards.accuracy]", "reward_funcs[0]: cannot import 'no_such_pkg.rewards'"),
-    ("distributed_strategy.tensor_model_parallel_size=2", "not supported yet"),
+    ("distributed_strategy.tensor_model_parallel_size=2 trainer.devices=2",
+     "tensor_model_parallel_size > 1 is not supported yet"),
     (f"{GRPO}.epsilon=1.5", f"{GRPO}.epsilon"),
 ])
 def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, override, fragment):
-    run = train_in_process(_args(tmp_path / "run", 2, [override]))
+    run = train_in_process(_args(tmp_path / "run", 2, override.split()))
     errors = [line for line in run.err.splitlines() if line.startswith("error:")]
     assert run.rc == 2 and len(errors) == 1 and fragment in errors[0], (run.rc, run.err[-2000:])
     assert not (tmp_path / "run").exists()
