@@ -17,6 +17,7 @@ from nxdt.config.errors import ConfigError
 from nxdt.data.prompts import PromptRow, arithmetic_rows, prompt_ids, read_prompt_rows
 from nxdt.data.tokenizers import build_tokenizer
 from nxdt.models.llama import LlamaArgs, NxdtLlamaForCausalLM
+from nxdt.models.lora import adapters_disabled, inject_lora
 from nxdt.precision.precision import Precision
 from nxdt.spec import build_spec, config_from_dict
 from nxdt.rl.grpo_loss import group_advantages, grpo_loss, total_rewards
@@ -241,3 +242,30 @@ def test_the_reference_weights_are_the_start():
         assert torch.equal(forward_logps(model, ids, ids, 1.0, micro_batch_size=2), before)
     assert torch.equal(forward_logps(model, ids, ids, 1.0, micro_batch_size=2), moved)
     assert not torch.equal(moved, before)
+
+
+def test_lora_grpo_trains_only_adapters_against_the_base():
+    """With peft the reference is the base with the adapters off (no second copy): it stays put while
+    the adapters (only they) train, and the policy moves away from it."""
+    model = _model()
+    inject_lora(model, ["q_proj", "v_proj", "down_proj"], 4, 8.0)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    opts = _options(seq_length=24)
+    r = rollout(model, _rows(), 0, opts, [_low_ids], tokenizer=_Tok())
+    with adapters_disabled(model):
+        r.ref_logps = forward_logps(model, r.input_ids, r.labels, 0.9, micro_batch_size=4)
+    assert float((r.ref_logps - r.gen_logps)[r.mask.bool()].abs().max()) < 1e-6  # B = 0: policy = base at start
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(trainable, lr=1e-2)
+    precision = Precision.from_spec(build_spec(config_from_dict({})), rank=0)
+    for _ in range(2):
+        optimizer.zero_grad()
+        GRPOForwardBackward(model, precision, r, LossOptions("dapo", 0.2, 0.28, 0.04, 0.9, 8), num_microbatches=2)()
+        assert all(p.grad is None for n, p in model.named_parameters() if n in frozen)
+        assert any(float(p.grad.abs().sum()) > 0 for p in trainable)
+        optimizer.step()
+    assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
+    with adapters_disabled(model):
+        assert torch.equal(forward_logps(model, r.input_ids, r.labels, 0.9, micro_batch_size=4), r.ref_logps)
+    moved = forward_logps(model, r.input_ids, r.labels, 0.9, micro_batch_size=4)
+    assert float((moved - r.ref_logps)[r.mask.bool()].abs().max()) > 1e-3

@@ -47,6 +47,10 @@ def runs(tmp_path_factory):
         "first": _args(root / "split", 3, CKPT_EVERY_3),
         "rest": _args(root / "split", 6, CKPT_EVERY_3),
         "kl_one_process": _args(root / "kl_one_process", 5, KL),
+        # LoRA: adapters only, the reference is the base with the adapters off (no copy of the weights)
+        "lora": _args(root / "lora", 2, [*KL, "+model_alignment_strategy.peft.lora_rank=4",
+                                         "+model_alignment_strategy.peft.lora_dropout=0",
+                                         "+model_alignment_strategy.peft.target_modules=[qkv_proj,down_proj]"]),
     }
     out = {}
     for name, argv in single.items():
@@ -83,6 +87,14 @@ def test_dp2_zero1_and_fsdp_equal_one_process(runs):
         other = read_scalars(root / name)
         for tag in ("reduced_train_loss", "reward", "kl", "entropy"):
             assert curve(other, tag) == pytest.approx(curve(one, tag), abs=1e-5, rel=0), (name, tag)
+
+
+def test_lora_grpo_runs_against_the_base(runs):
+    root, out = runs
+    lora = read_scalars(root / "lora")
+    # rank 4 on q, k, v (qkv_proj: peft's three linears) and down: 4 x ((64 + 64) + 2 (64 + 32) + (176 + 64)), 2 layers
+    assert "trainable 4,480 of" in out["lora"], [line for line in out["lora"].splitlines() if "lora" in line]
+    assert curve(lora, "kl")[0] == 0.0 and curve(lora, "kl")[1] > 0  # base = policy at the start, then apart
 
 
 def test_resume_is_exact(runs):
