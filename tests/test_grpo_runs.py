@@ -77,6 +77,8 @@ def test_it_learns_on_one_process_and_dp2(runs):
         assert curve(scalars, "reward")[0] < 0.2 and _rise(scalars) > 0.2, (name, curve(scalars, "reward"))
         assert curve(scalars, "completions/mean_length")[0] == 8.0  # no EOS sampled: every completion truncated
     assert "dp=2" in out["kl_zero1"] and "GRPO step 2:" in out["whole"]  # the completions' log lines
+    assert "grpo         4 prompts x 4 = 16 completions/step (8 per rank)" in out["kl_zero1"]
+    assert "reference: a copy of the starting weights" in out["kl_zero1"]
 
 
 def test_dp2_zero1_and_fsdp_equal_one_process(runs):

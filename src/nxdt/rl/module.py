@@ -59,6 +59,25 @@ def check_grpo_inputs(spec) -> None:
         read_prompt_rows(spec.cfg.data.train_dir, min(limit or 100, 100))
 
 
+def grpo_summary(cfg, layout, g, lora: bool, reference_bytes: int, vocab_size: int | None = None) -> str:
+    """The start summary's GRPO line: completions per step and per rank, and the memory the rollouts
+    add per rank (the KV cache of one rank's completions at full length, their last-position logits,
+    and the reference's weight copy)."""
+    m = cfg.model
+    prompts = layout.global_batch_size // g.num_generations
+    local = layout.global_batch_size // max(layout.dp, 1)
+    heads = m.num_attention_heads or 1
+    kv_heads = m.num_kv_heads or heads
+    head_dim = (m.hidden_size or 0) // heads
+    kv = 2 * (m.num_layers or 0) * kv_heads * head_dim * layout.seq_length * local * 4  # fp32 upper bound
+    logits = local * (vocab_size or 0) * 4 * 2  # one step's last-position logits and probabilities, fp32
+    reference = ("none (beta 0)" if g.beta == 0 else "the base, adapters off (no copy)" if lora
+                 else f"a copy of the starting weights, {reference_bytes / 2**20:.1f} MiB")
+    return (f"  grpo         {prompts} prompts x {g.num_generations} = {layout.global_batch_size} completions/step "
+            f"({local} per rank), up to {g.max_completion_length} new tokens each; rollouts need ~"
+            f"{(kv + logits) / 2**20:.1f} MiB per rank (KV cache and logits, fp32 bound); reference: {reference}")
+
+
 class GRPOSteps:
     """Mixed into NxdtLightningModule (it provides cfg, alignment, model, precision, layout, trainer)."""
 
@@ -78,6 +97,10 @@ class GRPOSteps:
                 raise ConfigError("model_alignment_strategy.grpo.beta > 0 without peft: resuming is not supported yet "
                                   "(the reference, the starting weights, is not in the checkpoint)")
             self._grpo_reference = ReferenceWeights(self.model)
+        if self.global_rank == 0:
+            print(grpo_summary(self.cfg, self.layout, g, self.alignment.peft is not None,
+                               sum(t.numel() * t.element_size() for t in self._grpo_reference.saved)
+                               if self._grpo_reference is not None else 0, self.vocab_size), flush=True)
 
     def _grpo_options(self) -> RolloutOptions:
         g, dm = self.alignment.grpo, self.trainer.datamodule
