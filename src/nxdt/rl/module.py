@@ -18,6 +18,7 @@ or computed on the whole gathered batch):
 from __future__ import annotations
 
 import math
+import os
 import sys
 
 import torch
@@ -54,7 +55,8 @@ def check_grpo_inputs(spec) -> None:
     if g is None:
         return
     load_reward_funcs(g.reward_funcs)
-    if g.task is None:
+    # a missing file is nxdt.spec.paths' to report (`nxdt plan` lists the paths as not checked)
+    if g.task is None and os.path.exists(os.path.expanduser(str(spec.cfg.data.train_dir))):
         limit = spec.cfg.data.dev_choose_samples
         read_prompt_rows(spec.cfg.data.train_dir, min(limit or 100, 100))
 
