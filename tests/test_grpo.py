@@ -164,6 +164,13 @@ def test_the_shipped_task_is_deterministic_and_rows_are_checked(tmp_path):
     tok = build_tokenizer()
     ids = prompt_ids(tok, "What is 3 + 4? " * 20, 10)
     assert len(ids) == 10 and ids[0] == tok.bos_token_id  # the end kept, BOS first
+    chat = [{"role": "user", "content": "What is 3 + 4?"}]
+    with pytest.raises(ConfigError, match="no chat template"):
+        prompt_ids(tok, chat, 64)
+    tok.chat_template = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}assistant:{% endif %}")
+    rendered = prompt_ids(tok, chat, 64)
+    assert rendered == [tok.bos_token_id] + tok("user: What is 3 + 4?\nassistant:", add_special_tokens=False)["input_ids"]
 
 
 # ---- rollouts

@@ -51,6 +51,8 @@ def runs(tmp_path_factory):
         "lora": _args(root / "lora", 2, [*KL, "+model_alignment_strategy.peft.lora_rank=4",
                                          "+model_alignment_strategy.peft.lora_dropout=0",
                                          "+model_alignment_strategy.peft.target_modules=[qkv_proj,down_proj]"]),
+        # two updates per batch of rollouts: the old log-probs kept, the second update's ratio off 1
+        "mu2": _args(root / "mu2", 4, [f"{GRPO}.num_iterations=2", f"{GRPO}.loss_type=bnpo"]),
     }
     out = {}
     for name, argv in single.items():
@@ -76,7 +78,7 @@ def test_it_learns_on_one_process_and_dp2(runs):
         scalars = read_scalars(root / name)
         assert curve(scalars, "reward")[0] < 0.2 and _rise(scalars) > 0.2, (name, curve(scalars, "reward"))
         assert curve(scalars, "completions/mean_length")[0] == 8.0  # no EOS sampled: every completion truncated
-    assert "dp=2" in out["kl_zero1"] and "GRPO step 2:" in out["whole"]  # the completions' log lines
+    assert "dp=2" in out["kl_zero1"] and "GRPO step 4:" in out["whole"] and "GRPO step 5:" not in out["whole"]
     assert "grpo         4 prompts x 4 = 16 completions/step (8 per rank)" in out["kl_zero1"]
     assert "reference: a copy of the starting weights" in out["kl_zero1"]
 
@@ -97,6 +99,21 @@ def test_lora_grpo_runs_against_the_base(runs):
     # rank 4 on q, k, v (qkv_proj: peft's three linears) and down: 4 x ((64 + 64) + 2 (64 + 32) + (176 + 64)), 2 layers
     assert "trainable 4,480 of" in out["lora"], [line for line in out["lora"].splitlines() if "lora" in line]
     assert curve(lora, "kl")[0] == 0.0 and curve(lora, "kl")[1] > 0  # base = policy at the start, then apart
+
+
+def test_num_iterations_reuses_the_rollouts(runs):
+    root, _ = runs
+    mu2 = read_scalars(root / "mu2")
+    reward, clip = curve(mu2, "reward"), curve(mu2, "clip_ratio")
+    assert reward[0] == reward[1] and reward[2] == reward[3] and reward[1] != reward[2]  # one batch, two steps
+    assert clip[0] == 0 and clip[1] > 0.01  # the second update's ratios moved off 1 (lr 1e-2)
+    assert sorted(mu2["tokens_per_s/rollout"]) == [0, 2]  # sampled on steps 0 and 2 only
+
+
+def test_completions_reach_tensorboards_text_tab(runs):
+    root, _ = runs
+    events = b"".join(p.read_bytes() for p in (root / "whole").rglob("events.out.tfevents.*"))
+    assert events.count(b"grpo/completions") >= 3 and b"prompt: What is" in events  # steps 0, 2, 4 (every 2)
 
 
 def test_resume_is_exact(runs):

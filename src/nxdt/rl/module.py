@@ -140,13 +140,16 @@ class GRPOSteps:
     def grpo_forward_backward(self, batch) -> GRPOForwardBackward:
         g = self.alignment.grpo
         rollout_step = self.global_step - self.global_step % g.num_iterations
-        if self._grpo_rollout is None or self._grpo_rollout_step != rollout_step:
+        fresh = self._grpo_rollout is None or self._grpo_rollout_step != rollout_step
+        if fresh:
             self._grpo_rollout = self._grpo_new_rollout(batch, rollout_step)
             self._grpo_rollout_step = rollout_step
         options = LossOptions(g.loss_type, g.epsilon, g.epsilon_high, g.beta, g.temperature, g.max_completion_length)
-        return GRPOForwardBackward(self.model, self.precision, self._grpo_rollout, options,
-                                   num_microbatches=self.layout.num_microbatches, backward=self.manual_backward,
-                                   device_type=self.device.type)
+        fb = GRPOForwardBackward(self.model, self.precision, self._grpo_rollout, options,
+                                 num_microbatches=self.layout.num_microbatches, backward=self.manual_backward,
+                                 device_type=self.device.type)
+        fb.step, fb.fresh = self.global_step, fresh  # the step before train_step counts it (what the logs say)
+        return fb
 
     def log_grpo_metrics(self, fb: GRPOForwardBackward) -> None:
         r, g = fb.rollout, self.alignment.grpo
@@ -170,16 +173,16 @@ class GRPOSteps:
         log("completions/mean_length", float(r.lengths.mean()))
         log("completions/max_length", float(r.lengths.max()))
         log("completions/clipped_ratio", float(r.truncated.float().mean()))
-        fresh = self.global_step % g.num_iterations == 0
+        fresh = fb.fresh
         if fresh and times[1] > 0:
             log("tokens_per_s/rollout", float(r.lengths.sum()) / float(times[1]))
         if times[0] > 0:
             log("tokens_per_s/train", float(r.lengths.sum()) / float(times[0]))
         every = g.log_completions_every_n_steps
-        if every and self.global_step % every == 0 and fresh:
-            self._log_completions(r)
+        if every and fb.step % every == 0 and fresh:
+            self._log_completions(r, fb.step)
 
-    def _log_completions(self, r, rows: int = 3) -> None:
+    def _log_completions(self, r, step: int, rows: int = 3) -> None:
         """A few of this step's prompt / completion / reward rows to stdout and TensorBoard's text tab."""
         if self.global_rank != 0:
             return
@@ -188,8 +191,8 @@ class GRPOSteps:
             reward = float(r.total[i])
             lines.append(f"prompt: {r.prompts[i]!s} | completion: {r.completions[i]!r} | "
                          f"reward: {'nan' if math.isnan(reward) else f'{reward:.3f}'}")
-        print(f"GRPO step {self.global_step}:\n  " + "\n  ".join(lines), file=sys.stdout, flush=True)
+        print(f"GRPO step {step}:\n  " + "\n  ".join(lines), file=sys.stdout, flush=True)
         for logger in self.trainer.loggers:
             add_text = getattr(getattr(logger, "experiment", None), "add_text", None)
             if add_text is not None and type(logger).__name__ == "TensorBoardLogger":
-                add_text("grpo/completions", "\n\n".join(lines), global_step=self.global_step)
+                add_text("grpo/completions", "\n\n".join(lines), global_step=step)

@@ -52,6 +52,8 @@ class GRPOForwardBackward:
         self.sums: dict[str, torch.Tensor] = {}
         self.seconds = 0.0
         self.first_logps: torch.Tensor | None = None  # [L, S] the forward's log-probs (tests compare them)
+        self.step = 0  # the optimizer step it serves, and whether its rollout was sampled for it (the log's)
+        self.fresh = True
 
     def _rows(self, i: int, n: int) -> slice:
         size = self.rollout.input_ids.shape[0]
