@@ -53,6 +53,8 @@ def runs(tmp_path_factory):
                                          "+model_alignment_strategy.peft.target_modules=[qkv_proj,down_proj]"]),
         # two updates per batch of rollouts: the old log-probs kept, the second update's ratio off 1
         "mu2": _args(root / "mu2", 4, [f"{GRPO}.num_iterations=2", f"{GRPO}.loss_type=bnpo"]),
+        # the precision presets apply unchanged: bf16 compute with fp32 masters, the KL's reference swapped in
+        "mixed_precision": _args(root / "mixed_precision", 2, [*KL, "precision.type=mixed_precision"]),
     }
     out = {}
     for name, argv in single.items():
@@ -108,6 +110,13 @@ def test_num_iterations_reuses_the_rollouts(runs):
     assert reward[0] == reward[1] and reward[2] == reward[3] and reward[1] != reward[2]  # one batch, two steps
     assert clip[0] == 0 and clip[1] > 0.01  # the second update's ratios moved off 1 (lr 1e-2)
     assert sorted(mu2["tokens_per_s/rollout"]) == [0, 2]  # sampled on steps 0 and 2 only
+
+
+def test_mixed_precision_runs(runs):
+    root, _ = runs
+    mixed = read_scalars(root / "mixed_precision")
+    assert curve(mixed, "kl")[0] < 1e-5 < curve(mixed, "kl")[1] < 1  # reference = start (bf16 forwards), then apart
+    assert all(0 < g < 10 for g in curve(mixed, "gradient_norm"))
 
 
 def test_completions_reach_tensorboards_text_tab(runs):
