@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from nxdt.models.llama import LlamaArgs, NxdtLlamaForCausalLM
 from nxdt.models.lora import adapters_disabled, inject_lora
 from nxdt.precision.precision import Precision
 from nxdt.spec import build_spec, config_from_dict
+from nxdt.spec.alignment import scale_rewards_of
 from nxdt.rl.grpo_loss import group_advantages, grpo_loss, total_rewards
 from nxdt.rl.rewards import (RewardError, accuracy, call_rewards, final_answer, format_reward, length_penalty,
                              load_reward_funcs, token_fraction)
@@ -276,3 +278,35 @@ def test_lora_grpo_trains_only_adapters_against_the_base():
         assert torch.equal(forward_logps(model, r.input_ids, r.labels, 0.9, micro_batch_size=4), r.ref_logps)
     moved = forward_logps(model, r.input_ids, r.labels, 0.9, micro_batch_size=4)
     assert float((moved - r.ref_logps)[r.mask.bool()].abs().max()) > 1e-3
+
+
+# ---- the config's checks (no torch needed; one line each)
+TINY_MODEL = {"encoder_seq_length": 32, "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 176,
+              "num_attention_heads": 4, "max_position_embeddings": 128}
+
+
+def _grpo_config(grpo: dict, **data):
+    return config_from_dict({"model_alignment_strategy": {"grpo": {"task": "arithmetic", "num_generations": 4,
+                                                                   "max_completion_length": 8,
+                                                                   "reward_funcs": ["nxdt.rl.rewards.accuracy"],
+                                                                   **grpo}},
+                             "data": {"global_batch_size": 16, "micro_batch_size": 4, "seq_length": 32, **data},
+                             "model": TINY_MODEL}, world_size=1, check=True)
+
+
+def test_the_config_speaks_trls_names_and_refuses_combinations():
+    assert scale_rewards_of(_grpo_config({"scale_rewards": True}).model_alignment_strategy.grpo) == "group"
+    assert scale_rewards_of(_grpo_config({"scale_rewards": False}).model_alignment_strategy.grpo) == "none"
+    cases = [({"reward_weights": [1.0, 2.0]}, "reward_weights: 2 weights for 1 reward_funcs"),
+             ({"epsilon": 0.3, "epsilon_high": 0.2}, "epsilon_high (0.2) is below epsilon (0.3)"),
+             ({"reward_funcs": []}, "reward_funcs: empty"),
+             ({"max_completion_length": 32}, "max_completion_length (32) must be below data.seq_length (32)"),
+             ({"task": None}, "no prompts; set data.train_dir"),
+             ({"loss_type": "cispo"}, "loss_type"),
+             ({"top_p": 0}, "top_p")]
+    for values, fragment in cases:
+        with pytest.raises(ConfigError, match=re.escape(fragment)):
+            _grpo_config(values)
+    with pytest.raises(ConfigError, match="model_alignment_strategy.sft are both set"):
+        config_from_dict({"model_alignment_strategy": {"grpo": {"task": "arithmetic", "reward_funcs": ["a.b"]},
+                                                       "sft": {}}, "model": TINY_MODEL}, world_size=1, check=True)
