@@ -155,7 +155,9 @@ def generate(model: nn.Module, prompts: list[list[int]], params: SamplingParams,
         else:  # recompute the whole sequence: a new cache each step
             logits = _recompute(decoder, seq, seq_valid, seq_pos, pad_id, length_multiple)
         last = _full(logits)[:, seq.shape[1] - 1 if not use_cache else -1]
-        token = next_tokens(last, params, generator)
+        # next_tokens masks the padded vocabulary rows in place (fp32 logits): the log-probs are the
+        # unmasked ones, as a training forward computes them
+        token = next_tokens(last.clone() if logps is not None else last, params, generator)
         if logps is not None:
             token_logps.append(sampled_logps(last, token, params.temperature))
         token = torch.where(done, torch.full_like(token, pad_id), token)
