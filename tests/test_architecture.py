@@ -29,10 +29,12 @@ ALLOWED = {
     "planner": _BASE | {"hardware", "models", "precision", "parallel", "data"},
     "observability": _BASE | {"hardware", "models", "precision", "parallel", "data", "exp", "checkpoint",
                               "inference", "planner"},
+    # online RL (GRPO): rollouts on the policy, rewards, its loss and step; the training loop plugs it in
+    "rl": _BASE | {"models", "precision", "parallel", "inference", "data"},
     "training": _BASE | {"hardware", "models", "precision", "parallel", "optim", "data", "exp", "checkpoint",
-                         "inference", "planner", "observability"},
+                         "inference", "planner", "observability", "rl"},
     "tools": _BASE | {"hardware", "models", "precision", "parallel", "optim", "data", "exp", "checkpoint",
-                      "inference", "planner", "observability", "training"},
+                      "inference", "planner", "observability", "rl", "training"},
     "cli": {"config", "spec", "tools", "training"},
 }
 HEAVY = ("torch", "lightning", "transformers", "numpy", "datasets", "safetensors", "tokenizers")

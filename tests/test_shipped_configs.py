@@ -29,11 +29,13 @@ EXPECTED = {
     "hf_llama3_8B_SFT_lora_config": (None, 8_030_261_248),
     "hf_llama3_8B_DPO_config": (None, 8_030_261_248),
     "hf_llama3_8B_ORPO_config": (None, 8_030_261_248),
+    "hf_llama3_8B_GRPO_config": (None, 8_030_261_248),
     "megatron_gpt_config": (50257, None),
     "tiny_llama_cpu": (8192, None),
     "tiny_llama_lora_cpu": (8192, None),
     "tiny_llama_dpo_cpu": (8192, None),
     "tiny_llama_orpo_cpu": (8192, None),
+    "tiny_llama_grpo_cpu": (8192, None),
     # Mixtral-8x7B: 46.7 B (interface.md); the tiny MoE by hand: embeddings 2 x 8192 x 256, per layer
     # attention 196,608 + 4 experts x 3 x 256 x 352 + gate 4 x 256 + norms 512, final norm 256
     "megatron_mixtral_8x7b_config": (32000, 46_702_792_704),

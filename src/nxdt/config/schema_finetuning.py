@@ -1,9 +1,9 @@
-"""The fine-tuning sections of the schema: `model_alignment_strategy` (sft, peft, dpo, orpo) and
+"""The fine-tuning sections of the schema: `model_alignment_strategy` (sft, peft, dpo, orpo, grpo) and
 NxDT's `data.alignment_strategy`. Conventions as in `nxdt.config.schema`, which re-exports these
 classes. Standard library only."""
 
 from dataclasses import dataclass
-from typing import List, Literal, Optional
+from typing import List, Literal, Optional, Union
 
 from nxdt.config.ranges import doc
 
@@ -65,12 +65,54 @@ class ORPOConfig:
         "keep_start", "over-long prompts keep their start or end; null = an over-long prompt is an error")
 
 
+GRPO_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+@dataclass
+class GRPOConfig:
+    """TRL's GRPOConfig names and meanings. data.global_batch_size and micro_batch_size count
+    completions (as TRL's batch sizes do): a step samples global_batch_size / num_generations prompts."""
+    num_generations: int = doc(8, "G: completions sampled per prompt (a group); divides data.global_batch_size", ge=1)
+    max_completion_length: int = doc(256, "new tokens per completion at most (a completion without EOS by then "
+                                          "is truncated)", ge=1)
+    max_prompt_length: Optional[int] = doc(
+        None, "prompt tokens kept (the last ones, as TRL); null = data.seq_length - max_completion_length", ge=1)
+    temperature: float = doc(1.0, "sampling temperature; the log-probs are those of logits / temperature", gt=0)
+    top_p: float = doc(1.0, "nucleus sampling: the smallest set of tokens with probability >= top_p", gt=0, le=1)
+    top_k: int = doc(0, "sample among the k most likely tokens (0 = all)", ge=0)
+    beta: float = doc(0.0, "KL coefficient towards the reference (0 = no reference model: none is kept)", ge=0)
+    epsilon: float = doc(0.2, "clipping: the ratio is clipped to [1 - epsilon, 1 + epsilon_high]", ge=0, lt=1)
+    epsilon_high: Optional[float] = doc(None, "upper clipping bound (DAPO's clip-higher, e.g. 0.28); null = epsilon",
+                                        ge=0)
+    loss_type: Literal[GRPO_LOSS_TYPES] = doc(
+        "dapo", "token loss normalization, as TRL: grpo (per-sequence mean), dr_grpo (/ max_completion_length), "
+                "dapo (/ tokens of the global batch), bnpo (/ tokens of the micro-batch)")
+    scale_rewards: Union[bool, Literal[SCALE_REWARDS]] = doc(
+        "group", "advantages divided by the reward std of the group, of the batch, or not (none); true = group, "
+                 "false = none")
+    num_iterations: int = doc(1, "policy updates per batch of rollouts (mu), the old log-probs kept", ge=1)
+    mask_truncated_completions: bool = doc(False, "completions without EOS count for no tokens of the loss")
+    reward_funcs: List[str] = doc(
+        [], "dotted paths of reward functions f(prompts, completions, **columns) -> list[float | None] (TRL's "
+            "convention); nxdt ships nxdt.rl.rewards.{accuracy, format_reward, length_penalty, token_fraction}")
+    reward_weights: Optional[List[float]] = doc(None, "one weight per reward function (null = all 1)")
+    task: Optional[Literal["arithmetic"]] = doc(
+        None, "nxdt's shipped verifiable prompts instead of data.train_dir: arithmetic = deterministic sums and "
+              "products with their answer column")
+    log_completions_every_n_steps: int = doc(
+        0, "every N steps a few prompt / completion / reward rows to stdout and TensorBoard's text tab (0 = off)",
+        ge=0)
+
+
 @dataclass
 class AlignmentConfig:
     sft: Optional[SFTConfig] = doc(None, "supervised fine-tuning on {input, output} rows")
     peft: Optional[PeftConfig] = doc(None, "LoRA adapters on a frozen base (combines with sft, dpo, orpo)")
     dpo: Optional[DPOConfig] = doc(None, "direct preference optimization on {prompt, chosen, rejected} rows")
     orpo: Optional[ORPOConfig] = doc(None, "odds-ratio preference optimization (no reference model)")
+    grpo: Optional[GRPOConfig] = doc(None, "online RL with group-relative advantages (TRL's GRPO): completions "
+                                           "sampled in the trainer, scored by reward functions")
 
 
 @dataclass

@@ -3,6 +3,7 @@
 1. `data.data_module: pkg.module.Class`  → the user's LightningDataModule, `Class(cfg, trainer)`
 2. `model_alignment_strategy.sft`        → SFTDataModule (jsonl / arrow input-output pairs)
    `model_alignment_strategy.dpo / orpo`  → PreferenceDataModule (jsonl / arrow prompt-chosen-rejected rows)
+   `model_alignment_strategy.grpo`        → PromptDataModule (rows with a prompt, or the shipped task)
 3. `data.use_dummy_dataset: true`        → DummyDataModule (random tokens, performance runs)
 4. `data.datasets`, or dynamic selection → LogicalShardDataModule (fms-fsdp: weights, logical shards;
                                            Megatron prefixes or arrow/parquet shard folders)
@@ -20,6 +21,7 @@ from nxdt.data.hf_module import HFDataModule
 from nxdt.data.logical_shards import LogicalShardDataModule
 from nxdt.data.megatron_module import MegatronDataModule
 from nxdt.data.preference import PreferenceDataModule
+from nxdt.data.prompts import PromptDataModule
 from nxdt.data.sft import SFTDataModule
 from nxdt.spec.data import NO_DATA_SOURCE, datamodule_kind  # noqa: F401  (re-exported: which module a config gets)
 
@@ -35,6 +37,8 @@ def build_datamodule(spec, trainer):
         return SFTDataModule(cfg, trainer, alignment=spec.alignment)
     if kind == "preference":
         return PreferenceDataModule(cfg, trainer, alignment=spec.alignment)
+    if kind == "prompts":
+        return PromptDataModule(cfg, trainer, alignment=spec.alignment)
     if kind == "dummy":
         return DummyDataModule(cfg, trainer)
     if kind == "logical_shards":

@@ -62,17 +62,30 @@ def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | None) 
     return logits
 
 
-def next_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """[B] token ids from the last position's logits [B, V] (fp32)."""
+def next_tokens(logits: torch.Tensor, params: SamplingParams,
+                generator: torch.Generator | list[torch.Generator] | None) -> torch.Tensor:
+    """[B] token ids from the last position's logits [B, V] (fp32). `generator`: one for the batch,
+    or one per row (each row's draws then depend on its own generator only)."""
     logits = logits.float()
     if params.vocab_size is not None and params.vocab_size < logits.shape[-1]:
         logits[:, params.vocab_size:] = float("-inf")
     if params.temperature == 0:
         return logits.argmax(-1)
     logits = filter_logits(logits / params.temperature, params.top_k, params.top_p)
-    probs = logits.softmax(-1)
+    probs = logits.softmax(-1).cpu()
     # sample on CPU: the same stream of draws on every device kind and every tensor-parallel rank
-    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
+    if isinstance(generator, (list, tuple)):
+        drawn = torch.cat([torch.multinomial(probs[row:row + 1], 1, generator=g)[:, 0]
+                           for row, g in enumerate(generator)])
+        return drawn.to(logits.device)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(logits.device)
+
+
+def sampled_logps(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[B] fp32 log-probabilities of `tokens` under logits [B, V] / temperature (before top-k / top-p,
+    as TRL scores a sample): what a training forward of the same sequence gives."""
+    scaled = logits.float() / (temperature if temperature > 0 else 1.0)
+    return scaled.log_softmax(-1).gather(-1, tokens[:, None].to(scaled.device))[:, 0]
 
 
 def _full(logits: torch.Tensor) -> torch.Tensor:
@@ -82,11 +95,12 @@ def _full(logits: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- the loop
-def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids [B, P], valid [B, P]) with each prompt right-aligned."""
+def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device | str,
+             width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [B, P], valid [B, P]) with each prompt right-aligned (P: the longest prompt, or `width`)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    width = max(len(p) for p in prompts)
+    width = max(max(len(p) for p in prompts), width or 0)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     valid = torch.zeros(len(prompts), width, dtype=torch.bool)
     for row, p in enumerate(prompts):
@@ -98,9 +112,17 @@ def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device | str) 
 @torch.no_grad()
 def generate(model: nn.Module, prompts: list[list[int]], params: SamplingParams, *, pad_id: int = 0,
              use_cache: bool = True, on_step: Callable[[torch.Tensor], None] | None = None,
-             length_multiple: int = 1) -> list[list[int]]:
+             length_multiple: int = 1, generators: list[torch.Generator] | None = None,
+             logps: list[list[float]] | None = None, all_steps: bool = False,
+             prompt_width: int | None = None) -> list[list[int]]:
     """The new tokens of each prompt (up to max_new_tokens; a row ends after an EOS token, which is
     kept). `on_step(tokens [B])` is called after each step (for streaming); finished rows give -1.
+
+    For online RL (nxdt.rl.rollout): `generators`, one per row, replace `params.seed` (each row's
+    samples then depend on its own seed, not on the rows beside it); `logps`, an empty list, receives
+    per row the log-probability of each returned token (`sampled_logps`); `all_steps` runs all
+    max_new_tokens forwards even when every row has ended (ranks of a sharded model forward in
+    step); `prompt_width` left-pads every prompt to at least that many columns.
 
     `length_multiple` > 1: every forward runs a sequence whose length is a multiple of it (a model
     with sequence parallelism splits the sequence over its tensor-parallel ranks). The whole sequence
@@ -110,11 +132,16 @@ def generate(model: nn.Module, prompts: list[list[int]], params: SamplingParams,
         use_cache = False
     device = next(model.parameters()).device
     decoder = adapter_of(model).generation_decoder(model)  # native: nxdt's KVCache; hf: its DynamicCache
-    ids, valid = left_pad(prompts, pad_id, device)
+    ids, valid = left_pad(prompts, pad_id, device, prompt_width)
     batch, width = ids.shape
     total = width + params.max_new_tokens
     positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
     generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+    if generators is not None:
+        if len(generators) != len(prompts):
+            raise ValueError(f"generate: {len(generators)} generators for {len(prompts)} prompts")
+        generator = list(generators)
+    token_logps = []
     eos = params.eos_token_id
     eos = torch.tensor([eos] if isinstance(eos, int) else list(eos or []), dtype=torch.long, device=device)
     out = torch.full((batch, params.max_new_tokens), pad_id, dtype=torch.long, device=device)
@@ -127,7 +154,12 @@ def generate(model: nn.Module, prompts: list[list[int]], params: SamplingParams,
             logits = decoder(*fresh, state)
         else:  # recompute the whole sequence: a new cache each step
             logits = _recompute(decoder, seq, seq_valid, seq_pos, pad_id, length_multiple)
-        token = next_tokens(_full(logits)[:, seq.shape[1] - 1 if not use_cache else -1], params, generator)
+        last = _full(logits)[:, seq.shape[1] - 1 if not use_cache else -1]
+        # next_tokens masks the padded vocabulary rows in place (fp32 logits): the log-probs are the
+        # unmasked ones, as a training forward computes them
+        token = next_tokens(last.clone() if logps is not None else last, params, generator)
+        if logps is not None:
+            token_logps.append(sampled_logps(last, token, params.temperature))
         token = torch.where(done, torch.full_like(token, pad_id), token)
         out[:, step] = token
         if on_step is not None:
@@ -136,7 +168,7 @@ def generate(model: nn.Module, prompts: list[list[int]], params: SamplingParams,
         seq = torch.cat([seq, token[:, None]], dim=1)
         seq_valid = torch.cat([seq_valid, torch.ones_like(token, dtype=torch.bool)[:, None]], dim=1)
         seq_pos = torch.cat([seq_pos, seq_pos[:, -1:] + 1], dim=1)
-        if bool(done.all()):
+        if bool(done.all()) and not all_steps:
             out = out[:, : step + 1]
             break
     results = []
@@ -144,6 +176,9 @@ def generate(model: nn.Module, prompts: list[list[int]], params: SamplingParams,
         tokens = out[row].tolist()
         hit = next((i for i, t in enumerate(tokens) if t in set(eos.tolist())), None)
         results.append(tokens[: hit + 1] if hit is not None else tokens)
+    if logps is not None:
+        table = torch.stack(token_logps, dim=1).cpu() if token_logps else torch.zeros(batch, 0)
+        logps.extend(table[row, : len(results[row])].tolist() for row in range(batch))
     return results
 
 

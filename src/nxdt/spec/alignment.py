@@ -1,4 +1,4 @@
-"""Fine-tuning strategies: which of SFT, LoRA, DPO and ORPO a config asks for, read in one place.
+"""Fine-tuning strategies: which of SFT, LoRA, DPO, ORPO and GRPO a config asks for, read in one place.
 
 The keys live in the schema (`SFTConfig`, `PeftConfig`, `DPOConfig`, `ORPOConfig`); NxDT spells
 them in two places: `model_alignment_strategy.{sft, peft, dpo, orpo}` and, in its DPO config,
@@ -8,6 +8,8 @@ on when its section is present.
 
     sft            {input, output} rows, the usual token loss on the output
     dpo / orpo     {prompt, chosen, rejected} rows, a preference loss; one of the two at most
+    grpo           {prompt, ...} rows, completions sampled in the trainer and scored by reward
+                   functions (online RL, TRL's GRPO); alone, or with peft
     peft           LoRA adapters on a frozen base; combines with any of the above, or with
                    pre-training data alone (continual pre-training with LoRA, LLaMA-MoE's lora.sh)
 
@@ -22,6 +24,7 @@ from typing import Any, Optional
 
 from nxdt.config.errors import ConfigError
 from nxdt.config.schema import DPOConfig, ORPOConfig, PeftConfig, SFTConfig
+from nxdt.config.schema_finetuning import GRPOConfig
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,7 @@ class Alignment:
     peft: Optional[PeftConfig] = None
     dpo: Optional[DPOConfig] = None
     orpo: Optional[ORPOConfig] = None
+    grpo: Optional[GRPOConfig] = None
     dpo_key: str = "model_alignment_strategy.dpo"  # where the DPO block was given (for messages)
     dpo_prompt_length: Optional[int] = None
     """DPO's max prompt length, from either of its names (max_prompt_length, NxDT 2.23+, or
@@ -69,6 +73,7 @@ def alignment_of(cfg: Any) -> Alignment:
     dpo = found.get("dpo")
     length, length_key = _dpo_prompt_length(dpo, dpo_key) if dpo is not None else (None, "")
     return Alignment(sft=found.get("sft"), peft=found.get("peft"), dpo=dpo, orpo=found.get("orpo"),
+                     grpo=found.get("grpo"),
                      dpo_key=dpo_key, dpo_prompt_length=length,
                      dpo_prompt_length_key=length_key or f"{dpo_key}.max_dpo_prompt_length")
 
@@ -114,6 +119,8 @@ def check_alignment(cfg: Any, al: Alignment) -> None:
                           "{input, output} rows, DPO/ORPO read {prompt, chosen, rejected} rows; pick one")
     if al.peft is not None:
         _check_peft(al.peft)
+    if al.grpo is not None:
+        check_grpo(cfg, al)
     if al.sft is not None:
         check_prompt_template(al.sft.prompt_template)
     if al.preference is None:
@@ -159,3 +166,56 @@ def _check_prompt_length(key: str, value: Optional[int], seq: Optional[int]) -> 
         raise ConfigError(f"{key}: must be >= 1, got {value}")
     if seq is not None and value >= seq:
         raise ConfigError(f"{key} ({value}) must be below data.seq_length ({seq}): the response needs room")
+
+
+GRPO_KEY = "model_alignment_strategy.grpo"
+
+
+def scale_rewards_of(grpo: GRPOConfig) -> str:
+    """'group' | 'batch' | 'none': TRL's bool spellings (true = group, false = none) normalised."""
+    value = grpo.scale_rewards
+    return {True: "group", False: "none"}.get(value, value) if isinstance(value, bool) else value
+
+
+def check_grpo(cfg: Any, al: Alignment) -> None:
+    """GRPO's combinations: the batch in groups of num_generations, room for prompt + completion, the
+    layouts its rollouts run on, one method at a time, reward functions and their weights."""
+    g, key, ds, data = al.grpo, GRPO_KEY, cfg.distributed_strategy, cfg.data
+    others = [name for name in ("sft", "dpo", "orpo") if getattr(al, name) is not None]
+    if others:
+        raise ConfigError(f"{key} and model_alignment_strategy.{others[0]} are both set: pick one training method")
+    for what, size in (("tensor_model_parallel_size", ds.tensor_model_parallel_size),
+                       ("pipeline_model_parallel_size", ds.pipeline_model_parallel_size),
+                       ("context_parallel_size", ds.context_parallel_size),
+                       ("expert_model_parallel_size", ds.expert_model_parallel_size)):
+        if (size or 1) > 1:
+            raise ConfigError(f"{key} with distributed_strategy.{what} > 1 is not supported yet (got {size}): "
+                              "GRPO's rollouts run on data-parallel layouts (DDP, ZeRO-1, FSDP)")
+    if not g.reward_funcs:
+        raise ConfigError(f"{key}.reward_funcs: empty; name at least one reward function (e.g. "
+                          "[nxdt.rl.rewards.accuracy])")
+    if g.reward_weights is not None and len(g.reward_weights) != len(g.reward_funcs):
+        raise ConfigError(f"{key}.reward_weights: {len(g.reward_weights)} weights for {len(g.reward_funcs)} "
+                          "reward_funcs; give one per function")
+    n = g.num_generations
+    gbs = data.global_batch_size
+    if gbs is not None and gbs % n:
+        raise ConfigError(f"{key}.num_generations ({n}) does not divide data.global_batch_size ({gbs}): the batch "
+                          "counts completions, num_generations per prompt")
+    if n == 1 and scale_rewards_of(g) != "none":
+        raise ConfigError(f"{key}.num_generations = 1 with scale_rewards={scale_rewards_of(g)!r}: a group of one has "
+                          "no reward std (and no advantage); sample num_generations >= 2")
+    if g.epsilon_high is not None and g.epsilon_high < g.epsilon:
+        raise ConfigError(f"{key}.epsilon_high ({g.epsilon_high}) is below epsilon ({g.epsilon}): clip-higher "
+                          "widens the upper bound only")
+    if g.task is None and data.train_dir is None:
+        raise ConfigError(f"{key}: no prompts; set data.train_dir (jsonl or HF folder rows with 'prompt') or "
+                          f"{key}.task=arithmetic (nxdt's shipped task)")
+    seq = data.seq_length
+    if seq is not None:
+        if g.max_completion_length >= seq:
+            raise ConfigError(f"{key}.max_completion_length ({g.max_completion_length}) must be below "
+                              f"data.seq_length ({seq}): the prompt needs room")
+        if g.max_prompt_length is not None and g.max_prompt_length + g.max_completion_length > seq:
+            raise ConfigError(f"{key}.max_prompt_length + max_completion_length ({g.max_prompt_length} + "
+                              f"{g.max_completion_length}) exceed data.seq_length ({seq})")

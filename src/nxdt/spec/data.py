@@ -189,7 +189,7 @@ NO_DATA_SOURCE = ("data: no data source; set data.data_prefix (Megatron), data.t
 
 
 def datamodule_kind(cfg, alignment: Alignment | None = None) -> str:
-    """'custom' | 'sft' | 'preference' | 'dummy' | 'logical_shards' | 'hf' | 'megatron' for `cfg` (see
+    """'custom' | 'sft' | 'preference' | 'prompts' | 'dummy' | 'logical_shards' | 'hf' | 'megatron' for `cfg` (see
     nxdt.data.select); ConfigError when the config names no data source. `alignment`: the run
     spec's (default: read from `cfg`)."""
     kind = data_kind_of(cfg, alignment_of(cfg) if alignment is None else alignment)
@@ -207,6 +207,8 @@ def data_kind_of(cfg, alignment: Alignment) -> str | None:
         return "sft"
     if alignment.preference is not None:
         return "preference"
+    if alignment.grpo is not None:
+        return "prompts"
     if data.use_dummy_dataset:
         return "dummy"
     if data.datasets is not None:

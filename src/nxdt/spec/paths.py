@@ -142,8 +142,10 @@ def check_log_dir(cfg: Any, found: PathProblems | None = None) -> None:
 def _check_data_files(cfg: Any, found: PathProblems) -> None:
     """The data source a config must name, and the files of data.* (not data.tokenizer)."""
     data = cfg.data
+    mas = cfg.model_alignment_strategy
+    shipped_prompts = mas is not None and mas.grpo is not None and mas.grpo.task is not None  # GRPO's own task
     has_source = (data.data_prefix is not None or data.train_dir is not None or data.use_dummy_dataset
-                  or data.datasets is not None)
+                  or data.datasets is not None or shipped_prompts)
     if cfg.model_source == "megatron" and not has_source:
         found.add("data.data_prefix is required for model_source megatron "
                   "(or set data.train_dir, data.use_dummy_dataset or data.data_module)")

@@ -30,6 +30,7 @@ from nxdt.parallel.pipeline import build_pipeline, model_of
 from nxdt.parallel.plan import make_plan
 from nxdt.parallel.tensor_parallel import total_norm
 from nxdt.training.preference import PreferenceSteps
+from nxdt.rl.module import GRPOSteps
 from nxdt.precision.precision import Precision
 from nxdt.device import use_xla
 from nxdt.observability.step_scalars import step_logger
@@ -40,7 +41,7 @@ from nxdt.training.step import (loss_parallel_context, microbatch_forward_backwa
                                 pipeline_forward_backward, split_microbatches, train_step)
 
 
-class NxdtLightningModule(PreferenceSteps, pl.LightningModule):
+class NxdtLightningModule(PreferenceSteps, GRPOSteps, pl.LightningModule):
     def __init__(self, spec, vocab_size: int | None) -> None:
         """`spec`: the run spec (nxdt.spec.RunSpec), built once at the entry."""
         super().__init__()
@@ -129,9 +130,11 @@ class NxdtLightningModule(PreferenceSteps, pl.LightningModule):
 
     def on_train_start(self) -> None:
         self.precompute_reference_logps()  # DPO: once, before the first step (nxdt.training.preference)
+        self.grpo_start()  # GRPO: reward functions, the reference weights (nxdt.rl.module)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        forward_backward = self._forward_backward()
+        # GRPO: this step's rollouts first (sampled on the policy as it is), then its forward/backward
+        forward_backward = self.grpo_forward_backward(batch) if self.alignment.grpo else self._forward_backward()
         # the LightningOptimizer: its step() is what Lightning counts (global_step), skipped steps too
         metrics = train_step(self.model, self.optimizers(), self.lr_schedulers(), self.precision,
                              forward_backward, batch, step=self.global_step,
@@ -141,6 +144,8 @@ class NxdtLightningModule(PreferenceSteps, pl.LightningModule):
         self.consumed_samples += self.layout.global_batch_size
         self._log_step(metrics.loss, metrics.lr, metrics.grad_norm)
         self.log_preference_metrics(forward_backward)  # DPO / ORPO: rewards, accuracies, margins
+        if self.alignment.grpo is not None:
+            self.log_grpo_metrics(forward_backward)  # rewards, KL, clipping, lengths, entropy, tokens/s
         return metrics.loss
 
     def _forward_backward(self):

@@ -38,6 +38,7 @@ from nxdt.spec import build_spec
 from nxdt.training import xla
 from nxdt.training.dynamic_selection import DynamicDataSelection
 from nxdt.training.fault_tolerance import FaultTolerance, requeue_slurm_job
+from nxdt.rl.module import check_grpo_inputs
 from nxdt.training.finetuning import check_lora_targets
 from nxdt.training.module import NxdtLightningModule
 from nxdt.training.strategy import NeuronAccelerator, NxdtStrategy, native_neuron_strategy
@@ -176,6 +177,7 @@ def check_run_parts(spec) -> None:
         custom_datamodule_class(cfg.data.data_module)
     if spec.alignment.peft is not None:
         check_lora_targets(spec, planned_vocab(cfg)[0])
+    check_grpo_inputs(spec)  # GRPO: the reward functions import, the prompt rows have a prompt
 
 
 def check_run(spec) -> None:
