@@ -19,7 +19,7 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import CORPUS, TOKENIZER_DIR, read_scalars, run_pool
+from conftest import CORPUS, TINY_OVERRIDES, TOKENIZER_DIR, read_scalars, run_pool
 from omegaconf import OmegaConf
 
 from nxdt.tools.preference_data import make_preference_rows, read_chapters, write_jsonl
@@ -109,8 +109,28 @@ def runs(kjv_prefix, tmp_path_factory):
     write_jsonl([{"input": r["prompt"], "output": r["chosen"]} for r in rows], sft)
     jobs = {name: ["--config-path", str(RELEASE), "--config-name", name,
                    *_overrides(name, root, kjv_prefix, sft, preference)] for name in NAMES}
+    jobs[UNEVEN] = ["--config-name", "tiny_llama_cpu", *[o for o in TINY_OVERRIDES if not o.startswith("model.num_layers=")],
+                    "model.num_layers=3", "trainer.devices=2", "distributed_strategy.pipeline_model_parallel_size=2",
+                    "data.use_dummy_dataset=true", "trainer.max_steps=2", "model.optim.capturable=true",
+                    f"exp_manager.explicit_log_dir={root / UNEVEN}"]
     procs = run_pool(jobs, 2, root / "pool")
-    return {name: (procs[name], read_scalars(root / name)) for name in NAMES}
+    return {name: (procs[name], read_scalars(root / name)) for name in [*NAMES, UNEVEN]}
+
+
+UNEVEN = "uneven_pipeline_capturable"  # a run of the same launch, not a release config
+
+
+def test_uneven_pipeline_with_capturable_trains_on_two_cpu_ranks(runs):
+    """3 layers over pp 2 (NxD's split: 1 | 2) with `capturable: true`, as the Megatron configs set
+    it: 2 steps train on CPU, the notice names capturable once."""
+    proc, _ = runs[UNEVEN]
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert out.count("model.optim.capturable=true: a CUDA-graph / XLA option") == 1
+    layer = 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 176 + 2 * 64  # q, o; k, v (2 kv heads); mlp; 2 norms
+    embed = 8192 * 64  # tiny tokenizer's vocab x hidden, once in the embedding and once in lm_head
+    assert f"  stages       1F1B: {embed + layer:,}, {2 * layer + 64 + embed:,}" in out.splitlines()
+    assert "final reduced_train_loss=" in out
 
 
 @pytest.mark.parametrize("name", NAMES)
