@@ -196,6 +196,33 @@ def test_other_layouts_give_the_same_numbers(trained, sft_result):
     assert json.loads((trained.root / "pp2" / (trained.ckpt.name + ".eval.json")).read_text())["layout"]["pp"] == 2
 
 
+def test_a_run_folder_of_a_tensor_parallel_run_evaluates_in_one_process(trained, megatron_result, tmp_path, capsys):
+    """`--checkpoint RUN_DIR`: its newest complete checkpoint (a newer, incomplete one skipped), named in
+    one line; a run saved with tp 2 + sequence parallel evaluates in one process with the whole model
+    (on main: "... does not divide the world size 1"), to the numbers of the one-process run."""
+    from omegaconf import OmegaConf
+
+    ckpts = tmp_path / "run" / "checkpoints"
+    chosen = ckpts / trained.ckpt.name
+    shutil.copytree(trained.ckpt, chosen)
+    saved = OmegaConf.load(chosen / "config.yaml")
+    saved.distributed_strategy.tensor_model_parallel_size = 2
+    saved.distributed_strategy.sequence_parallel = True
+    OmegaConf.save(saved, chosen / "config.yaml")
+    unfinished = ckpts / NAME.format(step=2 * STEPS, samples=16 * STEPS)
+    shutil.copytree(chosen, unfinished)
+    (unfinished / "COMPLETE").unlink()
+    capsys.readouterr()
+    assert _nxdt("evaluate", "--checkpoint", tmp_path / "run") == 0
+    err = capsys.readouterr().err
+    assert f"note: checkpoint {chosen} (the newest complete one in {tmp_path / 'run'}; 1 incomplete skipped)" in err
+    assert "tensor_model_parallel_size 2 -> 1, sequence_parallel True -> false" in err
+    result = json.loads(chosen.with_name(chosen.name + ".eval.json").read_text())
+    assert result["layout"]["world_size"] == 1 and result["layout"]["tp"] == 1
+    for split, r in megatron_result["splits"].items():
+        assert abs(result["splits"][split]["loss"] - r["loss"]) < TOL and result["splits"][split]["tokens"] == r["tokens"]
+
+
 def test_lora_adapter_only_checkpoint(trained):
     """The adapters from the checkpoint, the base from the run's resume_from_checkpoint: the loss the
     LoRA run validated with at its last step (same weights, same batches)."""

@@ -12,7 +12,10 @@ many global batches of each split; 0 skips a split).
 
 The number of processes comes from the launch, not from the saved config: trainer.devices and
 trainer.num_nodes default to torchrun's LOCAL_WORLD_SIZE and WORLD_SIZE / LOCAL_WORLD_SIZE (1 and
-1 in a plain process); an override of either still wins.
+1 in a plain process); an override of either still wins. So does the layout, as `nxdt generate`'s:
+in one process the model is whole (tensor, pipeline, context and expert parallel 1, no sequence
+parallel; said in a note when the run was split), under torchrun it is the saved one (or your
+overrides). `--checkpoint` may also be a run folder: its newest complete checkpoint is used.
 
 Writes `<checkpoint>.eval.json` beside the checkpoint directory (never inside it) and prints a
 table; see docs/evaluate.md.
@@ -24,12 +27,19 @@ import os
 import sys
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 from nxdt.config.env import apply_env
 from nxdt.config.errors import ConfigError
-from nxdt.config.load import main_guard
+from nxdt.config.load import global_rank, main_guard
 from nxdt.spec import load_config
 
 USAGE = "usage: nxdt evaluate --checkpoint DIR [key=value ...]"
+# a whole model in one process: (key under distributed_strategy, its one-process value)
+ONE_PROCESS = (("tensor_model_parallel_size", 1), ("pipeline_model_parallel_size", 1),
+               ("virtual_pipeline_model_parallel_size", 1), ("context_parallel_size", 1),
+               ("expert_model_parallel_size", 1), ("sequence_parallel", False), ("schedule", None),
+               ("hsdp_replicate_size", None))
 
 
 def parse_args(argv: list[str]) -> tuple[Path, list[str]]:
@@ -66,7 +76,28 @@ def launch_overrides(environ=None) -> list[str]:
     return [f"trainer.devices={per_node}", f"trainer.num_nodes={max(world // per_node, 1)}"]
 
 
-def load_checkpoint_config(checkpoint: Path, overrides: list[str]):
+def one_process_layout(checkpoint: Path, overrides: list[str], world: int) -> tuple[list[str], str | None]:
+    """In one process, the overrides that make the saved layout whole (a key you override stays
+    yours) and a note naming what changed; under torchrun, none (the saved layout, or yours)."""
+    if world > 1:
+        return [], None
+    saved = OmegaConf.load(checkpoint / "config.yaml").get("distributed_strategy") or {}
+    given = {o.lstrip("+~").split("=", 1)[0] for o in overrides}
+    out, changed = [], []
+    for key, value in ONE_PROCESS:
+        full = f"distributed_strategy.{key}"
+        if full in given:
+            continue
+        out.append(f"{full}={'null' if value is None else str(value).lower()}")
+        before = saved.get(key)
+        if before not in (None, value) and key not in ("schedule", "hsdp_replicate_size"):
+            changed.append(f"{key} {before} -> {str(value).lower()}")
+    note = ("evaluating in one process with the whole model (" + ", ".join(changed)
+            + "; under torchrun the saved layout is used)") if changed else None
+    return out, note
+
+
+def load_checkpoint_config(checkpoint: Path, overrides: list[str], notes: list[str] | None = None):
     """The checkpoint's config.yaml with this launch's process count and `overrides`, validated."""
     if not checkpoint.is_dir():  # the commonest mistake, said before torch is imported
         raise ConfigError(f"checkpoint {checkpoint} does not exist or is not a directory")
@@ -87,8 +118,11 @@ def load_checkpoint_config(checkpoint: Path, overrides: list[str]):
     start = [] if is_adapter_only(checkpoint) else ["exp_manager.resume_from_checkpoint=null",
                                                     "model.weight_init_only=false"]
     world = os.environ.get("WORLD_SIZE")
+    layout, note = one_process_layout(checkpoint, overrides, int(world or 1))
+    if note and notes is not None:
+        notes.append(note)
     argv = ["--config-path", str(checkpoint.absolute()), "--config-name", Path(CONFIG).stem,
-            *launch_overrides(), *start, *overrides]
+            *launch_overrides(), *start, *layout, *overrides]
     return load_config(argv, world_size=int(world) if world else None)
 
 
@@ -98,7 +132,14 @@ def _main(argv: list[str] | None = None) -> int:
         print(__doc__.strip())
         return 0
     checkpoint, overrides = parse_args(argv)
-    cfg = load_checkpoint_config(checkpoint, overrides)
+    from nxdt.checkpoint.locate import resolve_checkpoint  # torch (not torch-xla): before apply_env is fine
+
+    checkpoint, chosen = resolve_checkpoint(checkpoint)
+    notes = [chosen] if chosen else []
+    cfg = load_checkpoint_config(checkpoint, overrides, notes)
+    if global_rank() == 0:
+        for note in notes:
+            print(f"note: {note}", file=sys.stderr, flush=True)
     apply_env(cfg)  # validation already named the keys that have no effect here
     # the run's modules (torch-xla among them) only after the env vars are set (nxdt.config.env)
     from nxdt.checkpoint.resume import evaluation_plan

@@ -1,0 +1,112 @@
+"""What a `--checkpoint PATH` names: a checkpoint, a run folder, or a transformers model folder.
+
+    resolve_checkpoint(Path("nxdt_experiments/tiny_llama"))
+    -> (Path(".../2026-11-27_10-00-00/checkpoints/tiny_llama--step=100-..."), "checkpoint ... (the newest ...)")
+
+A folder that is not itself a checkpoint is searched for the newest complete one: a run's log dir
+(`<run>/checkpoints/*`), its `checkpoints/` folder, or an experiment folder holding several runs
+(`<exp>/*/checkpoints/*`). Within a run the newest is the highest step (then the latest save);
+across runs, the latest save. Incomplete ones (no COMPLETE marker: a save that did not finish) are
+skipped and counted. `nxdt generate`, `nxdt evaluate` and `nxdt convert nxdt-to-hf` call it before
+anything else, so the checkpoint used is named in one line. A transformers folder is read here
+too (`read_hf_folder`: config.json and the safetensors tensors; nothing is unpickled), for
+`nxdt convert`, `nxdt generate` and `nxdt evaluate`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import load_file
+
+from nxdt.checkpoint.retention import complete_checkpoints, list_checkpoints
+from nxdt.checkpoint.state import MARKER, META
+from nxdt.config.errors import ConfigError
+
+INDEX = "model.safetensors.index.json"
+HF_WEIGHTS = ("model.safetensors", INDEX)
+
+
+def is_checkpoint_dir(path: Path) -> bool:
+    """A directory that is itself a checkpoint, whole or not (its meta, marker or DCP metadata is there)."""
+    return any((path / name).exists() for name in (META, MARKER, ".metadata"))
+
+
+def is_hf_folder(path: Path) -> bool:
+    """A transformers model folder: config.json and safetensors weights, and no nxdt checkpoint files."""
+    path = Path(path)
+    return (path.is_dir() and (path / "config.json").is_file() and any((path / w).is_file() for w in HF_WEIGHTS)
+            and not is_checkpoint_dir(path))
+
+
+def _checkpoint_dirs(folder: Path) -> list[Path]:
+    """The folders under `folder` that hold checkpoints: its checkpoints/, itself, or its runs' checkpoints/."""
+    if (folder / "checkpoints").is_dir():
+        return [folder / "checkpoints"]
+    if any(is_checkpoint_dir(p) for p in list_checkpoints(folder)):
+        return [folder]
+    return sorted(p / "checkpoints" for p in folder.iterdir() if (p / "checkpoints").is_dir())
+
+
+def resolve_checkpoint(path: Path, flag: str = "--checkpoint") -> tuple[Path, str | None]:
+    """(the checkpoint to use, a note naming it when `path` was a folder of checkpoints). A path that
+    is a checkpoint (whole or not), a transformers folder or missing is returned as it is: the
+    caller's checks say what is wrong with it. ConfigError when a folder holds no complete checkpoint."""
+    path = Path(path).expanduser()
+    if not path.is_dir() or is_checkpoint_dir(path) or is_hf_folder(path):
+        return path, None
+    folders = _checkpoint_dirs(path)
+    candidates = [p for folder in folders for p in list_checkpoints(folder) if is_checkpoint_dir(p)]
+    if not candidates:
+        raise ConfigError(f"{flag} {path}: not a checkpoint (no {META}) and no checkpoints in it (a run folder "
+                          "holds checkpoints/; a transformers folder, config.json and model.safetensors)")
+    complete = [found for folder in folders if (found := complete_checkpoints(folder, warn=False))]
+    newest = [found[-1][1] for found in complete]
+    skipped = len(candidates) - sum(len(found) for found in complete)
+    if not newest:
+        raise ConfigError(f"{flag} {path}: no complete checkpoint in it ({skipped} incomplete: saves that did not "
+                          f"finish have no {MARKER} file)")
+    chosen = max(newest, key=lambda p: (p / MARKER).stat().st_mtime)
+    note = (f"checkpoint {chosen} (the newest complete one in {path}"
+            + (f"; {skipped} incomplete skipped" if skipped else "") + ")")
+    return chosen, note
+
+
+# --------------------------------------------------------------------------- a transformers folder
+def read_hf_weights(folder: Path) -> dict[str, Any]:
+    index = folder / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as err:
+            raise ConfigError(f"{index}: not a safetensors index ({err})") from None
+        files = sorted(set(weight_map.values()))
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise ConfigError(f"{folder}: no model.safetensors or {INDEX} (only safetensors weights are read)")
+    tensors: dict[str, Any] = {}
+    for name in files:
+        try:
+            tensors.update(load_file(str(folder / name)))
+        except Exception as err:
+            raise ConfigError(f"{folder / name}: unreadable safetensors file ({err})") from None
+    return tensors
+
+
+def read_hf_folder(input_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(config.json as a dict, the tensors) of a transformers folder; a tied lm_head is
+    materialised (nxdt's model has both keys, one tensor)."""
+    config_file = input_dir / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"{config_file} is missing")
+    try:
+        hf_config = json.loads(config_file.read_text())
+    except ValueError as err:
+        raise ConfigError(f"{config_file}: not JSON ({err})") from None
+    tensors = read_hf_weights(input_dir)
+    if hf_config.get("tie_word_embeddings") and "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    return hf_config, tensors
