@@ -134,3 +134,13 @@ def test_nxdt_evaluate_bad_input(data_args, tmp_path):
     proc = _in_process([*BASE, *data_args, "trainer.devices=1", "trainer.max_epochs=0"])
     _assert_one_line_error(proc, "trainer.max_epochs=0", "no weights to evaluate", "exp_manager.resume_from_checkpoint")
 
+
+
+def test_a_hub_id_as_tokenizer_says_how_to_download(data_args, capsys):
+    """In the training process (validation stops before torch): the folder, and how to get it."""
+    from nxdt.cli import main
+
+    assert main(["train", *BASE, *data_args, "data.tokenizer.type=meta-llama/Llama-2-7b-hf"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: data.tokenizer.type: tokenizer directory not found")
+    assert "hf download meta-llama/Llama-2-7b-hf --local-dir DIR" in err and "pass the folder" in err
