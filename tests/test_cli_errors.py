@@ -144,3 +144,42 @@ def test_a_hub_id_as_tokenizer_says_how_to_download(data_args, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: data.tokenizer.type: tokenizer directory not found")
     assert "hf download meta-llama/Llama-2-7b-hf --local-dir DIR" in err and "pass the folder" in err
+
+
+def test_nxdt_train_launcher_validates_before_any_worker_starts(data_args, capsys, monkeypatch):
+    """`nxdt train --standalone --nproc-per-node N ...`: a bad key, or a layout that does not fit the
+    launch's world size, is one line and exit 2 from the launching process; torchrun never runs."""
+    import torch.distributed.run
+
+    from nxdt.cli import main
+
+    def no_launch(args):
+        raise AssertionError("workers were started")
+
+    monkeypatch.setattr(torch.distributed.run, "run", no_launch)
+    launch = ["train", "--standalone", "--nproc-per-node", "2", *BASE, *data_args]
+    assert main([*launch, "trainer.max_step=5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: unknown key 'trainer.max_step' (did you mean 'trainer.max_steps'?)"
+    assert main([*launch[:3], "3", *launch[4:], "trainer.devices=3",
+                 "distributed_strategy.tensor_model_parallel_size=2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "does not divide the world size 3" in err, err
+
+
+def test_nxdt_train_launcher_a_workers_error_is_one_line_exit_2(data_args, tmp_path):
+    """One real launch: an error only the workers find (the checkpoint to resume is incomplete) is rank 0's
+    one line and exit 2, without torchrun's ChildFailedError report (35 lines under plain torchrun)."""
+    import os
+    import subprocess
+    import sys
+
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "meta.json").write_text("{}")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "nxdt.cli", "train", "--standalone", "--nproc-per-node", "2", *BASE, *data_args,
+           f"exp_manager.resume_from_checkpoint={partial}", f"exp_manager.explicit_log_dir={tmp_path / 'log'}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    _assert_one_line_error(proc, f"checkpoint {partial} is incomplete")
+    assert "ChildFailedError" not in proc.stderr and "exitcode" not in proc.stderr, proc.stderr

@@ -33,6 +33,7 @@ from nxdt.tools.command_line import (
     sweep_keys,
     write_hydra_record,
 )
+from nxdt.tools.launch import is_launch, launch
 from nxdt.tools.next_steps import format_next_steps
 
 REPO_CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
@@ -50,19 +51,36 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print_help(argv[1] if len(argv) > 1 else None)
         return 0
+    if is_launch(argv) and _world_size_from_env() is None:  # torchrun's options first: validate, then launch
+        return launch(argv, validate_launch)
     cl = parse_command_line(argv)
     if cl.hydra_help:
         print(HYDRA_HELP)
         return 0
-    if not cl.multirun and (swept := sweep_keys(cl.overrides)):
-        raise ConfigError(f"'{swept[0]}' is a sweep: add -m (--multirun) to run every value, or quote the "
-                          "value if the comma is part of it")
+    check_sweep(cl)
     jobs = expand_sweeps(cl.overrides) if cl.multirun else [cl.overrides]
     if cl.show_cfg or cl.info:
         return show_config(cl, jobs)
     if not cl.multirun:
         return run_job(cl, cl.overrides, log_dir=cl.hydra.get("hydra.run.dir"))
     return run_sweep(cl, jobs)
+
+
+def check_sweep(cl) -> None:
+    if not cl.multirun and (swept := sweep_keys(cl.overrides)):
+        raise ConfigError(f"'{swept[0]}' is a sweep: add -m (--multirun) to run every value, or quote the "
+                          "value if the comma is part of it")
+
+
+def validate_launch(argv: list[str], world_size: int | None) -> None:
+    """The launcher's check (nxdt.tools.launch) of the workers' command line, for the launch's world size."""
+    cl = parse_command_line(argv)
+    if cl.multirun or cl.show_cfg or cl.info or cl.hydra_help:
+        raise ConfigError("-m, --cfg, --info and --hydra-help are for one process: drop torchrun's options "
+                          "(--nproc-per-node ...) to use them")
+    check_sweep(cl)
+    load_config(cl.compose_argv([*cl.overrides, *_dir_override(cl.hydra.get("hydra.run.dir"))]),
+                default_config_dir=REPO_CONF_DIR, world_size=world_size, quiet=True)
 
 
 def _dir_override(log_dir) -> list[str]:
