@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -125,6 +126,8 @@ def _distributed():
 
 
 def main(argv: list[str] | None = None) -> int:
+    # transformers' notice that its models will take `cache=` one day: nothing for the user to do
+    warnings.filterwarnings("ignore", message=r".*`past_key_values` is deprecated", category=FutureWarning)
     args = build_parser().parse_args(argv)
     check_args(args)
     prompts = read_prompts(args)
