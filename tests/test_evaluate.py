@@ -223,6 +223,31 @@ def test_a_run_folder_of_a_tensor_parallel_run_evaluates_in_one_process(trained,
         assert abs(result["splits"][split]["loss"] - r["loss"]) < TOL and result["splits"][split]["tokens"] == r["tokens"]
 
 
+def test_a_transformers_folder_starts_a_run_and_is_evaluated(trained, megatron_result, kjv_prefix, tmp_path):
+    """exp_manager.resume_from_checkpoint=HF_DIR model.weight_init_only=true (on main: "is incomplete: file
+    .../COMPLETE is missing"): the checkpoint's nxdt-to-hf export evaluates (trainer.max_epochs=0) to the
+    checkpoint's own numbers, and a run trained from it takes its first step on those weights (the loss
+    of a run started from the checkpoint itself)."""
+    from nxdt.tools.convert import nxdt_to_hf
+
+    hf = tmp_path / "hf"
+    nxdt_to_hf(trained.ckpt, hf, max_shard_bytes=10**9)
+    start = [f"data.data_prefix=[1.0,{kjv_prefix}]", "model.weight_init_only=true"]
+    argv = _train_args(tmp_path / "eval", [*start, f"exp_manager.resume_from_checkpoint={hf}", "trainer.max_epochs=0"])
+    assert _nxdt("train", *argv) == 0
+    result = json.loads((tmp_path / "hf.eval.json").read_text())
+    for split, r in megatron_result["splits"].items():
+        assert abs(result["splits"][split]["loss"] - r["loss"]) < TOL, split
+    losses = {}
+    for name, weights in (("from_hf", hf), ("from_ckpt", trained.ckpt)):
+        argv = _train_args(tmp_path / name, [*start, f"exp_manager.resume_from_checkpoint='{weights}'",
+                                              "trainer.max_steps=1", "exp_manager.create_checkpoint_callback=false"])
+        assert _nxdt("train", *argv) == 0
+        losses[name] = read_scalars(tmp_path / name)["reduced_train_loss"]
+    # the trained weights, not a fresh init (whose loss is about ln(8192) = 9.0)
+    assert losses["from_hf"] == losses["from_ckpt"] and losses["from_hf"][0] < 8.0
+
+
 def test_lora_adapter_only_checkpoint(trained):
     """The adapters from the checkpoint, the base from the run's resume_from_checkpoint: the loss the
     LoRA run validated with at its last step (same weights, same batches)."""

@@ -10,7 +10,8 @@ across runs, the latest save. Incomplete ones (no COMPLETE marker: a save that d
 skipped and counted. `nxdt generate`, `nxdt evaluate` and `nxdt convert nxdt-to-hf` call it before
 anything else, so the checkpoint used is named in one line. A transformers folder is read here
 too (`read_hf_folder`: config.json and the safetensors tensors; nothing is unpickled), for
-`nxdt convert`, `nxdt generate` and `nxdt evaluate`.
+`nxdt convert`, `nxdt generate` and `nxdt evaluate`, and loaded as a run's starting weights
+(`exp_manager.resume_from_checkpoint=HF_DIR model.weight_init_only=true`: `load_hf_folder`).
 """
 
 from __future__ import annotations
@@ -19,11 +20,16 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
 from safetensors.torch import load_file
+from torch.distributed.checkpoint import HuggingFaceStorageReader
 
+from nxdt.checkpoint.checkpointer import load_checkpoint, validate_checkpoint
 from nxdt.checkpoint.retention import complete_checkpoints, list_checkpoints
-from nxdt.checkpoint.state import MARKER, META
+from nxdt.checkpoint.state import MARKER, META, model_and_optimizer_state, set_model_and_optimizer_state, split_tensors
 from nxdt.config.errors import ConfigError
+from nxdt.models.lora import is_lora_key
 
 INDEX = "model.safetensors.index.json"
 HF_WEIGHTS = ("model.safetensors", INDEX)
@@ -110,3 +116,61 @@ def read_hf_folder(input_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     if hf_config.get("tie_word_embeddings") and "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     return hf_config, tensors
+
+
+def check_start_weights(path: Path, weights_only: bool) -> None:
+    """`exp_manager.resume_from_checkpoint` is a whole checkpoint, or a transformers folder read as the
+    starting weights (model.weight_init_only: a folder has no optimizer or trainer state)."""
+    if not is_hf_folder(path):
+        validate_checkpoint(path)
+    elif not weights_only:
+        raise ConfigError(f"exp_manager.resume_from_checkpoint: {path} is a transformers model folder (weights "
+                          "only, no optimizer or trainer state): add model.weight_init_only=true")
+
+
+def hf_tensor_names(folder: Path) -> set[str]:
+    """The tensor names of a transformers folder's safetensors files (headers only)."""
+    index = folder / INDEX
+    if index.is_file():
+        return set(json.loads(index.read_text())["weight_map"])
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        return set(f.keys())
+
+
+def load_hf_folder(strategy, path: Path) -> None:
+    """The model's weights from a transformers folder, each rank reading its shards of every tensor
+    (DCP's HuggingFaceStorageReader: tensor, pipeline and FSDP layouts alike). nxdt's models use
+    transformers' names; LoRA adapters stay fresh; a tied output layer comes with the embedding."""
+    model = strategy.lightning_module.model
+    tensors, _ = split_tensors(model_and_optimizer_state(model, [], weights_only=True))
+    names = hf_tensor_names(path)
+    request, missing = {}, []
+    for key, tensor in tensors.items():
+        fqn = key.removeprefix("model.")
+        name = fqn.replace(".base_layer.", ".")
+        if name in names:
+            request[name] = tensor
+        elif not is_lora_key(fqn) and not (name == "lm_head.weight" and "model.embed_tokens.weight" in names):
+            missing.append(name)
+    if missing:
+        raise ConfigError(f"exp_manager.resume_from_checkpoint: {path} lacks {len(missing)} of the model's tensors "
+                          f"(e.g. {missing[0]}): not the model this config builds (GPT-NeoX folders: nxdt convert "
+                          "hf-to-nxdt first)")
+    try:
+        dcp.load(request, storage_reader=HuggingFaceStorageReader(str(path)))
+    except Exception as err:
+        raise ConfigError(f"exp_manager.resume_from_checkpoint: reading {path} failed: "
+                          f"{str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}") from None
+    loaded = {f"model.{fqn}": request[fqn.replace('.base_layer.', '.')] for fqn in
+              (k.removeprefix("model.") for k in tensors) if fqn.replace(".base_layer.", ".") in request}
+    set_model_and_optimizer_state(model, [], loaded, partial=len(loaded) < len(tensors))
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+
+
+def load_start_weights(strategy, path: Path, cfg) -> None:
+    """A weights-only start (model.weight_init_only) from a checkpoint or a transformers folder."""
+    if is_hf_folder(path):
+        load_hf_folder(strategy, path)
+    else:
+        load_checkpoint(strategy, path, cfg, weights_only=True)
