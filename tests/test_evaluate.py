@@ -225,16 +225,16 @@ def test_a_run_folder_of_a_tensor_parallel_run_evaluates_in_one_process(trained,
 
 def test_a_transformers_folder_starts_a_run_and_is_evaluated(trained, megatron_result, kjv_prefix, tmp_path):
     """exp_manager.resume_from_checkpoint=HF_DIR model.weight_init_only=true (on main: "is incomplete: file
-    .../COMPLETE is missing"): the checkpoint's nxdt-to-hf export evaluates (trainer.max_epochs=0) to the
-    checkpoint's own numbers, and a run trained from it takes its first step on those weights (the loss
+    .../COMPLETE is missing"): the checkpoint's nxdt-to-hf export evaluates (`nxdt evaluate --checkpoint
+    HF_DIR --config-name NAME`, i.e. trainer.max_epochs=0 from those weights) to the checkpoint's own numbers, and a run trained from it takes its first step on those weights (the loss
     of a run started from the checkpoint itself)."""
     from nxdt.tools.convert import nxdt_to_hf
 
     hf = tmp_path / "hf"
     nxdt_to_hf(trained.ckpt, hf, max_shard_bytes=10**9)
     start = [f"data.data_prefix=[1.0,{kjv_prefix}]", "model.weight_init_only=true"]
-    argv = _train_args(tmp_path / "eval", [*start, f"exp_manager.resume_from_checkpoint={hf}", "trainer.max_epochs=0"])
-    assert _nxdt("train", *argv) == 0
+    # nxdt evaluate --checkpoint HF_DIR --config-name NAME ...: the training command line's evaluate-only mode
+    assert _nxdt("evaluate", "--checkpoint", hf, *_train_args(tmp_path / "eval", start[:1])) == 0
     result = json.loads((tmp_path / "hf.eval.json").read_text())
     for split, r in megatron_result["splits"].items():
         assert abs(result["splits"][split]["loss"] - r["loss"]) < TOL, split
