@@ -183,3 +183,20 @@ def test_nxdt_train_launcher_a_workers_error_is_one_line_exit_2(data_args, tmp_p
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
     _assert_one_line_error(proc, f"checkpoint {partial} is incomplete")
     assert "ChildFailedError" not in proc.stderr and "exitcode" not in proc.stderr, proc.stderr
+
+
+def test_a_launched_runs_resume_command_is_the_launcher(monkeypatch, tmp_path):
+    """The workers of `nxdt train --nproc-per-node 2` run `python -m nxdt.cli train`: the closing resume
+    command is `nxdt train --standalone --nproc-per-node 2 ...` (not `torchrun ... nxdt/cli.py`, which
+    would lack the command name)."""
+    import shlex
+    import sys
+
+    from nxdt.tools.launch import is_launch
+    from nxdt.tools.next_steps import format_next_steps
+
+    monkeypatch.setattr(sys, "argv", [str(REPO / "src" / "nxdt" / "cli.py"), "train", *BASE])
+    text = format_next_steps(tmp_path / "ckpt", tmp_path, BASE, 3, environ={"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"})
+    resume = shlex.split(next(line for line in text.splitlines() if line.startswith("resume"))[len("resume"):])
+    assert resume[0].endswith("nxdt") and resume[1:5] == ["train", "--standalone", "--nproc-per-node", "2"]
+    assert is_launch(resume[2:]) and resume[5:7] == BASE

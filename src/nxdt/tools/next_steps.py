@@ -31,14 +31,19 @@ def launch_prefix(environ=None) -> list[str]:
     """How this run was launched: the script, under torchrun with this node's process count."""
     environ = os.environ if environ is None else environ
     script = sys.argv[0] if sys.argv and sys.argv[0].endswith(".py") else None
+    if script is not None and Path(script).parts[-2:] == ("nxdt", "cli.py"):  # `python -m nxdt.cli train`
+        script = None
     world = int(environ.get("WORLD_SIZE", "1") or 1)
     if world <= 1:
         return [shown(sys.executable), shown(script)] if script else [_tool("nxdt"), "train"]
     nnodes = world // max(int(environ.get("LOCAL_WORLD_SIZE", world) or world), 1)
     nodes = [] if nnodes <= 1 else [f"--nnodes {nnodes}", "..."]
+    if script is None:  # nxdt train as the launcher (nxdt.tools.launch): its workers run nxdt.cli
+        return [_tool("nxdt"), "train", *(["--standalone"] if nnodes <= 1 else nodes),
+                f"--nproc-per-node {environ.get('LOCAL_WORLD_SIZE', world)}"]
     torchrun = [_tool("torchrun"), *(["--standalone"] if nnodes <= 1 else nodes),
                 f"--nproc_per_node {environ.get('LOCAL_WORLD_SIZE', world)}"]
-    return [*torchrun, *([shown(script)] if script else ["-m", "nxdt.cli", "train"])]
+    return [*torchrun, shown(script)]
 
 
 def format_next_steps(checkpoint: Path | None, log_dir: Path, argv: list[str], max_steps: int,
