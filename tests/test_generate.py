@@ -250,7 +250,8 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
 def test_a_transformers_folder_a_converted_checkpoint_and_a_run_folder_generate_alike(tmp_path, capsys):
     """Every form `--checkpoint` takes gives the tokens of the checkpoint itself: its nxdt-to-hf export
     (written with normal file modes, not safetensors' 0600), that export converted back (no config.yaml:
-    on main "has no config.yaml"), and a run folder (its newest complete checkpoint, named in a note)."""
+    on main "has no config.yaml"), and a run folder (its newest complete checkpoint, named in a note; also
+    as `nxdt convert nxdt-to-hf --input`)."""
     import os
     import shutil
     import stat
@@ -276,6 +277,11 @@ def test_a_transformers_folder_a_converted_checkpoint_and_a_run_folder_generate_
     assert len(set(outs.values())) == 1 and len(outs["hf"]) > len("And God said ")
     assert (f"note: checkpoint {checkpoints / 'tiny--step=5'} (the newest complete one in {tmp_path / 'run'}; "
             "1 incomplete skipped)") in err
+    from nxdt.cli import main  # nxdt convert nxdt-to-hf --input RUN_DIR: the same checkpoint
+
+    assert main(["convert", "nxdt-to-hf", "--input", str(tmp_path / "run"), "--output", str(tmp_path / "hf2")]) == 0
+    assert f"note: checkpoint {checkpoints / 'tiny--step=5'}" in capsys.readouterr().out
+    assert (tmp_path / "hf2" / "model.safetensors").read_bytes() == (tmp_path / "hf" / "model.safetensors").read_bytes()
 
 
 def test_right_padded_recompute_gives_the_same_tokens():
