@@ -152,15 +152,18 @@ def load_hf_folder(strategy, path: Path) -> None:
             request[name] = tensor
         elif not is_lora_key(fqn) and not (name == "lm_head.weight" and "model.embed_tokens.weight" in names):
             missing.append(name)
+    same = (f"the config must build the folder's model: model_source hf with model.model_config={path}, "
+            "model.num_layers and model.hidden_size null or the folder's")
     if missing:
         raise ConfigError(f"exp_manager.resume_from_checkpoint: {path} lacks {len(missing)} of the model's tensors "
-                          f"(e.g. {missing[0]}): not the model this config builds (GPT-NeoX folders: nxdt convert "
-                          "hf-to-nxdt first)")
+                          f"(e.g. {missing[0]}): not the model this config builds ({same}; GPT-NeoX folders into "
+                          "the native model: nxdt convert hf-to-nxdt first)")
     try:
         dcp.load(request, storage_reader=HuggingFaceStorageReader(str(path)))
     except Exception as err:
-        raise ConfigError(f"exp_manager.resume_from_checkpoint: reading {path} failed: "
-                          f"{str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}") from None
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"exp_manager.resume_from_checkpoint: reading {path} failed: {first} (another model than "
+                          f"this config's? {same})") from None
     loaded = {f"model.{fqn}": request[fqn.replace('.base_layer.', '.')] for fqn in
               (k.removeprefix("model.") for k in tensors) if fqn.replace(".base_layer.", ".") in request}
     set_model_and_optimizer_state(model, [], loaded, partial=len(loaded) < len(tensors))
