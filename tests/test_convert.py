@@ -274,3 +274,125 @@ def test_neox_20b_tanh_gelu_folder_to_nxdt_and_back(tmp_path, capsys):
     reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="sdpa").eval()
     with torch.no_grad():
         assert (reloaded(input_ids=ids).logits - want).abs().max().item() < 1e-5
+
+
+# --------------------------------------------------------------------------- Qwen3 / Qwen3-MoE
+
+def _hf_qwen3_folder(tmp_path, moe: bool):
+    """A transformers Qwen3 (tied embeddings) or Qwen3-MoE folder with random weights, written as the
+    published ones are: config.json with `num_experts`, each expert's weights apart
+    (`mlp.experts.<e>.gate_proj.weight`, transformers 4's layout), and the tokenizer."""
+    import shutil
+
+    import transformers
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=24, intermediate_size=96, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=1e6)
+    if moe:
+        config = transformers.Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40,
+                                             decoder_sparse_step=2, mlp_only_layers=[], tie_word_embeddings=False)
+    else:
+        config = transformers.Qwen3Config(**common, tie_word_embeddings=True)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.05) if p.dim() > 1 else p.copy_(1 + 0.2 * torch.randn_like(p))
+    tensors = {}
+    for name, t in model.state_dict().items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            for e, w in enumerate(t):
+                gate, up = w.chunk(2, dim=0)
+                tensors[name.replace("gate_up_proj", f"{e}.gate_proj.weight")] = gate.clone()
+                tensors[name.replace("gate_up_proj", f"{e}.up_proj.weight")] = up.clone()
+        elif name.endswith("mlp.experts.down_proj"):
+            tensors.update({name.replace("down_proj", f"{e}.down_proj.weight"): w.clone() for e, w in enumerate(t)})
+        elif not (name == "lm_head.weight" and config.tie_word_embeddings):
+            tensors[name] = t.contiguous()
+    folder = tmp_path / ("qwen3_moe_hf" if moe else "qwen3_hf")
+    folder.mkdir()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    d = config.to_dict()
+    if moe:
+        d["num_experts"] = d.pop("num_local_experts")  # the published name (transformers 4)
+    (folder / "config.json").write_text(json.dumps(d))
+    for f in TOKENIZER_DIR.iterdir():
+        shutil.copy2(f, folder / f.name)
+    return model, folder
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen3-tied", "qwen3-moe-per-expert"])
+def test_qwen3_hf_folder_to_nxdt_and_back(tmp_path, capsys, moe):
+    """hf-to-nxdt: the written model keys build the native twin (both sources load the weights) with
+    transformers' logits; nxdt-to-hf: a folder plain transformers loads, logits unchanged."""
+    from omegaconf import OmegaConf
+    from transformers import AutoModelForCausalLM
+
+    from nxdt.cli import main
+
+    original, folder = _hf_qwen3_folder(tmp_path, moe)
+    ids = torch.arange(24).reshape(2, 12) * 37 % 1000
+    with torch.no_grad():
+        want = original(input_ids=ids).logits
+    ckpt = tmp_path / "nxdt"
+    assert main(["convert", "hf-to-nxdt", "--input", str(folder), "--output", str(ckpt)]) == 0
+    assert "nxdt_model.yaml" in capsys.readouterr().out
+    keys = OmegaConf.to_container(OmegaConf.load(ckpt / "nxdt_model.yaml"))
+    m = keys["model"]
+    assert (m["qk_layernorm"], m["kv_channels"], m["share_embeddings_and_output_weights"]) == (True, 24, not moe)
+    if moe:
+        assert (m["moe"]["layers"], m["moe"]["ffn_hidden_size"], m["moe"]["num_experts"]) == ([1, 3], 40, 4)
+    data = {"tokenizer": {"library": "huggingface", "type": str(TOKENIZER_DIR)}}
+    weights = load_weights(ckpt)
+    assert set(weights) == set(original.state_dict())  # per-expert weights fused, the tied head materialised
+    hf_cfg = {"model_source": "hf", "model": {"model_config": str(folder)}}  # the published config.json
+    for source, cfg in (("megatron", {**keys, "data": data}), ("hf", hf_cfg)):
+        model = build_model(config_from_dict(cfg), vocab_size=1000).eval()
+        model.load_state_dict(weights, strict=True)
+        with torch.no_grad():
+            assert (logits_of(model(input_ids=ids)) - want).abs().max().item() < 1e-5, source
+    out = tmp_path / "back"
+    nxdt_to_hf(ckpt, out, max_shard_bytes=10**9)
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        assert (reloaded(input_ids=ids).logits - want).abs().max().item() < 1e-5
+
+
+def test_qwen3_native_checkpoint_exports_as_qwen3(tmp_path):
+    """A native checkpoint with q/k norms (model_source megatron, no HF config kept) becomes a
+    Qwen3MoeForCausalLM folder: experts in layers 1 and 3 only (mlp_only_layers 0 and 2)."""
+    from transformers import AutoModelForCausalLM
+
+    model_keys = {**TINY, "num_layers": 4, "qk_layernorm": True, "kv_channels": 24,
+                  "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 40, "layers": [1, 3]}}
+    cfg = config_from_dict({"model_source": "megatron", "model": model_keys,
+                            "data": {"tokenizer": {"library": "huggingface", "type": str(TOKENIZER_DIR)}}})
+    torch.manual_seed(0)
+    model = build_model(cfg, vocab_size=8192).eval()
+    ckpt = tmp_path / "ckpt"
+    save_weights(model.state_dict(), ckpt)
+    (ckpt / "config.yaml").write_text(to_yaml(cfg))
+    out = tmp_path / "hf"
+    nxdt_to_hf(ckpt, out, max_shard_bytes=10**9)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["model_type"], config["mlp_only_layers"], config["moe_intermediate_size"]) == ("qwen3_moe", [0, 2], 40)
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="sdpa").eval()
+    ids = torch.arange(24).reshape(2, 12) * 37 % 8192
+    with torch.no_grad():
+        assert (reloaded(input_ids=ids).logits - model(ids)).abs().max().item() < 1e-5
+
+
+def test_a_model_type_nxdt_cannot_build_is_refused_in_one_line(tmp_path, capsys):
+    """DeepSeek-V3 (or any model_type no nxdt model builds): one error line, rc 2, nothing written,
+    no weight read (the folder's safetensors file is not even valid)."""
+    from nxdt.cli import main
+
+    folder = tmp_path / "deepseek"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]}))
+    (folder / "model.safetensors").write_bytes(b"not read")
+    assert main(["convert", "hf-to-nxdt", "--input", str(folder), "--output", str(tmp_path / "c")]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "model_type 'deepseek_v3'" in errors[0] and str(folder) in errors[0]
+    assert not (tmp_path / "c").exists()

@@ -16,6 +16,7 @@ import types
 from pathlib import Path
 
 import numpy as np
+import torch
 import pytest
 from conftest import TINY_OVERRIDES, read_scalars
 from test_data_modules import fake_trainer
@@ -32,16 +33,59 @@ SETTINGS = types.SimpleNamespace(eta=1.0, smoothing=1e-4, update_interval=2, eva
 # ----------------------------------------------------------------------------- the formula and the draw
 
 
-def test_update_is_sheared_llamas_formula():
+def test_the_paper_rule_counts_only_the_excess():
     w, losses, ref = [0.5, 0.3, 0.2], [2.5, 1.0, 3.0], [2.0, 1.5, 1.0]
-    got = updated_weights(w, losses, ref, eta=0.7, smoothing=0.01)
+    got = updated_weights(w, losses, ref, eta=0.7, smoothing=0.01, rule="sheared_llama_paper")
     # by hand: excess = (0.5, 0, 2.0)
     alpha = np.array([0.5 * math.exp(0.35), 0.3, 0.2 * math.exp(1.4)])
     alpha /= alpha.sum()
     np.testing.assert_allclose(got, 0.99 * alpha + 0.01 / 3, rtol=1e-15)
     assert got.sum() == pytest.approx(1.0, abs=1e-15)
     # no domain above its reference: only the smoothing moves the weights
-    np.testing.assert_allclose(updated_weights(w, [1, 1, 1], [2, 2, 2], 1.0, 0.0), w, rtol=1e-15)
+    np.testing.assert_allclose(updated_weights(w, [1, 1, 1], [2, 2, 2], 1.0, 0.0, "sheared_llama_paper"), w, rtol=1e-15)
+    # LLaMA-MoE's rule: a domain below its reference loses weight
+    signed = updated_weights(w, losses, ref, eta=0.7, smoothing=0.01)
+    assert signed[1] < got[1] and signed.sum() == pytest.approx(1.0, abs=1e-15)
+
+
+# LLaMA-MoE's example (smoe/data/dynamic_selection.py at b17aff4, its __main__): LLaMA's blend, Llama-2-7B's
+# SlimPajama reference losses, and one round of held-out losses
+LLAMA_PORTION = {"en_cc": 0.67, "en_c4": 0.15, "github": 0.045, "en_wikipedia": 0.045, "en_book": 0.045,
+                 "en_arxiv": 0.025, "en_stack": 0.02}
+REF_LOSS = {"en_book": 1.925248146057129, "en_wikipedia": 1.5899001359939575, "en_stack": 1.4974864721298218,
+            "github": 0.6984495520591736, "en_c4": 2.074881076812744, "en_cc": 1.6916865110397339,
+            "en_arxiv": 1.2408167123794556}
+CURR_LOSS = {"en_book": 2.071, "en_wikipedia": 1.572, "en_stack": 1.491, "github": 0.705, "en_c4": 2.117,
+             "en_cc": 1.728, "en_arxiv": 1.287}
+
+
+def _llama_moe_sheared_llama(prob_map, ref_loss, curr_loss):
+    """LLaMA-MoE's update_weight_sheared_llama, as written there (torch, float32, eta 1, c 1e-4)."""
+    tasks = list(prob_map)
+    original = torch.tensor([prob_map[k] for k in tasks])
+    diff = torch.tensor([curr_loss[k] - ref_loss[k] for k in tasks])
+    alpha = torch.nn.functional.softmax(torch.log(original) + 1.0 * diff, dim=0)
+    out = ((1 - 1e-4) * alpha + 1e-4 / len(tasks)).numpy().astype("float64")
+    return out / out.sum()
+
+
+def _llama_moe_sheared_llama_paper(prob_map, ref_loss, curr_loss):
+    """LLaMA-MoE's update_weight_sheared_llama_paper (numpy, no eta, no smoothing)."""
+    tasks = list(prob_map)
+    alpha = np.array([prob_map[k] for k in tasks]) * np.exp(np.array([max(0, curr_loss[k] - ref_loss[k])
+                                                                       for k in tasks]))
+    return alpha / alpha.sum()
+
+
+def test_both_rules_equal_llama_moes_functions_on_its_example():
+    names = list(LLAMA_PORTION)
+    args = ([LLAMA_PORTION[k] for k in names], [CURR_LOSS[k] for k in names], [REF_LOSS[k] for k in names])
+    signed = updated_weights(*args, eta=1.0, smoothing=1e-4, rule="sheared_llama")
+    paper = updated_weights(*args, eta=1.0, smoothing=0.0, rule="sheared_llama_paper")
+    np.testing.assert_allclose(signed, _llama_moe_sheared_llama(LLAMA_PORTION, REF_LOSS, CURR_LOSS), atol=1e-7)
+    np.testing.assert_allclose(paper, _llama_moe_sheared_llama_paper(LLAMA_PORTION, REF_LOSS, CURR_LOSS), rtol=1e-14)
+    wiki = names.index("en_wikipedia")
+    assert (round(signed[wiki], 6), round(paper[wiki], 6)) == (0.042559, 0.043279)  # docs/data.md
 
 
 def test_domain_draw_is_per_step_and_follows_the_weights():
@@ -114,7 +158,7 @@ def test_reference_losses_from_a_list_a_mapping_or_a_file(tmp_path):
     assert reference_losses(str(tmp_path / "ref.json"), paths) == [2.25, 0.5]
     assert reference_losses(str(tmp_path / "ref.yaml"), paths) == [3.0, 0.25]
     bad = [
-        (None, "required with data.dynamic_data_selection=sheared_llama"),
+        (None, "required with data.dynamic_data_selection"),
         ([1.0], "1 losses for 2 domains"),
         ({"web_text_document": 1.0}, "no reference loss for domain 'code_text_document'"),
         ({"web": 1.0, "code_text_document": 1.0}, "unknown domain 'web'"),
@@ -261,3 +305,24 @@ def test_data_datasets_with_selection_state_round_trip(tmp_path):
     assert [[d for d, _, _ in batch] for batch in keys] == [
         resumed.selection.draw.domains(s).tolist() for s in range(2, 6)]
     assert resumed.selection.schedule.weights_at(3).tolist() == new.tolist()
+
+
+def test_prob_map_presets_weigh_the_domains_by_name():
+    """LLaMA-MoE's --prob_map presets (data.prob_map) and its reference losses (llama2_7b_slimpajama), matched
+    to the datasets by SlimPajama domain: a folder named after it, or Megatron's <domain>_text_document."""
+    from nxdt.spec.data import data_blend, reference_losses
+
+    def data(**extra):
+        return config_from_dict({"data": {"datasets": ["/d/en_cc", "/d/github_text_document", "/d/en_book"],
+                                          **extra}}).data
+
+    blend = data_blend(data(prob_map="sheared_llama"))
+    assert blend.blend == ((0.361, "/d/en_cc"), (0.008, "/d/github_text_document"), (0.091, "/d/en_book"))
+    assert [w for w, _ in data_blend(data(prob_map="llama")).blend] == [0.67, 0.045, 0.045]
+    assert reference_losses("llama2_7b_slimpajama", ["/d/en_cc", "/d/github_text_document", "/d/en_book"]) == [
+        REF_LOSS["en_cc"], REF_LOSS["github"], REF_LOSS["en_book"]]
+    with pytest.raises(ConfigError, match="data.prob_map llama: dataset 'web' is not a SlimPajama domain"):
+        data_blend(config_from_dict({"data": {"datasets": ["/d/en_cc", "/d/web"], "prob_map": "llama"}}).data)
+    with pytest.raises(ConfigError, match=r"data.prob_map \(uniform\) sets the blend's weights: remove data.weights"):
+        data_blend(config_from_dict({"data": {"datasets": ["/d/en_cc", "/d/github"], "weights": [1, 2],
+                                              "prob_map": "uniform"}}).data)

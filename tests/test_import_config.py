@@ -16,6 +16,7 @@ from conftest import REPO
 
 from nxdt.cli import main as cli
 from nxdt.spec import load_config
+from nxdt.tools.neox_mapping import NeoxMapper
 from nxdt.tools.plan import main as plan_main
 
 CONF = REPO / "conf"
@@ -156,12 +157,12 @@ def test_gelu_is_exact_unless_neox_fuses_it(tmp_path, capsys, extra, activation)
 
 
 def test_keys_not_mapped_are_listed_once_in_the_output_and_printed(tmp_path, capsys):
-    _, text, stdout = _tiny(tmp_path, capsys, {"frobnicate-level": 3, "attention-config": [[["local"], 2]]})
+    _, text, stdout = _tiny(tmp_path, capsys, {"frobnicate-level": 3, "z-loss": 0.1})
     assert text.count("NeoX keys not mapped:") == 1
     block = text[text.index("NeoX keys not mapped:"):]
     for line in ("#   unknown      frobnicate-level = 3: not a GPT-NeoX key import-config knows",
                  "#   inert        distributed-backend = nccl: ",
-                 "#   not mapped   attention-config = [[[\"local\"], 2]]: "):
+                 "#   not mapped   z-loss = 0.1: nxdt has no z-loss"):
         assert line in block
         assert line[2:] in stdout  # the same lines, printed
     assert "NeoX keys not mapped: 3" in stdout
@@ -270,3 +271,86 @@ def test_cli_is_torch_free(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert out.is_file()
+
+
+# --------------------------------------------------------------------------- never another model
+NEOX_CONFIGS = REPO / "tests" / "neox_configs"  # NeoX's own files, unchanged (EleutherAI/gpt-neox ea7aefd8 configs/)
+NEOX_ARGUMENTS = REPO / "tests" / "neox_arguments.json"  # every NeoXArgs field with its default, same commit
+
+
+@pytest.mark.parametrize("files, refused", [
+    (["mamba-130M.yml"], ["'activation' (in mamba-130M.yml) = silu: nxdt builds gelu and swiglu MLPs",
+                          "'attention_config' (in mamba-130M.yml) = [[[\"mamba\"], 24]]: mamba: NeoX builds Mamba "
+                          "(selective state-space) layers in 24 of 24 layers"]),
+    (["rwkv_170M.yml"], ["'activation' (in rwkv_170M.yml) = silu: nxdt builds gelu and swiglu MLPs",
+                         "'attention_config' (in rwkv_170M.yml) = [[[\"rwkv\"], 12]]: rwkv: NeoX builds RWKV layers in "
+                         "12 of 12 layers"]),
+    (["gmlp_small.yml"], ["'attention_config' (in gmlp_small.yml) = [[[\"gmlp\"], \"all\"]]: gmlp: NeoX builds gMLP "
+                          "blocks in 12 of 12 layers"]),  # "all" is NeoX's: every layer
+    (["125M.yml", "sparse.yml"], ["'attention_config' (in sparse.yml) = [[[\"local\", \"global\"], \"all\"]]: local: "
+                                  "NeoX builds local (windowed) attention in 6 of 12 layers"]),
+    (["125M-dmoe.yml"], ["'moe_num_experts' (in 125M-dmoe.yml) = 8: NeoX's dropless MoE (megablocks) has experts of "
+                         "two matrices"]),
+    (["llama2_7B.yml"], ["'use_bias_in_attn_linear' (in llama2_7B.yml) = False: with use-bias-in-mlp true (NeoX "
+                         "default): NeoX puts biases in only one of attention and MLP"]),
+    (["mistral_7B.yml"], ["'intermediate_size' (in mistral_7B.yml) = 14336: NeoX's gated MLP (megatron/model/"
+                          "transformer.py ParallelMLP) gets a gate+up projection of 9558 rows (4779 each) and a down "
+                          "projection of 4778 inputs, which do not fit",
+                          "'use_bias_in_attn_linear' (in mistral_7B.yml) = False"]),
+])
+def test_neox_files_of_models_nxdt_cannot_build_are_refused(tmp_path, capsys, monkeypatch, files, refused):
+    """NeoX's own files: every model setting nxdt cannot build is named, all in one error, exit 2, nothing
+    written (before: Mamba / RWKV became transformers, the MoE a dense model, gMLP failed on "all")."""
+    monkeypatch.chdir(NEOX_CONFIGS)
+    out = tmp_path / "out.yaml"
+    rc, _, err = _import(capsys, *files, "local_setup.yml", "--output", out)
+    lines = err.splitlines()
+    assert rc == 2 and not out.exists()
+    assert lines[0] == f"error: nxdt cannot build the model these NeoX files describe ({len(refused)} setting(s)); " \
+                       f"nothing written:"
+    assert len(lines) == 1 + len(refused)
+    for line, want in zip(lines[1:], refused):
+        assert line.startswith(f"  neox key {want}"), line
+
+
+def test_every_model_setting_nxdt_lacks_is_refused_together(tmp_path, capsys):
+    src = _write(tmp_path / "m.yml", {**TINY, "use-qk-layernorm": True, "num-unique-layers": 1, "norm": "scalenorm",
+                                      "pos-emb": "alibi", "activation": "geglu", "use-bias-in-norms": False})
+    out = tmp_path / "m.yaml"
+    rc, _, err = _import(capsys, src, "--output", out)
+    keys = [line.split("'")[1] for line in err.splitlines()[1:]]
+    assert rc == 2 and not out.exists()
+    assert keys == ["norm", "pos-emb", "activation", "use-qk-layernorm", "num-unique-layers"]  # scalenorm: no bias check
+
+
+def test_attention_patterns_and_model_only_files(tmp_path, capsys):
+    """[[types, "all"]] fills every layer; flash in some layers is the same attention (inert); a model-only
+    file (no batch, no train-iters, as NeoX's llama2 / mistral files) takes nxdt's defaults, said once."""
+    cfg, text, stdout = _tiny(tmp_path, capsys, {"attention-config": [[["global", "flash"], "all"]]})
+    assert "inert        attention-config" in stdout and not cfg.model.fusions.flash_attention
+    flat = _tiny(tmp_path, capsys, {"attention-config": ["flash", "flash"]}, name="flat")[0]
+    assert flat.model.fusions.flash_attention
+    model_only = {k: v for k, v in TINY.items() if k not in ("train-iters", "train_micro_batch_size_per_gpu")}
+    src = _write(tmp_path / "model_only.yml", model_only)
+    rc, _, err = _import(capsys, src, "--output", tmp_path / "model_only.yaml")
+    assert rc == 0, err
+    notices = [line for line in err.splitlines() if "a model-only file" in line]
+    assert len(notices) == 1 and "train_micro_batch_size_per_gpu / train_batch_size, train-iters" in notices[0]
+    cfg = _load(tmp_path / "model_only.yaml")
+    assert (cfg.trainer.max_steps, cfg.data.micro_batch_size, cfg.data.global_batch_size) == (1000, 1, 1)
+
+
+def test_every_neox_argument_is_classified():
+    """NeoX's own argument list (its NeoXArgs dataclasses), each at NeoX's default: the importer knows every
+    one (mapped, inert or not mapped: none 'unknown'), and NeoX's defaults ask for nothing it refuses."""
+    fields = {k: v for cls, d in json.loads(NEOX_ARGUMENTS.read_text()).items() if not cls.startswith("_")
+              for k, v in d.items()}
+    assert len(fields) == 318  # 320 fields, two declared in two classes
+    merged = {k: v for k, v in fields.items() if v is not None}
+    merged.update({"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 128})
+    out = NeoxMapper(merged, {}).run()
+    assert [key for cat, key, _v, _w in out.listed if cat == "unknown"] == []
+    assert [key for cat, key, _v, _w in out.listed if cat == "not mapped"] == []  # defaults: all off
+    listed = {key.replace("-", "_") for _c, key, _v, _w in out.listed}
+    assert {"te_fp8_format", "mamba_inner_func_fusion", "override_lr_scheduler", "te_mha",
+            "temperature", "use_qk_layernorm", "moe_top_k"} <= listed

@@ -429,3 +429,104 @@ def test_backward_reaches_every_parameter():
     model(ids).float().logsumexp(-1).mean().backward()
     missing = [n for n, p in model.named_parameters() if p.grad is None or not torch.any(p.grad != 0)]
     assert not missing
+
+
+# --------------------------------------------------------------------------- Qwen3 and Qwen3-MoE
+
+QWEN3 = dict(vocab_size=97, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=24, intermediate_size=96, max_position_embeddings=128, rms_norm_eps=1e-6, rope_theta=1e6)
+
+
+def _qwen3_pair(moe: dict | None = None, **kw):
+    """A transformers Qwen3 (or Qwen3-MoE with `moe`) with random weights and norm weights away from 1,
+    and the native model built from the keys nxdt reads off its config.json (schema → builder),
+    loaded with its state dict: no renaming."""
+    from nxdt.models.qwen3 import qwen3_model_keys
+
+    torch.manual_seed(0)
+    if moe is None:
+        config = transformers.Qwen3Config(**{**QWEN3, **kw})
+    else:
+        config = transformers.Qwen3MoeConfig(**{**QWEN3, **moe, **kw})
+    config.use_cache = False
+    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.05) if p.dim() > 1 else p.copy_(1 + 0.2 * torch.randn_like(p))
+    keys = qwen3_model_keys(config.to_dict())
+    model = build_model(config_from_dict({"model_source": "megatron", "model": keys}), device="meta")
+    model = init_model_weights(model, device="cpu").eval()
+    assert set(model.state_dict()) == set(hf.state_dict())  # the MoE block lists router and experts in another order
+    model.load_state_dict(hf.state_dict(), strict=True)
+    return model, hf
+
+
+QWEN3_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40, norm_topk_prob=True,
+                 decoder_sparse_step=1, mlp_only_layers=[])
+
+
+@pytest.mark.parametrize("moe,kw", [
+    pytest.param(None, {}, id="qwen3"),
+    pytest.param(None, {"tie_word_embeddings": True}, id="qwen3-tied"),
+    pytest.param(QWEN3_MOE, {}, id="qwen3-moe"),
+    # MoE in layers 1 and 3 of 4 but layer 3 dense (decoder_sparse_step 2, mlp_only_layers [3]); top-k unnormalised
+    pytest.param({**QWEN3_MOE, "decoder_sparse_step": 2, "mlp_only_layers": [3], "norm_topk_prob": False}, {},
+                 id="qwen3-moe-sparse-step"),
+])
+def test_qwen3_logits_match_transformers(moe, kw):
+    model, hf = _qwen3_pair(moe, **kw)
+    a = model.args
+    assert a.qk_layernorm and a.head_dim == 24 != a.hidden_size // a.num_attention_heads
+    if moe is not None:
+        want = [i for i in range(4) if (i + 1) % moe["decoder_sparse_step"] == 0 and i not in moe["mlp_only_layers"]]
+        assert [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")] == want
+        assert a.moe.normalize_top_k_affinities is moe["norm_topk_prob"]
+        assert model.model.layers[want[0]].mlp.experts.down_proj.shape == (4, 64, 40)
+    ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(24)[None].expand(2, 24) + 50
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), logits_of(hf(input_ids=ids)), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(model(ids, pos), logits_of(hf(input_ids=ids, position_ids=pos)), atol=1e-5, rtol=1e-5)
+    # and back: the exported config.json is transformers' own model again
+    exported = hf_config_dict(a)
+    assert exported["model_type"] == hf.config.model_type and exported["head_dim"] == 24
+    config = type(hf.config)(**exported)
+    again = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    again.load_state_dict(model.state_dict(), strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), logits_of(again(input_ids=ids)), atol=1e-5, rtol=1e-5)
+
+
+def test_qwen3_published_counts_native_equals_transformers_on_meta():
+    """Qwen3-8B and Qwen3-30B-A3B (conf/model_configs, the published config.json): the native model
+    built from the keys nxdt reads off them counts exactly what transformers' model counts, and the
+    published totals (30B-A3B: 3.35 B activated per token)."""
+    from nxdt.models.param_count import parameter_counts
+    from nxdt.models.qwen3 import qwen3_model_keys
+
+    for name, total, activated in (("qwen3_8B", 8_190_735_360, 8_190_735_360),
+                                   ("qwen3_30B_A3B", 30_532_122_624, 3_353_032_704)):
+        hf = build_model(config_from_dict({"model_source": "hf", "model": {"model_config": f"model_configs/{name}"}}),
+                         device="meta")
+        keys = qwen3_model_keys(json.loads((REPO / f"conf/model_configs/{name}/config.json").read_text()))
+        ours = build_model(config_from_dict({"model_source": "megatron", "model": keys}), device="meta")
+        for model in (hf, ours):
+            counts = parameter_counts(model)
+            assert (counts.total, counts.activated) == (total, activated), name
+        assert set(ours.state_dict()) == set(hf.state_dict())
+
+
+def test_qwen3_keys_refused_where_they_mean_nothing():
+    from nxdt.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="model.qk_layernorm"):
+        config_from_dict({"model_source": "hf", "model": {"model_config": "model_configs/qwen3_8B", "qk_layernorm": True}},
+                         check=True, check_paths=False)
+    moe = {"num_experts": 4, "top_k": 2, "layers": [1, 4]}
+    with pytest.raises(ConfigError, match=r"model.moe.layers \[1, 4\]"):
+        config_from_dict({"model_source": "megatron", "model": {**TINY, "moe": moe, "encoder_seq_length": 128}},
+                         check=True, check_paths=False)
+    with pytest.raises(ValueError, match="moe_layers"):
+        tiny(moe_layers=(0,))  # no MoE
+    with pytest.raises(ValueError, match="Qwen3Config cannot express: has_bias=true"):
+        hf_config_dict(tiny(qk_layernorm=True, has_bias=True))

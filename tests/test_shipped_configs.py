@@ -49,6 +49,14 @@ EXPECTED = {
     "neox_pythia_1.4B_config": (None, 1_414_647_808),
     "neox_20B_config": (None, 20_554_567_680),
     "tiny_neox_cpu": (8192, 7_353_856),
+    # Qwen3 (the published config.json; tests/test_models.py counts the native twin the same): 8.19 B, and
+    # Qwen3-30B-A3B's 30.5 B, 3.35 B activated per token (test_qwen3_moe_activated_parameters)
+    "hf_qwen3_8B_config": (None, 8_190_735_360),
+    "hf_qwen3_30B_A3B_config": (None, 30_532_122_624),
+    # tiny Qwen3: embeddings 8192 x 256 (tied); per layer q 256 x 512, k and v 256 x 256, o 512 x 256,
+    # q/k norms 2 x 64, MLP 3 x 256 x 704, norms 2 x 256; final norm 256 (test_tiny_qwen3_counts)
+    "tiny_qwen3_cpu": (8192, 5_835_520),
+    "tiny_qwen3_moe_cpu": (8192, 7_639_808),
 }
 
 
@@ -97,3 +105,28 @@ def test_shipped_config_builds_its_model_on_meta(name):
     if expected is not None:
         assert n == expected
     assert len(model.model.layers) == (cfg.model.num_layers or model.config.num_hidden_layers)
+
+
+def test_tiny_qwen3_counts():
+    """tiny_qwen3_cpu by hand (tied embeddings, head_dim 64 of its own, q/k norms), and tiny_qwen3_moe_cpu:
+    untied, layers 1 and 3 with 4 experts of 128 and a router instead of the dense MLP."""
+    h, heads, kv, d, f, vocab = 256, 8, 4, 64, 704, 8192
+    attention = h * heads * d + 2 * h * kv * d + heads * d * h + 2 * d
+    dense = attention + 3 * h * f + 2 * h
+    assert EXPECTED["tiny_qwen3_cpu"][1] == vocab * h + 4 * dense + h
+    moe = attention + 4 * 3 * h * 128 + 4 * h + 2 * h
+    assert EXPECTED["tiny_qwen3_moe_cpu"][1] == 2 * vocab * h + 2 * dense + 2 * moe + h
+
+
+def test_qwen3_moe_activated_parameters():
+    """nxdt plan's activated count of hf_qwen3_30B_A3B_config: 8 of 128 experts per token, on transformers'
+    model on the meta device (the planner's count)."""
+    from nxdt.models.param_count import parameter_counts
+
+    cfg = load_config(["--config-name", "hf_qwen3_30B_A3B_config"], default_config_dir=CONF, check_paths=False,
+                      quiet=True)
+    model = build_model(cfg, device="meta")
+    c = parameter_counts(model)
+    assert (c.total, c.activated, c.num_experts, c.top_k) == (30_532_122_624, 3_353_032_704, 128, 8)
+    assert c.experts == 48 * 128 * 3 * 2048 * 768 and c.router == 48 * 128 * 2048
+    assert model.model.layers[0].self_attn.head_dim == 128  # Qwen3's own, not hidden / heads (64)

@@ -15,7 +15,7 @@ import time
 COMMANDS = {
     "train": ("nxdt.tools.train", "train from an NxDT-shaped YAML (same arguments as examples/train.py)"),
     "preprocess": ("nxdt.tools.preprocess", "tokenize jsonl/json/text into Megatron .bin/.idx files"),
-    "convert": ("nxdt.tools.convert", "hf-to-nxdt / nxdt-to-hf: convert checkpoints (safetensors, DCP)"),
+    "convert": ("nxdt.tools.convert", "hf-to-nxdt / nxdt-to-hf / nxd-to-nxdt: convert checkpoints (safetensors, DCP, NxDT's)"),
     "moe-split": ("nxdt.tools.moe_split", "experts from a dense Llama checkpoint (LLaMA-MoE's expert split)"),
     "plan": ("nxdt.tools.plan", "parameters, memory per rank and tokens per step of a config, without training"),
     "import-config": ("nxdt.tools.import_config", "an nxdt YAML from GPT-NeoX config files (neox FILE.yml ... --output)"),

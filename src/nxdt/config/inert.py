@@ -266,7 +266,7 @@ INERT: list[tuple[str, Inert]] = [
            lambda c: c.data.tokenizer.library == "sentencepiece"),
     ("data.tokenizer.use_fast", Inert("only data.tokenizer.library huggingface reads it",
                                       unless=lambda c: c.data.tokenizer.library == "huggingface")),
-    *_gate(_section_keys("data.dynamic_selection."), "only data.dynamic_data_selection=sheared_llama reads it",
+    *_gate(_section_keys("data.dynamic_selection."), "only data.dynamic_data_selection sheared_llama / sheared_llama_paper reads it",
            lambda c: c.data.dynamic_data_selection != "none"),
     *_gate(["data.data_path", "data.col_name", "data.sep_token", "data.bos_token"],
            "only data.datasets reads it (data_path: its folder; the others: its arrow / parquet shards)",

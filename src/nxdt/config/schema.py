@@ -270,11 +270,13 @@ class DistributedStrategyConfig:
 class DynamicSelectionConfig:
     reference_losses: Optional[Union[List[float], Dict[str, float], str]] = doc(
         None, "per-domain reference loss: a list in blend order, a {domain: loss} mapping (domain = the "
-              "dataset's path or its last folder/file name) or a JSON/YAML file holding either")
+              "dataset's path or its last folder/file name), a JSON/YAML file holding either, or "
+              "llama2_7b_slimpajama (LLaMA-MoE's: Llama-2-7B's SlimPajama losses by domain)")
     update_interval: int = doc(100, "steps between two weight updates (each evaluates every domain)", ge=1)
     eval_batches: int = doc(1, "held-out global batches per domain at each update (from the domain's "
                                "validation range of data.splits_string)", ge=1)
-    eta: float = doc(1.0, "step size: weights <- weights x exp(eta x max(loss - reference, 0)), normalized", gt=0)
+    eta: float = doc(1.0, "step size: weights <- weights x exp(eta x (loss - reference)), normalized (the _paper "
+                          "rule: max(loss - reference, 0))", gt=0)
     smoothing: float = doc(1e-4, "then mixed with uniform: (1 - c) x weights + c / domains (Sheared-LLaMA's c)",
                            ge=0, lt=1)
 
@@ -332,10 +334,16 @@ class DataConfig:
               "end-of-document id", ge=0)
     bos_token: Optional[int] = doc(None, "fms-fsdp: token put before every document of arrow / parquet shards; "
                                          "null = none", ge=0)
-    dynamic_data_selection: Literal["none", "sheared_llama"] = doc(
-        "none", "LLaMA-MoE: sheared_llama moves the blend's weights toward the domains whose held-out loss is "
-                "furthest above its reference (Sheared-LLaMA's dynamic batch loading); none = static weights")
+    dynamic_data_selection: Literal["none", "sheared_llama", "sheared_llama_paper"] = doc(
+        "none", "LLaMA-MoE: move the blend's weights by each domain's held-out loss against its reference "
+                "(Sheared-LLaMA's dynamic batch loading): sheared_llama = LLaMA-MoE's rule (the signed "
+                "difference), sheared_llama_paper = the paper's (only the excess above the reference); "
+                "none = static weights")
     dynamic_selection: DynamicSelectionConfig = doc(DynamicSelectionConfig, "dynamic_data_selection's settings")
+    prob_map: Optional[Literal["llama", "sheared_llama", "uniform"]] = doc(
+        None, "LLaMA-MoE's blend presets: the weights of the datasets by SlimPajama domain (each dataset named "
+              "after its domain: en_cc, en_c4, github, en_wikipedia, en_book, en_arxiv, en_stack); llama = LLaMA's "
+              "portions, sheared_llama = Sheared-LLaMA's, uniform; null = data.weights / data_prefix's")
     custom: Dict[str, Any] = doc(
         {}, "not a YAML key: the data.* keys nxdt does not know, read by the custom data.data_module", internal=True)
 
@@ -362,6 +370,12 @@ class FusionsConfig:
 class MoEConfig:
     num_experts: int = doc(0, "experts per MoE layer; 0 = dense model", ge=0)
     frequency: int = doc(1, "layer i is an MoE layer when i % frequency == 0 (1 = every layer)", ge=1)
+    layers: Optional[List[int]] = doc(
+        None, "the MoE layers by index (0-based), the others keep the dense MLP: Qwen3-MoE's layers "
+              "(i + 1) % decoder_sparse_step == 0 not in mlp_only_layers; null = by frequency")
+    ffn_hidden_size: Optional[int] = doc(
+        None, "each expert's width (Megatron's moe_ffn_hidden_size, transformers' moe_intermediate_size); "
+              "null = model.ffn_hidden_size (Mixtral), which the dense layers keep", ge=1)
     dropout: float = doc(0.0, "dropout in the MoE layer", ge=0, lt=1)
     capacity_factor: Optional[float] = doc(None, "expert capacity factor; null = no token dropping (0 with dropless)", ge=0)
     dropless: bool = doc(False, "dropless (blockwise) expert computation")
@@ -399,7 +413,9 @@ class ModelConfig:
     ffn_hidden_size: Optional[int] = doc(None, "MLP intermediate size", ge=1)
     num_attention_heads: Optional[int] = doc(None, "query heads", ge=1)
     num_kv_heads: Optional[int] = doc(None, "key/value heads (GQA); null = num_attention_heads", ge=1)
-    kv_channels: Optional[int] = doc(None, "head dimension; null = hidden_size / num_attention_heads", ge=1)
+    kv_channels: Optional[int] = doc(None, "head dimension (transformers' head_dim); null = hidden_size / num_attention_heads", ge=1)
+    qk_layernorm: bool = doc(False, "a norm (model.normalization) over each head's queries and keys before rotary: "
+                                    "Qwen3's self_attn.q_norm / k_norm (Megatron's qk_layernorm)")
     vocab_size: Optional[int] = doc(None, "vocabulary size; null = from the tokenizer (padded, see make_vocab_size_divisible_by)", ge=1)
     make_vocab_size_divisible_by: int = doc(8, "pad the vocabulary to a multiple of this x tp", ge=1)
     init_method_std: float = doc(0.02, "std of the normal weight init", ge=0)

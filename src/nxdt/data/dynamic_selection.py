@@ -1,12 +1,18 @@
-"""Dynamic data selection (`data.dynamic_data_selection: sheared_llama`): the weight update, the
-schedule of weights over steps, and the domains of every global batch.
+"""Dynamic data selection (`data.dynamic_data_selection`): the weight update, the schedule of
+weights over steps, and the domains of every global batch.
 
-The update (Sheared-LLaMA's dynamic batch loading, as LLaMA-MoE runs it), every
-`data.dynamic_selection.update_interval` steps, from each domain's held-out loss:
+Two updates, every `data.dynamic_selection.update_interval` steps, from each domain's held-out loss
+(Sheared-LLaMA's dynamic batch loading, arXiv 2310.06694; LLaMA-MoE's smoe/data/dynamic_selection.py):
 
-    excess_i  = max(loss_i - reference_i, 0)
-    alpha_i   = weights_i * exp(eta * excess_i) / sum_j weights_j * exp(eta * excess_j)
-    weights_i = (1 - c) * alpha_i + c / K                  (c = smoothing, K domains)
+    sheared_llama        LLaMA-MoE's update_weight_sheared_llama, the signed difference: a domain below
+                         its reference loses weight
+                             alpha_i = softmax_i(log weights_i + eta * (loss_i - reference_i))
+    sheared_llama_paper  the paper's rule (LLaMA-MoE's update_weight_sheared_llama_paper), the excess
+                         clipped at 0: only the domains above their reference gain
+                             alpha_i = weights_i * exp(eta * max(loss_i - reference_i, 0)) / sum_j (...)
+
+then, for both, weights_i = (1 - c) * alpha_i + c / K (c = smoothing, K domains; LLaMA-MoE smooths its
+sheared_llama with 1e-4 and not its _paper one: smoothing 0 there).
 
 Which domain each sample of global step s comes from is drawn, for the whole global batch, from
 the weights in force at step s with a generator seeded by (seed, s): counter-based, so the draw
@@ -29,11 +35,21 @@ import numpy as np
 from nxdt.config.errors import ConfigError
 
 
-def updated_weights(weights, losses, reference, eta: float, smoothing: float) -> np.ndarray:
-    """The next weights (module docstring), float64, summing to 1."""
+RULES = ("sheared_llama", "sheared_llama_paper")
+
+
+def updated_weights(weights, losses, reference, eta: float, smoothing: float,
+                    rule: str = "sheared_llama") -> np.ndarray:
+    """The next weights by `rule` (module docstring), float64, summing to 1."""
     w = np.asarray(weights, dtype=np.float64)
-    excess = np.maximum(np.asarray(losses, dtype=np.float64) - np.asarray(reference, dtype=np.float64), 0.0)
-    alpha = w * np.exp(eta * excess)
+    diff = np.asarray(losses, dtype=np.float64) - np.asarray(reference, dtype=np.float64)
+    if rule == "sheared_llama":
+        logits = np.log(w) + eta * diff
+        alpha = np.exp(logits - logits.max())  # softmax, shifted: the same weights, no overflow
+    elif rule == "sheared_llama_paper":
+        alpha = w * np.exp(eta * np.maximum(diff, 0.0))
+    else:
+        raise ValueError(f"dynamic selection rule must be one of {RULES}, got {rule!r}")
     alpha /= alpha.sum()
     out = (1.0 - smoothing) * alpha + smoothing / len(w)
     return out / out.sum()
@@ -98,8 +114,8 @@ class DomainSelection:
     losses, the weight schedule and the last held-out losses. Checkpointed by the data module."""
 
     def __init__(self, names: list[str], reference: list[float], settings, weights, seed: int,
-                 global_batch_size: int) -> None:
-        self.names, self.reference = list(names), np.asarray(reference, dtype=np.float64)
+                 global_batch_size: int, rule: str = "sheared_llama") -> None:
+        self.names, self.reference, self.rule = list(names), np.asarray(reference, dtype=np.float64), rule
         self.eta, self.smoothing = float(settings.eta), float(settings.smoothing)
         self.update_interval, self.eval_batches = int(settings.update_interval), int(settings.eval_batches)
         self.schedule = WeightSchedule(weights)
@@ -113,7 +129,8 @@ class DomainSelection:
     def update(self, losses, first_step: int) -> np.ndarray:
         """New weights from the domains' held-out `losses`, in force from global step `first_step`."""
         self.losses = np.asarray(losses, dtype=np.float64)
-        weights = updated_weights(self.schedule.latest, self.losses, self.reference, self.eta, self.smoothing)
+        weights = updated_weights(self.schedule.latest, self.losses, self.reference, self.eta, self.smoothing,
+                                  self.rule)
         self.schedule.add(first_step, weights)
         return weights
 

@@ -221,7 +221,7 @@ class LogicalShardDataModule(MegatronDataModule):
         if data.dynamic_data_selection != "none":
             self.selection = DomainSelection(
                 domain_names(self.names), reference_losses(data.dynamic_selection.reference_losses, self.names),
-                data.dynamic_selection, self.weights, self.seed, self.global_batch_size)
+                data.dynamic_selection, self.weights, self.seed, self.global_batch_size, rule=data.dynamic_data_selection)
 
     def data_blend(self) -> DataBlend:
         return self.blend

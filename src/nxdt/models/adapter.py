@@ -16,7 +16,8 @@ never the model's source:
     recompute_aliases  NxDT module names -> this source's classes (activation checkpointing)
     generation_decoder / init_weights
 
-native: nxdt's own Llama (nxdt.models.llama); hf: a transformers causal LM (Llama, Mixtral, GPT-NeoX).
+native: nxdt's own Llama (nxdt.models.llama; Qwen3 too); hf: a transformers causal LM (Llama, Mixtral,
+GPT-NeoX, Qwen3, Qwen3-MoE).
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from torch import nn
 
 from nxdt.models.kv_cache import KVCache
 from nxdt.models.llama import NxdtLlamaForCausalLM
+
+# transformers' Qwen3 attentions: Llama's with q/k norms, the same attention-function seam
+QWEN3_ATTENTIONS = ("Qwen3Attention", "Qwen3MoeAttention")
 
 
 class ModelAdapter:
@@ -38,6 +42,8 @@ class ModelAdapter:
     lm_head = "lm_head"
     block_extra_args = 0
     attention_kwarg: str | None = None
+    head_axis = 1
+    """The heads axis of q and k where per-head norms (Qwen3's q_norm / k_norm) see them."""
     recompute_aliases: dict[str, tuple[str, ...]] = {}
 
     def __deepcopy__(self, memo) -> ModelAdapter:  # one stateless adapter per source: copies of a model share it
@@ -127,8 +133,9 @@ class HFAdapter(ModelAdapter):
 
     name = "hf"
     attention_kwarg = "hidden_states"
-    recompute_aliases = {"CoreAttention": ("LlamaAttention", "MixtralAttention", "GPTNeoXAttention"),
-                         "LlamaMLP": ("GPTNeoXMLP",)}
+    head_axis = 2  # transformers' Qwen3 norms q and k as [B, S, heads, head_dim]
+    recompute_aliases = {"CoreAttention": ("LlamaAttention", "MixtralAttention", "GPTNeoXAttention", *QWEN3_ATTENTIONS),
+                         "LlamaMLP": ("GPTNeoXMLP", "Qwen3MLP", "Qwen3MoeMLP")}
 
     def heads(self, model: nn.Module) -> tuple[int, int]:
         c = model.config
@@ -147,7 +154,7 @@ class HFAdapter(ModelAdapter):
     def set_attention(self, model: nn.Module, sdpa) -> bool:
         config = getattr(model, "config", None)
         attns = [m for m in model.modules()
-                 if type(m).__name__ == "LlamaAttention" and hasattr(m, "num_key_value_groups")]
+                 if type(m).__name__ in ("LlamaAttention", *QWEN3_ATTENTIONS) and hasattr(m, "num_key_value_groups")]
         if config is None or not attns:
             return False
         from transformers import AttentionInterface  # noqa: PLC0415 - transformers loads only for an hf model

@@ -87,6 +87,9 @@ def llama_args_from_cfg(cfg: Any, vocab_size: int | None = None) -> LlamaArgs:
         transformer_block_type=m.transformer_block_type,
         gpt_j_tied=m.gpt_j_tied,
         moe=moe_args_from_cfg(m.moe),
+        moe_ffn_hidden_size=m.moe.ffn_hidden_size if m.moe.num_experts else None,
+        moe_layers=tuple(m.moe.layers) if m.moe.num_experts and m.moe.layers is not None else None,
+        qk_layernorm=m.qk_layernorm,
     )
 
 

@@ -1,9 +1,11 @@
 """The transformers config.json equivalent to a native model's `LlamaArgs`, for `nxdt convert nxdt-to-hf`.
 
-Three families cover what the native model builds and transformers can load unchanged:
+Four families cover what the native model builds and transformers can load unchanged:
 
 - `LlamaForCausalLM`: RMSNorm, SwiGLU, pre_ln blocks, full rotary (the native model's defaults);
 - `MixtralForCausalLM`: the same with Mixtral-style MoE layers;
+- `Qwen3ForCausalLM` / `Qwen3MoeForCausalLM`: the same with q/k norms (`qk_layernorm`), and for
+  Qwen3-MoE experts of their own width in the MoE layers (the others dense, `mlp_only_layers`);
 - `GPTNeoXForCausalLM` (GPT-NeoX, Pythia): LayerNorm, GELU (exact: hidden_act gelu; gelu_tanh:
   gelu_pytorch_tanh), biases, partial rotary, untied embeddings, and either parallel residual
   with two input norms (native `gpt_j` with `gpt_j_tied: false` = transformers'
@@ -30,9 +32,18 @@ _MIXTRAL_MOE = {"frequency": 1, "routing_algorithm": "top_k", "router_activation
 def hf_config_dict(args: LlamaArgs) -> dict[str, Any]:
     """config.json (as a dict) of the transformers model equal to `NxdtLlamaForCausalLM(args)`.
     Raises ValueError naming the options no transformers family here can express."""
+    if args.qk_layernorm:  # Qwen3 is the family with q/k norms
+        issues = qwen3_issues(args)
+        if issues:
+            raise ValueError(f"transformers Qwen3{'Moe' if args.moe else ''}Config cannot express: {', '.join(issues)}")
+        return _qwen3(args)
     if args.moe is not None:
         issues = _llama_issues(args) + [f"moe.{k}={getattr(args.moe, k)}" for k, v in _MIXTRAL_MOE.items()
                                         if getattr(args.moe, k) != v]
+        if args.moe_layers is not None and len(args.moe_layers) != args.num_layers:
+            issues.append("moe.layers (dense layers between the MoE ones: Qwen3-MoE has them, with qk_layernorm)")
+        if args.moe_ffn_hidden_size not in (None, args.ffn_hidden_size):
+            issues.append("moe.ffn_hidden_size != ffn_hidden_size")
         if issues:
             raise ValueError(f"transformers MixtralConfig cannot express: {', '.join(issues)}")
         return _mixtral(args)
@@ -91,6 +102,44 @@ def neox_issues(a: LlamaArgs) -> list[str]:
     if a.share_embeddings_and_output_weights:
         issues.append("share_embeddings_and_output_weights=true")
     return issues
+
+
+def qwen3_issues(a: LlamaArgs) -> list[str]:
+    """What transformers' Qwen3Config / Qwen3MoeConfig cannot express of `a` (q/k norms assumed)."""
+    issues = _llama_issues(a)
+    if a.has_bias:  # Qwen3's attention_bias has no MLP counterpart
+        issues.append("has_bias=true")
+    if a.rope_scaling:
+        issues.append("rope_scaling")
+    if a.moe is not None:
+        plain = {**_MIXTRAL_MOE, "frequency": a.moe.frequency, "normalize_top_k_affinities": a.moe.normalize_top_k_affinities}
+        issues += [f"moe.{k}={getattr(a.moe, k)}" for k, v in plain.items() if getattr(a.moe, k) != v]
+    return issues
+
+
+def _qwen3(a: LlamaArgs) -> dict[str, Any]:
+    """Qwen3ForCausalLM, or Qwen3MoeForCausalLM with experts: every layer that is not an MoE one
+    is listed in mlp_only_layers (decoder_sparse_step 1), which expresses any choice of MoE layers."""
+    d = {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": a.vocab_size,
+        "hidden_size": a.hidden_size, "intermediate_size": a.ffn_hidden_size, "num_hidden_layers": a.num_layers,
+        "num_attention_heads": a.num_attention_heads, "num_key_value_heads": a.num_kv_heads,
+        "head_dim": a.head_dim, "hidden_act": "silu", "max_position_embeddings": a.max_position_embeddings,
+        "rms_norm_eps": a.layernorm_epsilon, "rope_theta": a.rope_theta, "attention_bias": False,
+        "attention_dropout": a.attention_dropout, "initializer_range": a.init_method_std,
+        "tie_word_embeddings": a.share_embeddings_and_output_weights, "use_sliding_window": False,
+        "sliding_window": None,
+    }
+    moe = a.moe
+    if moe is None:
+        return d
+    return {
+        **d, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "num_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
+        "moe_intermediate_size": a.moe_ffn_hidden_size or a.ffn_hidden_size, "norm_topk_prob": moe.normalize_top_k_affinities,
+        "decoder_sparse_step": 1, "mlp_only_layers": [i for i in range(a.num_layers) if not a.is_moe_layer(i)],
+        "router_aux_loss_coef": moe.aux_loss_coef, "output_router_logits": moe.aux_loss_coef > 0,
+    }
 
 
 def _llama(a: LlamaArgs) -> dict[str, Any]:

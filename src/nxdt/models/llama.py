@@ -16,7 +16,9 @@ Design points:
 - Megatron-style options (`normalization`, `activation`, `position_embedding_type`,
   `rotary_percentage`, `has_bias`, dropouts, scaled init, `transformer_block_type`) are
   supported so the NxDT "megatron" model configs mean what they say; GPT-NeoX / Pythia are this
-  model with layernorm, gelu, biases, partial rotary and the gpt_j block (nxdt.models.neox).
+  model with layernorm, gelu, biases, partial rotary and the gpt_j block (nxdt.models.neox); Qwen3 is
+  it with per-head q/k norms (`qk_layernorm`) and its own head_dim (`kv_channels`), Qwen3-MoE adds
+  experts of their own width in chosen layers (nxdt.models.qwen3).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from nxdt.models.chunked_loss import chunked_cross_entropy
 from nxdt.models.hf_export import hf_config_dict
 from nxdt.models.kv_cache import KVCache
 from nxdt.models.moe import LlamaMoE, MoEArgs, MoEExperts, MoERouter
+from nxdt.models.rope import LlamaRotaryEmbedding, apply_rotary, rope_inv_freq, rotate_half  # noqa: F401 - re-exported
 
 
 BLOCK_TYPES = ("pre_ln", "post_ln", "normformer", "gpt_j")
@@ -85,8 +88,16 @@ class LlamaArgs:
     """Output projections (o_proj, down_proj) get std / sqrt(2 * num_layers), as in GPT-2/Megatron:
     each layer adds two residual branches, this keeps the residual stream's variance from growing."""
     moe: MoEArgs | None = None
-    """Mixture of experts (nxdt.models.moe) in place of the MLP of every `moe.frequency`-th layer;
-    None = dense. Experts are SwiGLU with ffn_hidden_size each and no bias (Mixtral)."""
+    """Mixture of experts (nxdt.models.moe) in place of the MLP of every `moe.frequency`-th layer
+    (or of the `moe_layers`); None = dense. Experts are SwiGLU without bias (Mixtral, Qwen3-MoE)."""
+    moe_ffn_hidden_size: int | None = None
+    """Each expert's width (Qwen3-MoE's moe_intermediate_size); None = ffn_hidden_size (Mixtral)."""
+    moe_layers: tuple[int, ...] | None = None
+    """The MoE layers by index, the others dense (Qwen3-MoE's decoder_sparse_step, mlp_only_layers);
+    None = every `moe.frequency`-th layer."""
+    qk_layernorm: bool = False
+    """A norm (`normalization`, head_dim wide, one per q and k) over each head's queries and keys
+    before the rotary embedding: Qwen3's `self_attn.q_norm` / `k_norm` (Megatron's qk_layernorm)."""
     transformer_block_type: str = "pre_ln"
     """How a block connects its norms, attention and MLP (see `LlamaDecoderLayer`): 'pre_ln',
     'post_ln', 'normformer' or 'gpt_j' (parallel residual)."""
@@ -130,12 +141,20 @@ class LlamaArgs:
         if self.moe is not None and self.transformer_block_type == "normformer":
             # the experts have no FFN norm: MoE layers would silently lose normformer's third norm
             raise ValueError("transformer_block_type normformer has no MoE form (the experts have no FFN norm)")
+        if self.moe_layers is not None and (self.moe is None or not all(0 <= i < self.num_layers for i in self.moe_layers)):
+            raise ValueError(f"moe_layers {self.moe_layers} needs moe and layer indices in [0, {self.num_layers})")
         if self.sliding_window_size is not None and self.sliding_window_size < 1:
             raise ValueError(f"sliding_window_size must be >= 1 or None, got {self.sliding_window_size}")
 
     @property
     def head_dim(self) -> int:
         return self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Layer `layer_idx` has experts and a router in place of the MLP."""
+        if self.moe is None:
+            return False
+        return layer_idx in self.moe_layers if self.moe_layers is not None else self.moe.is_moe_layer(layer_idx)
 
     @property
     def rotary_dim(self) -> int:
@@ -177,79 +196,6 @@ def make_norm(args: LlamaArgs, size: int | None = None) -> nn.Module:
     if args.normalization == "rmsnorm":
         return LlamaRMSNorm(size, eps=args.layernorm_epsilon)
     return LlamaLayerNorm(size, eps=args.layernorm_epsilon)
-
-
-# --------------------------------------------------------------------------- rotary embedding
-
-
-def rope_inv_freq(dim: int, theta: float, rope_scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Inverse frequencies of the rotary embedding for a rotated dimension `dim`.
-
-    With Llama 3.1 scaling, long wavelengths (beyond the original context) are slowed
-    down by `factor`, short ones are kept, and the band in between is interpolated
-    smoothly. Same formula and fp32 arithmetic as transformers' `_compute_llama3_parameters`.
-    """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim))
-    if not rope_scaling:
-        return inv_freq
-    rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":
-        return inv_freq / rope_scaling["factor"]
-    if rope_type != "llama3":
-        raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: llama3, linear)")
-    factor = rope_scaling["factor"]
-    low_freq_factor = rope_scaling["low_freq_factor"]
-    high_freq_factor = rope_scaling["high_freq_factor"]
-    old_context_len = rope_scaling["original_max_position_embeddings"]
-    low_freq_wavelen = old_context_len / low_freq_factor
-    high_freq_wavelen = old_context_len / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-class LlamaRotaryEmbedding(nn.Module):
-    """Gives (cos, sin) [B, S, rotary_dim] for the given positions.
-
-    It holds no state: the inverse frequencies are recomputed on each call (rotary_dim/2
-    numbers, negligible), so the model is correct straight after a meta-device build and
-    `to_empty`, with nothing to re-initialise and nothing in the state dict.
-    """
-
-    def __init__(self, args: LlamaArgs) -> None:
-        super().__init__()
-        self.dim = args.rotary_dim
-        self.theta = args.rope_theta
-        self.rope_scaling = dict(args.rope_scaling) if args.rope_scaling else None
-
-    @torch.no_grad()
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = rope_inv_freq(self.dim, self.theta, self.rope_scaling).to(x.device)
-        freqs = position_ids[..., None].float() * inv_freq  # [B, S, dim/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # "rotate half" layout, as in HF Llama
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first cos.shape[-1] dims of each head of x [B, H, S, D]; pass the rest through."""
-    # in x's dtype: under autocast q/k come out of the projections in bf16 while the rotary table
-    # follows the fp32 residual stream; keep q, k and v in one dtype for SDPA (XLA needs it)
-    cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)  # broadcast over heads
-    rot = cos.shape[-1]
-    if rot == x.shape[-1]:
-        return x * cos + rotate_half(x) * sin
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
-    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
 
 
 # --------------------------------------------------------------------------- attention
@@ -363,6 +309,9 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(args.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(args.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, args.hidden_size, bias=bias)
+        if args.qk_layernorm:  # per head: whole on every tensor-parallel rank, whatever heads it holds
+            self.q_norm, self.k_norm = make_norm(args, self.head_dim), make_norm(args, self.head_dim)
+        self.qk_layernorm = args.qk_layernorm
         self.core_attention = CoreAttention(args)
 
     def forward(
@@ -378,6 +327,8 @@ class LlamaAttention(nn.Module):
         q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        if self.qk_layernorm:  # over head_dim, before rotary (Qwen3)
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
             cos, sin = rope
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -443,8 +394,8 @@ class LlamaDecoderLayer(nn.Module):
         self.shared_input_norm = kind == "gpt_j" and args.gpt_j_tied  # GPT-J: one norm feeds attention and MLP
         # Registration order = transformers' order, so state dicts list keys identically.
         self.self_attn = LlamaAttention(args, layer_idx)
-        moe = args.moe is not None and args.moe.is_moe_layer(layer_idx)
-        self.mlp = LlamaMoE(args.hidden_size, args.ffn_hidden_size, args.moe) if moe else LlamaMLP(args)
+        expert_width = args.moe_ffn_hidden_size or args.ffn_hidden_size
+        self.mlp = LlamaMoE(args.hidden_size, expert_width, args.moe) if args.is_moe_layer(layer_idx) else LlamaMLP(args)
         if kind != "post_ln":
             self.input_layernorm = make_norm(args)
         if not self.shared_input_norm:

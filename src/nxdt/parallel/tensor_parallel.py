@@ -196,6 +196,9 @@ def llama_tp_plan(model: nn.Module, tp: int, sequence_parallel: bool, blocks: li
         plan[f"{p}.self_attn.k_proj"] = KVHeadSelect(kv, head_dim) if replicate_kv else ColwiseParallel()
         plan[f"{p}.self_attn.v_proj"] = KVHeadSelect(kv, head_dim) if replicate_kv else ColwiseParallel()
         plan[f"{p}.self_attn.o_proj"] = RowwiseParallel(output_layouts=seq if sp else Replicate())
+        for qk in ("q_norm", "k_norm"):  # Qwen3's per-head norms: weights whole, this rank's heads a shard of
+            if isinstance(getattr(block.self_attn, qk, None), nn.Module):  # the heads axis (gradients summed)
+                plan[f"{p}.self_attn.{qk}"] = SequenceParallel(sequence_dim=adapter.head_axis, use_local_output=True)
         if _is_moe(block.mlp):
             continue  # router and experts whole on every tp rank (see _is_moe)
         if hasattr(block.mlp, "gate_proj"):

@@ -136,10 +136,51 @@ def parse_datasets(datasets: Sequence[Any] | None, weights: Sequence[Any] | None
 
 def data_blend(data: Any) -> DataBlend:
     """The blend a `data` section trains on: `datasets` (+ `weights`) when set, else `data_prefix`
-    (ConfigError when neither is set)."""
+    (ConfigError when neither is set); `data.prob_map` (LLaMA-MoE's presets) sets the weights."""
     if data.datasets is not None:
-        return parse_datasets(data.datasets, data.weights)
-    return parse_data_prefix(data.data_prefix)
+        blend = parse_datasets(data.datasets, data.weights)
+    else:
+        blend = parse_data_prefix(data.data_prefix)
+    return blend if getattr(data, "prob_map", None) is None else preset_weights(blend, data)
+
+
+# LLaMA-MoE's presets by SlimPajama domain (smoe/data/dynamic_selection.py of pjlab-sys4nlp/llama-moe at
+# b17aff4): `--prob_map` llama (its default: LLaMA's portions), sheared_llama (Sheared-LLaMA's), uniform;
+# and Llama-2-7B's SlimPajama validation losses, the reference its dynamic selection moves the blend by
+SLIMPAJAMA_DOMAINS = ("en_cc", "en_c4", "github", "en_wikipedia", "en_book", "en_arxiv", "en_stack")
+PROB_MAPS: dict[str, dict[str, float]] = {
+    "llama": dict(zip(SLIMPAJAMA_DOMAINS, (0.67, 0.15, 0.045, 0.045, 0.045, 0.025, 0.02))),
+    "sheared_llama": dict(zip(SLIMPAJAMA_DOMAINS, (0.361, 0.492, 0.008, 0.031, 0.091, 0.007, 0.01))),
+    "uniform": dict.fromkeys(SLIMPAJAMA_DOMAINS, 1 / 7),
+}
+REFERENCE_PRESETS: dict[str, dict[str, float]] = {
+    "llama2_7b_slimpajama": {"en_book": 1.925248146057129, "en_wikipedia": 1.5899001359939575,
+                             "en_stack": 1.4974864721298218, "github": 0.6984495520591736,
+                             "en_c4": 2.074881076812744, "en_cc": 1.6916865110397339, "en_arxiv": 1.2408167123794556},
+}
+_MEGATRON_SUFFIX = "_text_document"  # Megatron's preprocess names its outputs <name>_text_document
+
+
+def slimpajama_domain(name: str) -> str:
+    """A dataset's SlimPajama domain: its name (the path's last component), without Megatron's suffix."""
+    return name[: -len(_MEGATRON_SUFFIX)] if name.endswith(_MEGATRON_SUFFIX) else name
+
+
+def preset_weights(blend: DataBlend, data: Any) -> DataBlend:
+    """The blend with `data.prob_map`'s weights, each dataset matched to its SlimPajama domain by name."""
+    key = "data.prob_map"
+    if blend.blend is None:
+        raise ConfigError(f"{key}: weighs the datasets of data.datasets or data.data_prefix's list form, not the "
+                          "{train, validation, test} form")
+    if data.weights is not None:
+        raise ConfigError(f"{key} ({data.prob_map}) sets the blend's weights: remove data.weights")
+    table, paths = PROB_MAPS[data.prob_map], [p for _, p in blend.blend]
+    domains = [slimpajama_domain(n) for n in domain_names(paths)]
+    unknown = [n for n in domains if n not in table]
+    if unknown:
+        raise ConfigError(f"{key} {data.prob_map}: dataset '{unknown[0]}' is not a SlimPajama domain (name each "
+                          f"dataset's folder or prefix after one of: {', '.join(SLIMPAJAMA_DOMAINS)})")
+    return DataBlend(blend=tuple((table[d], p) for d, p in zip(domains, paths)))
 
 
 # --------------------------------------------------------------------------- data kind
@@ -192,6 +233,8 @@ def check_data(cfg: Any, alignment: Alignment, kind: str | None) -> None:
                           f"got '{data.splits_string}'")
     if data.datasets is not None or data.weights is not None:
         parse_datasets(data.datasets, data.weights)
+    if data.prob_map is not None:
+        data_blend(data)  # the preset matches every dataset to a domain
     if data.packing and alignment.sft is None:
         if data.use_sft_style_data_module and alignment.preference is None:
             # NxDT before model_alignment_strategy (2.20): SFT was use_sft_style_data_module + packing
@@ -253,12 +296,19 @@ def reference_losses(value: Any, paths: Sequence[str]) -> list[float]:
     path as written or its `domain_names` name) or a JSON/YAML file holding either."""
     where = REFERENCE_LOSSES_KEY
     if value is None:
-        raise ConfigError(f"{REFERENCE_LOSSES_KEY}: required with data.dynamic_data_selection=sheared_llama (one loss per "
+        raise ConfigError(f"{REFERENCE_LOSSES_KEY}: required with data.dynamic_data_selection (one loss per "
                           f"domain: {', '.join(domain_names(paths))})")
+    names = domain_names(paths)
+    if isinstance(value, str) and value in REFERENCE_PRESETS:  # by SlimPajama domain, as data.prob_map
+        where, preset = f"{REFERENCE_LOSSES_KEY} ({value})", REFERENCE_PRESETS[value]
+        missing = [n for n in names if slimpajama_domain(n) not in preset]
+        if missing:
+            raise ConfigError(f"{where}: dataset '{missing[0]}' is not a SlimPajama domain (one of: "
+                              f"{', '.join(SLIMPAJAMA_DOMAINS)})")
+        return [preset[slimpajama_domain(n)] for n in names]
     if isinstance(value, str):
         where = f"{REFERENCE_LOSSES_KEY} ({value})"
         value = _read_file(value)
-    names = domain_names(paths)
     if isinstance(value, Mapping):
         by_key = {str(k): v for k, v in value.items()}
         unknown = [k for k in by_key if k not in names and k not in paths]

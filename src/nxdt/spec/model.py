@@ -178,9 +178,35 @@ def check_architecture(cfg: Any, head_dim: int | None) -> None:
         if rotary < 2 or rotary % 2:
             raise ConfigError(f"model.rotary_percentage: {pct} of the head dimension {head_dim} is {rotary} "
                               "dimensions; rotary embedding needs an even number >= 2")
+    check_native_only_keys(cfg)
     if cfg.model_source == "megatron" and m.transformer_block_type == "normformer" and m.moe.num_experts:
         raise ConfigError("model.transformer_block_type normformer with model.moe: the experts have no FFN norm "
                           "(normformer's third norm); use pre_ln, post_ln or gpt_j with MoE")
+
+
+def check_native_only_keys(cfg: Any) -> None:
+    """The native model's Qwen3 keys: model.qk_layernorm, model.moe.layers / ffn_hidden_size (with
+    model_source hf the config.json says: q/k norms, mlp_only_layers, moe_intermediate_size); MoE
+    layer indices within the model."""
+    m = cfg.model
+    given = [key for key, value in (("model.qk_layernorm", m.qk_layernorm), ("model.moe.layers", m.moe.layers),
+                                    ("model.moe.ffn_hidden_size", m.moe.ffn_hidden_size)) if value]
+    if cfg.model_source == "hf" and given:
+        raise ConfigError(f"{', '.join(given)}: the native model's (model_source megatron); with model_source hf "
+                          "model.model_config's config.json sets them (Qwen3: q_norm / k_norm, mlp_only_layers, "
+                          "moe_intermediate_size)")
+    layers = m.moe.layers
+    if layers is None or cfg.model_source != "megatron":
+        return
+    if not m.moe.num_experts:
+        raise ConfigError("model.moe.layers names MoE layers: needs model.moe.num_experts > 0")
+    if m.moe.frequency != 1:
+        raise ConfigError(f"model.moe.layers and model.moe.frequency ({m.moe.frequency}) both choose the MoE layers; "
+                          "give one")
+    bad = [i for i in layers if m.num_layers is not None and not 0 <= i < m.num_layers]
+    if bad or len(set(layers)) != len(layers):
+        raise ConfigError(f"model.moe.layers {list(layers)}: distinct layer indices in [0, model.num_layers="
+                          f"{m.num_layers}) expected")
 
 
 def check_hf_layouts(cfg: Any) -> None:

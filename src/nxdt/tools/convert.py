@@ -3,9 +3,13 @@
     nxdt convert hf-to-nxdt --input HF_DIR --output CKPT
     nxdt convert nxdt-to-hf --input CKPT --output HF_DIR [--max-shard-size 5GB] [--dtype bfloat16]
                             [--base BASE_CKPT] [--adapter-only]
+    nxdt convert nxd-to-nxdt --input NXDT_CKPT --output CKPT --config NXDT_YAML [KEY=VALUE ...]
+                             (a checkpoint NxDT wrote, NxD's layout: nxdt.tools.convert_nxd)
 
-Llama and Mixtral: both model sources use transformers' parameter names, so the tensors are
-copied as they are. GPT-NeoX / Pythia (config.json model_type gpt_neox): the weights are renamed
+Llama, Mixtral, Qwen3 and Qwen3-MoE: both model sources use transformers' parameter names, so the
+tensors are copied as they are (a Qwen3-MoE folder's per-expert weights are stacked into the fused
+layout, nxdt.models.qwen3); a Qwen3 checkpoint gets an `nxdt_model.yaml` too (the native model's
+keys, below). Another model_type is refused in one line (no nxdt model would load its weights). GPT-NeoX / Pythia (config.json model_type gpt_neox): the weights are renamed
 to the native model's and the fused QKV is split (nxdt.models.neox), and the checkpoint gets an
 `nxdt_model.yaml`: the `model_source: megatron` + `model:` keys (block type, layernorm, gelu,
 biases, rotary_percentage, ...) that build that native model; put them in the training YAML.
@@ -24,6 +28,7 @@ the base weights an adapter-only checkpoint lacks, `--adapter-only` writes the a
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -35,10 +40,14 @@ from nxdt.checkpoint.locate import resolve_checkpoint
 from nxdt.config.errors import ConfigError
 from nxdt.models.lora import is_lora_key
 from nxdt.models.neox import neox_model_keys, neox_to_native
+from nxdt.models.qwen3 import QWEN3_MODEL_TYPES, fuse_experts, qwen3_model_keys
 from nxdt.tools.convert_lora import lora_to_hf
+from nxdt.tools.convert_nxd import ALIASES as NXD_ALIASES, COMMAND as NXD_COMMAND, nxd_to_nxdt
 from nxdt.tools.hf_folder import check_output_free, copy_tokenizer, hf_config_for, read_hf_folder, write_hf_model
 
 NXDT_MODEL_FILE = "nxdt_model.yaml"
+# config.json model_types whose weights an nxdt model loads (both sources; qwen3*, gpt_neox also native)
+HF_MODEL_TYPES = ("llama", "mistral", "mixtral", "gpt_neox") + QWEN3_MODEL_TYPES
 
 
 def parse_size(text: str) -> int:
@@ -49,14 +58,36 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}[unit])
 
 
+def check_model_type(input_dir: Path) -> None:
+    """Refuse, before any weight is read, a folder whose config.json names a model_type no nxdt
+    model builds (e.g. deepseek_v3): its weights would convert into a checkpoint nothing loads."""
+    try:
+        model_type = json.loads((input_dir / "config.json").read_text()).get("model_type", "llama")
+    except (OSError, ValueError, AttributeError):
+        return  # read_hf_folder says what is wrong with the folder
+    if model_type not in HF_MODEL_TYPES:
+        raise ConfigError(f"{input_dir}: model_type '{model_type}' is not a model nxdt builds (hf-to-nxdt converts "
+                          f"{', '.join(HF_MODEL_TYPES)}); nothing written")
+
+
 def hf_to_nxdt(input_dir: Path, output: Path) -> dict[str, Any] | None:
-    """Returns the nxdt model section written to `nxdt_model.yaml` (GPT-NeoX), else None."""
+    """Returns the nxdt model section written to `nxdt_model.yaml` (GPT-NeoX, Qwen3, Qwen3-MoE), else
+    None. A model_type no nxdt model builds is refused before anything is written."""
+    check_model_type(input_dir)
     hf_config, tensors = read_hf_folder(input_dir)
     if output.exists():
         raise ConfigError(f"--output {output} exists; choose a new path (nothing is overwritten)")
     meta: dict[str, Any] = {"hf_config": hf_config, "source": str(input_dir)}
     nxdt_model = None
-    if hf_config.get("model_type") == "gpt_neox":
+    model_type = hf_config.get("model_type", "llama")
+    if model_type in QWEN3_MODEL_TYPES:
+        try:
+            nxdt_model = {"model_source": "megatron", "model": qwen3_model_keys(hf_config)}
+            tensors = fuse_experts(tensors)  # published Qwen3-MoE folders keep each expert apart
+        except (ValueError, KeyError) as err:
+            raise ConfigError(f"{input_dir}: cannot convert this {model_type} model: {err}") from None
+        meta["nxdt_model"] = nxdt_model
+    if model_type == "gpt_neox":
         try:
             nxdt_model = {"model_source": "megatron", "model": neox_model_keys(hf_config)}
             tensors = neox_to_native(tensors, int(hf_config["num_attention_heads"]))
@@ -103,8 +134,20 @@ def main(argv: list[str] | None = None) -> int:
                         "adapters (save_lora_base: false), e.g. the run's exp_manager.resume_from_checkpoint")
     b.add_argument("--adapter-only", action="store_true",
                    help="LoRA: write only the PEFT adapter folder (OUTPUT/adapter), no merged or base model")
+    c = sub.add_parser(NXD_COMMAND, aliases=list(NXD_ALIASES),
+                       help="a checkpoint NxDT wrote (NxD's tp/pp rank files, torch.save or xser) → nxdt weights")
+    c.add_argument("--input", required=True, type=Path,
+                   help="the tag folder (...ckpt), its model/ folder, or the checkpoint dir (newest completed tag)")
+    c.add_argument("--output", required=True, type=Path)
+    c.add_argument("--config", type=Path, default=None, metavar="NXDT_YAML",
+                   help="the YAML the NxDT run trained with (architecture, tp, pp, kv_replicator)")
+    c.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="overrides of that YAML, e.g. model.model_config=/path/config.json")
     args = parser.parse_args(argv)
-    if args.direction == "hf-to-nxdt":
+    if args.direction in (NXD_COMMAND, *NXD_ALIASES):
+        for line in nxd_to_nxdt(args.input, args.output, args.config, args.overrides):
+            print(line)
+    elif args.direction == "hf-to-nxdt":
         if hf_to_nxdt(args.input, args.output) is not None:
             print(f"model keys of the native model: {args.output / NXDT_MODEL_FILE}")
     else:

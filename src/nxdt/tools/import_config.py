@@ -175,7 +175,7 @@ def import_neox(files: list[str], *, name: str, command: str, num_gpus: int | No
     out = NeoxMapper(merged, origin, num_gpus=num_gpus, num_nodes=num_nodes, vocab_size=vocab_size).run()
     text = render(name, out, command, files, overrides)
     _, notices = validate_text(text)
-    return text, out, notices
+    return text, out, out.notices + notices
 
 
 def _positive(flag: str, value: int | None) -> int | None:

@@ -71,6 +71,35 @@ INERT: dict[str, str] = {
     "gas": "old NeoX's derived copy of gradient_accumulation_steps (a value set here was overwritten)",
     "short_seq_prob": "BERT-style data only", "exit_interval": "no nxdt equivalent needed: set trainer.max_steps",
     "text_gen_type": "text generation setting", "eval_tasks": "evaluation-harness setting",
+    **dict.fromkeys(("te_columnparallel", "te_rowparallel", "te_layernorm_mlp", "te_mha", "te_fp8_format",
+                     "te_fp8_wgrad", "te_fp8_amax_history_len", "te_fp8_amax_compute_algo", "te_fp8_margin",
+                     "te_fp8_mha"), "Transformer Engine kernels and FP8 recipes: nxdt computes with PyTorch's "
+                                    "kernels in the precision.type's dtype (no FP8)"),
+    **dict.fromkeys(("mamba_selective_scan_fusion", "mamba_causal_conv_fusion", "mamba_inner_func_fusion",
+                     "mamba_selective_fp32_params", "mamba_use_bias_in_conv", "mamba_use_bias_in_linears"),
+                    "read only by Mamba layers (attention-config mamba, which nxdt refuses)"),
+    "gmlp_attn_dim": "read only by gMLP / aMLP layers (attention-config gmlp / amlp, which nxdt refuses)",
+    **dict.fromkeys(("dim_att", "head_size", "ffn_dim"), "read only by RWKV layers (attention-config rwkv, which "
+                                                          "nxdt refuses)"),
+    **dict.fromkeys(("temperature", "top_p", "top_k", "maximum_tokens", "prompt_end", "sample_input_file",
+                     "sample_output_file", "num_samples", "recompute", "eval_results_prefix", "char_level_ppl",
+                     "return_logits"), "NeoX's generate.py / eval setting: `nxdt generate` and `nxdt evaluate` "
+                                       "take their own flags (docs/generate.md, docs/evaluate.md)"),
+    **dict.fromkeys(("serve_model_weights", "weight_server_port", "online_dataserver_ips", "online_dataserver_ports"),
+                    "NeoX's online-RL weight / data servers (train-impl reinforce)"),
+    **dict.fromkeys(("dpo_beta", "dpo_fp32", "dpo_reference_free", "kto_beta", "kto_fp32", "kto_desirable_weight",
+                     "kto_undesirable_weight", "kl_impl", "kl_div_beta", "reinforce_leave_one_out", "fp32_reinforce",
+                     "allow_chopped"),
+                    "read only with train-impl dpo / kto / reinforce or pack-impl pack_until_overflow (not mapped)"),
+    **dict.fromkeys(("adlr_autoresume", "adlr_autoresume_interval"),
+                    "NVIDIA ADLR's cluster autoresume: nxdt saves on SIGTERM / SIGUSR1 and a relaunch with "
+                    "exp_manager.resume_if_exists=true continues (docs/fault-tolerance.md)"),
+    **dict.fromkeys(("deepscale", "deepscale_config", "deepspeed_extra_args"), DEEPSPEED_TUNING),
+    **dict.fromkeys(("mup_attn_temp", "mup_embedding_mult", "mup_init_scale", "mup_output_temp",
+                     "mup_rp_embedding_mult", "mup_width_scale", "coord_check", "save_base_shapes",
+                     "base_shapes_file"), "read only with use-mup (not mapped)"),
+    "s3_chunk_size": "read only with s3-path (not mapped)",
+    "use_checkpoint_lr_scheduler": "nxdt restores the schedule from the checkpoint it resumes",
 }
 
 # Known NeoX keys nxdt cannot express (key with '_' -> why), listed when present.
@@ -88,14 +117,12 @@ NOT_MAPPED: dict[str, str] = {
     "dataset_impl": "nxdt's megatron data module is NeoX's 'gpt2' dataset",
     "train_impl": "nxdt pre-trains with the causal LM loss (DPO/KTO: model_alignment_strategy)",
     "use_mup": "nxdt has no muP", "use_bnb_optimizer": "nxdt has no bitsandbytes optimizers",
-    "moe_num_experts": "NeoX's MoE (GELU experts with biases) has no nxdt equivalent; nxdt's MoE is Mixtral-style "
-                       "(docs/moe.md)",
-    "num_unique_layers": "nxdt does not share parameters between layers",
-    "param_sharing_style": "nxdt does not share parameters between layers",
-    "sparsity_config": "nxdt has no sparse attention", "soft_prompt_tuning": "nxdt has no soft prompts",
-    "use_qk_layernorm": "nxdt has no query/key norm", "opt_pos_emb_offset": "OPT-style offsets are not built",
-    "rpe_num_buckets": "relative position buckets are not built",
-    "rpe_max_distance": "relative position buckets are not built",
+    "param_sharing_style": "read only with num-unique-layers (refused)",
+    "sparsity_config": "read only by sparse attention layers (refused)",
+    "rpe_num_buckets": "read only with pos-emb rpe (refused)",
+    "rpe_max_distance": "read only with pos-emb rpe (refused)",
+    "override_lr_scheduler": "nxdt restores the schedule from the checkpoint it resumes; to change it, start from "
+                             "the weights (exp_manager.resume_from_checkpoint with model.weight_init_only: true)",
     "curriculum_learning": "nxdt has no sequence-length curriculum",
     "curriculum_seqlen": "nxdt has no sequence-length curriculum",
     "amp": "use precision.type (docs/precision.md)", "train_label_data_paths": "nxdt trains on next-token labels",
@@ -105,6 +132,33 @@ NOT_MAPPED: dict[str, str] = {
     "checkpoint_scale": "only linear checkpoint spacing (every_n_train_steps)",
     "s3_path": "nxdt saves checkpoints to the file system",
 }
+
+# NOT_MAPPED keys at these values ask for nothing (NeoX's defaults): listed as inert, not as not mapped
+NOT_MAPPED_OFF: dict[str, Any] = {
+    "no_save_optim": False, "no_load_optim": False, "no_save_rng": False, "no_load_rng": False, "finetune": False,
+    "weight_by_num_documents": False, "weighted_sampler_alpha": 1.0, "pack_impl": "packed", "dataset_impl": "gpt2",
+    "train_impl": "normal", "use_mup": False, "use_bnb_optimizer": False, "param_sharing_style": "grouped",
+    "rpe_num_buckets": 32, "rpe_max_distance": 128, "curriculum_learning": None, "curriculum_seqlen": 0,
+    "z_loss": 0.0, "checkpoint_scale": "linear", "override_lr_scheduler": False,
+}
+
+# Architecture keys: any value but the first (NeoX's "off") builds a model nxdt cannot build, so the import
+# is refused (one line each, all at once) rather than writing another model.
+ARCHITECTURE_OFF: dict[str, tuple[Any, str]] = {
+    "use_qk_layernorm": (False, "NeoX normalizes queries and keys per head; nxdt's blocks have no query/key norm"),
+    "num_unique_layers": (None, "NeoX shares parameters between layers; nxdt builds num-layers distinct layers"),
+    "opt_pos_emb_offset": (0, "OPT's offset of the learned positions; nxdt's positions start at 0"),
+    "soft_prompt_tuning": (None, "a learned soft prompt; nxdt builds none"),
+    "moe_num_experts": (1, "NeoX's dropless MoE (megablocks) has experts of two matrices with the model's "
+                           "activation (w1, w2, no bias) and a sinkhorn / top-k router; nxdt's experts are "
+                           "SwiGLU (gate, up, down: Mixtral's), so it would train another model (docs/moe.md)"),
+}
+# attention-config layer types that are not global causal attention, and what NeoX builds for them
+NOT_ATTENTION = {"mamba": "Mamba (selective state-space) layers", "rwkv": "RWKV layers", "gmlp": "gMLP blocks",
+                 "amlp": "aMLP blocks (gMLP with a small attention)"}
+SPARSE_ATTENTION = {"local": "local (windowed) attention", "sparse_fixed": "DeepSpeed's fixed sparse attention",
+                    "sparse_variable": "DeepSpeed's variable sparse attention", "bigbird": "BigBird sparse attention",
+                    "bslongformer": "Longformer-style block-sparse attention"}
 
 ZERO_INERT = ("allgather_partitions", "allgather_bucket_size", "overlap_comm", "reduce_scatter",
               "reduce_bucket_size", "contiguous_gradients", "round_robin_gradients", "stage3_max_live_parameters",

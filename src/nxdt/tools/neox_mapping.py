@@ -4,10 +4,16 @@
 '_', as NeoX does) and fills an `Output`: nxdt values by dotted key, a comment per key, and the
 NeoX keys it did not map, each with a category:
 
-    not mapped    a NeoX setting nxdt has no equivalent for: the output differs from NeoX there
-    approximated  mapped to the closest nxdt setting, which is not exactly NeoX's
+    not mapped    a training setting nxdt has no equivalent for: the run differs from NeoX's there
+    approximated  a training setting mapped to the closest nxdt one, which is not exactly NeoX's
     inert         no effect in nxdt (launcher, logging, fused kernels, DeepSpeed tuning)
     unknown       not a GPT-NeoX key this importer knows (a typo, or a newer NeoX key)
+
+The model itself is never approximated: a NeoX setting that would make nxdt build another model
+(Mamba / RWKV / gMLP / sparse layers, NeoX's MoE, a norm, position embedding or activation nxdt
+lacks, biases nxdt cannot place as NeoX does) refuses the import, every such key in one error
+(`refused`), and nothing is written. The NeoX keys the importer knows are NeoX's own argument
+list (megatron/neox_arguments, tests/neox_arguments.json checks every one is classified).
 
 The tables (NeoX's defaults, inert and unmapped keys) are in `neox_keys`; the optimizer, schedule,
 precision, data and checkpoint keys in `neox_training_keys`.
@@ -24,9 +30,10 @@ import math
 import os
 from typing import Any
 
-from nxdt.config.errors import ConfigError
-from nxdt.tools.neox_keys import (ATTENTION_TYPES_OK, DEEPSPEED_TUNING, GPT2_VOCAB, INERT, NEOX_20B_VOCAB, NEOX_DEFAULTS, NORMS,
-                                  NOT_MAPPED, POS_EMB, ZERO_INERT)
+from nxdt.config.errors import ConfigError, ConfigErrors
+from nxdt.tools.neox_keys import (ARCHITECTURE_OFF, ATTENTION_TYPES_OK, DEEPSPEED_TUNING, GPT2_VOCAB, INERT, NEOX_20B_VOCAB,
+                                  NEOX_DEFAULTS, NORMS, NOT_ATTENTION, NOT_MAPPED, NOT_MAPPED_OFF, POS_EMB, SPARSE_ATTENTION,
+                                  ZERO_INERT)
 from nxdt.tools.neox_training_keys import TrainingKeys
 
 
@@ -38,6 +45,7 @@ class Output:
         self.values: dict[str, Any] = {}
         self.comments: dict[str, str] = {}
         self.listed: list[tuple[str, str, str, str]] = []  # (category, neox key, value shown, why)
+        self.notices: list[str] = []  # one line each, printed once by the command
 
     def set(self, key: str, value: Any, comment: str | None = None) -> None:
         node = self.values
@@ -79,6 +87,8 @@ class NeoxMapper(TrainingKeys):
         self.used: set[str] = set()
         self.out = Output()
         self.cli_gpus, self.cli_nodes, self.cli_vocab = num_gpus, num_nodes, vocab_size
+        self.refused: list[str] = []  # the model settings nxdt cannot build, reported together
+        self.defaulted: list[str] = []  # training settings the files leave out (a model-only file)
 
     # ------------------------------------------------------------------ reading values
     def spelled(self, key: str) -> str:
@@ -154,6 +164,12 @@ class NeoxMapper(TrainingKeys):
                               f"one of the files")
         return self.integer(key)
 
+    def refuse(self, key: str, why: str, value: Any = None) -> None:
+        """A model setting nxdt cannot build: collected, and the import refused at the end of `run`."""
+        self.used.add(key)
+        shown = _short(self.cfg.get(key) if value is None else value)
+        self.refused.append(f"neox key '{self.spelled(key)}'{self._where(key)} = {shown}: {why}")
+
     def list_key(self, category: str, key: str, why: str) -> None:
         self.used.add(key)
         self.out.add(category, self.spelled(key), self.cfg.get(key), why)
@@ -162,12 +178,24 @@ class NeoxMapper(TrainingKeys):
     def run(self) -> Output:
         self.parallel_and_batch()
         self.model()
+        self.raise_refused()  # the model's problems first, all of them, before any training key's
         self.optimizer_and_schedule()
         self.precision()
         self.data()
         self.checkpoints_and_eval()
         self.leftovers()
+        self.raise_refused()
+        if self.defaulted:
+            self.out.notices.append("the NeoX files set no " + ", ".join(self.defaulted) + " (a model-only file, "
+                                    "as NeoX's llama2 / mistral / codellama configs are): the output takes nxdt's "
+                                    "defaults for them; add NeoX's training file (e.g. llama/train_config.yml) "
+                                    "to take NeoX's")
         return self.out
+
+    def raise_refused(self) -> None:
+        if self.refused:
+            raise ConfigErrors(f"nxdt cannot build the model these NeoX files describe ({len(self.refused)} "
+                               f"setting(s)); nothing written:", self.refused)
 
     def parallel_and_batch(self) -> None:
         o = self.out
@@ -206,8 +234,9 @@ class NeoxMapper(TrainingKeys):
             micro = train // dp // acc
         elif micro is not None:
             train = micro * acc * dp
-        else:
-            raise ConfigError("neox config: set train_micro_batch_size_per_gpu or train_batch_size (NeoX needs one)")
+        else:  # a model-only file: nxdt's default micro-batch (data.micro_batch_size: 1)
+            micro, train = 1, acc * dp
+            self.defaulted.append("train_micro_batch_size_per_gpu / train_batch_size")
         if micro < 1 or train != micro * acc * dp:
             raise ConfigError(f"neox config: train_batch_size ({train}) != train_micro_batch_size_per_gpu ({micro}) x "
                               f"gradient_accumulation_steps ({acc}) x data-parallel size ({dp}) (NeoX's check); "
@@ -287,11 +316,7 @@ class NeoxMapper(TrainingKeys):
             if self.has("checkpoint_num_layers"):
                 self.list_key("inert", "checkpoint_num_layers", "checkpoint-activations is off")
         self.attention_config()
-        moe = self.integer("moe_num_experts") if self.has("moe_num_experts") else 1
-        if moe <= 1 and self.has("moe_num_experts"):
-            self.list_key("inert", "moe_num_experts", "a dense model")
-        for key in [k for k in self.cfg if k.startswith("moe_") and k != "moe_num_experts"]:
-            self.list_key("not mapped" if moe > 1 else "inert", key, "NeoX MoE setting")
+        self.architecture_switches()
 
     def ffn(self, hidden: int) -> int:
         """NeoX's ParallelMLP size (megatron/model/transformer.py): intermediate_size, else
@@ -308,8 +333,11 @@ class NeoxMapper(TrainingKeys):
             full, half = 2 * m * -(-full // (2 * m)), m * -(-half // m)
             self.ffn_note += ": swiglu uses 2/3 of it, in two halves (gate, up)"
             if full != 2 * half:
-                self.out.add("approximated", "intermediate-size", base,
-                              f"NeoX's fused gate+up has {full} rows, nxdt's gate and up {half} each")
+                self.refuse("intermediate_size" if size else "hidden_size",
+                            f"NeoX's gated MLP (megatron/model/transformer.py ParallelMLP) gets a gate+up projection "
+                            f"of {full} rows ({full // 2} each) and a down projection of {half} inputs, which do "
+                            f"not fit: no model to import (set mlp-multiple-of, or an intermediate-size whose 2/3 "
+                            f"is even)", value=base)
             return half
         return 2 * m * -(-base // (2 * m))
 
@@ -350,7 +378,7 @@ class NeoxMapper(TrainingKeys):
         o = self.out
         norm = self.text("norm")
         if norm not in NORMS:
-            self.list_key("not mapped", "norm", f"nxdt has layernorm and rmsnorm; the output uses layernorm")
+            self.refuse("norm", "nxdt builds layernorm and rmsnorm")
             norm = "layernorm"
         o.set("model.normalization", NORMS[norm], self.c("norm"))
         eps_key = "rms_norm_epsilon" if NORMS[norm] == "rmsnorm" else "layernorm_epsilon"
@@ -359,11 +387,12 @@ class NeoxMapper(TrainingKeys):
         for key in (other_eps, "scalenorm_epsilon"):
             if self.has(key):
                 self.list_key("inert", key, f"the model uses {norm}")
-        if not self.flag("use_bias_in_norms") and NORMS[norm] == "layernorm":
-            self.list_key("not mapped", "use_bias_in_norms", "nxdt's LayerNorm has a bias")
+        if not self.flag("use_bias_in_norms") and NORMS[norm] == "layernorm" and self.text("norm") in NORMS:
+            self.refuse("use_bias_in_norms", "NeoX's LayerNorms have no bias here; nxdt's LayerNorm has one",
+                        value=False)
         pos = self.text("pos_emb")
         if pos not in POS_EMB:
-            self.list_key("not mapped", "pos_emb", "nxdt has rotary, learned and none; the output uses none")
+            self.refuse("pos_emb", "nxdt builds rotary, learned and none (NeoX's sinusoidal, rpe and alibi are not built)")
             pos = "none"
         o.set("model.position_embedding_type", POS_EMB[pos], self.c("pos_emb"))
         if pos == "rotary":
@@ -381,7 +410,7 @@ class NeoxMapper(TrainingKeys):
         o = self.out
         act = self.text("activation")
         if act not in ("gelu", "swiglu"):
-            self.list_key("not mapped", "activation", "nxdt has gelu and swiglu; the output uses gelu")
+            self.refuse("activation", "nxdt builds gelu and swiglu MLPs")
             act = "gelu"
         # NeoX's get_activation (megatron/model/activations.py): gelu is F.gelu (exact), but with
         # bias-gelu-fusion its fused bias_gelu, GELU's tanh approximation (onnx-safe: erf_gelu, exact)
@@ -393,9 +422,9 @@ class NeoxMapper(TrainingKeys):
             o.set("model.activation", act, self.c("activation"))
         attn_bias, mlp_bias = self.flag("use_bias_in_attn_linear"), self.flag("use_bias_in_mlp")
         if attn_bias != mlp_bias:
-            self.list_key("approximated", "use_bias_in_attn_linear",
-                          f"nxdt's has_bias covers attention and MLP together; the output follows "
-                          f"use-bias-in-mlp ({mlp_bias})")
+            self.refuse("use_bias_in_attn_linear", f"with use-bias-in-mlp {str(mlp_bias).lower()}"
+                        f"{'' if self.has('use_bias_in_mlp') else ' (NeoX default)'}: NeoX puts biases in only one "
+                        f"of attention and MLP; nxdt's model.has_bias covers both together", value=attn_bias)
         o.set("model.has_bias", mlp_bias, "biases in the linear layers (NeoX's default)" if mlp_bias and attn_bias
               and not self.has("use_bias_in_mlp") else "use-bias-in-mlp")
         if self.flag("gpt_j_residual"):
@@ -433,21 +462,58 @@ class NeoxMapper(TrainingKeys):
                           f"{std / math.sqrt(2 * layers):.3g}{exact}")
 
     def attention_config(self) -> None:
+        """NeoX's per-layer types (megatron/utils.py expand_attention_types): [[types, n], ...] repeats
+        `types` n times, or to fill every layer with n = "all"; a flat list of strings is already one per
+        layer. Only global causal attention (flash or not: the same math) is built."""
         if not self.has("attention_config"):
             return
-        spec, kinds = self.raw("attention_config"), []
-        try:  # [[["flash"], 12]] or [[["global", "local"], 6]]: types repeated to fill N layers
-            for types, n in spec:
-                kinds += [types[i % len(types)] for i in range(int(n))]
+        spec, kinds, layers = self.raw("attention_config"), [], self.integer("num_layers")
+        try:
+            if all(isinstance(item, str) for item in spec):
+                kinds = list(spec)
+            for types, n in ([] if kinds else spec):
+                if n == "all":
+                    if layers % len(types):
+                        raise ValueError
+                    kinds = list(types) * (layers // len(types))
+                    break
+                kinds += list(types) * int(n)
         except (TypeError, ValueError, ZeroDivisionError):
-            raise self.bad("attention_config", "[[[types], layers], ...]", spec) from None
-        if not set(kinds) <= set(ATTENTION_TYPES_OK):
-            self.list_key("not mapped", "attention_config", "nxdt has global causal attention only (flash or not)")
+            raise self.bad("attention_config", "[[[types], layers or \"all\"], ...]", spec) from None
+        if len(kinds) != layers:
+            raise self.bad("attention_config", f"types for num-layers ({layers}) layers", spec)
+        found = dict.fromkeys(kinds)
+        other = [k for k in found if k not in ATTENTION_TYPES_OK]
+        if other:
+            what = "; ".join(f"{k}: NeoX builds {NOT_ATTENTION.get(k) or SPARSE_ATTENTION.get(k) or 'an unknown type'}"
+                             f" in {kinds.count(k)} of {layers} layers" for k in other)
+            self.refuse("attention_config", f"{what}; nxdt builds transformer blocks with global causal attention "
+                                            f"only (attention-config global or flash)")
         elif set(kinds) == {"flash"}:
             self.out.set("model.fusions.flash_attention", True, "attention-config: flash in every layer")
         elif "flash" in kinds:
-            self.list_key("approximated", "attention_config", "flash in some layers: nxdt uses one setting for all")
+            self.list_key("inert", "attention_config", "flash in some layers: the same attention; nxdt's SDPA picks "
+                                                       "its kernels for every layer")
+        if self.has("sparsity_config") and not set(kinds) & set(SPARSE_ATTENTION):
+            self.list_key("inert", "sparsity_config", "no sparse attention layer in attention-config")
 
+    def architecture_switches(self) -> None:
+        """The NeoX model switches nxdt has no counterpart for: refused when they ask for something."""
+        for key, (off, why) in ARCHITECTURE_OFF.items():
+            if key not in self.cfg:
+                continue
+            value = self.cfg[key]
+            self.used.add(key)
+            if value is None or value == off or (key == "num_unique_layers" and value == self.cfg.get("num_layers")):
+                self.list_key("inert", key, "off (NeoX's default)")
+            else:
+                self.refuse(key, why)
+        dense = not self.cfg.get("moe_num_experts") or self.cfg.get("moe_num_experts") == 1
+        for key in [k for k in self.cfg if k.startswith("moe_") and k != "moe_num_experts"]:
+            if dense:
+                self.list_key("inert", key, "a dense model")
+            else:
+                self.used.add(key)  # the MoE itself is refused
 
     def leftovers(self) -> None:
         for key in self.cfg:
@@ -456,6 +522,8 @@ class NeoxMapper(TrainingKeys):
             value = self.cfg[key]
             if key in INERT:
                 self.out.add("inert", self.spelled(key), value, INERT[key])
+            elif key in NOT_MAPPED and key in NOT_MAPPED_OFF and value == NOT_MAPPED_OFF[key]:
+                self.out.add("inert", self.spelled(key), value, "off (NeoX's default)")
             elif NOT_MAPPED.get(key):
                 self.out.add("not mapped", self.spelled(key), value, NOT_MAPPED[key])
             elif key in NEOX_DEFAULTS:  # read only under some settings (e.g. init_method_std with small_init)

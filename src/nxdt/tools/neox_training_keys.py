@@ -79,7 +79,11 @@ class TrainingKeys:
 
     def schedule(self) -> dict[str, Any] | None:
         o = self.out
-        iters = self.required("train_iters")
+        if self.cfg.get("train_iters") is None:  # a model-only file: nxdt's default step count
+            self.defaulted.append("train-iters")
+            iters = 1000
+        else:
+            iters = self.required("train_iters")
         o.set("trainer.max_epochs", -1)
         o.set("trainer.max_steps", iters, "train-iters")
         if self.has("lr_decay_iters"):

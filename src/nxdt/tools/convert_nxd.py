@@ -1,0 +1,109 @@
+"""`nxdt convert nxd-to-nxdt`: a checkpoint NxDT wrote (NxD's trainer layout) → an nxdt checkpoint.
+
+    nxdt convert nxd-to-nxdt --input NXDT_CKPT --output CKPT --config NXDT_YAML [KEY=VALUE ...]
+    (alias: nxdt-legacy-to-nxdt)
+
+NXDT_CKPT: the tag folder (`...--step=5-consumed_samples=160.0.ckpt`), its `model/` folder, or the
+checkpoint dir (its newest completed tag). NXDT_YAML: the YAML the run trained with, composed and
+schema-checked by nxdt's own config loading: it gives the architecture (model.model_config's config.json with the
+YAML's overrides), tp and pp, and `distributed_strategy.kv_replicator`; KEY=VALUE overrides it as on
+the training command line (NxDT's YAMLs name `model.model_config: /home/ubuntu/config.json`). NxDT's HF-style Llama
+(model_source hf) is read, both formats (torch.save and xser) (nxdt.checkpoint.nxd_legacy).
+
+The output is a weights-only nxdt checkpoint under transformers' names: start training from it
+with `exp_manager.resume_from_checkpoint=CKPT model.weight_init_only=true`, or export it with
+`nxdt convert nxdt-to-hf`. NxDT's optimizer shards are not carried over: their tensors are keyed by
+the optimizer's parameter index in NxDT's parameter groups (flattened and split over dp ranks under
+ZeRO-1), an order the checkpoint does not record, so Adam's moments start fresh (a line says so).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from nxdt.checkpoint.checkpointer import save_weights
+from nxdt.checkpoint.nxd_legacy import NxdLayout, merge, scan
+from nxdt.config.errors import ConfigError
+from nxdt.config.load import compose
+from nxdt.config.validate import validate
+from nxdt.models.hf import HF_OVERRIDES, load_config_dict
+
+COMMAND = "nxd-to-nxdt"
+ALIASES = ("nxdt-legacy-to-nxdt",)
+LLAMA_TYPES = ("llama", "mistral")
+
+
+def read_yaml(path: Path, overrides: list[str] | None = None):
+    """The typed config of an NxDT YAML, composed and schema-checked by nxdt's loader; not the run's
+    cross-checks (batch sizes, devices, files): only the model and its layout are read."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--config {path}: no such file")
+    argv = ["--config-path", str(path.resolve().parent), "--config-name", path.stem, *(overrides or [])]
+    return validate(compose(argv), check_supported=False)
+
+
+def layout_of(cfg) -> tuple[NxdLayout, dict[str, Any]]:
+    """The layout NxDT trained with and the model's config.json (with the YAML's overrides)."""
+    if cfg.model_source != "hf":
+        raise ConfigError(f"model_source {cfg.model_source}: only NxDT's HF-style Llama (model_source hf) "
+                          "checkpoints are read")
+    if not cfg.model.model_config:
+        raise ConfigError("model.model_config: needed (the config.json of the model the checkpoint holds)")
+    try:
+        hf = load_config_dict(cfg.model.model_config, {k: getattr(cfg.model, k) for k in HF_OVERRIDES})
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"model.model_config: {err}") from None
+    if hf.get("model_type") not in LLAMA_TYPES:
+        raise ConfigError(f"model.model_config: model_type {hf.get('model_type')!r}; only Llama checkpoints "
+                          f"({', '.join(LLAMA_TYPES)}) are read")
+    heads = int(hf["num_attention_heads"])
+    ds = cfg.distributed_strategy
+    lay = NxdLayout(
+        num_layers=int(hf["num_hidden_layers"]), hidden_size=int(hf["hidden_size"]),
+        intermediate_size=int(hf["intermediate_size"]), num_heads=heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads), vocab_size=int(hf["vocab_size"]),
+        tp=ds.tensor_model_parallel_size, pp=ds.pipeline_model_parallel_size,
+        kv_replicator=ds.kv_replicator or 1, tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)))
+    return lay, hf
+
+
+def progress_of(tag_name: str) -> dict[str, float]:
+    """step and consumed_samples from the tag's name (`<name>--step=S-consumed_samples=C.ckpt`), as
+    NxDT's checkpoint callback names it; {} where the name does not say."""
+    return {key: float(m.group(1)) for key in ("step", "consumed_samples")
+            if (m := re.search(rf"(?:^|[-_]){key}=(\d+(?:\.\d+)?)", tag_name))}
+
+
+def nxd_to_nxdt(input_path: Path, output: Path, config: Path | None, overrides: list[str] | None = None) -> list[str]:
+    """Convert; returns the lines to print (what was read, what was not carried over). `overrides`:
+    KEY=VALUE for the YAML, as on the training command line (e.g. model.model_config=...)."""
+    if config is None:
+        raise ConfigError("--config NXDT_YAML: needed (the YAML the NxDT run trained with: the model's "
+                          "architecture, tp, pp and distributed_strategy.kv_replicator)")
+    output = Path(output)
+    if output.exists():
+        raise ConfigError(f"--output {output} exists; choose a new path (nothing is overwritten)")
+    cfg = read_yaml(config, overrides)
+    lay, hf = layout_of(cfg)
+    ckpt = scan(input_path)
+    tensors, kv_order = merge(ckpt, lay)
+    progress = progress_of(ckpt.tag.name)
+    meta = {"hf_config": hf, "source": str(ckpt.tag),
+            "nxd_source": {"tp": ckpt.tp, "pp": ckpt.pp, "xser": ckpt.xser, "kv_replicator": lay.kv_replicator,
+                           "kv_replication": kv_order if lay.kv_replicator > 1 else None, **progress}}
+    save_weights(tensors, output, meta)
+    lines = [f"read {ckpt.tag}: tp {ckpt.tp} x pp {ckpt.pp}, {'xser' if ckpt.xser else 'torch.save'}, "
+             f"{len(tensors)} tensors" + (f", K/V replicated x{lay.kv_replicator} ({kv_order})"
+                                           if lay.kv_replicator > 1 else "")
+             + (", NxDT's " + ", ".join(f"{k} {v:g}" for k, v in progress.items()) if progress else "")]
+    if not ckpt.complete:
+        lines.append(f"notice: {ckpt.tag} has no `done` marker (NxD writes it last): the save may not have finished")
+    if ckpt.has_optimizer:
+        lines.append(f"notice: {ckpt.tag / 'optim'}: optimizer state not carried over (NxDT keys it by its "
+                     "parameter-group order, which the checkpoint does not record); the output is weights-only")
+    lines.append(f"start training from it: exp_manager.resume_from_checkpoint={output} model.weight_init_only=true")
+    return lines
