@@ -14,6 +14,9 @@ A schema field gives its range as bounds in `doc(...)` (its field metadata):
 call it); `text(bounds)` is how a range reads, in error messages and in `--help`. A list value
 has each of its numbers checked. Booleans and non-numbers are the type checker's business.
 
+The reflection the schema's walkers share (`section_class`, `hints`, `type_name`, `type_with_range`:
+how a field's type reads in `--help` and errors) lives here too; `nxdt.config.schema` re-exports it.
+
 This module imports only the standard library.
 """
 
@@ -22,7 +25,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 from dataclasses import field, is_dataclass
-from typing import Any
+from typing import Any, Dict, List, Literal, Optional, Union, get_args, get_origin, get_type_hints
 
 BOUNDS = ("ge", "gt", "le", "lt")
 _FLOAT = tuple(f"float_{b}" for b in BOUNDS)
@@ -118,3 +121,50 @@ def describe(type_names: list[tuple[str, bool]], meta: Mapping) -> str:
             name = f"{name} (each {rng})" if name == "list" else f"{name} {rng}"
         out.append(name)
     return " or ".join(out)
+
+
+# --------------------------------------------------------------------------- field types
+def section_class(hint: Any) -> Optional[type]:
+    """The dataclass behind a field type (unwrapping Optional), or None."""
+    if isinstance(hint, type) and is_dataclass(hint):
+        return hint
+    if get_origin(hint) is Union:
+        for arg in get_args(hint):
+            if isinstance(arg, type) and is_dataclass(arg):
+                return arg
+    return None
+
+
+_HINTS: Dict[type, Dict[str, Any]] = {}
+
+
+def hints(cls: type) -> Dict[str, Any]:
+    """Resolved type hints of a schema dataclass (cached)."""
+    if cls not in _HINTS:
+        _HINTS[cls] = get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def type_name(hint: Any) -> str:
+    """A short human name for a type hint: 'int', 'float or null', 'one of [...]'."""
+    origin = get_origin(hint)
+    if hint is Any:
+        return "any"
+    if hint is type(None):
+        return "null"
+    if origin is Literal:
+        return f"one of {list(get_args(hint))}"
+    if origin is Union:
+        return " or ".join(type_name(a) for a in get_args(hint))
+    if origin in (list, List):
+        return "list"
+    if origin in (dict, Dict):
+        return "mapping"
+    if isinstance(hint, type) and is_dataclass(hint):
+        return "mapping"
+    return getattr(hint, "__name__", str(hint))
+
+
+def type_with_range(tname: str, meta: Dict[str, Any]) -> str:
+    """'int or null' with the field's range: 'int >= 1 or null' (nxdt.config.ranges)."""
+    return describe([(name, name == "float") for name in tname.split(" or ")], meta)

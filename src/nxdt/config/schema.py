@@ -33,12 +33,12 @@ This module imports only the standard library (and nxdt.config's sharding table,
 """
 
 import dataclasses
-from dataclasses import dataclass, is_dataclass
-from typing import Any, Dict, List, Literal, Optional, Union, get_args, get_origin, get_type_hints
+from dataclasses import dataclass
+from typing import Any, Dict, List, Literal, Optional, Union
 
-from nxdt.config import ranges
 from nxdt.config.errors import ConfigError
 from nxdt.config.ranges import doc  # noqa: F401  (re-exported: the schema's field helper)
+from nxdt.config.ranges import hints, section_class, type_name, type_with_range  # noqa: F401  (re-exported)
 from nxdt.config.schema_finetuning import (  # noqa: F401  (re-exported: sections of NxdtConfig)
     TRUNCATION_MODES, AlignmentConfig, DataAlignmentConfig, DPOConfig, ORPOConfig, PeftConfig, SFTConfig)
 
@@ -546,47 +546,6 @@ def _drop_internal(values: dict, cls: type) -> dict:
     return values
 
 
-def section_class(hint: Any) -> Optional[type]:
-    """The dataclass behind a field type (unwrapping Optional), or None."""
-    if isinstance(hint, type) and is_dataclass(hint):
-        return hint
-    if get_origin(hint) is Union:
-        for arg in get_args(hint):
-            if isinstance(arg, type) and is_dataclass(arg):
-                return arg
-    return None
-
-
-_HINTS: Dict[type, Dict[str, Any]] = {}
-
-
-def hints(cls: type) -> Dict[str, Any]:
-    """Resolved type hints of a schema dataclass (cached)."""
-    if cls not in _HINTS:
-        _HINTS[cls] = get_type_hints(cls)
-    return _HINTS[cls]
-
-
-def type_name(hint: Any) -> str:
-    """A short human name for a type hint: 'int', 'float or null', 'one of [...]'."""
-    origin = get_origin(hint)
-    if hint is Any:
-        return "any"
-    if hint is type(None):
-        return "null"
-    if origin is Literal:
-        return f"one of {list(get_args(hint))}"
-    if origin is Union:
-        return " or ".join(type_name(a) for a in get_args(hint))
-    if origin in (list, List):
-        return "list"
-    if origin in (dict, Dict):
-        return "mapping"
-    if isinstance(hint, type) and is_dataclass(hint):
-        return "mapping"
-    return getattr(hint, "__name__", str(hint))
-
-
 def iter_fields(cls: type = NxdtConfig, prefix: str = ""):
     """Yield (dotted_key, type_name, default, help, metadata) for every leaf key of the schema."""
     inst = cls()
@@ -599,8 +558,3 @@ def iter_fields(cls: type = NxdtConfig, prefix: str = ""):
             yield from iter_fields(sub, key + ".")
             continue
         yield key, type_name(hints(cls)[f.name]), getattr(inst, f.name), f.metadata.get("help", ""), f.metadata
-
-
-def type_with_range(tname: str, meta: Dict[str, Any]) -> str:
-    """'int or null' with the field's range: 'int >= 1 or null' (nxdt.config.ranges)."""
-    return ranges.describe([(name, name == "float") for name in tname.split(" or ")], meta)
