@@ -185,7 +185,7 @@ def test_nxdt_train_launcher_a_workers_error_is_one_line_exit_2(data_args, tmp_p
     assert "ChildFailedError" not in proc.stderr and "exitcode" not in proc.stderr, proc.stderr
 
 
-def test_a_launched_runs_resume_command_is_the_launcher(monkeypatch, tmp_path):
+def test_a_launched_runs_resume_command_is_the_launcher(monkeypatch, tmp_path, capsys):
     """The workers of `nxdt train --nproc-per-node 2` run `python -m nxdt.cli train`: the closing resume
     command is `nxdt train --standalone --nproc-per-node 2 ...` (not `torchrun ... nxdt/cli.py`, which
     would lack the command name)."""
@@ -200,3 +200,14 @@ def test_a_launched_runs_resume_command_is_the_launcher(monkeypatch, tmp_path):
     resume = shlex.split(next(line for line in text.splitlines() if line.startswith("resume"))[len("resume"):])
     assert resume[0].endswith("nxdt") and resume[1:5] == ["train", "--standalone", "--nproc-per-node", "2"]
     assert is_launch(resume[2:]) and resume[5:7] == BASE
+    assert "--prompt 'And God said'" in text  # the bundled corpus; a run on other data: a word to fill in
+    from types import SimpleNamespace
+
+    from nxdt.spec import load_config
+    from nxdt.tools.train import REPO_CONF_DIR, print_next_steps
+
+    for extra, prompt in (([], "'And God said'"), ([f"data.tokenizer.type={tmp_path}"], "PROMPT")):
+        cfg = load_config([*BASE, *extra], default_config_dir=REPO_CONF_DIR, check_paths=False, quiet=True)
+        print_next_steps(cfg, SimpleNamespace(log_dir=tmp_path), SimpleNamespace(argv=BASE, multirun=False),
+                         [(3, tmp_path / "ckpt")])
+        assert f"--prompt {prompt} --stream" in capsys.readouterr().out  # a code corpus is not asked about God

@@ -46,10 +46,15 @@ def launch_prefix(environ=None) -> list[str]:
     return [*torchrun, shown(script)]
 
 
+# the sample prompt of a run on the bundled corpus (KJV); other data gets a word to replace
+BUNDLED_PROMPT = "And God said"
+
+
 def format_next_steps(checkpoint: Path | None, log_dir: Path, argv: list[str], max_steps: int,
-                      environ=None, preempted: bool = False) -> str:
+                      environ=None, preempted: bool = False, prompt: str = BUNDLED_PROMPT) -> str:
     """The closing lines of a run (rank 0). A finished run's resume command trains as many steps
-    again; a preempted run's continues to its own max_steps."""
+    again; a preempted run's continues to its own max_steps. `prompt`: the sample command's (a run
+    on other data than the bundled corpus gets PROMPT, to fill in)."""
     lines = []
     if checkpoint is not None:
         args = [a for a in argv if not a.startswith(_REPLACED)]
@@ -60,7 +65,7 @@ def format_next_steps(checkpoint: Path | None, log_dir: Path, argv: list[str], m
         lines += [
             f"checkpoint   {shown(checkpoint)}",
             f"{'continue' if preempted else 'resume':<12} {' '.join(resume)}",
-            f"sample       {nxdt} generate --checkpoint {shlex.quote(shown(checkpoint))} --prompt 'And God said' --stream",
+            f"sample       {nxdt} generate --checkpoint {shlex.quote(shown(checkpoint))} --prompt {shlex.quote(prompt)} --stream",
             f"evaluate     {nxdt} evaluate --checkpoint {shlex.quote(shown(checkpoint))}",
         ]
     lines += [

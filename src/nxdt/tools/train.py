@@ -19,6 +19,7 @@ from nxdt.config import describe
 from nxdt.config.env import apply_env
 from nxdt.config.errors import ConfigError
 from nxdt.config.load import compose, main_guard, quote_value
+from nxdt.config.resolvers import asset_path
 from nxdt.config.load import global_rank as _global_rank
 from nxdt.exp.exp_manager import resolve_dirs
 from nxdt.spec import load_config
@@ -34,7 +35,7 @@ from nxdt.tools.command_line import (
     write_hydra_record,
 )
 from nxdt.tools.launch import is_launch, launch
-from nxdt.tools.next_steps import format_next_steps
+from nxdt.tools.next_steps import BUNDLED_PROMPT, format_next_steps
 
 REPO_CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
 
@@ -214,8 +215,10 @@ def print_next_steps(cfg, dirs, cl, found: list, preempted: bool = False) -> Non
     argv = cl.argv if cl is not None and not cl.multirun else None
     checkpoint = found[-1][1] if found and argv is not None else None
     print(f"logs         {dirs.log_dir}", flush=True)
-    print(format_next_steps(checkpoint, dirs.log_dir, argv or [], cfg.trainer.max_steps, preempted=preempted),
-          flush=True)
+    tok = cfg.data.tokenizer  # the bundled KJV tokenizer (null or ${nxdt_asset:tokenizer}): the bundled corpus
+    bundled = tok.library == "huggingface" and (tok.type is None or Path(tok.type) == Path(asset_path("tokenizer")))
+    print(format_next_steps(checkpoint, dirs.log_dir, argv or [], cfg.trainer.max_steps, preempted=preempted,
+                            prompt=BUNDLED_PROMPT if bundled else "PROMPT"), flush=True)
 
 
 def write_hydra_job(log_dir, cl, record: dict, job_num: int, overrides: list[str]) -> None:
