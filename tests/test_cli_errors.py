@@ -211,3 +211,22 @@ def test_a_launched_runs_resume_command_is_the_launcher(monkeypatch, tmp_path, c
         print_next_steps(cfg, SimpleNamespace(log_dir=tmp_path), SimpleNamespace(argv=BASE, multirun=False),
                          [(3, tmp_path / "ckpt")])
         assert f"--prompt {prompt} --stream" in capsys.readouterr().out  # a code corpus is not asked about God
+
+
+@pytest.mark.parametrize("code, line", [(2, ""), (3, ""), (1, "error: rank 1 exited with code 1 (pid 4242); its output "
+                                                             "is above"), (-9, "error: rank 1 was killed by SIGKILL")])
+def test_nxdt_train_launcher_reports_a_failed_worker_in_one_line(data_args, capsys, monkeypatch, code, line):
+    """torchrun's ChildFailedError becomes the exit code: 2 and 3 silently (rank 0 said why), any other
+    failure one line naming the rank (its traceback is in its output above)."""
+    import torch.distributed.run
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from nxdt.cli import main
+
+    def failed(args):
+        raise ChildFailedError("nxdt.cli", {1: ProcessFailure(local_rank=1, pid=4242, exitcode=code, error_file="")})
+
+    monkeypatch.setattr(torch.distributed.run, "run", failed)
+    assert main(["train", "--standalone", "--nproc-per-node", "2", *BASE, *data_args]) == (1 if code not in (2, 3) else code)
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(line) and len(err.splitlines()) <= 1, err
