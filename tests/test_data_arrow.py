@@ -12,10 +12,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from test_data_modules import base_cfg, fake_trainer
 
 from nxdt.config.errors import ConfigError
 from nxdt.data.arrow_shards import ArrowShardDocuments
+from nxdt.data.assets import bundled_tokenizer_dir
 from nxdt.data.select import build_datamodule
 from nxdt.spec import build_spec
 
@@ -301,6 +303,10 @@ def test_vocabulary_check_on_arrow_shards(tmp_path):
     cfg.data.datasets, cfg.data.bos_token = ["ok"], VOCAB
     with pytest.raises(ConfigError, match=rf"^data.bos_token: {VOCAB} is not below the tokenizer's vocabulary"):
         build_datamodule(build_spec(cfg), fake_trainer()).train_dataloader()
+    cfg.data.bos_token, cfg.data.eol_token = None, VOCAB + 1
+    with pytest.raises(ConfigError, match=rf"^data.eol_token: {VOCAB + 1} is not below the tokenizer's vocabulary "
+                                          rf"\(data.tokenizer.type=null, the bundled tokenizer: {VOCAB} tokens\)$"):
+        build_datamodule(build_spec(cfg), fake_trainer()).train_dataloader()
 
 
 def test_data_with_ids_past_the_vocabulary_stops_the_run_before_training(tmp_path, capsys):
@@ -334,3 +340,197 @@ def test_data_with_ids_past_the_vocabulary_stops_the_run_before_training(tmp_pat
     assert stop.value.code == 2 and len(errors) == 1 and "Traceback" not in out.err, out.err[-2000:]
     assert f"{prefix}.bin" in errors[0] and "token ids reach 8999" in errors[0] and "has 8192 tokens" in errors[0]
     assert "nxdt run" not in out.out and "reduced_train_loss" not in out.out  # no summary, no step
+
+
+# ----------------------------------------------------------------------------- fms-fsdp's strip / bol / eol
+
+
+def fms_buffer_lines(docs: list[list[int]], length: int, bol, eol, count: int) -> list[list[int]]:
+    """fms-fsdp 5a296af's BufferDataset._get_buffer (pack_hard=True), copied: `count` lines of `length`
+    tokens packed from the document stream `docs`, each started by bol and ended by eol."""
+    it, buffer, lines = iter(docs), [], []
+    for _ in range(count):
+        new = []
+        while len(buffer) + len(new) < length:
+            buffer += new
+            new = next(it)
+        if bol is not None and (len(buffer) == 0 or buffer[0] != bol):
+            buffer = [bol] + buffer
+        if len(buffer) >= length:
+            out = buffer[:length]
+            buffer = buffer[length:]
+            if eol is not None and out[-1] != eol:
+                buffer = [out[-1]] + buffer
+                out[-1] = eol
+            buffer = buffer + new
+        else:
+            buffer = buffer + new
+            out = buffer[:length]
+            buffer = buffer[length:]
+            if eol is not None and out[-1] != eol:
+                buffer = [out[-1]] + buffer
+                out[-1] = eol
+        lines.append(out)
+    return lines
+
+
+def test_strip_tokens_and_fms_lines_with_bol_and_eol(tmp_path):
+    """strip_tokens (and bol / eol, fms-fsdp's droplist) leave a document's ends; a sample with
+    data.bol_token / data.eol_token is fms-fsdp's packed line, token for token."""
+    from nxdt.data.logical_shards import ShardedStreams
+
+    STRIP, BOL, EOL = 5, 6, 7
+    docs = _docs(100, 60, 5)
+    docs[0] = [STRIP] + docs[0] + [EOL]
+    docs[3] = [BOL] + docs[3] + [STRIP]
+    docs[4] = docs[4][:2] + [STRIP] + docs[4][2:]  # inside a document: kept
+    write_fms_folder(tmp_path / "ds", docs)
+    ix = ArrowShardDocuments(str(tmp_path / "ds"), sep_token=SEP, bos_token=BOS, strip_tokens=[STRIP, BOL, EOL])
+    want = [[BOS] + d + [SEP] for d in _docs(100, 60, 5)]  # the added tokens are gone again
+    want[4] = [BOS] + docs[4] + [SEP]
+    assert [ix.get(i).tolist() for i in range(len(ix))] == want
+    assert pickle.loads(pickle.dumps(ix)).get(3).tolist() == want[3]
+    parts = [(ix, np.arange(len(ix)))]
+    for bol, eol in ((BOL, EOL), (BOL, None), (None, EOL)):
+        streams = ShardedStreams(parts, logical_shards=2, seq_length=8, seed=3, bol=bol, eol=eol)
+        order, _ = streams._epoch(0, 1, 0)
+        n = int(streams.samples_per_epoch[0, 1])
+        stream = sum((ix.get(int(d)).tolist() for d in order), [])
+        assert n == len(stream) // (9 - (bol is not None) - (eol is not None))
+        lines = fms_buffer_lines([ix.get(int(d)).tolist() for d in order], 9, bol, eol, n)
+        assert [streams.tokens(0, 1, j).tolist() for j in range(n)] == lines, (bol, eol)
+    plain = ShardedStreams(parts, logical_shards=2, seq_length=8, seed=3)  # Megatron's overlapping samples
+    assert plain.tokens(0, 1, 1).tolist()[0] == plain.tokens(0, 1, 0).tolist()[-1]
+
+
+# ----------------------------------------------------------------------------- raw-text parquet
+
+
+def _texts(n: int, seed: int) -> list[str]:
+    words = "in the beginning God created heaven and earth light darkness waters deep spirit".split()
+    rng = np.random.RandomState(seed)
+    return [" ".join(rng.choice(words, rng.randint(3, 40))) + "." for _ in range(n)]
+
+
+def _write_text_parquet(folder, texts: list[str], files: int = 2, col: str = "text") -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    per = -(-len(texts) // files)
+    for f in range(files):
+        pq.write_table(pa.table({col: texts[f * per : (f + 1) * per], "id": list(range(len(texts[f * per:][:per])))}),
+                       str(folder / f"part-{f:05d}.parquet"), row_group_size=7)
+
+
+def test_hf_parquet_text_is_tokenized_in_file_order(tmp_path):
+    from nxdt.data.tokenizers import build_tokenizer
+
+    tok = build_tokenizer(None)
+    texts = _texts(30, 0)
+    _write_text_parquet(tmp_path / "raw", texts)
+    ix = ArrowShardDocuments(str(tmp_path / "raw"), "text", sep_token=SEP, bos_token=BOS, file_type="hf_parquet",
+                             tokenizer=tok)
+    want = [virtual(tok(t)["input_ids"]) for t in texts]  # fms-fsdp's ParquetHandler: tokenizer(text)
+    assert ix.files == ["part-00000.parquet", "part-00001.parquet"] and len(ix) == 30
+    assert [ix.get(i).tolist() for i in range(30)] == want and ix.sizes.tolist() == [len(w) for w in want]
+    assert ix.max_token_id() == max(max(w) for w in want)
+    again = pickle.loads(pickle.dumps(ix))  # a spawned worker: the tokens travel, no tokenizer needed
+    assert again.tokenizer is None and [again.get(i).tolist() for i in range(30)] == want
+    assert ix.cache_stamp()["tokenizer"][1] == VOCAB
+    # auto: .arrow token ids and .parquet text (fms-fsdp's AutoHandler)
+    write_fms_folder(tmp_path / "raw", [[300, 301, 302]], files=1)
+    auto = ArrowShardDocuments(str(tmp_path / "raw"), "text", sep_token=SEP, file_type="auto", tokenizer=tok)
+    assert auto.files[0] == "part-00000.parquet" and auto.files[-1] == "shard_0.arrow"
+    assert auto.get(30).tolist() == [300, 301, 302, SEP] and auto.get(0).tolist() == want[0][1:]
+    # bad files: one line each
+    pq.write_table(pa.table({"text": ["a", None]}), str(tmp_path / "raw" / "part-00002.parquet"))
+    with pytest.raises(ConfigError, match=r"part-00002.parquet: column 'text' has 1 null rows \(data.col_name=text\)$"):
+        ArrowShardDocuments(str(tmp_path / "raw"), "text", file_type="hf_parquet", tokenizer=tok)
+    pq.write_table(pa.table({"text": [[1, 2]]}), str(tmp_path / "raw" / "part-00002.parquet"))
+    with pytest.raises(ConfigError, match=r"part-00002.parquet: column 'text' is list<element: int64>, not raw text"):
+        ArrowShardDocuments(str(tmp_path / "raw"), "text", file_type="hf_parquet", tokenizer=tok)
+    with pytest.raises(ConfigError, match=r"^data.datasets: .*arrowonly has no .parquet shards \(data.file_type="):
+        write_fms_folder(tmp_path / "arrowonly", [[1, 2]], files=1)
+        ArrowShardDocuments(str(tmp_path / "arrowonly"), "text", file_type="hf_parquet", tokenizer=tok)
+
+
+def test_hf_parquet_datamodule_resumes_bitwise(tmp_path, monkeypatch):
+    """Two datasets of raw-text parquet through the logical-shard data module: the state after 2 of 4
+    steps, loaded into a fresh module, gives bitwise the batches the first run read next."""
+    root = tmp_path / "data"
+    _write_text_parquet(root / "a", _texts(40, 1))
+    _write_text_parquet(root / "b", _texts(40, 2), files=3)
+    cfg = base_cfg(datasets="a,b", weights="3,1", data_path=str(root), logical_shards=2, file_type="hf_parquet",
+                   col_name="text", eos_token=SEP, bol_token=BOS, splits_string="100,0,0")
+    monkeypatch.chdir(tmp_path)
+    dm = build_datamodule(build_spec(cfg), fake_trainer())
+    batches = list(dm.train_dataloader())
+    assert len(batches) == 4 and all(int(r[0]) == BOS for b in batches for r in b["input_ids"])
+    dm.trainer.lightning_module.consumed_samples = 8  # 2 steps of 4 trained
+    state = dm.state_dict()
+    fresh = build_datamodule(build_spec(cfg), fake_trainer(consumed=8))
+    fresh.load_state_dict(state)
+    resumed = list(fresh.train_dataloader())
+    assert len(resumed) == 2 and not torch.equal(resumed[0]["input_ids"], batches[0]["input_ids"])
+    for a, b in zip(batches[2:], resumed):
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["labels"], b["labels"])
+
+
+# ----------------------------------------------------------------------------- fms-fsdp configs train (2 ranks)
+
+TINY_MODEL = ["model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=176", "model.num_attention_heads=4",
+              "model.num_kv_heads=2", "model.max_position_embeddings=128", f"model.vocab_size={VOCAB}",
+              "trainer.enable_progress_bar=false"]
+
+
+def _fms_config(path, log_dir, root, **fields) -> None:
+    """A train_config as fms-fsdp's users write it: its field names, comma strings, its model_variant."""
+    values = {"model_variant": "llama3_194m_4k", "ckpt_load_path": str(log_dir), "ckpt_save_path": str(log_dir),
+              "data_path": str(root), "seq_length": 32, "eos_token": SEP, "logical_shards": 2, "num_workers": 0,
+              "sharding_strategy": "hsdp", "mixed_precision": True, "batch_size": 2, "num_steps": 4,
+              "report_interval": 1, "checkpoint_interval": 2, "use_torch_compile": False,
+              "tokenizer_path": str(bundled_tokenizer_dir()), **fields}
+    path.write_text("".join(f"{k}: {v!r}\n" if isinstance(v, str) else f"{k}: {v}\n" for k, v in values.items()))
+
+
+@pytest.fixture(scope="module")
+def fms_runs(tmp_path_factory):
+    """One 2-rank launch: an imported fms-fsdp config on arrow shards (bol / eol / strip_tokens), one on
+    raw-text parquet, that one resumed, and the bf16 gradient-reduction check (tests/fms_runs.py).
+    fms-fsdp's presets are too big for CPU: the model is shrunk with nxdt overrides, nothing else."""
+    from conftest import run_pool
+
+    from nxdt.cli import main as cli
+
+    tmp = tmp_path_factory.mktemp("fms")
+    root = tmp / "data"
+    write_fms_folder(root / "en" / "a", _docs(100, 300, 6))
+    write_fms_folder(root / "en" / "b", _docs(5000, 150, 7), files=3)
+    _write_text_parquet(root / "raw", _texts(300, 8), files=3)
+    logs = {name: tmp / name for name in ("arrow", "parquet")}
+    _fms_config(tmp / "arrow.yaml", logs["arrow"], root, datasets="en/a,en/b", weights="3,1", bos_token=BOS,
+                bol_token=3, eol_token=4, strip_tokens="5,6")
+    _fms_config(tmp / "parquet.yaml", logs["parquet"], root, datasets="raw", weights="1", file_type="hf_parquet",
+                col_name="text")
+    for name in ("arrow", "parquet"):
+        assert cli(["import-config", "fms", str(tmp / f"{name}.yaml"), "--seed=7", "--num-gpus", "2",
+                    "--output", str(tmp / f"fms_{name}.yaml")]) == 0
+    argv = {name: ["--config-path", str(tmp), "--config-name", f"fms_{name}", *TINY_MODEL] for name in logs}
+    runs = {"arrow": argv["arrow"], "parquet": argv["parquet"],
+            "parquet_resumed": [*argv["parquet"], "trainer.max_steps=6"], "reduce": ["reduce-check"]}
+    procs = run_pool(runs, 2, tmp / "pool", entry="fms_runs")
+    return tmp, logs, procs
+
+
+def test_imported_fms_configs_train_on_two_ranks(fms_runs):
+    from conftest import read_scalars
+
+    tmp, logs, procs = fms_runs
+    imported = (tmp / "fms_arrow.yaml").read_text()
+    assert "grad_reduce_dtype: bf16" in imported and "sharding_strategy: HSDP" in imported
+    assert "datasets: [en/a, en/b]" in imported and "strip_tokens: [5, 6]" in imported
+    arrow = read_scalars(logs["arrow"])["reduced_train_loss"]
+    assert sorted(arrow) == [0, 1, 2, 3] and all(np.isfinite(v) and 0 < v < 10 for v in arrow.values())
+    text = read_scalars(logs["parquet"])["reduced_train_loss"]
+    assert sorted(text) == [0, 1, 2, 3, 4, 5]  # 4 steps, then 2 more resumed from the step-4 checkpoint
+    assert "resuming from " in procs["parquet_resumed"].stdout and "step=4-consumed_samples=16.0 (step 4, " in \
+        procs["parquet_resumed"].stdout
+    assert "reduce-check: bf16 = bf16 reference, fp32 = fp32 reference" in procs["reduce"].stdout

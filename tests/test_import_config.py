@@ -291,12 +291,9 @@ NEOX_ARGUMENTS = REPO / "tests" / "neox_arguments.json"  # every NeoXArgs field 
                                   "NeoX builds local (windowed) attention in 6 of 12 layers"]),
     (["125M-dmoe.yml"], ["'moe_num_experts' (in 125M-dmoe.yml) = 8: NeoX's dropless MoE (megablocks) has experts of "
                          "two matrices"]),
-    (["llama2_7B.yml"], ["'use_bias_in_attn_linear' (in llama2_7B.yml) = False: with use-bias-in-mlp true (NeoX "
-                         "default): NeoX puts biases in only one of attention and MLP"]),
     (["mistral_7B.yml"], ["'intermediate_size' (in mistral_7B.yml) = 14336: NeoX's gated MLP (megatron/model/"
                           "transformer.py ParallelMLP) gets a gate+up projection of 9558 rows (4779 each) and a down "
-                          "projection of 4778 inputs, which do not fit",
-                          "'use_bias_in_attn_linear' (in mistral_7B.yml) = False"]),
+                          "projection of 4778 inputs, which do not fit"]),
 ])
 def test_neox_files_of_models_nxdt_cannot_build_are_refused(tmp_path, capsys, monkeypatch, files, refused):
     """NeoX's own files: every model setting nxdt cannot build is named, all in one error, exit 2, nothing
@@ -354,3 +351,20 @@ def test_every_neox_argument_is_classified():
     listed = {key.replace("-", "_") for _c, key, _v, _w in out.listed}
     assert {"te_fp8_format", "mamba_inner_func_fusion", "override_lr_scheduler", "te_mha",
             "temperature", "use_qk_layernorm", "moe_top_k"} <= listed
+
+
+def test_neox_llama2_imports_with_neoxs_exact_count(tmp_path, capsys, monkeypatch):
+    """NeoX's llama2 files put no biases on attention and (NeoX's default use-bias-in-mlp) biases on the MLP:
+    model.has_bias false + model.mlp_bias true, the parameter count NeoX builds (was +835,584 off, approximated)."""
+    monkeypatch.chdir(NEOX_CONFIGS)
+    out = tmp_path / "llama2.yaml"
+    rc, _, err = _import(capsys, "llama2_7B.yml", "local_setup.yml", "--vocab-size", "32000", "--output", out)
+    assert rc == 0, err
+    assert "a model-only file" in err  # no batch / train-iters in NeoX's llama2 files
+    cfg = _load(out)
+    assert (cfg.model.has_bias, cfg.model.mlp_bias, cfg.model.ffn_hidden_size) == (False, True, 11008)
+    h, layers, vocab, ffn = 4096, 32, 32000, 11008
+    # NeoX: q, k, v, o without bias; linear1 [2 x ffn, h] + bias, linear2 [h, ffn] + bias; 2 RMSNorms; untied
+    layer = 4 * h * h + (2 * ffn * h + 2 * ffn) + (ffn * h + h) + 2 * h
+    assert plan_main(["--config-path", str(tmp_path), "--config-name", "llama2"]) == 0
+    assert f"parameters   {2 * vocab * h + layers * layer + h:,} total" in capsys.readouterr().out  # 6,739,251,200

@@ -80,6 +80,9 @@ LLAMA3_SCALING = {
         pytest.param({"num_kv_heads": 1, "rope_theta": 500000.0, "rope_scaling": LLAMA3_SCALING}, id="llama3-rope"),
         pytest.param({"has_bias": True, "share_embeddings_and_output_weights": True}, id="bias-tied"),
         pytest.param({"kv_channels": 32}, id="head-dim-override"),
+        # GPT-NeoX's Llama-style files: MLP biases without attention biases (transformers' mlp_bias)
+        pytest.param({"mlp_bias": True}, id="mlp-bias-only"),
+        pytest.param({"has_bias": True, "mlp_bias": False}, id="attention-bias-only"),
     ],
 )
 def test_logits_match_transformers(kw):

@@ -268,7 +268,8 @@ INERT: list[tuple[str, Inert]] = [
                                       unless=lambda c: c.data.tokenizer.library == "huggingface")),
     *_gate(_section_keys("data.dynamic_selection."), "only data.dynamic_data_selection sheared_llama / sheared_llama_paper reads it",
            lambda c: c.data.dynamic_data_selection != "none"),
-    *_gate(["data.data_path", "data.col_name", "data.sep_token", "data.bos_token"],
+    *_gate(["data.data_path", "data.col_name", "data.sep_token", "data.bos_token", "data.eos_token",
+            "data.bol_token", "data.eol_token", "data.strip_tokens", "data.file_type"],
            "only data.datasets reads it (data_path: its folder; the others: its arrow / parquet shards)",
            lambda c: c.data.datasets is not None),
 ]

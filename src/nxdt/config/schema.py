@@ -324,16 +324,19 @@ class DataConfig:
     data_module: Optional[str] = doc(
         None, "custom LightningDataModule 'pkg.module.Class' taking (cfg, trainer); other data keys are free")
     use_dummy_dataset: bool = doc(False, "fms-fsdp: random tokens instead of data (performance runs)")
-    datasets: Optional[List[str]] = doc(None, "fms-fsdp: dataset sub-folders to blend")
-    weights: Optional[List[float]] = doc(None, "fms-fsdp: blend weight of each entry of datasets")
+    datasets: Optional[List[str]] = doc(None, "fms-fsdp: dataset sub-folders to blend (or its comma string 'a,b')")
+    weights: Optional[List[float]] = doc(None, "fms-fsdp: blend weight of each entry of datasets (or '7725,500')")
     logical_shards: Optional[int] = doc(None, "fms-fsdp: logical shards (resumable across rank counts)", ge=1)
     data_path: Optional[str] = doc(None, "fms-fsdp: the folder data.datasets entries are relative to")
     col_name: str = doc("tokens", "fms-fsdp: the token-id column of arrow / parquet shards")
-    sep_token: Optional[int] = doc(
-        None, "fms-fsdp: token appended to every document of arrow / parquet shards; null = the tokenizer's "
-              "end-of-document id", ge=0)
-    bos_token: Optional[int] = doc(None, "fms-fsdp: token put before every document of arrow / parquet shards; "
-                                         "null = none", ge=0)
+    sep_token: Optional[int] = doc(None, "fms-fsdp: appended to every shard document; null = the tokenizer's eod", ge=0)
+    bos_token: Optional[int] = doc(None, "fms-fsdp: put before every shard document; null = none", ge=0)
+    eos_token: Optional[int] = doc(None, "fms-fsdp's name of sep_token (both given: they must agree)", ge=0, alias="sep_token")
+    bol_token: Optional[int] = doc(None, "fms-fsdp: token starting every training sample (line); null = none", ge=0)
+    eol_token: Optional[int] = doc(None, "fms-fsdp: token ending every training sample (line); null = none", ge=0)
+    strip_tokens: List[int] = doc([], "fms-fsdp: ids dropped from a document's first / last position (or '5,6')")
+    file_type: Literal["arrow", "hf_parquet", "auto"] = doc("arrow", "fms-fsdp: arrow = token-id shards; hf_parquet = "
+        ".parquet raw text (data.col_name) tokenized when opened; auto = .arrow 'tokens' ids + .parquet text")
     dynamic_data_selection: Literal["none", "sheared_llama", "sheared_llama_paper"] = doc(
         "none", "LLaMA-MoE: move the blend's weights by each domain's held-out loss against its reference "
                 "(Sheared-LLaMA's dynamic batch loading): sheared_llama = LLaMA-MoE's rule (the signed "
@@ -444,6 +447,9 @@ class ModelConfig:
     gpt_j_tied: bool = doc(True, "gpt_j: attention and MLP share one input norm (GPT-J, NeMo); false: two "
                            "(GPT-NeoX / Pythia, transformers' use_parallel_residual)")
     has_bias: bool = doc(False, "biases in linear layers")
+    mlp_bias: Optional[bool] = doc(None, "biases in the MLP's linear layers; null = model.has_bias (GPT-NeoX's "
+                                         "use_bias_in_mlp, transformers' mlp_bias: Llama-style files of NeoX have "
+                                         "them without attention biases)")
     # hf-specific
     qkv_linear: bool = doc(False, "NxDT GQAQKVLinear (one module for q, k, v)")
     fuse_qkv: bool = doc(False, "fuse q, k, v projections into one matmul")
@@ -496,6 +502,7 @@ class PrecisionConfig:
     neuron_rt_stochastic_rounding_en: ZeroOne = doc(
         "0", "manual: '1' = stochastic rounding to bf16 (NEURON_RT_STOCHASTIC_ROUNDING_EN on Neuron)")
     fp16: Fp16Config = doc(Fp16Config, "fp16 with loss scaling (GPT-NeoX)")
+    grad_reduce_dtype: Literal["fp32", "bf16"] = doc("fp32", "FSDP's gradient-reduction dtype; bf16 = fms-fsdp's bfSixteen")
     parallel_layers_reduce_dtype: Optional[Literal["bf16", "fp32", "fp16"]] = doc(
         None, "NxDT 2.21+: dtype of the tensor/sequence-parallel all-reduces and reduce-scatters; nxdt reduces "
               "in the compute dtype (NxDT's default: fp32 under type fp32, else bf16)")

@@ -5,7 +5,8 @@ Stages (in this order):
    every number (the schema's `ge=`/`gt=`/... , `nxdt.config.ranges`; keys given directly before
    keys filled by an interpolation, so the key the user set is the one named); coerces values
    in place (ints and numeric strings such as "3e-4" to floats for float keys) and normalises
-   (the string 'None' -> null, vpp null -> 1, sequence_parallel off when tp == 1, megatron defaults,
+   (the string 'None' -> null, fms-fsdp's comma strings and data.eos_token, vpp null -> 1,
+   sequence_parallel off when tp == 1, megatron defaults,
    NxDT's recompute class names, sched.max_steps);
    `model.optim` by `nxdt.config.optim_keys` (names, keys, ranges, the schedule's steps).
 2. `NOT_SUPPORTED_YET` (`nxdt.config.inert`): values the schema accepts but nxdt does not build yet.
@@ -272,6 +273,47 @@ def _set(node: DictConfig, key: str, value: Any) -> None:
         node[key] = value
 
 
+def _comma_list(node: DictConfig, key: str, kind: type) -> None:
+    """fms-fsdp's comma-string form of a list ('a,b,c', '7725,500', '' = empty) -> the list."""
+    value = node.get(key)
+    if not isinstance(value, str):
+        return
+    items = [item.strip() for item in value.split(",") if item.strip()]
+    if kind is str:
+        _set(node, key, items)
+        return
+    out = []
+    for i, item in enumerate(items):
+        try:
+            number = kind(float(item)) if kind is int else float(item)
+            if kind is int and float(item) != number:
+                raise ValueError(item)
+        except ValueError:
+            raise ConfigError(f"data.{key}: item {i} of '{value}' is not {'an integer' if kind is int else 'a number'}"
+                              f": '{item}'") from None
+        out.append(number)
+    _set(node, key, out)
+
+
+def _fms_data_forms(data: DictConfig) -> None:
+    """fms-fsdp's comma strings under data: datasets, weights, strip_tokens."""
+    _comma_list(data, "datasets", str)
+    _comma_list(data, "weights", float)
+    _comma_list(data, "strip_tokens", int)
+
+
+def _eos_alias(data: DictConfig) -> None:
+    """data.eos_token (fms-fsdp's name of sep_token, range-checked already) -> data.sep_token."""
+    eos, sep = data.get("eos_token"), data.get("sep_token")
+    if eos is None or isinstance(eos, bool) or not isinstance(eos, int):
+        return  # absent, or the type check names it
+    if sep is None:
+        _set(data, "sep_token", eos)
+    elif sep != eos:
+        raise ConfigError(f"data.eos_token ({eos}) and data.sep_token ({sep}) differ: eos_token is fms-fsdp's name "
+                          "of sep_token; give one of them")
+
+
 def check_schema(cfg: DictConfig) -> list[str]:
     """Unknown keys, types and enumerations; coerces and normalises `cfg` in place. Returns notices."""
     if not isinstance(cfg, DictConfig):
@@ -280,11 +322,15 @@ def check_schema(cfg: DictConfig) -> list[str]:
     _resolve(cfg)
     _none_strings(cfg)
     data = cfg.get("data")
+    if isinstance(data, DictConfig):
+        _fms_data_forms(data)
     free_data = isinstance(data, DictConfig) and data.get("data_module") is not None
     # with a custom data module, extra keys under data are free (known keys are still checked)
     numbers: list = []
     _walk_top(cfg, free_data, numbers)
     _check_ranges(numbers, interpolated)
+    if isinstance(data, DictConfig):
+        _eos_alias(data)
     notices: list[str] = []
 
     ds = cfg.distributed_strategy

@@ -8,9 +8,15 @@ An `.arrow` file may also be an IPC *stream* (what `datasets.save_to_disk` write
 whose column is a list<int> has one document per row. Files are taken in the order of their
 relative paths (fms-fsdp's order), documents in file order.
 
+With `data.file_type: hf_parquet` the .parquet files' `col_name` column is raw text, tokenized
+with the run's tokenizer when the folder is opened (nxdt.data.parquet_text); `auto` reads .arrow
+files' `tokens` column as token ids and the .parquet files' `col_name` as text (fms-fsdp's
+AutoHandler).
+
 Every document is read as the virtual document [bos] + tokens + [sep] (fms-fsdp's
-`bos_token` / `sep_token`): a leading or trailing token already equal to bos or sep is dropped
-first, as fms-fsdp's ArrowHandler does, so neither is doubled. `sizes` count those added tokens,
+`bos_token` / `sep_token`): a leading or trailing token already equal to bos or sep, or to one
+of `data.strip_tokens` (and bol / eol, as fms-fsdp's droplist), is dropped first, as fms-fsdp's
+ArrowHandler does, so neither is doubled. `sizes` count those added tokens,
 so `ShardedStreams`, `GPTDataset` and the Megatron split logic work on this class unchanged.
 
 Nothing is loaded into Python lists: uncompressed IPC files are memory-mapped and each document
@@ -31,14 +37,24 @@ import pyarrow.parquet as pq
 from nxdt.config.errors import ConfigError
 from nxdt.spec.paths import SHARD_SUFFIXES
 from nxdt.data.indexed import DocumentAccess
+from nxdt.data.parquet_text import tokenize_text_shard
 
 
-def shard_files(folder: str) -> list[str]:
-    """Relative paths of every .arrow / .parquet file under `folder`, recursively, sorted."""
+FILE_TYPES = {"arrow": SHARD_SUFFIXES, "hf_parquet": (".parquet",), "auto": SHARD_SUFFIXES}
+"""data.file_type -> the files it reads (fms-fsdp's handlers; arrow here also takes list<int> parquet)."""
+
+
+def shard_files(folder: str, file_type: str = "arrow") -> list[str]:
+    """Relative paths of every shard file of `file_type` under `folder`, recursively, sorted."""
     found = []
     for root, _, names in os.walk(folder):
-        found += [os.path.relpath(os.path.join(root, n), folder) for n in names if n.endswith(SHARD_SUFFIXES)]
+        found += [os.path.relpath(os.path.join(root, n), folder) for n in names if n.endswith(FILE_TYPES[file_type])]
     return sorted(found)
+
+
+def is_text_file(rel: str, file_type: str) -> bool:
+    """Whether data.file_type reads this file as raw text (hf_parquet; auto: its .parquet files)."""
+    return file_type in ("hf_parquet", "auto") and rel.endswith(".parquet")
 
 
 def _is_int_list(kind: pa.DataType) -> bool:
@@ -158,16 +174,29 @@ class ArrowShardDocuments(DocumentAccess):
     unit = "documents"
 
     def __init__(self, folder: str, col_name: str = "tokens", sep_token: int | None = None,
-                 bos_token: int | None = None):
+                 bos_token: int | None = None, strip_tokens=(), file_type: str = "arrow", tokenizer=None,
+                 _texts: dict | None = None):
         self.prefix = os.path.normpath(str(folder))
         self.col_name, self.sep_token, self.bos_token = str(col_name), sep_token, bos_token
-        self.files = shard_files(self.prefix)
+        self.strip_tokens, self.file_type, self.tokenizer = [int(t) for t in strip_tokens], str(file_type), tokenizer
+        self.files = shard_files(self.prefix, self.file_type)
+        # auto: col_name names the text column; the .arrow files' ids are in 'tokens' (fms-fsdp's AutoHandler)
+        self.token_column = "tokens" if self.file_type == "auto" else self.col_name
         if not self.files:
-            raise ConfigError(f"data.datasets: {self.prefix} has no .arrow or .parquet shards")
-        drop = [t for t in (bos_token, sep_token) if t is not None]
+            kinds = " or ".join(FILE_TYPES[self.file_type])
+            raise ConfigError(f"data.datasets: {self.prefix} has no {kinds} shards"
+                              + (f" (data.file_type={self.file_type})" if self.file_type != "arrow" else ""))
+        # fms-fsdp's droplist: strip_tokens + bos + eos (+ bol + eol, which the caller puts in strip_tokens)
+        drop = sorted({t for t in (bos_token, sep_token, *self.strip_tokens) if t is not None})
+        self._texts = dict(_texts or {})  # rel -> (tokens, starts, lengths) of the raw-text files
         self._tokens, starts, lengths, counts = [], [], [], [0]
         for rel in self.files:
-            tokens, s, n = index_shard(self.shard_path(rel), self.col_name)
+            if is_text_file(rel, self.file_type):
+                if rel not in self._texts:
+                    self._texts[rel] = tokenize_text_shard(self.shard_path(rel), self.col_name, tokenizer)
+                tokens, s, n = self._texts[rel]
+            else:
+                tokens, s, n = index_shard(self.shard_path(rel), self.token_column)
             s, n = _strip(tokens, s, n, drop)
             self._tokens.append(tokens)
             starts.append(s)
@@ -193,11 +222,13 @@ class ArrowShardDocuments(DocumentAccess):
 
     # -- pickling: DataLoader workers started with spawn re-open (and re-index) the files
 
-    def __getstate__(self):
-        return {"folder": self.prefix, "col_name": self.col_name, "sep": self.sep_token, "bos": self.bos_token}
+    def __getstate__(self):  # raw text travels tokenized: a worker needs no tokenizer
+        return {"folder": self.prefix, "col_name": self.col_name, "sep": self.sep_token, "bos": self.bos_token,
+                "strip": self.strip_tokens, "file_type": self.file_type, "texts": self._texts}
 
     def __setstate__(self, state):
-        self.__init__(state["folder"], state["col_name"], state["sep"], state["bos"])
+        self.__init__(state["folder"], state["col_name"], state["sep"], state["bos"], state["strip"],
+                      state["file_type"], _texts=state["texts"])
 
     # -- the IndexedDataset interface
 
@@ -236,12 +267,21 @@ class ArrowShardDocuments(DocumentAccess):
         for rel in self.files:
             stat = os.stat(self.shard_path(rel))
             files.append([rel, stat.st_size, stat.st_mtime_ns])
-        return {"folder": os.path.abspath(self.prefix), "col_name": self.col_name, "sep": self.sep_token,
-                "bos": self.bos_token, "files": files}
+        stamp = {"folder": os.path.abspath(self.prefix), "col_name": self.col_name, "sep": self.sep_token,
+                 "bos": self.bos_token, "files": files}
+        if self.strip_tokens or self.file_type != "arrow":
+            stamp.update(strip=self.strip_tokens, file_type=self.file_type)
+        if self._texts:  # the documents' lengths depend on the tokenizer
+            tok = self.tokenizer
+            stamp["tokenizer"] = [str(getattr(tok, "name_or_path", type(tok).__name__)), len(tok) if tok else 0]
+        return stamp
 
     def file_max_token_id(self, rel: str) -> int | None:
         """The largest id in one shard file's token column (pyarrow.compute; None when it holds none)."""
-        _, chunks = _column_chunks(self.shard_path(rel), self.col_name)
+        if rel in self._texts:
+            tokens = self._texts[rel][0]
+            return int(tokens.max()) if len(tokens) else None
+        _, chunks = _column_chunks(self.shard_path(rel), self.token_column)
         found = [pc.max(values).as_py() for values, _ in chunks if len(values)]
         return max(found) if found else None
 

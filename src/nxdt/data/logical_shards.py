@@ -8,7 +8,9 @@
 The training documents of each dataset (its first range under `data.splits_string`) are dealt
 into `logical_shards` logical shards (document i → shard i mod L). Each shard is an endless
 stream of fixed samples: epoch e of shard k is its documents in a seeded order, concatenated,
-cut into samples of seq_length + 1 tokens (stride seq_length, as Megatron). Sample j of a shard
+cut into samples of seq_length + 1 tokens (stride seq_length, as Megatron). With
+`data.bol_token` / `data.eol_token` a sample is fms-fsdp's packed line instead: [bol] + the next
+seq_length + 1 - (one per token set) stream tokens + [eol], the lines back to back. Sample j of a shard
 is always the same tokens, whoever reads it.
 
 Data-parallel rank r of n reads the shards k with k mod n == r (L must be a multiple of n). For
@@ -42,6 +44,7 @@ from nxdt.data.dynamic_selection import DomainDraw, DomainSelection
 from nxdt.data.gpt_dataset import get_train_valid_test_split_
 from nxdt.data.indexed import IndexedDataset
 from nxdt.data.megatron_module import MegatronDataModule
+from nxdt.data.vocab_check import tokenizer_label
 
 STATE_VERSION = 1
 PREFETCH_FACTOR = 2  # batches each DataLoader worker prepares ahead (torch's default, pinned here)
@@ -51,10 +54,18 @@ class ShardedStreams(torch.utils.data.Dataset):
     """Samples of the logical shards of several datasets; item key = (dataset, shard, sample index)."""
 
     def __init__(self, parts: list[tuple[IndexedDataset, np.ndarray]], logical_shards: int, seq_length: int,
-                 seed: int, names: list[str] | None = None):
+                 seed: int, names: list[str] | None = None, bol: int | None = None, eol: int | None = None):
         self.parts = parts
         self.L = int(logical_shards)
         self.S = int(seq_length)
+        # fms-fsdp's lines (BufferDataset, pack_hard): [bol] + stream + [eol], seq_length + 1 tokens, and the
+        # next line goes on where this one's stream part ended. Without bol / eol: Megatron's samples of
+        # seq_length + 1 tokens at stride seq_length (consecutive samples share one token).
+        self.bol, self.eol = bol, eol
+        self.window = self.S + 1 - (bol is not None) - (eol is not None)  # stream tokens per sample
+        self.stride = self.S if self.window == self.S + 1 else self.window
+        if self.window < 1:
+            raise ConfigError(f"data.bol_token / data.eol_token: seq_length {self.S} leaves no room for data")
         self.seed = int(seed)
         self.names = names or [ix.prefix for ix, _ in parts]
         if self.L < 1:
@@ -68,10 +79,10 @@ class ShardedStreams(torch.utils.data.Dataset):
                                   "training documents; use fewer logical shards")
             per = [np.asarray(docs[k :: self.L], dtype=np.int64) for k in range(self.L)]
             for k, shard in enumerate(per):
-                spe = (int(sizes[shard].sum()) - 1) // self.S
+                spe = (int(sizes[shard].sum()) - self.window) // self.stride + 1
                 if spe < 1:
                     raise ConfigError(f"data.logical_shards: shard {k} of {ix.prefix} holds fewer than "
-                                      f"seq_length + 1 = {self.S + 1} tokens; use fewer logical shards")
+                                      f"{self.window} tokens (a sample's); use fewer logical shards")
                 self.samples_per_epoch[d, k] = spe
             self.shard_docs.append(per)
         self._epoch_cache: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
@@ -87,10 +98,10 @@ class ShardedStreams(torch.utils.data.Dataset):
         return self._epoch_cache[key]
 
     def tokens(self, d: int, k: int, j: int) -> np.ndarray:
-        """Sample j of shard k of dataset d: seq_length + 1 tokens of that shard's stream."""
+        """Sample j of shard k of dataset d: seq_length + 1 tokens, [bol] + that shard's stream + [eol]."""
         e, i = divmod(int(j), int(self.samples_per_epoch[d, k]))
         order, starts = self._epoch(d, k, e)
-        begin, end = i * self.S, i * self.S + self.S + 1
+        begin, end = i * self.stride, i * self.stride + self.window
         first = int(np.searchsorted(starts, begin, side="right")) - 1
         ix = self.parts[d][0]
         out, pos, doc = [], begin, first
@@ -100,7 +111,9 @@ class ShardedStreams(torch.utils.data.Dataset):
                 out.append(ix.get(int(order[doc]), pos - int(starts[doc]), take))
             pos += max(take, 0)
             doc += 1
-        return np.concatenate(out).astype(np.int64)
+        head = [np.asarray([self.bol])] if self.bol is not None else []
+        tail = [np.asarray([self.eol])] if self.eol is not None else []
+        return np.concatenate(head + out + tail).astype(np.int64)
 
     def __len__(self) -> int:  # nominal: keys are tuples drawn by LogicalShardSampler
         return int(self.samples_per_epoch.sum())
@@ -239,7 +252,13 @@ class LogicalShardDataModule(MegatronDataModule):
         # null: one shard per dp rank (fms-fsdp); with dynamic selection the ranks share every shard: one
         L = int(self.logical_shards) if self.logical_shards is not None else (
             1 if self.selection is not None else self.dp_size)
-        self.streams = ShardedStreams(parts, L, self.seq_length, self.seed, self.names)
+        for key in ("bol_token", "eol_token"):  # fms-fsdp's line tokens go into every sample
+            token = getattr(self.data, key)
+            if token is not None and token >= self.vocab_size:
+                raise ConfigError(f"data.{key}: {token} is not below the tokenizer's vocabulary "
+                                  f"({tokenizer_label(self.data.tokenizer)}: {self.vocab_size} tokens)")
+        self.streams = ShardedStreams(parts, L, self.seq_length, self.seed, self.names,
+                                      bol=self.data.bol_token, eol=self.data.eol_token)
         if self.selection is not None:
             for d in range(len(self.names)):  # a domain without held-out documents stops the run now
                 self.heldout_batches(d)

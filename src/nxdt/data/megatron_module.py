@@ -88,7 +88,9 @@ class MegatronDataModule(NxdtDataModuleBase):
                 from nxdt.data.arrow_shards import ArrowShardDocuments
 
                 sep = d.sep_token if d.sep_token is not None else self.eod_id
-                docs = ArrowShardDocuments(path, d.col_name, sep_token=sep, bos_token=d.bos_token)
+                strip = [*d.strip_tokens, *(t for t in (d.bol_token, d.eol_token) if t is not None)]
+                docs = ArrowShardDocuments(path, d.col_name, sep_token=sep, bos_token=d.bos_token, strip_tokens=strip,
+                                           file_type=d.file_type, tokenizer=self.tokenizer)
             else:
                 docs = IndexedDataset(path, skip_warmup=d.skip_warmup)
             # the cache sits where the index mappings go (see _gpt)

@@ -72,6 +72,7 @@ def llama_args_from_cfg(cfg: Any, vocab_size: int | None = None) -> LlamaArgs:
         layernorm_epsilon=m.layernorm_epsilon,
         activation=m.activation,
         has_bias=m.has_bias,
+        mlp_bias=m.mlp_bias,
         share_embeddings_and_output_weights=m.share_embeddings_and_output_weights,
         position_embedding_type=m.position_embedding_type,
         rotary_percentage=m.rotary_percentage,

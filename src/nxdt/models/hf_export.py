@@ -85,6 +85,8 @@ def neox_issues(a: LlamaArgs) -> list[str]:
         issues.append(f"activation={a.activation}")
     if not a.has_bias:  # GPT-NeoX's MLP always has biases
         issues.append("has_bias=false")
+    if a.mlp_bias is not None and a.mlp_bias != a.has_bias:  # ... and its attention too
+        issues.append(f"mlp_bias={str(a.mlp_bias).lower()}")
     if a.transformer_block_type == "gpt_j" and a.gpt_j_tied:
         issues.append("transformer_block_type=gpt_j with gpt_j_tied=true (GPT-NeoX has two input norms)")
     elif a.transformer_block_type not in ("gpt_j", "pre_ln"):
@@ -109,6 +111,8 @@ def qwen3_issues(a: LlamaArgs) -> list[str]:
     issues = _llama_issues(a)
     if a.has_bias:  # Qwen3's attention_bias has no MLP counterpart
         issues.append("has_bias=true")
+    if a.mlp_bias:  # nor biases in its MLP
+        issues.append("mlp_bias=true")
     if a.rope_scaling:
         issues.append("rope_scaling")
     if a.moe is not None:
@@ -150,7 +154,8 @@ def _llama(a: LlamaArgs) -> dict[str, Any]:
         "head_dim": a.head_dim, "hidden_act": "silu", "max_position_embeddings": a.max_position_embeddings,
         "rms_norm_eps": a.layernorm_epsilon, "rope_theta": a.rope_theta,
         "rope_scaling": dict(a.rope_scaling) if a.rope_scaling else None,
-        "attention_bias": a.has_bias, "mlp_bias": a.has_bias, "attention_dropout": a.attention_dropout,
+        "attention_bias": a.has_bias, "mlp_bias": a.has_bias if a.mlp_bias is None else a.mlp_bias,
+        "attention_dropout": a.attention_dropout,
         "initializer_range": a.init_method_std, "tie_word_embeddings": a.share_embeddings_and_output_weights,
     }
 

@@ -65,6 +65,8 @@ class LlamaArgs:
     or 'gelu_tanh' (the same with GELU's tanh approximation: GPT-NeoX-20B's gelu_fast)."""
     has_bias: bool = False
     """Bias on every linear layer of attention and MLP (never on lm_head)."""
+    mlp_bias: bool | None = None
+    """Bias on the MLP's linear layers; None = has_bias (GPT-NeoX's use_bias_in_mlp, transformers' mlp_bias)."""
     share_embeddings_and_output_weights: bool = False
     """Tie lm_head.weight to model.embed_tokens.weight (one tensor, counted once)."""
     position_embedding_type: str = "rope"
@@ -136,7 +138,7 @@ class LlamaArgs:
             raise ValueError(f"rotary_percentage must be in (0, 1], got {self.rotary_percentage}")
         if self.position_embedding_type == "rope" and self.rotary_dim % 2 != 0:
             raise ValueError(f"rotary dimension {self.rotary_dim} (head_dim × rotary_percentage) must be even")
-        if self.moe is not None and (self.activation != "swiglu" or self.has_bias):
+        if self.moe is not None and (self.activation != "swiglu" or self.has_bias or self.mlp_bias):
             raise ValueError("MoE experts are SwiGLU without bias: needs activation=swiglu and has_bias=false")
         if self.moe is not None and self.transformer_block_type == "normformer":
             # the experts have no FFN norm: MoE layers would silently lose normformer's third norm
@@ -348,7 +350,7 @@ class LlamaMLP(nn.Module):
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
         self.swiglu = args.activation == "swiglu"
-        bias = args.has_bias
+        bias = args.has_bias if args.mlp_bias is None else args.mlp_bias
         if self.swiglu:
             self.gate_proj = nn.Linear(args.hidden_size, args.ffn_hidden_size, bias=bias)
         self.up_proj = nn.Linear(args.hidden_size, args.ffn_hidden_size, bias=bias)

@@ -23,6 +23,7 @@ data parallel leaves them out (`ignored_params`).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import inspect
@@ -36,6 +37,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from nxdt.config.errors import ConfigError
 from nxdt.device import accelerator_available
 from nxdt.models import init_model_weights
 from nxdt.models.adapter import adapter_of
@@ -65,10 +67,17 @@ def data_parallel_config(sharding, precision, cpu_offload: bool = False) -> Data
     """From the run spec's sharding mode (nxdt.spec.parallel.ShardingMode) and precision settings
     (nxdt.spec.precision.PrecisionSettings), and `distributed_strategy.cpu_offload`."""
     shard = sharding.shard
+    mp_policy = fsdp_mixed_precision_policy(precision) if shard else None
+    if precision.reduce_dtype == "bf16":  # fms-fsdp's bfSixteen: gradients reduced (and averaged) in bf16
+        if not shard:
+            raise ConfigError("precision.grad_reduce_dtype=bf16 needs a sharding data-parallel mode (FSDP2 reduces "
+                              "in its reduce_dtype): set distributed_strategy.fsdp=true or sharding_strategy FSDP / "
+                              "HSDP, or keep fp32")
+        mp_policy = dataclasses.replace(mp_policy or MixedPrecisionPolicy(), reduce_dtype=torch.bfloat16)
     return DataParallelConfig(
         mode="shard" if shard else "replicate",
         reshard_after_forward=sharding.reshard_after_forward,
-        mp_policy=fsdp_mixed_precision_policy(precision) if shard else None,
+        mp_policy=mp_policy,
         cpu_offload=cpu_offload,
         stochastic_rounding=shard and stochastic_master_weights(precision),
     )

@@ -185,16 +185,17 @@ def check_architecture(cfg: Any, head_dim: int | None) -> None:
 
 
 def check_native_only_keys(cfg: Any) -> None:
-    """The native model's Qwen3 keys: model.qk_layernorm, model.moe.layers / ffn_hidden_size (with
+    """The native model's keys: model.qk_layernorm, model.moe.layers / ffn_hidden_size, model.mlp_bias (with
     model_source hf the config.json says: q/k norms, mlp_only_layers, moe_intermediate_size); MoE
     layer indices within the model."""
     m = cfg.model
     given = [key for key, value in (("model.qk_layernorm", m.qk_layernorm), ("model.moe.layers", m.moe.layers),
-                                    ("model.moe.ffn_hidden_size", m.moe.ffn_hidden_size)) if value]
+                                    ("model.moe.ffn_hidden_size", m.moe.ffn_hidden_size),
+                                    ("model.mlp_bias", m.mlp_bias is not None)) if value]
     if cfg.model_source == "hf" and given:
         raise ConfigError(f"{', '.join(given)}: the native model's (model_source megatron); with model_source hf "
                           "model.model_config's config.json sets them (Qwen3: q_norm / k_norm, mlp_only_layers, "
-                          "moe_intermediate_size)")
+                          "moe_intermediate_size; Llama: mlp_bias)")
     layers = m.moe.layers
     if layers is None or cfg.model_source != "megatron":
         return

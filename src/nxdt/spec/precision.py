@@ -9,7 +9,7 @@ Validation calls it, so a bad combination is reported before torch is loaded;
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from nxdt.config.errors import ConfigError
@@ -35,6 +35,8 @@ class PrecisionSettings:
     """Accumulate gradients in fp32."""
     fp16: bool
     """GPT-NeoX fp16 with a (dynamic) loss scale."""
+    reduce_dtype: str = "fp32"
+    """fp32 | bf16: the dtype FSDP reduces gradients in (precision.grad_reduce_dtype)."""
 
 
 # preset -> (mode, compute dtype, stochastic rounding); gradients accumulate in fp32 for all of them
@@ -49,6 +51,15 @@ PRESETS = {
 
 def precision_settings(pcfg: Any) -> PrecisionSettings:
     """`cfg.precision` -> PrecisionSettings; ConfigError on combinations that mean nothing."""
+    settings = _settings(pcfg)
+    reduce = str(getattr(pcfg, "grad_reduce_dtype", "fp32"))
+    if reduce == "bf16" and settings.fp16:
+        raise ConfigError("precision.grad_reduce_dtype=bf16: cannot be combined with precision.fp16.enabled "
+                          "(fp16 gradients are unscaled in fp32)")
+    return replace(settings, reduce_dtype=reduce)
+
+
+def _settings(pcfg: Any) -> PrecisionSettings:
     ptype = normalize_precision(str(pcfg.type))
     if pcfg.fp16.enabled:
         if ptype not in FP16_COMBINABLE:

@@ -24,6 +24,14 @@ The output is checked by nxdt's validator before it is written; on any problem (
 missing, does not parse or is not a mapping; a value of the wrong type; an output that does not
 validate) one line goes to stderr, the exit code is 2 and --output is left untouched.
 This module and nxdt.tools.neox_mapping do not import torch.
+
+    nxdt import-config fms [FILE.yaml|FILE.json ...] [--key=value ...] --output conf/NAME.yaml
+                       [--num-gpus G] [--num-nodes N] [--name NAME]
+
+fms-fsdp's train_config fields, from files and/or its own `--key=value` (or fire's `--key value`)
+arguments (scripts/train.sh; values parsed as python-fire parses them), files first. The table of every field is
+nxdt.tools.fms_mapping (docs/migrating-from-fms-fsdp.md); the output, the listed fields and the
+errors follow the NeoX importer's rules above.
 """
 
 from __future__ import annotations
@@ -41,12 +49,14 @@ import yaml
 from nxdt.config.errors import ConfigError
 from nxdt.config.load import compose
 from nxdt.spec import check_not_supported, validate
+from nxdt.tools.fms_mapping import FIELDS as FMS_FIELDS
+from nxdt.tools.fms_mapping import FMS_COMMIT, FmsMapper, fire_pairs, read_fms
 from nxdt.tools.neox_mapping import NeoxMapper
 
 # top-level order of the written YAML (as in the shipped configs)
 SECTIONS = ("name", "model_source", "seed", "trainer", "exp_manager", "distributed_strategy", "data", "model",
             "precision")
-FORMATS = ("neox",)
+FORMATS = ("neox", "fms")
 CATEGORIES = ("not mapped", "approximated", "inert", "unknown")
 
 
@@ -117,12 +127,12 @@ def _emit(values: dict, comments: dict[str, str], prefix: str = "", depth: int =
     return lines
 
 
-def unmapped_lines(listed: list[tuple[str, str, str, str]]) -> list[str]:
-    """The block of NeoX keys that were not mapped, grouped by category (no comment marks)."""
+def unmapped_lines(listed: list[tuple[str, str, str, str]], source: str = "NeoX") -> list[str]:
+    """The block of `source` keys that were not mapped, grouped by category (no comment marks)."""
     rows = sorted(listed, key=lambda r: (CATEGORIES.index(r[0]) if r[0] in CATEGORIES else 9, r[1]))
-    head = [f"NeoX keys not mapped: {len(rows)}" + (" (every key was mapped)" if not rows else ""),
-            "(not mapped: nxdt has no equivalent, the run differs from NeoX there; approximated: the closest "
-            "nxdt setting; inert: no effect in nxdt; unknown: not a NeoX key import-config knows)"]
+    head = [f"{source} keys not mapped: {len(rows)}" + (" (every key was mapped)" if not rows else ""),
+            f"(not mapped: nxdt has no equivalent, the run differs from {source} there; approximated: the closest "
+            f"nxdt setting; inert: no effect in nxdt; unknown: not a {source} key import-config knows)"]
     return head + [f"  {cat:<12} {key} = {value}: {why}" for cat, key, value, why in rows]
 
 
@@ -178,6 +188,31 @@ def import_neox(files: list[str], *, name: str, command: str, num_gpus: int | No
     return text, out, out.notices + notices
 
 
+def import_fms(files: list[str], args: list[str], *, name: str, command: str, num_gpus: int | None = None,
+               num_nodes: int | None = None) -> tuple[str, Any, list[str]]:
+    """(YAML text, Output, notices) for fms-fsdp's train_config fields in `files` (YAML/JSON) and
+    `args` (`--key=value`, as scripts/train.sh passes them); ConfigError on bad input."""
+    fields, origin = read_fms(files, args)
+    out = FmsMapper(fields, origin, num_gpus=num_gpus, num_nodes=num_nodes).run()
+    values = dict(out.values)
+    values["name"] = name
+    header = [
+        f"{name}: an fms-fsdp train_config imported by nxdt import-config (docs/migrating-from-fms-fsdp.md).",
+        "", f"  {command}", "",
+        f"fms-fsdp {FMS_COMMIT}: {len(FMS_FIELDS)} train_config fields; those given: "
+        + (", ".join(files) or "no file") + (f" + {len(args)} --key=value arguments" if args else ""),
+        "Fields left out take train_config's defaults (fms_fsdp/config/training.py).",
+        "global_batch_size = batch_size x trainer.devices x trainer.num_nodes: re-import with --num-gpus / "
+        "--num-nodes for other GPU counts.",
+    ]
+    lines = [f"# {h}".rstrip() for h in header] + [""] + _emit(values, out.comments)
+    lines += ["", "# " + "-" * 98]
+    lines += [f"# {h}".rstrip() for h in unmapped_lines(out.listed, "fms-fsdp")]
+    text = "\n".join(lines) + "\n"
+    _, notices = validate_text(text)
+    return text, out, out.notices + notices
+
+
 def _positive(flag: str, value: int | None) -> int | None:
     if value is not None and value < 1:
         raise ConfigError(f"{flag}: must be >= 1, got {value}")
@@ -187,9 +222,11 @@ def _positive(flag: str, value: int | None) -> int | None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="nxdt import-config", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("format", choices=FORMATS, help="the source config format (neox: GPT-NeoX's YAML)")
-    parser.add_argument("files", nargs="+", help="NeoX YAML files, merged in order (later ones override)")
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    parser.add_argument("format", choices=FORMATS, help="the source config format (neox: GPT-NeoX's YAML; fms: "
+                                                        "fms-fsdp's train_config fields)")
+    parser.add_argument("files", nargs="*", help="NeoX YAML files, merged in order (later ones override); fms: "
+                                                 "YAML/JSON files of train_config fields, then --key=value arguments")
     parser.add_argument("--output", "-o", required=True, help="the nxdt YAML to write (e.g. conf/NAME.yaml)")
     parser.add_argument("--num-gpus", type=int, default=None,
                         help="GPUs per node (default: the files' num_gpus, else tp x pp)")
@@ -198,7 +235,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="tokenizer size before padding (default: counted from a local tokenizer.json, else "
                              "50277 for HFTokenizer (GPT-NeoX-20B's), 50257 for GPT-2)")
     parser.add_argument("--name", default=None, help="the config's name (default: the --output file name)")
-    args = parser.parse_args(argv)
+    if argv[:1] == ["fms"]:  # fire's `--key value` as `--key=value`
+        argv = ["fms", *fire_pairs(argv[1:], {o for a in parser._actions for o in a.option_strings})]
+    args, extra = parser.parse_known_args(argv)
+    fms_args = [a for a in extra if args.format == "fms" and a.startswith("--") and a[2:3] != "-"]
+    if len(fms_args) != len(extra) or (args.format == "neox" and not args.files):
+        parser.parse_args(argv)  # argparse's own message (exit 2) for what neither format takes
+    if args.format == "fms" and not (args.files or fms_args):
+        raise ConfigError("import-config fms: give a YAML/JSON file of train_config fields or --key=value arguments")
     for flag in ("num_gpus", "num_nodes", "vocab_size"):
         _positive("--" + flag.replace("_", "-"), getattr(args, flag))
     output = Path(args.output)
@@ -208,8 +252,12 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError(f"--output {output}: directory {output.parent} does not exist")
     name = args.name or output.name.rsplit(".", 1)[0]
     command = shlex.join(["nxdt", "import-config", *argv])
-    text, out, notices = import_neox(args.files, name=name, command=command, num_gpus=args.num_gpus,
-                                     num_nodes=args.num_nodes, vocab_size=args.vocab_size)
+    if args.format == "fms":
+        text, out, notices = import_fms(args.files, fms_args, name=name, command=command, num_gpus=args.num_gpus,
+                                        num_nodes=args.num_nodes)
+    else:
+        text, out, notices = import_neox(args.files, name=name, command=command, num_gpus=args.num_gpus,
+                                         num_nodes=args.num_nodes, vocab_size=args.vocab_size)
     fd, tmp = tempfile.mkstemp(prefix=f".{output.name}.", dir=str(output.parent or "."))
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -220,8 +268,9 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError(f"--output {output}: cannot write: {_one_line(err)}") from None
     for notice in dict.fromkeys(notices):
         print(f"notice: {notice}", file=sys.stderr)
-    print(f"wrote {output} from {len(args.files)} NeoX file(s)")
-    for line in unmapped_lines(out.listed):
+    source = "NeoX file(s)" if args.format == "neox" else f"fms-fsdp file(s) and {len(fms_args)} argument(s)"
+    print(f"wrote {output} from {len(args.files)} {source}")
+    for line in unmapped_lines(out.listed, "NeoX" if args.format == "neox" else "fms-fsdp"):
         print(line)
     return 0
 

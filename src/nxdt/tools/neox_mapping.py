@@ -421,12 +421,11 @@ class NeoxMapper(TrainingKeys):
         else:
             o.set("model.activation", act, self.c("activation"))
         attn_bias, mlp_bias = self.flag("use_bias_in_attn_linear"), self.flag("use_bias_in_mlp")
-        if attn_bias != mlp_bias:
-            self.refuse("use_bias_in_attn_linear", f"with use-bias-in-mlp {str(mlp_bias).lower()}"
-                        f"{'' if self.has('use_bias_in_mlp') else ' (NeoX default)'}: NeoX puts biases in only one "
-                        f"of attention and MLP; nxdt's model.has_bias covers both together", value=attn_bias)
-        o.set("model.has_bias", mlp_bias, "biases in the linear layers (NeoX's default)" if mlp_bias and attn_bias
-              and not self.has("use_bias_in_mlp") else "use-bias-in-mlp")
+        o.set("model.has_bias", attn_bias, "biases in the linear layers (NeoX's default)" if mlp_bias and attn_bias
+              and not self.has("use_bias_in_attn_linear") else "use-bias-in-attn-linear")
+        if attn_bias != mlp_bias:  # NeoX's Llama-style files: no attention biases, the MLP's by NeoX's default
+            o.set("model.mlp_bias", mlp_bias, "use-bias-in-mlp" if self.has("use_bias_in_mlp")
+                  else "NeoX's default use-bias-in-mlp (true): its MLP has biases")
         if self.flag("gpt_j_residual"):
             tied = self.flag("gpt_j_tied")
             o.set("model.transformer_block_type", "gpt_j", "gpt-j-residual: x + attn(ln1(x)) + mlp(ln2(x))")
