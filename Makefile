@@ -27,7 +27,7 @@ data: $(DATA).idx
 
 demo: setup data
 	$(BIN)/python -m nxdt.tools.unigram_entropy --data-prefix $(DATA)
-	$(BIN)/torchrun --standalone --nproc_per_node $(NPROC) examples/train.py --config-name tiny_llama_cpu \
+	$(BIN)/nxdt train --standalone --nproc-per-node $(NPROC) --config-name tiny_llama_cpu \
 		exp_manager.create_checkpoint_callback=true $(ARGS)
 
 # two pytest workers on the 2-core machines this runs on: one takes the longest module while the

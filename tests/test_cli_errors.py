@@ -134,3 +134,99 @@ def test_nxdt_evaluate_bad_input(data_args, tmp_path):
     proc = _in_process([*BASE, *data_args, "trainer.devices=1", "trainer.max_epochs=0"])
     _assert_one_line_error(proc, "trainer.max_epochs=0", "no weights to evaluate", "exp_manager.resume_from_checkpoint")
 
+
+
+def test_a_hub_id_as_tokenizer_says_how_to_download(data_args, capsys):
+    """In the training process (validation stops before torch): the folder, and how to get it."""
+    from nxdt.cli import main
+
+    assert main(["train", *BASE, *data_args, "data.tokenizer.type=meta-llama/Llama-2-7b-hf"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: data.tokenizer.type: tokenizer directory not found")
+    assert "hf download meta-llama/Llama-2-7b-hf --local-dir DIR" in err and "pass the folder" in err
+
+
+def test_nxdt_train_launcher_validates_before_any_worker_starts(data_args, capsys, monkeypatch):
+    """`nxdt train --standalone --nproc-per-node N ...`: a bad key, or a layout that does not fit the
+    launch's world size, is one line and exit 2 from the launching process; torchrun never runs."""
+    import torch.distributed.run
+
+    from nxdt.cli import main
+
+    def no_launch(args):
+        raise AssertionError("workers were started")
+
+    monkeypatch.setattr(torch.distributed.run, "run", no_launch)
+    launch = ["train", "--standalone", "--nproc-per-node", "2", *BASE, *data_args]
+    assert main([*launch, "trainer.max_step=5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: unknown key 'trainer.max_step' (did you mean 'trainer.max_steps'?)"
+    assert main([*launch[:3], "3", *launch[4:], "trainer.devices=3",
+                 "distributed_strategy.tensor_model_parallel_size=2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "does not divide the world size 3" in err, err
+
+
+def test_nxdt_train_launcher_a_workers_error_is_one_line_exit_2(data_args, tmp_path):
+    """One real launch: an error only the workers find (the checkpoint to resume is incomplete) is rank 0's
+    one line and exit 2, without torchrun's ChildFailedError report (35 lines under plain torchrun)."""
+    import os
+    import subprocess
+    import sys
+
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "meta.json").write_text("{}")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "nxdt.cli", "train", "--standalone", "--nproc-per-node", "2", *BASE, *data_args,
+           f"exp_manager.resume_from_checkpoint={partial}", f"exp_manager.explicit_log_dir={tmp_path / 'log'}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    _assert_one_line_error(proc, f"checkpoint {partial} is incomplete")
+    assert "ChildFailedError" not in proc.stderr and "exitcode" not in proc.stderr, proc.stderr
+
+
+def test_a_launched_runs_resume_command_is_the_launcher(monkeypatch, tmp_path, capsys):
+    """The workers of `nxdt train --nproc-per-node 2` run `python -m nxdt.cli train`: the closing resume
+    command is `nxdt train --standalone --nproc-per-node 2 ...` (not `torchrun ... nxdt/cli.py`, which
+    would lack the command name)."""
+    import shlex
+    import sys
+
+    from nxdt.tools.launch import is_launch
+    from nxdt.tools.next_steps import format_next_steps
+
+    monkeypatch.setattr(sys, "argv", [str(REPO / "src" / "nxdt" / "cli.py"), "train", *BASE])
+    text = format_next_steps(tmp_path / "ckpt", tmp_path, BASE, 3, environ={"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"})
+    resume = shlex.split(next(line for line in text.splitlines() if line.startswith("resume"))[len("resume"):])
+    assert resume[0].endswith("nxdt") and resume[1:5] == ["train", "--standalone", "--nproc-per-node", "2"]
+    assert is_launch(resume[2:]) and resume[5:7] == BASE
+    assert "--prompt 'And God said'" in text  # the bundled corpus; a run on other data: a word to fill in
+    from types import SimpleNamespace
+
+    from nxdt.spec import load_config
+    from nxdt.tools.train import REPO_CONF_DIR, print_next_steps
+
+    for extra, prompt in (([], "'And God said'"), ([f"data.tokenizer.type={tmp_path}"], "PROMPT")):
+        cfg = load_config([*BASE, *extra], default_config_dir=REPO_CONF_DIR, check_paths=False, quiet=True)
+        print_next_steps(cfg, SimpleNamespace(log_dir=tmp_path), SimpleNamespace(argv=BASE, multirun=False),
+                         [(3, tmp_path / "ckpt")])
+        assert f"--prompt {prompt} --stream" in capsys.readouterr().out  # a code corpus is not asked about God
+
+
+@pytest.mark.parametrize("code, line", [(2, ""), (3, ""), (1, "error: rank 1 exited with code 1 (pid 4242); its output "
+                                                             "is above"), (-9, "error: rank 1 was killed by SIGKILL")])
+def test_nxdt_train_launcher_reports_a_failed_worker_in_one_line(data_args, capsys, monkeypatch, code, line):
+    """torchrun's ChildFailedError becomes the exit code: 2 and 3 silently (rank 0 said why), any other
+    failure one line naming the rank (its traceback is in its output above)."""
+    import torch.distributed.run
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from nxdt.cli import main
+
+    def failed(args):
+        raise ChildFailedError("nxdt.cli", {1: ProcessFailure(local_rank=1, pid=4242, exitcode=code, error_file="")})
+
+    monkeypatch.setattr(torch.distributed.run, "run", failed)
+    assert main(["train", "--standalone", "--nproc-per-node", "2", *BASE, *data_args]) == (1 if code not in (2, 3) else code)
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(line) and len(err.splitlines()) <= 1, err

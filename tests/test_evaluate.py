@@ -196,6 +196,58 @@ def test_other_layouts_give_the_same_numbers(trained, sft_result):
     assert json.loads((trained.root / "pp2" / (trained.ckpt.name + ".eval.json")).read_text())["layout"]["pp"] == 2
 
 
+def test_a_run_folder_of_a_tensor_parallel_run_evaluates_in_one_process(trained, megatron_result, tmp_path, capsys):
+    """`--checkpoint RUN_DIR`: its newest complete checkpoint (a newer, incomplete one skipped), named in
+    one line; a run saved with tp 2 + sequence parallel evaluates in one process with the whole model
+    (on main: "... does not divide the world size 1"), to the numbers of the one-process run."""
+    from omegaconf import OmegaConf
+
+    ckpts = tmp_path / "run" / "checkpoints"
+    chosen = ckpts / trained.ckpt.name
+    shutil.copytree(trained.ckpt, chosen)
+    saved = OmegaConf.load(chosen / "config.yaml")
+    saved.distributed_strategy.tensor_model_parallel_size = 2
+    saved.distributed_strategy.sequence_parallel = True
+    OmegaConf.save(saved, chosen / "config.yaml")
+    unfinished = ckpts / NAME.format(step=2 * STEPS, samples=16 * STEPS)
+    shutil.copytree(chosen, unfinished)
+    (unfinished / "COMPLETE").unlink()
+    capsys.readouterr()
+    assert _nxdt("evaluate", "--checkpoint", tmp_path / "run") == 0
+    err = capsys.readouterr().err
+    assert f"note: checkpoint {chosen} (the newest complete one in {tmp_path / 'run'}; 1 incomplete skipped)" in err
+    assert "tensor_model_parallel_size 2 -> 1, sequence_parallel True -> false" in err
+    result = json.loads(chosen.with_name(chosen.name + ".eval.json").read_text())
+    assert result["layout"]["world_size"] == 1 and result["layout"]["tp"] == 1
+    for split, r in megatron_result["splits"].items():
+        assert abs(result["splits"][split]["loss"] - r["loss"]) < TOL and result["splits"][split]["tokens"] == r["tokens"]
+
+
+def test_a_transformers_folder_starts_a_run_and_is_evaluated(trained, megatron_result, kjv_prefix, tmp_path):
+    """exp_manager.resume_from_checkpoint=HF_DIR model.weight_init_only=true (on main: "is incomplete: file
+    .../COMPLETE is missing"): the checkpoint's nxdt-to-hf export evaluates (`nxdt evaluate --checkpoint
+    HF_DIR --config-name NAME`, i.e. trainer.max_epochs=0 from those weights) to the checkpoint's own numbers, and a run trained from it takes its first step on those weights (the loss
+    of a run started from the checkpoint itself)."""
+    from nxdt.tools.convert import nxdt_to_hf
+
+    hf = tmp_path / "hf"
+    nxdt_to_hf(trained.ckpt, hf, max_shard_bytes=10**9)
+    start = [f"data.data_prefix=[1.0,{kjv_prefix}]", "model.weight_init_only=true"]
+    # nxdt evaluate --checkpoint HF_DIR --config-name NAME ...: the training command line's evaluate-only mode
+    assert _nxdt("evaluate", "--checkpoint", hf, *_train_args(tmp_path / "eval", start[:1])) == 0
+    result = json.loads((tmp_path / "hf.eval.json").read_text())
+    for split, r in megatron_result["splits"].items():
+        assert abs(result["splits"][split]["loss"] - r["loss"]) < TOL, split
+    losses = {}
+    for name, weights in (("from_hf", hf), ("from_ckpt", trained.ckpt)):
+        argv = _train_args(tmp_path / name, [*start, f"exp_manager.resume_from_checkpoint='{weights}'",
+                                              "trainer.max_steps=1", "exp_manager.create_checkpoint_callback=false"])
+        assert _nxdt("train", *argv) == 0
+        losses[name] = read_scalars(tmp_path / name)["reduced_train_loss"]
+    # the trained weights, not a fresh init (whose loss is about ln(8192) = 9.0)
+    assert losses["from_hf"] == losses["from_ckpt"] and losses["from_hf"][0] < 8.0
+
+
 def test_lora_adapter_only_checkpoint(trained):
     """The adapters from the checkpoint, the base from the run's resume_from_checkpoint: the loss the
     LoRA run validated with at its last step (same weights, same batches)."""

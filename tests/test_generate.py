@@ -221,11 +221,17 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
 
     shutil.copytree(ckpt, broken)
     (broken / "COMPLETE").unlink()
+    empty, run = tmp_path / "empty", tmp_path / "run"
+    empty.mkdir()
+    shutil.copytree(broken, run / "checkpoints" / "broken")
     cases = {
         "top_p": ([*base, "--top-p", 0], "--top-p must be in (0, 1]"),
         "top_p_high": ([*base, "--top-p", 1.5], "--top-p must be in (0, 1]"),
         "incomplete": (["--checkpoint", broken, "--prompt", "x"], "is incomplete"),
-        "not_nxdt": (["--checkpoint", tmp_path, "--prompt", "x"], "is incomplete"),
+        "not_a_checkpoint": (["--checkpoint", empty, "--prompt", "x"], "not a checkpoint (no meta.json) and no "
+                             "checkpoints in it"),
+        "no_complete": (["--checkpoint", run, "--prompt", "x"], f"--checkpoint {run}: no complete checkpoint in it "
+                        "(1 incomplete"),
         "missing": (["--checkpoint", tmp_path / "nope", "--prompt", "x"], "does not exist"),
         "too_long": (["--checkpoint", ckpt, "--prompt", "And God said " * 60], "longer than the model's context of 128"),
         "tokenizer": ([*base, "--tokenizer", bigger], "does not match the model"),
@@ -239,6 +245,43 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
         code, out, err = _run(capsys, argv)
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, (name, err)
         assert "Traceback" not in err
+
+
+def test_a_transformers_folder_a_converted_checkpoint_and_a_run_folder_generate_alike(tmp_path, capsys):
+    """Every form `--checkpoint` takes gives the tokens of the checkpoint itself: its nxdt-to-hf export
+    (written with normal file modes, not safetensors' 0600), that export converted back (no config.yaml:
+    on main "has no config.yaml"), and a run folder (its newest complete checkpoint, named in a note; also
+    as `nxdt convert nxdt-to-hf --input`)."""
+    import os
+    import shutil
+    import stat
+
+    from nxdt.tools.convert import hf_to_nxdt
+
+    _, ckpt = _nxdt_checkpoint(tmp_path, "hf")
+    nxdt_to_hf(ckpt, tmp_path / "hf", max_shard_bytes=10**9)
+    mask = os.umask(0)
+    os.umask(mask)
+    assert stat.S_IMODE((tmp_path / "hf" / "model.safetensors").stat().st_mode) == 0o666 & ~mask
+    hf_to_nxdt(tmp_path / "hf", tmp_path / "converted")
+    checkpoints = tmp_path / "run" / "checkpoints"
+    shutil.copytree(ckpt, checkpoints / "tiny--step=5")
+    shutil.copytree(ckpt, checkpoints / "tiny--step=10")
+    (checkpoints / "tiny--step=10" / "COMPLETE").unlink()  # a save that did not finish
+    outs = {}
+    for name in ("ckpt_hf", "hf", "converted", "run"):
+        code, out, err = _run(capsys, ["--checkpoint", tmp_path / name, "--prompt", "And God said",
+                                       "--max-new-tokens", 8, "--temperature", 0, "--ignore-eos"])
+        assert code == 0, err
+        outs[name] = out
+    assert len(set(outs.values())) == 1 and len(outs["hf"]) > len("And God said ")
+    assert (f"note: checkpoint {checkpoints / 'tiny--step=5'} (the newest complete one in {tmp_path / 'run'}; "
+            "1 incomplete skipped)") in err
+    from nxdt.cli import main  # nxdt convert nxdt-to-hf --input RUN_DIR: the same checkpoint
+
+    assert main(["convert", "nxdt-to-hf", "--input", str(tmp_path / "run"), "--output", str(tmp_path / "hf2")]) == 0
+    assert f"note: checkpoint {checkpoints / 'tiny--step=5'}" in capsys.readouterr().out
+    assert (tmp_path / "hf2" / "model.safetensors").read_bytes() == (tmp_path / "hf" / "model.safetensors").read_bytes()
 
 
 def test_right_padded_recompute_gives_the_same_tokens():

@@ -14,7 +14,7 @@ from nxdt.cli import main as cli_main
 from nxdt.config import to_yaml
 from nxdt.spec import config_from_dict
 from nxdt.tools.report import main as report_main
-from nxdt.tools.report import merge_sessions, run_labels
+from nxdt.tools.report import FROM_ZERO, merge_sessions, plot_lines, read_run, run_labels
 
 TINY = {"name": "tiny", "trainer": {"devices": 4}, "distributed_strategy": {"tensor_model_parallel_size": 2},
         "data": {"micro_batch_size": 1, "global_batch_size": 4, "seq_length": 16},
@@ -166,3 +166,17 @@ def test_bad_input_is_one_line_and_exit_2(runs, tmp_path, capsys):
 def test_labels_tell_same_named_runs_apart(tmp_path):
     assert run_labels([tmp_path / "x" / "run", tmp_path / "y" / "run"]) == ["x/run", "y/run"]
     assert run_labels([tmp_path / "ref", tmp_path / "tp2"]) == ["ref", "tp2"]
+
+
+def test_a_run_started_from_a_checkpoint_counts_its_own_steps_and_loss_plots_show_val(runs, tmp_path, capsys):
+    """A log that begins at step 5 (a run started from another run's checkpoint): 5 steps trained, not the
+    global_step 10 (on main: 10); the training-loss plot carries the validation loss; memory from 0."""
+    started = _write_run(tmp_path / "started", [{s: _scalars(s) for s in range(5, 10)}])
+    out = tmp_path / "out"
+    assert report_main([str(started), "--output", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    assert "| steps trained | 5 (steps 5–9: started from a checkpoint at step 5) |" in md
+    lines = plot_lines(read_run(runs[1], "a"), "reduced_train_loss")
+    assert [(line["label"], line["style"]) for line in lines] == [("reduced_train_loss", "-"), ("val_loss", "--")]
+    assert lines[1]["steps"] == [4, 9] and lines[1]["values"] == [2.25, 2.5]
+    assert "memory/peak_gib" in FROM_ZERO and "reduced_train_loss" not in FROM_ZERO

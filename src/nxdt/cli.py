@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import difflib
 import importlib
-import os
 import sys
+import time
 
 # name -> (module, one-line help)
 COMMANDS = {
@@ -46,13 +46,17 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(COMMANDS[name][0])
     # the dispatcher stays light: nxdt.config (omegaconf, Hydra) only once a command is chosen
     from nxdt.config.errors import ConfigError
+    from nxdt.config.load import RANK_ZERO_GRACE_S, error_text, full_error_requested, is_rank_zero
 
     try:
         return int(module.main(rest) or 0)
     except ConfigError as err:
-        if os.environ.get("NXDT_FULL_ERROR") == "1" or os.environ.get("HYDRA_FULL_ERROR") == "1":
+        if full_error_requested():
             raise
-        print(f"error: {err}", file=sys.stderr)
+        if is_rank_zero():  # under torchrun (`-m nxdt.cli`), every rank finds it: rank 0 says it
+            print(f"error: {error_text(err)}", file=sys.stderr, flush=True)
+        else:  # torchrun stops every rank when one exits: give rank 0 a moment to say why
+            time.sleep(RANK_ZERO_GRACE_S)
         return 2
 
 

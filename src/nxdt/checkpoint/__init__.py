@@ -8,4 +8,5 @@
     retention     checkpoint names, listing, completeness, save_top_k by step or by a metric
     callbacks     NxdtCheckpoint (Lightning callback: when to save, what to prune)
     resume        which checkpoint a run starts from; ResumeHelper (weights-only start, RNG states)
+    locate        what a --checkpoint names (a run folder's newest complete checkpoint); transformers folders
 """

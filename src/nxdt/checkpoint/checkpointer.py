@@ -525,7 +525,9 @@ def save_weights(model_state: dict[str, torch.Tensor], path: Path, extra_meta: d
         tmp.mkdir(parents=True)
     if strategy is not None:
         strategy.barrier("nxdt-weights-mkdir")
-    dcp.save(tensors, storage_writer=FileSystemWriter(str(tmp), sync_files=True), no_dist=strategy is None)
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.filterwarnings("ignore", message=".*save in a single process")
+        dcp.save(tensors, storage_writer=FileSystemWriter(str(tmp), sync_files=True), no_dist=strategy is None)
     if rank == 0:
         meta = {"format": FORMAT, "version": FORMAT_VERSION, "world_size": strategy.world_size if strategy else 1,
                 "weights_only": True, "step": 0, "consumed_samples": 0, "torch_version": torch.__version__,

@@ -23,6 +23,7 @@ from lightning.pytorch.callbacks import Callback
 
 from nxdt.checkpoint.callbacks import NxdtCheckpoint, check_checkpoint_params
 from nxdt.checkpoint.checkpointer import load_checkpoint, validate_checkpoint
+from nxdt.checkpoint.locate import check_start_weights, is_hf_folder, load_hf_folder, load_start_weights
 from nxdt.checkpoint.lora_state import is_adapter_only
 from nxdt.checkpoint.retention import complete_checkpoints
 from nxdt.checkpoint.state import set_rng_state
@@ -75,7 +76,7 @@ def find_resume_checkpoint(cfg, dirs: ExpDirs) -> ResumePlan:
     check_weight_init(cfg)
     if exp.resume_from_checkpoint:
         path = Path(exp.resume_from_checkpoint).absolute()
-        validate_checkpoint(path)  # an explicit path must be good: ConfigError otherwise
+        check_start_weights(path, weights_only)  # an explicit path must be good (or a transformers folder)
         own = complete_checkpoints(dirs.checkpoint_dir, warn=False) if weights_only and exp.resume_if_exists else []
         if own:  # a fine-tuning run restarted: continue it (its own newest checkpoint)
             if _global_rank() == 0:
@@ -138,6 +139,9 @@ def evaluation_plan(cfg, dirs: ExpDirs | None = None, checkpoint: Path | None = 
 def load_plan_weights(strategy, plan: ResumePlan, cfg) -> None:
     """Load the model of `plan` (nothing else): the LoRA base first when the checkpoint lacks it,
     then the checkpoint, weights-only (a fine-tuning start: fresh adapters) or as saved."""
+    if is_hf_folder(plan.path):  # a transformers folder: its weights (find_resume_checkpoint allowed it)
+        load_hf_folder(strategy, plan.path)
+        return
     if plan.base is not None:
         load_checkpoint(strategy, plan.base, cfg, weights_only=True, frozen_only=True)
     load_checkpoint(strategy, plan.path, cfg, weights_only=plan.weights_only, model_only=not plan.weights_only)
@@ -153,7 +157,7 @@ class ResumeHelper(Callback):
 
     def on_fit_start(self, trainer, pl_module) -> None:
         if self.plan.path is not None and self.plan.weights_only:
-            load_checkpoint(trainer.strategy, self.plan.path, pl_module.cfg, weights_only=True)
+            load_start_weights(trainer.strategy, self.plan.path, pl_module.cfg)
             if trainer.is_global_zero:
                 print(f"loaded weights from {self.plan.path}", flush=True)
         if self.plan.base is not None:  # the frozen LoRA base under an adapter-only resume

@@ -20,6 +20,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from nxdt.config.errors import ConfigError
 from nxdt.config.schema import TokenizerConfig
 from nxdt.data.assets import bundled_tokenizer_dir
+from nxdt.spec.paths import hub_id_hint
 
 
 def _require_file(path: str | None, key: str, what: str) -> str:
@@ -31,16 +32,17 @@ def _require_file(path: str | None, key: str, what: str) -> str:
     return path
 
 
-def build_tokenizer(tok_cfg: TokenizerConfig | None = None):
+def build_tokenizer(tok_cfg: TokenizerConfig | None = None, flag: str = "data.tokenizer.type"):
     """Return a `transformers.PreTrainedTokenizerBase` for `cfg.data.tokenizer` (a TokenizerConfig;
     None = the schema default, the bundled tokenizer).
 
-    A missing directory or file raises `ConfigError` naming the key and the path.
+    A missing directory or file raises `ConfigError` naming the key (a command's `flag` for the
+    huggingface directory, e.g. `--tokenizer`) and the path.
     """
     tok_cfg = TokenizerConfig() if tok_cfg is None else tok_cfg
     library = tok_cfg.library.lower()
     if library in ("huggingface", "hf"):
-        return _huggingface(tok_cfg)
+        return _huggingface(tok_cfg, flag)
     if library == "megatron":
         return _megatron_gpt2(tok_cfg)
     if library == "sentencepiece":
@@ -50,18 +52,17 @@ def build_tokenizer(tok_cfg: TokenizerConfig | None = None):
     )
 
 
-def _huggingface(tok_cfg: Any):
+def _huggingface(tok_cfg: Any, flag: str = "data.tokenizer.type"):
     path = tok_cfg.type
     path = str(bundled_tokenizer_dir()) if path is None else os.path.expanduser(str(path))
     if not os.path.isdir(path):
-        raise ConfigError(
-            f"data.tokenizer.type: tokenizer directory not found: {path} "
-            "(nxdt loads tokenizers offline; point it at a directory made by save_pretrained)"
-        )
+        hint = hub_id_hint(path) or ("nxdt loads tokenizers offline; point it at a directory made by save_pretrained: "
+                                     "tokenizer.json or tokenizer.model, with tokenizer_config.json")
+        raise ConfigError(f"{flag}: tokenizer directory not found: {os.path.abspath(path)} ({hint})")
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True, use_fast=tok_cfg.use_fast)
     except (OSError, ValueError) as err:
-        raise ConfigError(f"data.tokenizer.type: cannot load a tokenizer from {path}: {err}") from err
+        raise ConfigError(f"{flag}: cannot load a tokenizer from {path}: {err}") from err
 
 
 def _megatron_gpt2(tok_cfg: Any):
@@ -106,9 +107,21 @@ def _sentencepiece(tok_cfg: Any):
     return tok
 
 
-def eod_id(tokenizer) -> int:
-    """The end-of-document id appended after every document: the tokenizer's eos id."""
+def eod_id(tokenizer, flag: str = "data.tokenizer.type") -> int:
+    """The end-of-document id appended after every document: the tokenizer's eos id. Without one, a
+    ConfigError that says how to name it (or, for `nxdt preprocess`, to go without)."""
     eos = getattr(tokenizer, "eos_token_id", None)
     if eos is None:
-        raise ConfigError("data.tokenizer: the tokenizer has no eos token, which nxdt uses as end-of-document")
+        where = getattr(tokenizer, "name_or_path", "") or "its folder"
+        special = [str(t) for t in getattr(tokenizer, "all_special_tokens", [])]
+        added = [str(t) for t in getattr(tokenizer, "added_tokens_decoder", {}).values()]
+        known = list(dict.fromkeys(special + added))
+        example = next((t for t in known if "end" in t.lower() or "eos" in t.lower() or t == "</s>"),
+                       known[0] if known else "</s>")
+        without = ", or tokenize without end-of-document ids: --no-append-eod" if flag == "--tokenizer" else ""
+        raise ConfigError(
+            f"{flag}: the tokenizer {where} has no eos token, which nxdt appends as end-of-document: add "
+            f'"eos_token": "{example}" to its tokenizer_config.json'
+            + (f" (its special tokens: {', '.join(known[:6])})" if known else "")
+            + without)
     return int(eos)

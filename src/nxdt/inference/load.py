@@ -4,7 +4,9 @@
     loaded.model, loaded.tokenizer, loaded.context_length
 
 The checkpoint is nxdt's (DCP shards written by any tp/pp/dp/fsdp/ep layout); its config.yaml says
-which model to build and which tokenizer the run used. One process reads every tensor whole
+which model to build and which tokenizer the run used. A transformers model folder (config.json,
+safetensors, tokenizer files) and a weights-only checkpoint of `nxdt convert hf-to-nxdt` (its
+config.json kept in meta.json, its tokenizer/ folder) load too: the model is the config.json's. One process reads every tensor whole
 (`load_weights`, which also prefers fp32 master weights). LoRA adapters are folded into the base
 weights (W + B A * alpha / r); an adapter-only checkpoint takes its base from `base` or, by default,
 from the run's `exp_manager.resume_from_checkpoint` (the model it was fine-tuned from).
@@ -17,7 +19,11 @@ checkpoint: a model that does not fit one process is generated from without ever
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import json
+import shutil
+import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,12 +36,14 @@ from torch.distributed.tensor import distribute_tensor
 
 from nxdt.checkpoint.checkpointer import check_model_matches, load_weights, validate_checkpoint
 from nxdt.checkpoint.dtype import weights_for_load
+from nxdt.checkpoint.locate import is_hf_folder, read_hf_folder
 from nxdt.checkpoint.lora_merge import with_base
 from nxdt.checkpoint.state import SafeReader, read_dcp_metadata
 from nxdt.config.errors import ConfigError
 from nxdt.config.load import load_saved_config
 from nxdt.config.schema import TokenizerConfig
 from nxdt.data.tokenizers import build_tokenizer
+from nxdt.spec import config_from_dict
 from nxdt.models.builder import build_model, init_model_weights, padded_vocab_size
 from nxdt.models.lora import is_lora_key, merged_state_dict
 from nxdt.parallel.tensor_parallel import apply_tensor_parallel
@@ -55,12 +63,29 @@ class InferenceModel:
     notes: list[str]
 
 
-def read_run_config(path: Path):
+def read_run_config(path: Path, meta: dict[str, Any] | None = None):
+    """The run's config.yaml; for weights without one (a transformers folder, an `nxdt convert
+    hf-to-nxdt` checkpoint) a config that builds the model its config.json (or nxdt_model) describes."""
     config = path / "config.yaml"
-    if not config.is_file():
-        raise ConfigError(f"checkpoint {path} has no config.yaml (not a training run's checkpoint; "
-                          "a converted one has no tokenizer or model keys to go by)")
-    return load_saved_config(config)
+    if config.is_file():
+        return load_saved_config(config)
+    meta = meta or {}
+    tokenizer = next((str(d) for d in (path / "tokenizer", path) if (d / "tokenizer.json").is_file()
+                      or (d / "tokenizer.model").is_file()), None)
+    data = {"tokenizer": {"library": "huggingface", "type": tokenizer}}
+    if meta.get("nxdt_model"):  # a GPT-NeoX folder converted to the native model
+        return config_from_dict({**meta["nxdt_model"], "data": data})
+    if is_hf_folder(path):
+        model_config = str(path)
+    elif meta.get("hf_config"):
+        folder = Path(tempfile.mkdtemp(prefix="nxdt-hf-config-"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        (folder / "config.json").write_text(json.dumps(meta["hf_config"]))
+        model_config = str(folder)
+    else:
+        raise ConfigError(f"checkpoint {path} has no config.yaml and no transformers config.json: nothing says "
+                          "which model it holds (a run's checkpoint has config.yaml; a transformers folder, config.json)")
+    return config_from_dict({"model_source": "hf", "model": {"model_config": model_config}, "data": data})
 
 
 def tokenizer_for(path: Path, cfg, tokenizer_dir: Path | None):
@@ -68,6 +93,9 @@ def tokenizer_for(path: Path, cfg, tokenizer_dir: Path | None):
     if tokenizer_dir is None and (path / "tokenizer").is_dir():
         tokenizer_dir = path / "tokenizer"
     tok_cfg = cfg.data.tokenizer
+    if tokenizer_dir is None and tok_cfg.type is None and not (path / "config.yaml").is_file():
+        raise ConfigError(f"{path} holds no tokenizer (tokenizer.json or tokenizer.model): give one with "
+                          "--tokenizer DIR")
     if tokenizer_dir is not None:
         if not Path(tokenizer_dir).is_dir():
             raise ConfigError(f"--tokenizer {tokenizer_dir}: not a directory")
@@ -75,7 +103,8 @@ def tokenizer_for(path: Path, cfg, tokenizer_dir: Path | None):
     try:
         return build_tokenizer(tok_cfg)
     except ConfigError as err:
-        raise ConfigError(f"{err} (the tokenizer of {path / 'config.yaml'}; give another with --tokenizer DIR)") from None
+        where = path / "config.yaml" if (path / "config.yaml").is_file() else path
+        raise ConfigError(f"{err} (the tokenizer of {where}; give another with --tokenizer DIR)") from None
 
 
 def _single_process(cfg) -> Any:
@@ -139,15 +168,19 @@ def load_for_inference(path: Path, *, device: str | torch.device = "cpu", dtype:
     """See the module docstring. ConfigError (one line) for a checkpoint that is missing, incomplete,
     not nxdt's, of another model than its config, or whose tokenizer does not fit."""
     path = Path(path)
-    meta = validate_checkpoint(path)
-    cfg = read_run_config(path)
+    hf_folder = is_hf_folder(path)
+    meta = {} if hf_folder else validate_checkpoint(path)
+    cfg = read_run_config(path, meta)
     tokenizer = tokenizer_for(path, cfg, tokenizer_dir)
     notes: list[str] = []
     one = _single_process(cfg)
     saved = {k.removeprefix("model."): s for k, s in (meta.get("model_shapes") or {}).items()}
     lora = any(is_lora_key(k) for k in saved)
     tensors = None
-    if lora or tp_mesh is None or tp_mesh.size() == 1:  # whole tensors (LoRA: folded in whole, then sharded)
+    if hf_folder:  # safetensors, read whole (a rank keeps its shards of them)
+        tensors = read_hf_folder(path)[1]
+        saved = {k: list(t.shape) for k, t in tensors.items()}
+    elif lora or tp_mesh is None or tp_mesh.size() == 1:  # whole tensors (LoRA: folded in whole, then sharded)
         tensors = merged_tensors(path, load_weights(path), cfg, meta, base, notes)
         saved = {k: list(t.shape) for k, t in tensors.items()}
     embed = next((s for k, s in saved.items() if k.endswith(("embed_tokens.weight", "embed_in.weight"))), None)

@@ -10,6 +10,7 @@ together, in one ConfigError (a first line saying how many, then a line each). I
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,19 @@ SHARD_SUFFIXES = (".arrow", ".parquet")
 # how to make the Megatron .bin/.idx files that data.data_prefix names
 MAKE_DATA_HINT = ("make them with: nxdt preprocess --input CORPUS.jsonl --tokenizer DIR --output-prefix PREFIX; "
                   "the bundled corpus: make data")
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+
+def hub_id_hint(value: Any) -> str:
+    """For a path that does not exist and reads as a Hugging Face hub id (`org/name`), how to get the
+    folder: nxdt reads from disk only. Empty for anything else."""
+    text = str(value)
+    if os.path.exists(os.path.expanduser(text)) or not _HUB_ID.fullmatch(text):
+        return ""
+    return (f"'{text}' looks like a Hugging Face hub id; nxdt downloads nothing: download it first with "
+            f"hf download {text} --local-dir DIR (or huggingface-cli download) and pass the folder")
 
 
 class PathProblems:
@@ -173,7 +187,7 @@ def path_problems(cfg: Any, look: bool | tuple[str, ...] = True) -> PathProblems
         _check_data_files(cfg, found)
     tok = data.tokenizer
     if tok.library == "huggingface" and tok.type is not None:
-        found.need(tok.type, "data.tokenizer.type", "tokenizer directory", "dir")
+        found.need(tok.type, "data.tokenizer.type", "tokenizer directory", "dir", hub_id_hint(tok.type))
     for key in ("model", "vocab_file", "merge_file"):
         if getattr(tok, key) is not None:
             found.need(getattr(tok, key), f"data.tokenizer.{key}", "tokenizer file", "file")

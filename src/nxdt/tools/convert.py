@@ -36,6 +36,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from nxdt.checkpoint.checkpointer import load_weights, save_weights
+from nxdt.checkpoint.locate import resolve_checkpoint
 from nxdt.config.errors import ConfigError
 from nxdt.models.lora import is_lora_key
 from nxdt.models.neox import neox_model_keys, neox_to_native
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--input", required=True, type=Path)
     a.add_argument("--output", required=True, type=Path)
     b = sub.add_parser("nxdt-to-hf", help="nxdt checkpoint → HF folder loadable by transformers")
-    b.add_argument("--input", required=True, type=Path)
+    b.add_argument("--input", required=True, type=Path, help="a checkpoint, or a run folder (its newest complete one)")
     b.add_argument("--output", required=True, type=Path)
     b.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
     b.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
@@ -150,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         if hf_to_nxdt(args.input, args.output) is not None:
             print(f"model keys of the native model: {args.output / NXDT_MODEL_FILE}")
     else:
+        args.input, chosen = resolve_checkpoint(args.input, "--input")  # a run folder: its newest complete one
+        if chosen:
+            print(f"note: {chosen}")
         nxdt_to_hf(args.input, args.output, parse_size(args.max_shard_size), args.dtype,
                    base=args.base, adapter_only=args.adapter_only)
     print(f"wrote {args.output}")

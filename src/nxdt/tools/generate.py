@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from nxdt.checkpoint.checkpointer import validate_checkpoint
+from nxdt.checkpoint.locate import is_hf_folder, resolve_checkpoint
 from nxdt.config.errors import ConfigError
 from nxdt.device import accelerator_type, process_group_backend, set_device
 from nxdt.inference.generate import SamplingParams, generate
@@ -38,7 +40,8 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nxdt generate", description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", required=True, type=Path, help="an nxdt checkpoint directory of a training run")
+    p.add_argument("--checkpoint", required=True, type=Path,
+                   help="a checkpoint, a run folder (its newest complete checkpoint) or a transformers model folder")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the text to continue")
     src.add_argument("--prompt-file", type=Path, help="one prompt per line, or JSON lines with a 'prompt' key")
@@ -123,11 +126,17 @@ def _distributed():
 
 
 def main(argv: list[str] | None = None) -> int:
+    # transformers' notice that its models will take `cache=` one day: nothing for the user to do
+    warnings.filterwarnings("ignore", message=r".*`past_key_values` is deprecated", category=FutureWarning)
     args = build_parser().parse_args(argv)
     check_args(args)
     prompts = read_prompts(args)
-    validate_checkpoint(args.checkpoint)  # one line, before any process group starts
+    args.checkpoint, chosen = resolve_checkpoint(args.checkpoint)  # a run folder: its newest complete checkpoint
+    if not is_hf_folder(args.checkpoint):
+        validate_checkpoint(args.checkpoint)  # one line, before any process group starts
     rank, tp_mesh = _distributed()
+    if chosen and rank == 0:
+        print(f"note: {chosen}", file=sys.stderr)
     device = args.device or accelerator_type() or "cpu"
     if tp_mesh is not None:
         device = tp_mesh.device_type if device == "cpu" or tp_mesh.device_type == "cpu" else device

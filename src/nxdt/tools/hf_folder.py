@@ -8,13 +8,15 @@ with GPT-NeoX's names (nxdt.models.neox)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
+from nxdt.checkpoint.locate import INDEX, read_hf_folder, read_hf_weights  # noqa: F401 - this module's readers
 from nxdt.checkpoint.state import META, read_json
 from nxdt.config.errors import ConfigError
 from nxdt.config.load import load_saved_config
@@ -25,28 +27,6 @@ from nxdt.models.neox import native_to_neox
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json")
-INDEX = "model.safetensors.index.json"
-
-
-def read_hf_weights(folder: Path) -> dict[str, Any]:
-    index = folder / INDEX
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError) as err:
-            raise ConfigError(f"{index}: not a safetensors index ({err})") from None
-        files = sorted(set(weight_map.values()))
-    elif (folder / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise ConfigError(f"{folder}: no model.safetensors or {INDEX} (only safetensors weights are read)")
-    tensors: dict[str, Any] = {}
-    for name in files:
-        try:
-            tensors.update(load_file(str(folder / name)))
-        except Exception as err:
-            raise ConfigError(f"{folder / name}: unreadable safetensors file ({err})") from None
-    return tensors
 
 
 def copy_tokenizer(src: Path | None, dst: Path) -> list[str]:
@@ -59,22 +39,6 @@ def copy_tokenizer(src: Path | None, dst: Path) -> list[str]:
             shutil.copy2(src / name, dst / name)
             copied.append(name)
     return copied
-
-
-def read_hf_folder(input_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(config.json as a dict, the tensors) of a transformers folder; a tied lm_head is
-    materialised (nxdt's model has both keys, one tensor)."""
-    config_file = input_dir / "config.json"
-    if not config_file.is_file():
-        raise ConfigError(f"{config_file} is missing")
-    try:
-        hf_config = json.loads(config_file.read_text())
-    except ValueError as err:
-        raise ConfigError(f"{config_file}: not JSON ({err})") from None
-    tensors = read_hf_weights(input_dir)
-    if hf_config.get("tie_word_embeddings") and "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
-        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
-    return hf_config, tensors
 
 
 def hf_config_for(ckpt: Path, tensors: dict[str, Any]) -> dict[str, Any]:
@@ -108,6 +72,13 @@ def tokenizer_dir_for(ckpt: Path) -> Path | None:
     return None
 
 
+def _normal_mode(path: Path) -> None:
+    """Read-write for the owner, readable by others as umask allows (safetensors writes 0600)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
 def write_safetensors(tensors: dict[str, Any], output: Path, max_shard_bytes: int) -> list[str]:
     shards: list[dict[str, Any]] = [{}]
     size = 0
@@ -120,11 +91,13 @@ def write_safetensors(tensors: dict[str, Any], output: Path, max_shard_bytes: in
         size += nbytes
     if len(shards) == 1:
         save_file(shards[0], str(output / "model.safetensors"), metadata={"format": "pt"})
+        _normal_mode(output / "model.safetensors")
         return ["model.safetensors"]
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map = {}
     for name, shard in zip(names, shards):
         save_file(shard, str(output / name), metadata={"format": "pt"})
+        _normal_mode(output / name)
         weight_map.update({k: name for k in shard})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     (output / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))

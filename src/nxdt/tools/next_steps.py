@@ -31,20 +31,30 @@ def launch_prefix(environ=None) -> list[str]:
     """How this run was launched: the script, under torchrun with this node's process count."""
     environ = os.environ if environ is None else environ
     script = sys.argv[0] if sys.argv and sys.argv[0].endswith(".py") else None
+    if script is not None and Path(script).parts[-2:] == ("nxdt", "cli.py"):  # `python -m nxdt.cli train`
+        script = None
     world = int(environ.get("WORLD_SIZE", "1") or 1)
     if world <= 1:
         return [shown(sys.executable), shown(script)] if script else [_tool("nxdt"), "train"]
     nnodes = world // max(int(environ.get("LOCAL_WORLD_SIZE", world) or world), 1)
     nodes = [] if nnodes <= 1 else [f"--nnodes {nnodes}", "..."]
+    if script is None:  # nxdt train as the launcher (nxdt.tools.launch): its workers run nxdt.cli
+        return [_tool("nxdt"), "train", *(["--standalone"] if nnodes <= 1 else nodes),
+                f"--nproc-per-node {environ.get('LOCAL_WORLD_SIZE', world)}"]
     torchrun = [_tool("torchrun"), *(["--standalone"] if nnodes <= 1 else nodes),
                 f"--nproc_per_node {environ.get('LOCAL_WORLD_SIZE', world)}"]
-    return [*torchrun, *([shown(script)] if script else ["-m", "nxdt.cli", "train"])]
+    return [*torchrun, shown(script)]
+
+
+# the sample prompt of a run on the bundled corpus (KJV); other data gets a word to replace
+BUNDLED_PROMPT = "And God said"
 
 
 def format_next_steps(checkpoint: Path | None, log_dir: Path, argv: list[str], max_steps: int,
-                      environ=None, preempted: bool = False) -> str:
+                      environ=None, preempted: bool = False, prompt: str = BUNDLED_PROMPT) -> str:
     """The closing lines of a run (rank 0). A finished run's resume command trains as many steps
-    again; a preempted run's continues to its own max_steps."""
+    again; a preempted run's continues to its own max_steps. `prompt`: the sample command's (a run
+    on other data than the bundled corpus gets PROMPT, to fill in)."""
     lines = []
     if checkpoint is not None:
         args = [a for a in argv if not a.startswith(_REPLACED)]
@@ -55,7 +65,7 @@ def format_next_steps(checkpoint: Path | None, log_dir: Path, argv: list[str], m
         lines += [
             f"checkpoint   {shown(checkpoint)}",
             f"{'continue' if preempted else 'resume':<12} {' '.join(resume)}",
-            f"sample       {nxdt} generate --checkpoint {shlex.quote(shown(checkpoint))} --prompt 'And God said' --stream",
+            f"sample       {nxdt} generate --checkpoint {shlex.quote(shown(checkpoint))} --prompt {shlex.quote(prompt)} --stream",
             f"evaluate     {nxdt} evaluate --checkpoint {shlex.quote(shown(checkpoint))}",
         ]
     lines += [

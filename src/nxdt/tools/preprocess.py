@@ -199,8 +199,8 @@ def main(argv: list[str] | None = None) -> int:
                     raise ConfigError(f"{path}: output exists; pass --overwrite to replace it")
 
     tokenizer_dir = str(args.tokenizer or bundled_tokenizer_dir())
-    tokenizer = build_tokenizer(TokenizerConfig(library="huggingface", type=tokenizer_dir))
-    eod = eod_id(tokenizer) if args.append_eod else None
+    tokenizer = build_tokenizer(TokenizerConfig(library="huggingface", type=tokenizer_dir), flag="--tokenizer")
+    eod = eod_id(tokenizer, flag="--tokenizer") if args.append_eod else None
     dtype = best_fitting_dtype(len(tokenizer))
 
     builders = [IndexedDatasetBuilder(prefix, dtype=dtype) for prefix in prefixes]

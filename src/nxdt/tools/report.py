@@ -45,6 +45,10 @@ TITLES = {
     "tflops": "model TFLOP/s per device",
     "memory/peak_gib": "peak memory (GiB)",
 }
+# drawn on another metric's plot too: the validation loss beside the training loss
+OVERLAID = {"reduced_train_loss": "val_loss"}
+# plotted from 0: a small change of an amount is not a cliff
+FROM_ZERO = ("memory/peak_gib", "throughput", "mfu", "tflops")
 DEFAULT_PLOTS = ("reduced_train_loss", "val_loss", "lr", "gradient_norm", "throughput", "mfu", "memory/peak_gib")
 # What --assert-equal compares unless --metrics names others: the values a change of layout or a
 # refactor must keep (timings never repeat, so they are only reported).
@@ -186,12 +190,24 @@ def run_labels(paths: list[Path]) -> list[str]:
 
 # --------------------------------------------------------------------------- numbers
 def steps_trained(run: Run) -> int | None:
-    """Optimizer steps done: the last `global_step` value (steps finished when it was logged), else
-    the last logged training step + 1 (Lightning's step = steps finished before that one)."""
-    if run.series.get("global_step"):
-        return int(list(run.series["global_step"].values())[-1])
+    """Optimizer steps done in this log: the last `global_step` value (steps finished when it was
+    logged), else the last logged training step + 1 (Lightning's step = steps finished before that
+    one); less the first logged step when the run started from another run's checkpoint (its log
+    begins there: 300 steps from step 300 are 300, not 600)."""
     train = run.series.get("reduced_train_loss")
-    return max(train) + 1 if train else None
+    start = min(train) if train else 0
+    if run.series.get("global_step"):
+        return int(list(run.series["global_step"].values())[-1]) - start
+    return max(train) + 1 - start if train else None
+
+
+def _steps_fact(run: Run) -> str:
+    n = steps_trained(run)
+    if n is None:
+        return ""
+    train = run.series.get("reduced_train_loss") or {0: 0.0}
+    first, last = min(train), max(train)
+    return f"{n:,}" + (f" (steps {first:,}–{last:,}: started from a checkpoint at step {first:,})" if first else "")
 
 
 def _layout_fact(cfg) -> str:
@@ -240,8 +256,7 @@ def run_facts(run: Run) -> dict[str, str]:
         facts["parameters"] = _parameters_fact(cfg)
     else:
         facts["config"] = run.config_note
-    n = steps_trained(run)
-    facts["steps trained"] = f"{n:,}" if n is not None else ""
+    facts["steps trained"] = _steps_fact(run)
     if run.wall_time_s is not None:
         sessions = f", {run.sessions} sessions" if run.sessions > 1 else ""
         facts["wall time"] = f"{_duration(run.wall_time_s)} (first to last logged step{sessions})"
@@ -302,6 +317,18 @@ def _png_name(metric: str) -> str:
     return metric.replace("/", "_") + ".png"
 
 
+def plot_lines(run: Run, metric: str, several: bool = False) -> list[dict[str, Any]]:
+    """What a run draws on a metric's plot: its series, and on the training loss the validation loss
+    too (dashed), so the two curves are read against each other."""
+    lines = [{"label": run.label if several else metric, "steps": list(run.series[metric]),
+              "values": list(run.series[metric].values()), "style": "-"}]
+    other = OVERLAID.get(metric)
+    if other and run.series.get(other):
+        lines.append({"label": f"{run.label} {other}" if several else other, "steps": list(run.series[other]),
+                      "values": list(run.series[other].values()), "style": "--"})
+    return lines
+
+
 def write_plots(runs: list[Run], metrics: list[str], out: Path) -> list[str] | None:
     """One PNG per metric that some run logged (the runs overlaid; with several runs a lower panel
     shows each run minus the first on their shared steps). None when matplotlib is missing."""
@@ -323,12 +350,15 @@ def write_plots(runs: list[Run], metrics: list[str], out: Path) -> list[str] | N
         axes = fig.subplots(2, 1, sharex=True, height_ratios=[2, 1]) if diff else [fig.subplots()]
         colors = {r.label: f"C{i % 10}" for i, r in enumerate(runs)}  # a run keeps its colour in both panels
         for r in logged:
-            steps, values = list(r.series[metric]), list(r.series[metric].values())
-            axes[0].plot(steps, values, label=r.label, color=colors[r.label],
-                         marker="o" if len(steps) <= 30 else None, markersize=3)
-        axes[0].set_title(f"{TITLES.get(metric, metric)}  ({metric})")
+            for line in plot_lines(r, metric, several=len(runs) > 1):
+                axes[0].plot(line["steps"], line["values"], label=line["label"], color=colors[r.label],
+                             linestyle=line["style"], marker="o" if len(line["steps"]) <= 30 else None, markersize=3)
+        axes[0].set_title(f"{TITLES.get(metric, metric)}  ({metric})"
+                          + (" and validation loss" if metric in OVERLAID else ""))
         axes[0].set_ylabel(TITLES.get(metric, metric))
-        if len(runs) > 1:
+        if metric in FROM_ZERO:  # 0.22 -> 0.25 GiB is not a cliff
+            axes[0].set_ylim(bottom=0)
+        if len(runs) > 1 or any(r.series.get(OVERLAID.get(metric, "")) for r in logged):
             axes[0].legend(fontsize="small")
         if diff:
             for r in runs[1:]:

@@ -19,6 +19,7 @@ from nxdt.config import describe
 from nxdt.config.env import apply_env
 from nxdt.config.errors import ConfigError
 from nxdt.config.load import compose, main_guard, quote_value
+from nxdt.config.resolvers import asset_path
 from nxdt.config.load import global_rank as _global_rank
 from nxdt.exp.exp_manager import resolve_dirs
 from nxdt.spec import load_config
@@ -33,7 +34,8 @@ from nxdt.tools.command_line import (
     sweep_keys,
     write_hydra_record,
 )
-from nxdt.tools.next_steps import format_next_steps
+from nxdt.tools.launch import is_launch, launch
+from nxdt.tools.next_steps import BUNDLED_PROMPT, format_next_steps
 
 REPO_CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
 
@@ -50,19 +52,36 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print_help(argv[1] if len(argv) > 1 else None)
         return 0
+    if is_launch(argv) and _world_size_from_env() is None:  # torchrun's options first: validate, then launch
+        return launch(argv, validate_launch)
     cl = parse_command_line(argv)
     if cl.hydra_help:
         print(HYDRA_HELP)
         return 0
-    if not cl.multirun and (swept := sweep_keys(cl.overrides)):
-        raise ConfigError(f"'{swept[0]}' is a sweep: add -m (--multirun) to run every value, or quote the "
-                          "value if the comma is part of it")
+    check_sweep(cl)
     jobs = expand_sweeps(cl.overrides) if cl.multirun else [cl.overrides]
     if cl.show_cfg or cl.info:
         return show_config(cl, jobs)
     if not cl.multirun:
         return run_job(cl, cl.overrides, log_dir=cl.hydra.get("hydra.run.dir"))
     return run_sweep(cl, jobs)
+
+
+def check_sweep(cl) -> None:
+    if not cl.multirun and (swept := sweep_keys(cl.overrides)):
+        raise ConfigError(f"'{swept[0]}' is a sweep: add -m (--multirun) to run every value, or quote the "
+                          "value if the comma is part of it")
+
+
+def validate_launch(argv: list[str], world_size: int | None) -> None:
+    """The launcher's check (nxdt.tools.launch) of the workers' command line, for the launch's world size."""
+    cl = parse_command_line(argv)
+    if cl.multirun or cl.show_cfg or cl.info or cl.hydra_help:
+        raise ConfigError("-m, --cfg, --info and --hydra-help are for one process: drop torchrun's options "
+                          "(--nproc-per-node ...) to use them")
+    check_sweep(cl)
+    load_config(cl.compose_argv([*cl.overrides, *_dir_override(cl.hydra.get("hydra.run.dir"))]),
+                default_config_dir=REPO_CONF_DIR, world_size=world_size, quiet=True)
 
 
 def _dir_override(log_dir) -> list[str]:
@@ -196,8 +215,10 @@ def print_next_steps(cfg, dirs, cl, found: list, preempted: bool = False) -> Non
     argv = cl.argv if cl is not None and not cl.multirun else None
     checkpoint = found[-1][1] if found and argv is not None else None
     print(f"logs         {dirs.log_dir}", flush=True)
-    print(format_next_steps(checkpoint, dirs.log_dir, argv or [], cfg.trainer.max_steps, preempted=preempted),
-          flush=True)
+    tok = cfg.data.tokenizer  # the bundled KJV tokenizer (null or ${nxdt_asset:tokenizer}): the bundled corpus
+    bundled = tok.library == "huggingface" and (tok.type is None or Path(tok.type) == Path(asset_path("tokenizer")))
+    print(format_next_steps(checkpoint, dirs.log_dir, argv or [], cfg.trainer.max_steps, preempted=preempted,
+                            prompt=BUNDLED_PROMPT if bundled else "PROMPT"), flush=True)
 
 
 def write_hydra_job(log_dir, cl, record: dict, job_num: int, overrides: list[str]) -> None:

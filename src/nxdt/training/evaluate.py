@@ -124,7 +124,7 @@ def evaluate(cfg, plan: ResumePlan) -> dict[str, Any]:
             strategy.release()
     if not splits:
         raise ConfigError(f"no validation or test data to evaluate: {_no_data_hint(cfg, spec.data_kind)}")
-    meta = read_json(plan.path / META)
+    meta = read_json(plan.path / META) if (plan.path / META).is_file() else {}  # a transformers folder has none
     result = {
         "checkpoint": str(plan.path),
         "step": int(meta.get("step", 0)),
