@@ -152,7 +152,8 @@ def test_the_closing_resume_command_pastes_back(tmp_path, monkeypatch):
     text = format_next_steps(checkpoint, tmp_path / "runs", ["--config-name", "tiny_llama_cpu", "trainer.max_steps=3"],
                              3, environ={"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"})
     resume = shlex.split(next(line for line in text.splitlines() if line.startswith("resume"))[len("resume"):])
-    assert resume[1:4] == ["--standalone", "--nproc_per_node", "2"] and resume[-1] == "trainer.max_steps=6"
+    assert resume[0].endswith("nxdt") and resume[1:5] == ["train", "--standalone", "--nproc-per-node", "2"]
+    assert resume[-1] == "trainer.max_steps=6"
     overrides = resume[resume.index("--config-name"):]
     assert "trainer.max_steps=3" not in overrides
     cfg = load_config(overrides, world_size=2, check_paths=False, quiet=True)
