@@ -12,6 +12,7 @@ import errno
 import json
 import logging
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -27,6 +28,7 @@ from nxdt.spec import load_config
 from nxdt.spec.exp import parse_signals
 from nxdt.exp.exp_manager import close_rank_log_file, process_start_ticks
 from nxdt.exp.run_lock import LOCK, RunLock, check_run_lock, holder_record, read_lock
+from nxdt.training import fault_tolerance
 
 STEPS = 8
 sys.path.insert(0, str(REPO / "tests"))  # fault_callbacks.SignalAt, for trainer.callbacks
@@ -84,6 +86,61 @@ def test_preemption_signal_saves_exits_0_and_the_relaunch_continues_bit_for_bit(
     assert second.rc == 0, second.err[-3000:]
     assert f"resuming from {_ckpt(log_dir, 3)}" in second.out
     assert read_scalars(log_dir)["reduced_train_loss"] == reference  # every step, bit for bit
+
+
+def _continue_args(out: str) -> list[str]:
+    """The printed `continue` command's arguments (from --config-name on), as a user would paste them."""
+    lines = [line for line in out.splitlines() if line.startswith("continue     ")]
+    assert len(lines) == 1, out[-3000:]
+    words = shlex.split(lines[0].removeprefix("continue"))
+    return words[words.index("--config-name"):]
+
+
+def test_ctrl_c_to_the_run_and_its_four_loader_workers_saves_and_the_printed_continue_is_bit_exact(
+        reference, kjv_prefix, tmp_path):
+    """SIGINT to the process and its 4 loader workers at once (Ctrl-C in its terminal, or
+    `kill -INT -- -PGID`) at step 3: the workers ignore it, the run finishes the step, saves it, says
+    so in one line, prints the continue command and exits 0, with no traceback; pasting that command
+    resumes from the step-3 checkpoint and logs every step as the uninterrupted run (whose loader
+    ran in the process: the data are the same)."""
+    log_dir = tmp_path / "ctrl_c"
+    callback = "trainer.callbacks=[{_target_:fault_callbacks.SignalAt,step:3,signal:SIGINT,to:group}]"
+    first = train_in_process(_args(log_dir, kjv_prefix, "data.num_workers=4", callback))
+    assert first.rc == 0, first.err[-3000:]
+    assert [line for line in first.out.splitlines() if line.startswith("interrupted")] == [
+        f"interrupted (Ctrl-C) at step 3: checkpoint {_ckpt(log_dir, 3).name} saved; the 'continue' command below "
+        "resumes from it"]
+    assert "Traceback" not in first.err and "DataLoader worker" not in first.err, first.err[-3000:]
+    assert (_ckpt(log_dir, 3) / "COMPLETE").is_file() and not _ckpt(log_dir, 4).exists()
+    pasted = _continue_args(first.out)
+    assert "data.num_workers=4" in pasted
+    second = train_in_process(pasted)
+    assert second.rc == 0, second.err[-3000:]
+    assert f"resuming from {_ckpt(log_dir, 3)}" in second.out
+    assert read_scalars(log_dir)["reduced_train_loss"] == reference
+
+
+def test_a_second_ctrl_c_before_the_save_stops_at_once_and_says_nothing_was_saved(monkeypatch, capfd):
+    """The first SIGINT is recorded (the step's end saves); a second one before that save is done
+    leaves at once with exit 130 and one line; after the save, a further one changes nothing."""
+    cfg = load_config(["--config-path", str(REPO / "conf"), "--config-name", "tiny_llama_cpu"], check_paths=False,
+                      quiet=True)
+    tolerance, exits = fault_tolerance.FaultTolerance(cfg), []
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(fault_tolerance.os, "_exit", exits.append)
+    try:
+        tolerance._step = 7
+        tolerance._on_signal(signal.SIGINT, None)
+        assert (tolerance.received, exits) == ("SIGINT", [])
+        tolerance._on_signal(signal.SIGINT, None)
+        assert exits == [130]
+        assert capfd.readouterr().err == ("interrupted again (second Ctrl-C) after step 7: stopped at once, nothing "
+                                          "was saved (the last complete checkpoint stays the resume point)\n")
+        tolerance.preempted_at = 7  # saved: a third Ctrl-C is ignored
+        tolerance._on_signal(signal.SIGINT, None)
+        assert exits == [130]
+    finally:
+        fault_tolerance.interrupted.clear()
 
 
 def test_preemption_signal_names_are_checked():
