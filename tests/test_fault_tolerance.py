@@ -96,20 +96,23 @@ def _continue_args(out: str) -> list[str]:
     return words[words.index("--config-name"):]
 
 
-def test_ctrl_c_to_the_run_and_its_four_loader_workers_saves_and_the_printed_continue_is_bit_exact(
-        reference, kjv_prefix, tmp_path):
-    """SIGINT to the process and its 4 loader workers at once (Ctrl-C in its terminal, or
-    `kill -INT -- -PGID`) at step 3: the workers ignore it, the run finishes the step, saves it, says
-    so in one line, prints the continue command and exits 0, with no traceback; pasting that command
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_stop_signal_to_the_run_and_its_four_loader_workers_saves_and_the_printed_continue_is_bit_exact(
+        sig, reference, kjv_prefix, tmp_path):
+    """Ctrl-C (SIGINT) or SIGTERM to the process and its 4 loader workers at once (its terminal, or
+    `kill -- -PGID`) at step 3: the workers ignore it, the run finishes the step, saves it, says so in
+    one line, prints the continue command and exits 0, with no traceback; pasting that command
     resumes from the step-3 checkpoint and logs every step as the uninterrupted run (whose loader
     ran in the process: the data are the same)."""
-    log_dir = tmp_path / "ctrl_c"
-    callback = "trainer.callbacks=[{_target_:fault_callbacks.SignalAt,step:3,signal:SIGINT,to:group}]"
+    log_dir = tmp_path / sig
+    callback = f"trainer.callbacks=[{{_target_:fault_callbacks.SignalAt,step:3,signal:{sig},to:group}}]"
     first = train_in_process(_args(log_dir, kjv_prefix, "data.num_workers=4", callback))
     assert first.rc == 0, first.err[-3000:]
-    assert [line for line in first.out.splitlines() if line.startswith("interrupted")] == [
-        f"interrupted (Ctrl-C) at step 3: checkpoint {_ckpt(log_dir, 3).name} saved; the 'continue' command below "
-        "resumes from it"]
+    said = (f"interrupted (Ctrl-C) at step 3: checkpoint {_ckpt(log_dir, 3).name} saved; the 'continue' command "
+            "below resumes from it" if sig == "SIGINT" else
+            f"preempted (SIGTERM) at step 3: checkpoint {_ckpt(log_dir, 3).name} saved; a relaunch with "
+            "exp_manager.resume_if_exists=true continues from it")
+    assert [line for line in first.out.splitlines() if line.startswith(("interrupted", "preempted"))] == [said]
     assert "Traceback" not in first.err and "DataLoader worker" not in first.err, first.err[-3000:]
     assert (_ckpt(log_dir, 3) / "COMPLETE").is_file() and not _ckpt(log_dir, 4).exists()
     pasted = _continue_args(first.out)
@@ -153,6 +156,34 @@ def test_preemption_signal_names_are_checked():
             load_config(["--config-path", conf, "--config-name", "tiny_llama_cpu",
                          f"exp_manager.preemption_signals={value}"], check_paths=False, quiet=True)
         assert str(err.value).startswith(says), str(err.value)
+
+
+# --------------------------------------------------------------------------- reruns
+def test_a_rerun_that_would_start_over_is_refused_and_retention_prunes_only_its_own_run(kjv_prefix, tmp_path):
+    """A run into a fixed log dir without resume_if_exists leaves step 3; the same command again
+    exits 2 with one line naming that checkpoint and the two ways on, writing nothing. A run
+    resumed there from another run's checkpoint (save_top_k=1) prunes its own step 4 after its
+    step 6, never the earlier run's step 3."""
+    fixed, other = tmp_path / "fixed", tmp_path / "other"
+
+    def args(log_dir: Path, steps: int, *extra: str) -> list[str]:
+        return [*_args(log_dir, kjv_prefix)[:-2], f"trainer.max_steps={steps}",  # no resume_if_exists
+                "exp_manager.checkpoint_callback_params.save_top_k=1", *extra]
+
+    assert train_in_process(args(fixed, 3)).rc == 0
+    before = {p.name: p.stat().st_mtime_ns for p in fixed.rglob("*")}
+    again = train_in_process(args(fixed, 3))
+    assert again.rc == 2, again.err[-3000:]
+    assert again.err.strip().splitlines() == [
+        f"error: exp_manager: log dir {fixed} holds a complete checkpoint of an earlier run ({_ckpt(fixed, 3).name}); "
+        "starting over there would lose it: continue that run with exp_manager.resume_if_exists=true, or start a new "
+        "one in a new folder (exp_manager.explicit_log_dir=NEW_DIR)"]
+    assert {p.name: p.stat().st_mtime_ns for p in fixed.rglob("*")} == before  # nothing written
+
+    assert train_in_process(args(other, 2)).rc == 0
+    resumed = train_in_process(args(fixed, 6, f"exp_manager.resume_from_checkpoint={_ckpt(other, 2)}"))
+    assert resumed.rc == 0, resumed.err[-3000:]
+    assert sorted(p.name for p in (fixed / "checkpoints").iterdir()) == [_ckpt(fixed, 3).name, _ckpt(fixed, 6).name]
 
 
 # --------------------------------------------------------------------------- failed saves
