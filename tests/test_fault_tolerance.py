@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import REPO, TINY_OVERRIDES, read_scalars, train_in_process
@@ -320,3 +321,39 @@ def test_a_second_launch_into_a_live_runs_log_dir_exits_2_and_writes_nothing(kjv
                               "exp_manager.explicit_log_dir to another directory")
     assert sorted(p.name for p in log_dir.iterdir()) == [LOCK]  # no config.yaml, logs or checkpoints
     assert read_lock(log_dir).holder["pid"] == pid
+
+
+# --------------------------------------------------------------------------- progress after a resume
+def test_the_progress_bar_after_a_resume_counts_the_run_and_its_eta_this_launchs_rate():
+    """Resumed at step 59 of 100 (this launch's loader has 41 batches, Lightning's restored batch
+    index is 61): the bar shows 59/100 before the first step and 60/100 after it, not 62/59; 10
+    steps later in 10 s the rate is this launch's (1 step/s) and the ETA the 30 steps left."""
+    from io import StringIO
+
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from nxdt.observability.progress import StepProgressBar, StepRateColumn
+
+    trainer = SimpleNamespace(max_steps=100, global_step=59, num_training_batches=41, current_epoch=0,
+                              is_global_zero=True)
+    bar = StepProgressBar()
+    bar._trainer = trainer
+    bar.progress = Progress(console=Console(file=StringIO()), auto_refresh=False)
+    bar._update_metrics = bar.refresh = lambda *args, **kwargs: None  # the drawing is Rich's
+    assert bar.total_train_batches == 100
+    bar.on_train_epoch_start(trainer, None)
+    task = bar.progress.tasks[0]
+    assert (task.completed, task.total) == (59, 100)
+    trainer.global_step = 60
+    bar.on_train_batch_end(trainer, None, None, None, batch_idx=61)
+    assert (task.completed, task.total) == (60, 100)
+
+    column = StepRateColumn()
+    first = SimpleNamespace(id=task.id, completed=60, total=100, elapsed=42.0)  # 42 s of imports and warm-up
+    assert str(column.render(first)) == "-- step/s  ETA --"
+    assert str(column.render(SimpleNamespace(id=task.id, completed=70, total=100, elapsed=52.0))) == \
+        "1.00 step/s  ETA 0:00:30"
+    # an epoch-bounded run (max_steps -1) keeps Lightning's count of this epoch's batches
+    trainer.max_steps = -1
+    assert bar.total_train_batches == 41
