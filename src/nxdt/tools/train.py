@@ -33,7 +33,7 @@ from nxdt.tools.command_line import (
     sweep_keys,
     write_hydra_record,
 )
-from nxdt.tools.next_steps import format_next_steps
+from nxdt.tools.next_steps import closing_options, format_next_steps
 
 REPO_CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
 
@@ -196,8 +196,8 @@ def print_next_steps(cfg, dirs, cl, found: list, preempted: bool = False) -> Non
     argv = cl.argv if cl is not None and not cl.multirun else None
     checkpoint = found[-1][1] if found and argv is not None else None
     print(f"logs         {dirs.log_dir}", flush=True)
-    print(format_next_steps(checkpoint, dirs.log_dir, argv or [], cfg.trainer.max_steps, preempted=preempted),
-          flush=True)
+    print(format_next_steps(checkpoint, dirs.log_dir, argv or [], cfg.trainer.max_steps, preempted=preempted,
+                            **closing_options(cfg, checkpoint)), flush=True)
 
 
 def write_hydra_job(log_dir, cl, record: dict, job_num: int, overrides: list[str]) -> None:
