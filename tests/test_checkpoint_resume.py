@@ -160,7 +160,8 @@ def killed(kjv_prefix, tmp_path_factory):
     proc = _popen(_args(kjv_prefix, preempted, extra=["data.num_workers=1",
                                                       f"trainer.callbacks=[{{_target_:fault_callbacks.SignalAt,"
                                                       f"step:{PREEMPT_AT},signal:SIGTERM,to:launcher_group}}]"]),
-                  env={"PYTHONPATH": str(REPO / "tests")}, log=preempted / "preempted.log")
+                  env={"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])},
+                  log=preempted / "preempted.log")
     proc.wait(timeout=300)
     left["preempted"] = {"log": (preempted / "preempted.log").read_text(), "returncode": proc.returncode}
     return {"between": between, "during": during, "preempted": preempted, "left": left}

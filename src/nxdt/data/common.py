@@ -29,6 +29,27 @@ STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
 """What a loader worker ignores: a stop signal is its rank's to act on (nxdt.training.fault_tolerance)."""
 
 
+def _stop_signals() -> set[signal.Signals]:
+    return {getattr(signal, name) for name in STOP_SIGNALS}
+
+
+class NxdtDataLoader(torch.utils.data.DataLoader):
+    """torch's DataLoader whose workers are started with the stop signals blocked: a signal that
+    arrives while a worker starts (validation's workers start at the first validation, often the
+    step a preemption lands on) stays pending until `worker_init` ignores it, instead of killing
+    the worker before it could. The rank unblocks them once its workers are started and gets its
+    own signal then."""
+
+    def _get_iterator(self):  # where torch starts the workers (once, with persistent_workers)
+        if self.num_workers == 0:
+            return super()._get_iterator()
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, _stop_signals())
+        try:
+            return super()._get_iterator()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
 def worker_init(worker_id: int) -> None:
     """Every loader worker's `worker_init_fn`: ignore the stop signals, then Lightning's seeding.
 
@@ -39,8 +60,9 @@ def worker_init(worker_id: int) -> None:
     before (torch's worker loop exits when its parent is gone). Lightning adds its
     `pl_worker_init_function` only to loaders without a worker_init_fn, so it is called here
     where Lightning would have (seed_everything(workers=True) sets PL_SEED_WORKERS)."""
-    for name in STOP_SIGNALS:
-        signal.signal(getattr(signal, name), signal.SIG_IGN)
+    for sig in _stop_signals():
+        signal.signal(sig, signal.SIG_IGN)  # a signal pending since the fork (NxdtDataLoader) is dropped
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _stop_signals())
     if int(os.environ.get("PL_SEED_WORKERS", "0")):
         from lightning.fabric.utilities.seed import pl_worker_init_function  # only where Lightning would call it
 
@@ -174,7 +196,7 @@ class NxdtDataModuleBase(pl.LightningDataModule):
         else:
             sampler = MegatronPretrainingBatchSampler(**common)
         workers = self.num_workers
-        return torch.utils.data.DataLoader(
+        return NxdtDataLoader(
             dataset, batch_sampler=sampler, num_workers=workers, persistent_workers=workers > 0,
             collate_fn=collate_fn, worker_init_fn=worker_init if workers > 0 else None,
         )
