@@ -1,18 +1,20 @@
 """Fine-tuning runs end to end (examples/train.py's entry, one process, one launch): LoRA from a
 pre-trained checkpoint with adapter-only checkpoints that resume bit for bit, merge_lora's merged
-model, a DPO run resumed bit for bit with its reference log-probs taken from the checkpoint, and a
+model, a DPO run resumed bit for bit with its reference log-probs taken from the checkpoint, an SFT
+run resumed bit for bit, and a
 tiny DPO run that learns the corpus-derived preferences (reward accuracy above 0.9).
 
 A restarted fine-tuning run (resume_from_checkpoint = the pre-trained start, weight_init_only,
 resume_if_exists) continues from its own newest checkpoint; when that holds adapters only, the
 frozen base comes from the pre-trained start again. The schedule's length is fixed
 (sched.max_steps=6), so a run stopped at step 3 and restarted follows the uninterrupted run. The
-LoRA and DPO fine-tunes' second halves are the `resume` commands their first halves printed,
+LoRA, DPO and SFT fine-tunes' second halves are the `resume` commands their first halves printed,
 pasted as a user would (nxdt.tools.next_steps).
 """
 
 from __future__ import annotations
 
+import json
 import shlex
 from pathlib import Path
 
@@ -59,12 +61,22 @@ def runs(kjv_prefix, tmp_path_factory):
     dpo = [*rows, "+model_alignment_strategy.dpo.kl_beta=0.1", *CKPT_EVERY_3]
     # DPO fine-tunes the pre-trained model, started as documented (weights only)
     dpo_ft = [*dpo, f"exp_manager.resume_from_checkpoint='{base}'", "model.weight_init_only=true"]
+    sft_rows = root / "sft.jsonl"  # input / output rows from the corpus: 3 to 14 answer words each
+    words = [word for _, chapter in read_chapters(CORPUS)[:3] for word in chapter]
+    sft_rows.write_text("".join(json.dumps({"input": " ".join(words[12 * i:12 * i + 4]),
+                                            "output": " ".join(words[12 * i + 4:12 * i + 7 + i % 6])}) + "\n"
+                                for i in range(32)))
+    sft = [f"data.train_dir={sft_rows}", f"data.val_dir={sft_rows}", "data.data_prefix=null",
+           "+model_alignment_strategy.sft.packing=false", *CKPT_EVERY_3,
+           f"exp_manager.resume_from_checkpoint='{base}'", "model.weight_init_only=true"]
     jobs = {
         "base": _args(root / "base", 2, [*pretrain, "exp_manager.create_checkpoint_callback=true"]),
         "lora_whole": _args(root / "lora_whole", 6, start),
         "lora_first": _args(root / "lora_split", 3, start),
         "dpo_whole": _args(root / "dpo_whole", 6, dpo_ft),
         "dpo_first": _args(root / "dpo_split", 3, dpo_ft),
+        "sft_whole": _args(root / "sft_whole", 6, sft),
+        "sft_first": _args(root / "sft_split", 3, sft),
         # 16 rows, 2 passes a step: the policy soon prefers every true continuation
         # bf16 compute with fp32 masters (the adapters'), the reference from the base with adapters off
         "dpo_lora_bf16": _args(root / "dpo_lora_bf16", 2, [*dpo, *LORA, "precision.type=mixed_precision",
@@ -79,7 +91,7 @@ def runs(kjv_prefix, tmp_path_factory):
     procs = run_pool(jobs, 1, root / "pool")
     out = {name: (proc.stdout, read_scalars(root / name) if (root / name).is_dir() else None)
            for name, proc in procs.items()}
-    for name in ("lora", "dpo"):  # the second half: the resume command the first half printed, pasted
+    for name in ("lora", "dpo", "sft"):  # the second half: the resume command the first half printed, pasted
         pasted = _printed_resume(out[f"{name}_first"][0])
         rest = train_in_process(pasted)
         close_rank_log_file()
@@ -148,6 +160,14 @@ def test_dpo_resumes_bit_for_bit_with_its_reference_from_the_checkpoint(runs):
     assert "resuming this run's checkpoint" in out["dpo_rest"][0] and "reference log-probs" not in out["dpo_rest"][0]
     # DPO checkpoints are not evaluable by `nxdt evaluate` (a preference loss): no evaluate line
     assert not [line for line in out["dpo_first"][0].splitlines() if line.startswith("evaluate ")]
+
+
+def test_sft_from_a_pretrained_start_continues_bit_for_bit_with_the_printed_command(runs):
+    root, _, out = runs
+    whole, split = read_scalars(root / "sft_whole"), read_scalars(root / "sft_split")
+    assert _curve(split) == _curve(whole) and len(_curve(whole)) == 6  # bitwise
+    assert "resuming this run's checkpoint" in out["sft_rest"][0]
+    assert [line for line in out["sft_first"][0].splitlines() if line.startswith("evaluate ")]
 
 
 def test_a_tiny_dpo_run_learns_the_preferences(runs):
