@@ -124,6 +124,24 @@ def test_a_stop_signal_to_the_run_and_its_four_loader_workers_saves_and_the_prin
     assert read_scalars(log_dir)["reduced_train_loss"] == reference
 
 
+def test_a_moe_run_stopped_at_step_3_continues_bit_for_bit_with_the_printed_command(kjv_prefix, tmp_path):
+    """tiny_mixtral_cpu (4 experts, top-2, the router's load-balancing loss): SIGTERM at step 3, the
+    printed continue command pasted; every step's loss equals the uninterrupted run's."""
+    def args(log_dir: Path, *extra: str) -> list[str]:
+        return ["--config-name", "tiny_mixtral_cpu", *_args(log_dir, kjv_prefix, "model.ffn_hidden_size=88",
+                                                             *extra)[2:]]
+
+    assert train_in_process(args(tmp_path / "reference")).rc == 0
+    callback = "trainer.callbacks=[{_target_:fault_callbacks.SignalAt,step:3,signal:SIGTERM}]"
+    first = train_in_process(args(tmp_path / "stopped", callback))
+    assert first.rc == 0 and "preempted (SIGTERM) at step 3: checkpoint tiny_mixtral--step=3-" in first.out, first.err
+    second = train_in_process(_continue_args(first.out))
+    assert second.rc == 0, second.err[-3000:]
+    assert "resuming from " in second.out
+    losses = read_scalars(tmp_path / "stopped")["reduced_train_loss"]
+    assert losses == read_scalars(tmp_path / "reference")["reduced_train_loss"] and len(losses) == STEPS
+
+
 def test_a_second_ctrl_c_before_the_save_stops_at_once_and_says_nothing_was_saved(monkeypatch, capfd):
     """The first SIGINT is recorded (the step's end saves); a second one before that save is done
     leaves at once with exit 130 and one line; after the save, a further one changes nothing."""

@@ -102,6 +102,11 @@ def run_job(cl, overrides: list[str], log_dir=None, job_num: int = 0, loaded=Non
             evaluate_only(cfg)
             return 0
         outcome = train(cfg, record_job=lambda log_dir: write_hydra_job(log_dir, cl, record, job_num, overrides))
+    except KeyboardInterrupt:  # Ctrl-C before the training steps (during them it saves: fault_tolerance)
+        if _global_rank() == 0:
+            print("interrupted (Ctrl-C) outside the training steps: stopped at once, nothing was saved",
+                  file=sys.stderr, flush=True)
+        return 130
     except (NumericalInstabilityError, CheckpointSaveError) as err:
         # one line: a NaN/inf or fp16 overflow stop (exit 3), a save that failed on some rank (exit 1)
         if _global_rank() == 0:
