@@ -15,8 +15,10 @@ torchrun's `killpg` of each rank's group, leaves them to end with their rank aft
 
 Ctrl-C (SIGINT, always handled) is the same stop: the first saves at the end of the current step
 and the entry prints the command that continues; a second one before that save is done stops at
-once (`os._exit(130)`), saying that nothing was saved. Under torchrun the second Ctrl-C ends the
-launcher, and the ranks' watchdog says the same (nxdt.training.launcher_watchdog).
+once (`os._exit(130)`), saying that nothing was saved. Under torchrun the second Ctrl-C reaches
+torchrun only, which then sends the ranks SIGTERM (and SIGKILL 30 s later): any stop signal after a
+Ctrl-C counts as the second. Were the launcher gone instead, the ranks' watchdog says the same
+(nxdt.training.launcher_watchdog).
 
 Failed saves. An asynchronous save's error is seen by `Checkpointer.poll` on the ranks whose
 background write has finished; the agreement makes every rank wait for its own and raise the same
@@ -30,6 +32,7 @@ import os
 import signal
 import subprocess
 import threading
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -60,9 +63,11 @@ class FaultTolerance(Callback):
     # ---- signals
     def _on_signal(self, signum, _frame) -> None:
         sig = signal.Signals(signum)
+        if interrupted.is_set() and self.preempted_at is None:
+            # a second Ctrl-C before the save is done; under torchrun it arrives as SIGTERM (torchrun,
+            # interrupted again, shuts its workers down with SIGTERM and kills them 30 s later)
+            stop_now(self._step, "second Ctrl-C" if sig == signal.SIGINT else f"{sig.name} after Ctrl-C")
         if sig == signal.SIGINT:
-            if interrupted.is_set() and self.preempted_at is None:
-                stop_now(self._step)  # a second Ctrl-C before the save is done
             interrupted.set()
         if self.received is None:  # no printing here: the handler may interrupt a print
             self.received = sig.name
@@ -137,16 +142,29 @@ class FaultTolerance(Callback):
                   f"preempted ({why}) at step {step}: {where}", flush=True)
 
 
-def stop_now(step: int) -> None:
+def stop_now(step: int, why: str = "second Ctrl-C") -> None:
     """A second Ctrl-C: leave at once (no save, no teardown), one line from global rank 0."""
     if os.environ.get("RANK", "0") == "0":
-        line = (f"interrupted again (second Ctrl-C) after step {step}: stopped at once, nothing was saved "
+        line = (f"interrupted again ({why}) after step {step}: stopped at once, nothing was saved "
                 "(the last complete checkpoint stays the resume point)\n")
         try:
             os.write(2, line.encode())
         except OSError:
             pass
+    for child in _children():  # the loader workers ignore the stop signals: they go with the rank
+        try:
+            os.kill(child, signal.SIGKILL)
+        except OSError:
+            pass
     os._exit(INTERRUPTED_EXIT)
+
+
+def _children() -> list[int]:
+    """This process's live children (its loader workers), from /proc; none where it cannot be read."""
+    try:
+        return [int(pid) for task in Path("/proc/self/task").iterdir() for pid in (task / "children").read_text().split()]
+    except OSError:
+        return []
 
 
 def _checkpoint_callback(trainer) -> NxdtCheckpoint | None:
