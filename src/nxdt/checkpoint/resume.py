@@ -80,8 +80,9 @@ def check_weight_init(cfg) -> None:
         raise ConfigError("model.weight_init_only: needs exp_manager.resume_from_checkpoint (the weights to load)")
 
 
-def find_resume_checkpoint(cfg, dirs: ExpDirs) -> ResumePlan:
-    """The checkpoint to load (and how) from resume_from_checkpoint / resume_if_exists."""
+def find_resume_checkpoint(cfg, dirs: ExpDirs, training: bool = True) -> ResumePlan:
+    """The checkpoint to load (and how) from resume_from_checkpoint / resume_if_exists. `training`:
+    a launch that would start over where a complete checkpoint is refused (an evaluation writes none)."""
     exp = cfg.exp_manager
     weights_only = cfg.model.weight_init_only
     check_weight_init(cfg)
@@ -89,7 +90,7 @@ def find_resume_checkpoint(cfg, dirs: ExpDirs) -> ResumePlan:
         path = Path(exp.resume_from_checkpoint).absolute()
         validate_checkpoint(path)  # an explicit path must be good: ConfigError otherwise
         own = complete_checkpoints(dirs.checkpoint_dir, warn=False) if weights_only else []
-        if own and not exp.resume_if_exists:  # a fine-tuning start would restart the run there
+        if own and not exp.resume_if_exists and training:  # a fine-tuning start would restart the run there
             refuse_rerun(own[-1][1], dirs)
         if own:  # a fine-tuning run restarted: continue it (its own newest checkpoint)
             if _global_rank() == 0:
@@ -99,7 +100,7 @@ def find_resume_checkpoint(cfg, dirs: ExpDirs) -> ResumePlan:
             return ResumePlan(own[-1][1], False, base=path if is_adapter_only(own[-1][1]) else None)
         return ResumePlan(path, weights_only)
     if not exp.resume_if_exists:
-        earlier = complete_checkpoints(dirs.checkpoint_dir, warn=False)
+        earlier = complete_checkpoints(dirs.checkpoint_dir, warn=False) if training else []
         if earlier:
             refuse_rerun(earlier[-1][1], dirs)
         return ResumePlan()
@@ -159,7 +160,7 @@ def evaluation_plan(cfg, dirs: ExpDirs | None = None, checkpoint: Path | None = 
     if not exp.resume_from_checkpoint and not complete_checkpoints(dirs.checkpoint_dir, warn=False):
         raise ConfigError(f"{what}: exp_manager.resume_if_exists: no complete checkpoint in {dirs.checkpoint_dir} "
                           "to evaluate")
-    plan = find_resume_checkpoint(cfg, dirs)
+    plan = find_resume_checkpoint(cfg, dirs, training=False)
     if plan.path is None:
         raise ConfigError(f"{what}: no weights to evaluate: set exp_manager.resume_from_checkpoint=CHECKPOINT")
     if not plan.weights_only and plan.base is None and is_adapter_only(plan.path):
