@@ -90,8 +90,10 @@ def find_resume_checkpoint(cfg, dirs: ExpDirs, training: bool = True) -> ResumeP
         path = Path(exp.resume_from_checkpoint).absolute()
         validate_checkpoint(path)  # an explicit path must be good: ConfigError otherwise
         own = complete_checkpoints(dirs.checkpoint_dir, warn=False) if weights_only else []
-        if own and not exp.resume_if_exists and training:  # a fine-tuning start would restart the run there
-            refuse_rerun(own[-1][1], dirs)
+        if own and not exp.resume_if_exists:
+            if training:  # a fine-tuning start would restart the run there
+                refuse_rerun(own[-1][1], dirs)
+            own = []  # an evaluation takes the start, as resume_if_exists=false says
         if own:  # a fine-tuning run restarted: continue it (its own newest checkpoint)
             if _global_rank() == 0:
                 print(f"note: resuming this run's checkpoint {own[-1][1].name}; the starting weights "
