@@ -187,6 +187,8 @@ class NxdtCheckpoint(Callback):
     def _prune(self) -> None:
         # the newest complete checkpoint is always kept (resume needs it); incomplete ones are
         # never in `found`, so never deleted
+        if self.save_top_k < 0:
+            return  # keep all (and read no checkpoint's run id)
         found = [(step, path) for step, path in complete_checkpoints(self.dirpath, warn=False) if self.owns(path)]
         keep = to_keep(found, self.save_top_k, self.monitor, self.mode)
         for _, old in found:
