@@ -67,7 +67,8 @@ def test_sbatch_example_is_preempted_saves_requeues_and_continues_bit_for_bit(kj
     assert reference.rc == 0, reference.err[-3000:]
     expected = read_scalars(tmp_path / "ref")["reduced_train_loss"]
 
-    env = {**os.environ, "PYTHONPATH": str(REPO / "tests"), "OMP_NUM_THREADS": "1", "MASTER_PORT": str(_free_port()),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "MASTER_PORT": str(_free_port()),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     env.pop("NPROC_PER_NODE", None)
     job = subprocess.run(["sbatch", "--parsable", f"--chdir={REPO}", f"--output={out}", "examples/train.sbatch",
