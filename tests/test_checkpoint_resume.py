@@ -127,8 +127,10 @@ def killed(kjv_prefix, tmp_path_factory):
       written, .metadata and COMPLETE not) and torchrun and both ranks are SIGKILLed at once, as a
       lost node would be, once step 2's checkpoint is complete. This run saves with save_bf16 +
       use_master_weights_in_ckpt;
-    - preempted: rank 0 sends SIGTERM to torchrun after step 3 (torchrun forwards it to both
-      ranks, as under Slurm or Kubernetes): the ranks finish the step, save, exit 0."""
+    - preempted: rank 0 sends SIGTERM to torchrun's process group after step 3 (`kill -TERM -- -PGID`
+      of a torchrun started with setsid, as `timeout` and many schedulers do); torchrun forwards it to
+      each rank's process group, the rank and its loader worker (data.num_workers=1): the worker
+      ignores it, the ranks finish the step, save, exit 0."""
     between, during = tmp_path_factory.mktemp("killed_between_saves"), tmp_path_factory.mktemp("killed_during_save")
     proc = _popen(_args(kjv_prefix, between), env={"NXDT_TEST_SAVE_HOOK": "6:pause:600"}, log=between / "killed.log")
     tmp6 = _ckpt(between, 6).parent / (".tmp-" + _ckpt(between, 6).name)
@@ -155,9 +157,11 @@ def killed(kjv_prefix, tmp_path_factory):
     left["during"] = {"step4_exists": _ckpt(during, 4).exists(), "tmp4_is_dir": tmp4.is_dir()}
 
     preempted = tmp_path_factory.mktemp("preempted")
-    proc = _popen(_args(kjv_prefix, preempted, extra=[f"trainer.callbacks=[{{_target_:fault_callbacks.SignalAt,"
-                                                      f"step:{PREEMPT_AT},signal:SIGTERM,to:launcher}}]"]),
-                  env={"PYTHONPATH": str(REPO / "tests")}, log=preempted / "preempted.log")
+    proc = _popen(_args(kjv_prefix, preempted, extra=["data.num_workers=1",
+                                                      f"trainer.callbacks=[{{_target_:fault_callbacks.SignalAt,"
+                                                      f"step:{PREEMPT_AT},signal:SIGTERM,to:launcher_group}}]"]),
+                  env={"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])},
+                  log=preempted / "preempted.log")
     proc.wait(timeout=300)
     left["preempted"] = {"log": (preempted / "preempted.log").read_text(), "returncode": proc.returncode}
     return {"between": between, "during": during, "preempted": preempted, "left": left}
@@ -246,15 +250,17 @@ def test_a_write_error_on_one_rank_fails_the_save_on_every_rank(runs):
 
 
 def test_sigterm_to_torchrun_saves_at_the_step_and_the_relaunch_is_bit_exact(reference, killed, runs):
-    """SIGTERM reaches torchrun after step 3; it forwards it to both ranks, which finish their step,
-    save a complete checkpoint there, say so once and exit 0. The relaunch continues from it and
-    every step's loss equals the uninterrupted run's."""
+    """SIGTERM reaches torchrun's process group after step 3; torchrun forwards it to both ranks'
+    groups, their loader workers included, which ignore it; the ranks finish their step, save a
+    complete checkpoint there, say so once and end normally (rank 0 prints the continue command).
+    The relaunch continues from it and every step's loss equals the uninterrupted run's."""
     _, expected = reference
     run_dir, left = killed["preempted"], killed["left"]["preempted"]
     said = [line for line in left["log"].splitlines() if line.startswith("preempted (SIGTERM) at step ")]
     assert len(said) == 1, left["log"][-3000:]
     step = int(said[0].split("at step ")[1].split(":")[0])
     assert PREEMPT_AT <= step < STEPS and (_ckpt(run_dir, step) / "COMPLETE").is_file(), said
+    assert "DataLoader worker" not in left["log"] and "continue     " in left["log"], left["log"][-3000:]
     assert not (run_dir / "nxdt.lock").exists()  # released
     assert f"resuming from {_ckpt(run_dir, step)}" in runs["rerun_preempted"].stdout
     assert _losses(run_dir) == expected

@@ -143,6 +143,24 @@ def test_a_restarted_fine_tuning_run_continues_its_own_checkpoints(tmp_path, cap
     assert "resuming this run's checkpoint ft--step=3" in capsys.readouterr().out
 
 
+def test_a_fine_tuning_start_over_its_own_checkpoints_is_refused_without_resume_if_exists(tmp_path):
+    """resume_from_checkpoint=BASE weight_init_only, resume_if_exists off, in a log dir with the run's
+    own checkpoint: the launch would restart at step 0 there: refused, naming the checkpoint. An
+    evaluation of the same config (it writes no checkpoint) is not refused."""
+    start = _weights(tmp_path, "pretrained", 1)
+    cfg = _cfg(explicit_log_dir=str(tmp_path / "run"), resume_from_checkpoint=str(start))
+    cfg.model.weight_init_only = True
+    dirs = resolve_dirs(cfg)
+    assert find_resume_checkpoint(cfg, dirs) == ResumePlan(start, True)  # nothing of its own yet
+    _weights(dirs.checkpoint_dir, "ft--step=3", 3)
+    with pytest.raises(ConfigError) as err:
+        find_resume_checkpoint(cfg, dirs)
+    assert str(err.value).startswith(f"exp_manager: log dir {dirs.log_dir} holds a complete checkpoint of an earlier "
+                                     "run (ft--step=3); starting over there would lose it: continue that run with "
+                                     "exp_manager.resume_if_exists=true, or start a new one in a new folder")
+    assert find_resume_checkpoint(cfg, dirs, training=False) == ResumePlan(start, True)
+
+
 def test_checkpoint_from_another_model_is_named(tmp_path):
     path = _weights(tmp_path, "c", 1)
     meta = ck.validate_checkpoint(path)

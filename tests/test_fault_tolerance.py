@@ -12,12 +12,14 @@ import errno
 import json
 import logging
 import os
+import shlex
 import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import REPO, TINY_OVERRIDES, read_scalars, train_in_process
@@ -27,6 +29,7 @@ from nxdt.spec import load_config
 from nxdt.spec.exp import parse_signals
 from nxdt.exp.exp_manager import close_rank_log_file, process_start_ticks
 from nxdt.exp.run_lock import LOCK, RunLock, check_run_lock, holder_record, read_lock
+from nxdt.training import fault_tolerance
 
 STEPS = 8
 sys.path.insert(0, str(REPO / "tests"))  # fault_callbacks.SignalAt, for trainer.callbacks
@@ -86,6 +89,88 @@ def test_preemption_signal_saves_exits_0_and_the_relaunch_continues_bit_for_bit(
     assert read_scalars(log_dir)["reduced_train_loss"] == reference  # every step, bit for bit
 
 
+def _continue_args(out: str) -> list[str]:
+    """The printed `continue` command's arguments (from --config-name on), as a user would paste them."""
+    lines = [line for line in out.splitlines() if line.startswith("continue     ")]
+    assert len(lines) == 1, out[-3000:]
+    words = shlex.split(lines[0].removeprefix("continue"))
+    return words[words.index("--config-name"):]
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_stop_signal_to_the_run_and_its_four_loader_workers_saves_and_the_printed_continue_is_bit_exact(
+        sig, reference, kjv_prefix, tmp_path):
+    """Ctrl-C (SIGINT) or SIGTERM to the process and its 4 loader workers at once (its terminal, or
+    `kill -- -PGID`) at step 3: the workers ignore it, the run finishes the step, saves it, says so in
+    one line, prints the continue command and exits 0, with no traceback; pasting that command
+    resumes from the step-3 checkpoint and logs every step as the uninterrupted run (whose loader
+    ran in the process: the data are the same)."""
+    log_dir = tmp_path / sig
+    callback = f"trainer.callbacks=[{{_target_:fault_callbacks.SignalAt,step:3,signal:{sig},to:group}}]"
+    first = train_in_process(_args(log_dir, kjv_prefix, "data.num_workers=4", callback))
+    assert first.rc == 0, first.err[-3000:]
+    said = (f"interrupted (Ctrl-C) at step 3: checkpoint {_ckpt(log_dir, 3).name} saved; the 'continue' command "
+            "below resumes from it" if sig == "SIGINT" else
+            f"preempted (SIGTERM) at step 3: checkpoint {_ckpt(log_dir, 3).name} saved; a relaunch with "
+            "exp_manager.resume_if_exists=true continues from it")
+    assert [line for line in first.out.splitlines() if line.startswith(("interrupted", "preempted"))] == [said]
+    assert "Traceback" not in first.err and "DataLoader worker" not in first.err, first.err[-3000:]
+    assert (_ckpt(log_dir, 3) / "COMPLETE").is_file() and not _ckpt(log_dir, 4).exists()
+    pasted = _continue_args(first.out)
+    assert "data.num_workers=4" in pasted
+    second = train_in_process(pasted)
+    assert second.rc == 0, second.err[-3000:]
+    assert f"resuming from {_ckpt(log_dir, 3)}" in second.out
+    assert read_scalars(log_dir)["reduced_train_loss"] == reference
+
+
+def test_a_moe_run_stopped_at_step_3_continues_bit_for_bit_with_the_printed_command(kjv_prefix, tmp_path):
+    """tiny_mixtral_cpu (4 experts, top-2, the router's load-balancing loss): SIGTERM at step 3, the
+    printed continue command pasted; every step's loss equals the uninterrupted run's."""
+    def args(log_dir: Path, *extra: str) -> list[str]:
+        return ["--config-name", "tiny_mixtral_cpu", *_args(log_dir, kjv_prefix, "model.ffn_hidden_size=88",
+                                                             *extra)[2:]]
+
+    assert train_in_process(args(tmp_path / "reference")).rc == 0
+    callback = "trainer.callbacks=[{_target_:fault_callbacks.SignalAt,step:3,signal:SIGTERM}]"
+    first = train_in_process(args(tmp_path / "stopped", callback))
+    assert first.rc == 0 and "preempted (SIGTERM) at step 3: checkpoint tiny_mixtral--step=3-" in first.out, first.err
+    second = train_in_process(_continue_args(first.out))
+    assert second.rc == 0, second.err[-3000:]
+    assert "resuming from " in second.out
+    losses = read_scalars(tmp_path / "stopped")["reduced_train_loss"]
+    assert losses == read_scalars(tmp_path / "reference")["reduced_train_loss"] and len(losses) == STEPS
+
+
+def test_a_second_ctrl_c_before_the_save_stops_at_once_and_says_nothing_was_saved(monkeypatch, capfd):
+    """The first SIGINT is recorded (the step's end saves); a second one (or, under torchrun, the
+    SIGTERM torchrun sends when it is interrupted again) before that save is done leaves at once
+    with exit 130 and one line; after the save, a further one changes nothing."""
+    cfg = load_config(["--config-path", str(REPO / "conf"), "--config-name", "tiny_llama_cpu"], check_paths=False,
+                      quiet=True)
+    tolerance, exits = fault_tolerance.FaultTolerance(cfg), []
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(fault_tolerance.os, "_exit", exits.append)
+    monkeypatch.setattr(fault_tolerance, "_children", lambda: [])  # (it kills the rank's loader workers)
+    try:
+        tolerance._step = 7
+        tolerance._on_signal(signal.SIGINT, None)
+        assert (tolerance.received, exits) == ("SIGINT", [])
+        tolerance._on_signal(signal.SIGINT, None)
+        assert exits == [130]
+        assert capfd.readouterr().err == ("interrupted again (second Ctrl-C) after step 7: stopped at once, nothing "
+                                          "was saved (the last complete checkpoint stays the resume point)\n")
+        # under torchrun the second Ctrl-C reaches the ranks as torchrun's SIGTERM
+        tolerance._on_signal(signal.SIGTERM, None)
+        assert exits == [130, 130]
+        assert capfd.readouterr().err.startswith("interrupted again (SIGTERM after Ctrl-C) after step 7: stopped at once")
+        tolerance.preempted_at = 7  # saved: a further signal is ignored
+        tolerance._on_signal(signal.SIGINT, None)
+        assert exits == [130, 130]
+    finally:
+        fault_tolerance.interrupted.clear()
+
+
 def test_preemption_signal_names_are_checked():
     assert [s.name for s in parse_signals(["SIGTERM", "usr1", "TERM"])] == ["SIGTERM", "SIGUSR1"]
     conf = str(REPO / "conf")
@@ -96,6 +181,34 @@ def test_preemption_signal_names_are_checked():
             load_config(["--config-path", conf, "--config-name", "tiny_llama_cpu",
                          f"exp_manager.preemption_signals={value}"], check_paths=False, quiet=True)
         assert str(err.value).startswith(says), str(err.value)
+
+
+# --------------------------------------------------------------------------- reruns
+def test_a_rerun_that_would_start_over_is_refused_and_retention_prunes_only_its_own_run(kjv_prefix, tmp_path):
+    """A run into a fixed log dir without resume_if_exists leaves step 3; the same command again
+    exits 2 with one line naming that checkpoint and the two ways on, writing nothing. A run
+    resumed there from another run's checkpoint (save_top_k=1) prunes its own step 4 after its
+    step 6, never the earlier run's step 3."""
+    fixed, other = tmp_path / "fixed", tmp_path / "other"
+
+    def args(log_dir: Path, steps: int, *extra: str) -> list[str]:
+        return [*_args(log_dir, kjv_prefix)[:-2], f"trainer.max_steps={steps}",  # no resume_if_exists
+                "exp_manager.checkpoint_callback_params.save_top_k=1", *extra]
+
+    assert train_in_process(args(fixed, 3)).rc == 0
+    before = {p.name: p.stat().st_mtime_ns for p in fixed.rglob("*")}
+    again = train_in_process(args(fixed, 3))
+    assert again.rc == 2, again.err[-3000:]
+    assert again.err.strip().splitlines() == [
+        f"error: exp_manager: log dir {fixed} holds a complete checkpoint of an earlier run ({_ckpt(fixed, 3).name}); "
+        "starting over there would lose it: continue that run with exp_manager.resume_if_exists=true, or start a new "
+        "one in a new folder (exp_manager.explicit_log_dir=NEW_DIR)"]
+    assert {p.name: p.stat().st_mtime_ns for p in fixed.rglob("*")} == before  # nothing written
+
+    assert train_in_process(args(other, 2)).rc == 0
+    resumed = train_in_process(args(fixed, 6, f"exp_manager.resume_from_checkpoint={_ckpt(other, 2)}"))
+    assert resumed.rc == 0, resumed.err[-3000:]
+    assert sorted(p.name for p in (fixed / "checkpoints").iterdir()) == [_ckpt(fixed, 3).name, _ckpt(fixed, 6).name]
 
 
 # --------------------------------------------------------------------------- failed saves
@@ -232,3 +345,39 @@ def test_a_second_launch_into_a_live_runs_log_dir_exits_2_and_writes_nothing(kjv
                               "exp_manager.explicit_log_dir to another directory")
     assert sorted(p.name for p in log_dir.iterdir()) == [LOCK]  # no config.yaml, logs or checkpoints
     assert read_lock(log_dir).holder["pid"] == pid
+
+
+# --------------------------------------------------------------------------- progress after a resume
+def test_the_progress_bar_after_a_resume_counts_the_run_and_its_eta_this_launchs_rate():
+    """Resumed at step 59 of 100 (this launch's loader has 41 batches, Lightning's restored batch
+    index is 61): the bar shows 59/100 before the first step and 60/100 after it, not 62/59; 10
+    steps later in 10 s the rate is this launch's (1 step/s) and the ETA the 30 steps left."""
+    from io import StringIO
+
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from nxdt.observability.progress import StepProgressBar, StepRateColumn
+
+    trainer = SimpleNamespace(max_steps=100, global_step=59, num_training_batches=41, current_epoch=0,
+                              is_global_zero=True)
+    bar = StepProgressBar()
+    bar._trainer = trainer
+    bar.progress = Progress(console=Console(file=StringIO()), auto_refresh=False)
+    bar._update_metrics = bar.refresh = lambda *args, **kwargs: None  # the drawing is Rich's
+    assert bar.total_train_batches == 100
+    bar.on_train_epoch_start(trainer, None)
+    task = bar.progress.tasks[0]
+    assert (task.completed, task.total) == (59, 100)
+    trainer.global_step = 60
+    bar.on_train_batch_end(trainer, None, None, None, batch_idx=61)
+    assert (task.completed, task.total) == (60, 100)
+
+    column = StepRateColumn()
+    first = SimpleNamespace(id=task.id, completed=60, total=100, elapsed=42.0)  # 42 s of imports and warm-up
+    assert str(column.render(first)) == "-- step/s  ETA --"
+    assert str(column.render(SimpleNamespace(id=task.id, completed=70, total=100, elapsed=52.0))) == \
+        "1.00 step/s  ETA 0:00:30"
+    # an epoch-bounded run (max_steps -1) keeps Lightning's count of this epoch's batches
+    trainer.max_steps = -1
+    assert bar.total_train_batches == 41

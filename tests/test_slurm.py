@@ -3,8 +3,10 @@
 Runs where a Slurm cluster answers (`sinfo`); `.ci/run` starts a one-node cluster first
 (.ci/start-local-slurm.sh, or `make slurm-local` as root). The job is submitted as the docs say,
 without NPROC_PER_NODE (on this CPU node the script starts one process), its steps slowed to a
-second so that `scancel --signal=TERM` lands mid-run. Slurm signals the job step (torchrun and its
-rank); the rank finishes the step, saves, and rank 0 requeues the job. The requeued job (its begin
+second so that `scancel --signal=TERM` lands mid-run, its data read by a loader worker
+(data.num_workers=1, the default). Slurm signals every process of the job step (torchrun, its rank
+and the rank's loader worker, which ignores it); the rank finishes the step, saves, and rank 0
+requeues the job. The requeued job (its begin
 time brought forward: Slurm delays requeued jobs by two minutes) resumes from that checkpoint and
 finishes; its losses equal an uninterrupted run's, step by step, bit for bit.
 """
@@ -65,11 +67,13 @@ def test_sbatch_example_is_preempted_saves_requeues_and_continues_bit_for_bit(kj
     assert reference.rc == 0, reference.err[-3000:]
     expected = read_scalars(tmp_path / "ref")["reduced_train_loss"]
 
-    env = {**os.environ, "PYTHONPATH": str(REPO / "tests"), "OMP_NUM_THREADS": "1", "MASTER_PORT": str(_free_port()),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "MASTER_PORT": str(_free_port()),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     env.pop("NPROC_PER_NODE", None)
     job = subprocess.run(["sbatch", "--parsable", f"--chdir={REPO}", f"--output={out}", "examples/train.sbatch",
-                          *args, "trainer.callbacks=[{_target_:fault_callbacks.SlowSteps,seconds:1.0}]"],
+                          *args, "data.num_workers=1",
+                          "trainer.callbacks=[{_target_:fault_callbacks.SlowSteps,seconds:1.0}]"],
                          capture_output=True, text=True, env=env, check=True).stdout.strip().split(";")[0]
     try:
         step2 = log_dir / "checkpoints" / "tiny_llama--step=2-consumed_samples=16.0" / "COMPLETE"
@@ -84,7 +88,7 @@ def test_sbatch_example_is_preempted_saves_requeues_and_continues_bit_for_bit(kj
     assert _job(job)["JobState"] == "COMPLETED", text[-3000:]
     assert "no GPU found: one process per node (set NPROC_PER_NODE to start more)" in text
     said = [line for line in text.splitlines() if line.startswith("preempted (SIGTERM) at step ")]
-    assert len(said) == 1, text[-3000:]
+    assert len(said) == 1 and "DataLoader worker" not in text, text[-3000:]
     step = int(said[0].split("at step ")[1].split(":")[0])
     assert f"slurm job {job}: requeued" in text and f"job {job} (restart 1): 1 node(s) x 1 process(es)" in text
     assert f"resuming from {log_dir / 'checkpoints' / f'tiny_llama--step={step}-consumed_samples={8.0 * step}'}" in text

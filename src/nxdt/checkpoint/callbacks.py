@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from lightning.pytorch.callbacks import Callback
@@ -71,6 +72,7 @@ class NxdtCheckpoint(Callback):
         self._unscored: tuple[int, Path] | None = None  # saved, waiting for its step's validation
         self._validated_step = -1
         self._noted_missing = False
+        self.owns: Callable[[Path], bool] = lambda path: True  # which checkpoints retention may prune
 
     @property
     def by_metric(self) -> bool:
@@ -185,7 +187,9 @@ class NxdtCheckpoint(Callback):
     def _prune(self) -> None:
         # the newest complete checkpoint is always kept (resume needs it); incomplete ones are
         # never in `found`, so never deleted
-        found = complete_checkpoints(self.dirpath, warn=False)
+        if self.save_top_k < 0:
+            return  # keep all (and read no checkpoint's run id)
+        found = [(step, path) for step, path in complete_checkpoints(self.dirpath, warn=False) if self.owns(path)]
         keep = to_keep(found, self.save_top_k, self.monitor, self.mode)
         for _, old in found:
             if old not in keep:

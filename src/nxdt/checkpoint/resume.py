@@ -10,11 +10,21 @@ only, the frozen base is loaded from resume_from_checkpoint first (`ResumePlan.b
 itself is `nxdt.checkpoint.checkpointer.load_checkpoint`, called by the strategy (full resume) or
 by `ResumeHelper` (weights only).
 
+A rerun never destroys an earlier run's work. A launch that would start over (no
+resume_if_exists, or a fine-tuning start from resume_from_checkpoint + weight_init_only) in a log
+dir that holds a complete checkpoint is refused before anything is written (`refuse_rerun`: one
+line naming the checkpoint and the two ways on, exit 2): NxDT's configs all set
+`resume_if_exists: True`, so its users expect a rerun of the same command to continue, never to
+restart and prune. Each run has an id (`ResumeHelper.run_id`, in every checkpoint's callback
+state; a resumed run takes its checkpoint's), and retention prunes only checkpoints of this run
+(`ResumeHelper.owns`), never another run's that share the directory.
+
 `setup_checkpointing(cfg, dirs)` is the one entry the run calls, before anything is written.
 """
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,11 +32,11 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.callbacks import Callback
 
 from nxdt.checkpoint.callbacks import NxdtCheckpoint, check_checkpoint_params
-from nxdt.checkpoint.checkpointer import load_checkpoint, validate_checkpoint
+from nxdt.checkpoint.checkpointer import load_checkpoint, rank_file, validate_checkpoint
 from nxdt.checkpoint.locate import check_start_weights, is_hf_folder, load_hf_folder, load_start_weights
 from nxdt.checkpoint.lora_state import is_adapter_only
 from nxdt.checkpoint.retention import complete_checkpoints
-from nxdt.checkpoint.state import set_rng_state
+from nxdt.checkpoint.state import read_json, set_rng_state
 from nxdt.config.errors import ConfigError
 from nxdt.config.load import global_rank as _global_rank
 
@@ -53,6 +63,7 @@ def setup_checkpointing(cfg, dirs) -> tuple[ResumePlan, ResumeHelper, NxdtCheckp
     check_checkpoint_params(cfg.exp_manager.checkpoint_callback_params)
     plan = find_resume_checkpoint(cfg, dirs)
     exp = cfg.exp_manager
+    helper = ResumeHelper(plan)
     checkpointing = None
     if exp.create_checkpoint_callback:
         params = exp.checkpoint_callback_params
@@ -60,7 +71,8 @@ def setup_checkpointing(cfg, dirs) -> tuple[ResumePlan, ResumeHelper, NxdtCheckp
             dirpath=dirs.checkpoint_dir, filename=params.filename, save_top_k=params.save_top_k,
             save_last=params.save_last, every_n_train_steps=params.every_n_train_steps,
             monitor=params.monitor, mode=params.mode, on_error=exp.on_checkpoint_error)
-    return plan, ResumeHelper(plan), checkpointing
+        checkpointing.owns = helper.owns  # retention prunes this run's checkpoints only
+    return plan, helper, checkpointing
 
 
 def check_weight_init(cfg) -> None:
@@ -69,15 +81,20 @@ def check_weight_init(cfg) -> None:
         raise ConfigError("model.weight_init_only: needs exp_manager.resume_from_checkpoint (the weights to load)")
 
 
-def find_resume_checkpoint(cfg, dirs: ExpDirs) -> ResumePlan:
-    """The checkpoint to load (and how) from resume_from_checkpoint / resume_if_exists."""
+def find_resume_checkpoint(cfg, dirs: ExpDirs, training: bool = True) -> ResumePlan:
+    """The checkpoint to load (and how) from resume_from_checkpoint / resume_if_exists. `training`:
+    a launch that would start over where a complete checkpoint is refused (an evaluation writes none)."""
     exp = cfg.exp_manager
     weights_only = cfg.model.weight_init_only
     check_weight_init(cfg)
     if exp.resume_from_checkpoint:
         path = Path(exp.resume_from_checkpoint).absolute()
         check_start_weights(path, weights_only)  # an explicit path must be good (or a transformers folder)
-        own = complete_checkpoints(dirs.checkpoint_dir, warn=False) if weights_only and exp.resume_if_exists else []
+        own = complete_checkpoints(dirs.checkpoint_dir, warn=False) if weights_only else []
+        if own and not exp.resume_if_exists:
+            if training:  # a fine-tuning start would restart the run there
+                refuse_rerun(own[-1][1], dirs)
+            own = []  # an evaluation takes the start, as resume_if_exists=false says
         if own:  # a fine-tuning run restarted: continue it (its own newest checkpoint)
             if _global_rank() == 0:
                 print(f"note: resuming this run's checkpoint {own[-1][1].name}; the starting weights "
@@ -86,6 +103,9 @@ def find_resume_checkpoint(cfg, dirs: ExpDirs) -> ResumePlan:
             return ResumePlan(own[-1][1], False, base=path if is_adapter_only(own[-1][1]) else None)
         return ResumePlan(path, weights_only)
     if not exp.resume_if_exists:
+        earlier = complete_checkpoints(dirs.checkpoint_dir, warn=False) if training else []
+        if earlier:
+            refuse_rerun(earlier[-1][1], dirs)
         return ResumePlan()
     found = complete_checkpoints(dirs.checkpoint_dir)
     if found:
@@ -98,6 +118,23 @@ def find_resume_checkpoint(cfg, dirs: ExpDirs) -> ResumePlan:
         f"exp_manager.resume_if_exists: no complete checkpoint in {dirs.checkpoint_dir} "
         "(set exp_manager.resume_ignore_no_checkpoint: true to start from scratch)"
     )
+
+
+def refuse_rerun(newest: Path, dirs: ExpDirs) -> None:
+    """A launch that would start over where an earlier run left a complete checkpoint: ConfigError."""
+    raise ConfigError(
+        f"exp_manager: log dir {dirs.log_dir} holds a complete checkpoint of an earlier run ({newest.name}); "
+        "starting over there would lose it: continue that run with exp_manager.resume_if_exists=true, or start "
+        "a new one in a new folder (exp_manager.explicit_log_dir=NEW_DIR)")
+
+
+def run_id_of(checkpoint: Path) -> str | None:
+    """The id of the run that wrote `checkpoint` (ResumeHelper's state in rank 0's file); None if unknown."""
+    try:
+        state = read_json(checkpoint / rank_file(0), "rank 0's state")
+        return state["trainer"]["callbacks"][ResumeHelper.__qualname__]["run"]
+    except (ConfigError, KeyError, TypeError):
+        return None
 
 
 def evaluation_plan(cfg, dirs: ExpDirs | None = None, checkpoint: Path | None = None) -> ResumePlan:
@@ -126,7 +163,7 @@ def evaluation_plan(cfg, dirs: ExpDirs | None = None, checkpoint: Path | None = 
     if not exp.resume_from_checkpoint and not complete_checkpoints(dirs.checkpoint_dir, warn=False):
         raise ConfigError(f"{what}: exp_manager.resume_if_exists: no complete checkpoint in {dirs.checkpoint_dir} "
                           "to evaluate")
-    plan = find_resume_checkpoint(cfg, dirs)
+    plan = find_resume_checkpoint(cfg, dirs, training=False)
     if plan.path is None:
         raise ConfigError(f"{what}: no weights to evaluate: set exp_manager.resume_from_checkpoint=CHECKPOINT")
     if not plan.weights_only and plan.base is None and is_adapter_only(plan.path):
@@ -154,6 +191,20 @@ class ResumeHelper(Callback):
     def __init__(self, plan: ResumePlan) -> None:
         self.plan = plan
         self._rng: dict | None = None
+        self.run_id = uuid.uuid4().hex  # rank 0's for every rank (setup); a resume takes its checkpoint's
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self.run_id = trainer.strategy.broadcast(self.run_id)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"run": self.run_id}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.run_id = state_dict.get("run") or self.run_id
+
+    def owns(self, checkpoint: Path) -> bool:
+        """`checkpoint` was written by this run (or a launch it resumed): retention may prune it."""
+        return run_id_of(checkpoint) == self.run_id
 
     def on_fit_start(self, trainer, pl_module) -> None:
         if self.plan.path is not None and self.plan.weights_only:

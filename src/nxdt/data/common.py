@@ -15,12 +15,58 @@ A float limit (a fraction, ≤ 1.0) counts as one batch; 0 turns the split off.
 
 from __future__ import annotations
 
+import os
+import signal
+
 import lightning.pytorch as pl
 import numpy as np
 import torch
 
 from nxdt.config.errors import ConfigError
 from nxdt.data.samplers import MegatronPretrainingBatchSampler, MegatronPretrainingRandomBatchSampler
+
+STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
+"""What a loader worker ignores: a stop signal is its rank's to act on (nxdt.training.fault_tolerance)."""
+
+
+def _stop_signals() -> set[signal.Signals]:
+    return {getattr(signal, name) for name in STOP_SIGNALS}
+
+
+class NxdtDataLoader(torch.utils.data.DataLoader):
+    """torch's DataLoader whose workers are started with the stop signals blocked: a signal that
+    arrives while a worker starts (validation's workers start at the first validation, often the
+    step a preemption lands on) stays pending until `worker_init` ignores it, instead of killing
+    the worker before it could. The rank unblocks them once its workers are started and gets its
+    own signal then."""
+
+    def _get_iterator(self):  # where torch starts the workers (once, with persistent_workers)
+        if self.num_workers == 0:
+            return super()._get_iterator()
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, _stop_signals())
+        try:
+            return super()._get_iterator()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def worker_init(worker_id: int) -> None:
+    """Every loader worker's `worker_init_fn`: ignore the stop signals, then Lightning's seeding.
+
+    `kill -TERM -- -PGID`, Ctrl-C and torchrun's forwarding (`killpg` of each rank's group) reach
+    the workers as well as their rank; by default a worker dies of SIGTERM (torch's own handler
+    re-raises it) and its rank fails with "DataLoader worker ... is killed by signal" before it can
+    save. Ignoring them, a worker lives until its rank has saved and ends, and ends with it as
+    before (torch's worker loop exits when its parent is gone). Lightning adds its
+    `pl_worker_init_function` only to loaders without a worker_init_fn, so it is called here
+    where Lightning would have (seed_everything(workers=True) sets PL_SEED_WORKERS)."""
+    for sig in _stop_signals():
+        signal.signal(sig, signal.SIG_IGN)  # a signal pending since the fork (NxdtDataLoader) is dropped
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _stop_signals())
+    if int(os.environ.get("PL_SEED_WORKERS", "0")):
+        from lightning.fabric.utilities.seed import pl_worker_init_function  # only where Lightning would call it
+
+        pl_worker_init_function(worker_id)
 
 
 def limit_batches(limit, key: str) -> int:
@@ -150,9 +196,9 @@ class NxdtDataModuleBase(pl.LightningDataModule):
         else:
             sampler = MegatronPretrainingBatchSampler(**common)
         workers = self.num_workers
-        return torch.utils.data.DataLoader(
+        return NxdtDataLoader(
             dataset, batch_sampler=sampler, num_workers=workers, persistent_workers=workers > 0,
-            collate_fn=collate_fn,
+            collate_fn=collate_fn, worker_init_fn=worker_init if workers > 0 else None,
         )
 
     # -- loaders: subclasses fill self.datasets in setup() and may override _train_dataset

@@ -41,6 +41,7 @@ import torch
 from nxdt.spec.data import DataBlend, data_blend, domain_names, reference_losses
 from nxdt.config.errors import ConfigError
 from nxdt.data.dynamic_selection import DomainDraw, DomainSelection
+from nxdt.data.common import NxdtDataLoader, worker_init
 from nxdt.data.gpt_dataset import get_train_valid_test_split_
 from nxdt.data.indexed import IndexedDataset
 from nxdt.data.megatron_module import MegatronDataModule
@@ -364,6 +365,7 @@ class LogicalShardDataModule(MegatronDataModule):
         self.sampler = LogicalShardSampler(self.streams, table, self.weights, self.local_batch_size(),
                                            self.dp_rank, self.dp_size, steps_left, draw=draw, first_step=done)
         workers = self.num_workers
-        return torch.utils.data.DataLoader(self.streams, batch_sampler=self.sampler, num_workers=workers,
+        return NxdtDataLoader(self.streams, batch_sampler=self.sampler, num_workers=workers,
                                            persistent_workers=workers > 0,
-                                           prefetch_factor=PREFETCH_FACTOR if workers > 0 else None)
+                                           prefetch_factor=PREFETCH_FACTOR if workers > 0 else None,
+                                           worker_init_fn=worker_init if workers > 0 else None)

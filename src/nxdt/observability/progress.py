@@ -1,6 +1,13 @@
 """The progress bar of a training run, counted in optimizer steps, with a rate and an ETA that
 stay right for slow steps (Rich's own speed needs two updates within 30 s, so a 7B step of a
-minute showed `0.00it/s`) and after a resume (the steps done before it are not counted in)."""
+minute showed `0.00it/s`) and after a resume.
+
+After a resume the bar counts the run, not the launch: its total is the run's max_steps and its
+position the run's step (`trainer.global_step`), so a run resumed at step 59 of 100 shows 59/100,
+then 60/100. Lightning's own bar counted this launch's batches against the loader's length and
+the restored batch index (`62/59 ... ETA -1:59:56`). The rate is measured over this launch's
+steps only (the steps done before it took no time here), so the ETA is the steps left at the
+rate of this launch. A run bounded by epochs only (max_steps -1) keeps Lightning's count."""
 
 from __future__ import annotations
 
@@ -32,7 +39,14 @@ class StepRateColumn(ProgressColumn):
         steps, seconds = task.completed - first[0], task.elapsed - first[1]
         return steps / seconds if steps > 0 and seconds > 0 else None
 
+    def rate_baseline_reset(self, task) -> None:
+        """Forget the baseline of a task that was restarted (Rich's reset: elapsed back to 0)."""
+        first = self._first.get(task.id)
+        if first is not None and task.elapsed is not None and (task.elapsed < first[1] or task.completed < first[0]):
+            del self._first[task.id]
+
     def render(self, task) -> Text:
+        self.rate_baseline_reset(task)
         rate = self.rate(task)
         if rate is None:
             return Text("-- step/s  ETA --", style=self.style)
@@ -41,8 +55,36 @@ class StepRateColumn(ProgressColumn):
         return Text(speed + left, style=self.style)
 
 
+def bar_total(trainer) -> int | float:
+    """The bar's total: the run's max_steps; Lightning's batch count for a run bounded by epochs only."""
+    return trainer.max_steps if trainer.max_steps is not None and trainer.max_steps > 0 else trainer.num_training_batches
+
+
+def bar_position(trainer, batch_idx: int) -> int:
+    """The bar's position after batch `batch_idx` of this epoch: the run's optimizer steps done
+    (one batch is one step); batch_idx + 1 for a run bounded by epochs only."""
+    return trainer.global_step if trainer.max_steps is not None and trainer.max_steps > 0 else batch_idx + 1
+
+
 class StepProgressBar(RichProgressBar):
     """Rich progress bar counted in optimizer steps (Lightning's shows 'Epoch 0/-2' for step-bounded runs)."""
+
+    @property
+    def total_train_batches(self) -> int | float:
+        return bar_total(self.trainer)
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if self.train_progress_bar_id is not None and bar_total(trainer) == trainer.max_steps:
+            return  # one bar for the whole run: a new epoch does not restart it
+        super().on_train_epoch_start(trainer, pl_module)
+        self._update(self.train_progress_bar_id, bar_position(trainer, -1))  # a resumed run starts where it was
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if not self.is_disabled and self.train_progress_bar_id is None:
+            self._initialize_train_progress_bar_id()  # a mid-epoch resume (as Lightning's)
+        self._update(self.train_progress_bar_id, bar_position(trainer, batch_idx))
+        self._update_metrics(trainer, pl_module)
+        self.refresh()
 
     def _get_train_description(self, current_epoch: int) -> str:
         return "train (steps)"

@@ -35,7 +35,7 @@ from nxdt.tools.command_line import (
     write_hydra_record,
 )
 from nxdt.tools.launch import is_launch, launch
-from nxdt.tools.next_steps import BUNDLED_PROMPT, format_next_steps
+from nxdt.tools.next_steps import BUNDLED_PROMPT, closing_options, format_next_steps
 
 REPO_CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
 
@@ -121,6 +121,11 @@ def run_job(cl, overrides: list[str], log_dir=None, job_num: int = 0, loaded=Non
             evaluate_only(cfg)
             return 0
         outcome = train(cfg, record_job=lambda log_dir: write_hydra_job(log_dir, cl, record, job_num, overrides))
+    except KeyboardInterrupt:  # Ctrl-C before the training steps (during them it saves: fault_tolerance)
+        if _global_rank() == 0:
+            print("interrupted (Ctrl-C) outside the training steps: stopped at once, nothing was saved",
+                  file=sys.stderr, flush=True)
+        return 130
     except (NumericalInstabilityError, CheckpointSaveError) as err:
         # one line: a NaN/inf or fp16 overflow stop (exit 3), a save that failed on some rank (exit 1)
         if _global_rank() == 0:
@@ -218,7 +223,8 @@ def print_next_steps(cfg, dirs, cl, found: list, preempted: bool = False) -> Non
     tok = cfg.data.tokenizer  # the bundled KJV tokenizer (null or ${nxdt_asset:tokenizer}): the bundled corpus
     bundled = tok.library == "huggingface" and (tok.type is None or Path(tok.type) == Path(asset_path("tokenizer")))
     print(format_next_steps(checkpoint, dirs.log_dir, argv or [], cfg.trainer.max_steps, preempted=preempted,
-                            prompt=BUNDLED_PROMPT if bundled else "PROMPT"), flush=True)
+                            prompt=BUNDLED_PROMPT if bundled else "PROMPT", **closing_options(cfg, checkpoint)),
+          flush=True)
 
 
 def write_hydra_job(log_dir, cl, record: dict, job_num: int, overrides: list[str]) -> None:

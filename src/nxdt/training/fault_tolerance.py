@@ -9,7 +9,16 @@ a complete checkpoint (waiting for it, asynchronous or not), and the run stops t
 In a Slurm batch job, rank 0 then requeues it (`scontrol requeue`) unless
 `exp_manager.requeue_on_preemption=false`. The next launch with `resume_if_exists` continues bit
 for bit. Lightning's own SIGTERM handling (stop at once, no checkpoint) is replaced while
-training runs, and the handlers before the run are restored after it.
+training runs, and the handlers before the run are restored after it. Loader workers ignore the
+stop signals (nxdt.data.common.worker_init), so a signal to the whole process group, or
+torchrun's `killpg` of each rank's group, leaves them to end with their rank after the save.
+
+Ctrl-C (SIGINT, always handled) is the same stop: the first saves at the end of the current step
+and the entry prints the command that continues; a second one before that save is done stops at
+once (`os._exit(130)`), saying that nothing was saved. Under torchrun the second Ctrl-C reaches
+torchrun only, which then sends the ranks SIGTERM (and SIGKILL 30 s later): any stop signal after a
+Ctrl-C counts as the second. Were the launcher gone instead, the ranks' watchdog says the same
+(nxdt.training.launcher_watchdog).
 
 Failed saves. An asynchronous save's error is seen by `Checkpointer.poll` on the ranks whose
 background write has finished; the agreement makes every rank wait for its own and raise the same
@@ -23,6 +32,7 @@ import os
 import signal
 import subprocess
 import threading
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -30,7 +40,10 @@ from lightning.pytorch.callbacks import Callback
 
 from nxdt.checkpoint.callbacks import NxdtCheckpoint
 from nxdt.spec.exp import parse_signals
-from nxdt.training.launcher_watchdog import preemption_save_in_progress
+from nxdt.training.launcher_watchdog import interrupted, preemption_save_in_progress
+
+INTERRUPTED_EXIT = 130
+"""Exit status of a run stopped by a second Ctrl-C (128 + SIGINT, as a shell reports it)."""
 
 
 class FaultTolerance(Callback):
@@ -39,22 +52,31 @@ class FaultTolerance(Callback):
     def __init__(self, cfg) -> None:
         exp = cfg.exp_manager
         self.signals = parse_signals(exp.preemption_signals)
+        self.handled = [*self.signals, *([signal.SIGINT] if signal.SIGINT not in self.signals else [])]
         self.requeue = bool(exp.requeue_on_preemption)
         self.received: str | None = None  # the first preemption signal this rank got
         self.preempted_at: int | None = None  # the step the run stopped at for a preemption
         self._before: dict[signal.Signals, object] = {}
         self._group = None
+        self._step = 0  # the last finished step (for a second Ctrl-C's line)
 
     # ---- signals
     def _on_signal(self, signum, _frame) -> None:
+        sig = signal.Signals(signum)
+        if interrupted.is_set() and self.preempted_at is None:
+            # a second Ctrl-C before the save is done; under torchrun it arrives as SIGTERM (torchrun,
+            # interrupted again, shuts its workers down with SIGTERM and kills them 30 s later)
+            stop_now(self._step, "second Ctrl-C" if sig == signal.SIGINT else f"{sig.name} after Ctrl-C")
+        if sig == signal.SIGINT:
+            interrupted.set()
         if self.received is None:  # no printing here: the handler may interrupt a print
-            self.received = signal.Signals(signum).name
+            self.received = sig.name
 
     def install(self) -> None:
         """Our handler for the preemption signals (main thread only; again after Lightning's own)."""
         if threading.current_thread() is not threading.main_thread():
             return
-        for sig in self.signals:
+        for sig in self.handled:
             previous = signal.signal(sig, self._on_signal)
             self._before.setdefault(sig, previous)
 
@@ -65,6 +87,7 @@ class FaultTolerance(Callback):
         for sig, previous in self._before.items():
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._before.clear()
+        interrupted.clear()
 
     # ---- hooks
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -76,6 +99,7 @@ class FaultTolerance(Callback):
         self.install()  # Lightning registered its SIGTERM handler (stop without saving) in between
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._step = trainer.global_step
         # NxdtCheckpoint (before this callback) has polled the async save this step
         checkpointer = getattr(trainer.strategy, "checkpointer", None)
         signalled, save_failed = self._agree(self.received is not None,
@@ -93,9 +117,11 @@ class FaultTolerance(Callback):
         return bool(flags[0]), bool(flags[1])
 
     def _stop(self, trainer, checkpoint: NxdtCheckpoint | None) -> None:
-        step, why = trainer.global_step, self.received or "a preemption signal on another rank"
+        step, why = trainer.global_step, self.received or "a stop signal on another rank"
+        ctrl_c = why == "SIGINT"
         saved = None
-        preemption_save_in_progress.set()  # the launcher may be ended by the same signal: finish the save
+        if not ctrl_c:  # the launcher may be ended by the same signal: finish the save (a second Ctrl-C may not)
+            preemption_save_in_progress.set()
         try:
             if checkpoint is not None:
                 checkpoint.save(trainer)
@@ -106,9 +132,39 @@ class FaultTolerance(Callback):
         trainer.should_stop = True
         self.preempted_at = step
         if trainer.is_global_zero:
-            where = (f"checkpoint {saved.name} saved; a relaunch with exp_manager.resume_if_exists=true continues "
-                     "from it" if saved is not None else "no checkpoint (exp_manager.create_checkpoint_callback=false)")
-            print(f"preempted ({why}) at step {step}: {where}", flush=True)
+            if saved is None:
+                where = "no checkpoint (exp_manager.create_checkpoint_callback=false)"
+            elif ctrl_c:
+                where = f"checkpoint {saved.name} saved; the 'continue' command below resumes from it"
+            else:
+                where = f"checkpoint {saved.name} saved; a relaunch with exp_manager.resume_if_exists=true continues from it"
+            print(f"interrupted (Ctrl-C) at step {step}: {where}" if ctrl_c else
+                  f"preempted ({why}) at step {step}: {where}", flush=True)
+
+
+def stop_now(step: int, why: str = "second Ctrl-C") -> None:
+    """A second Ctrl-C: leave at once (no save, no teardown), one line from global rank 0."""
+    if os.environ.get("RANK", "0") == "0":
+        line = (f"interrupted again ({why}) after step {step}: stopped at once, nothing was saved "
+                "(the last complete checkpoint stays the resume point)\n")
+        try:
+            os.write(2, line.encode())
+        except OSError:
+            pass
+    for child in _children():  # the loader workers ignore the stop signals: they go with the rank
+        try:
+            os.kill(child, signal.SIGKILL)
+        except OSError:
+            pass
+    os._exit(INTERRUPTED_EXIT)
+
+
+def _children() -> list[int]:
+    """This process's live children (its loader workers), from /proc; none where it cannot be read."""
+    try:
+        return [int(pid) for task in Path("/proc/self/task").iterdir() for pid in (task / "children").read_text().split()]
+    except OSError:
+        return []
 
 
 def _checkpoint_callback(trainer) -> NxdtCheckpoint | None:

@@ -11,7 +11,9 @@ second. When the launcher is gone the rank was re-parented (to init, or a subrea
 exits at once with `os._exit`: no cleanup handlers, nothing further written (a checkpoint it was
 writing stays a `.tmp-` directory, which no resume picks up). A rank that is saving for a
 preemption signal finishes that save first: the launcher of a preempted job may be ended by the
-same signal (nxdt.training.fault_tolerance).
+same signal (nxdt.training.fault_tolerance). A rank stopping for Ctrl-C does not: the launcher
+gone after a Ctrl-C means a second one ended torchrun, which asks to stop at once; rank 0 says
+that nothing was saved.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from nxdt.config.load import started_by_launcher
 POLL_S = 1.0
 _started = False
 preemption_save_in_progress = threading.Event()
+interrupted = threading.Event()  # a Ctrl-C (SIGINT) reached this rank during the run
 
 
 def watch_launcher() -> bool:
@@ -40,11 +43,15 @@ def watch_launcher() -> bool:
         while not stop.wait(POLL_S):
             if os.getppid() != launcher and not preemption_save_in_progress.is_set():
                 rank = os.environ.get("RANK", "?")
+                line = f"nxdt rank {rank}: the launcher (pid {launcher}) is gone; exiting\n"
+                if interrupted.is_set():
+                    line = "" if rank != "0" else ("interrupted again (second Ctrl-C; the launcher is gone): stopped "
+                                                   "at once, nothing was saved\n")
                 try:
-                    os.write(2, f"nxdt rank {rank}: the launcher (pid {launcher}) is gone; exiting\n".encode())
+                    os.write(2, line.encode())
                 except OSError:
                     pass
-                os._exit(1)
+                os._exit(130 if interrupted.is_set() else 1)
 
     threading.Thread(target=watch, name="nxdt-launcher-watchdog", daemon=True).start()
     _started = True
