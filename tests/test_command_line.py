@@ -7,10 +7,12 @@ from __future__ import annotations
 import os
 from types import SimpleNamespace
 
+import sys
+
 import pytest
 import yaml
 
-from conftest import TINY_OVERRIDES, read_scalars
+from conftest import REPO, TINY_OVERRIDES, read_scalars
 from nxdt.tools.command_line import expand_sweeps, parse_command_line
 from nxdt.config.errors import ConfigError
 from nxdt.config.load import main_guard
@@ -148,6 +150,7 @@ def test_the_closing_resume_command_pastes_back(tmp_path, monkeypatch):
     from nxdt.tools.next_steps import format_next_steps
 
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [str(REPO / ".venv" / "bin" / "nxdt"), "train"])  # launched by nxdt train
     checkpoint = tmp_path / "runs" / "checkpoints" / "tiny_llama--step=3-consumed_samples=48.0"
     text = format_next_steps(checkpoint, tmp_path / "runs", ["--config-name", "tiny_llama_cpu", "trainer.max_steps=3"],
                              3, environ={"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"})
