@@ -68,11 +68,11 @@ TINY_OVERRIDES = [
 # the two workers end within seconds of each other. (The Slurm job, mostly waiting on its job,
 # was tried beside the layouts: a fresh CI run took 497 s against 480 s in this order, one run
 # each; the job's own processes compete with the layouts' ranks.)
-LONG_MODULES = ("test_parallel_layouts.py", "test_checkpoint_resume.py", "test_checkpoint_reshard.py", "test_slurm.py",
-                "test_benchmark_scripts.py", "test_parallel_units.py", "test_config.py", "test_nxdt_release_runs.py", "test_precision.py",
-                "test_train.py", "test_evaluate.py", "test_lora_parallel.py", "test_fault_tolerance.py",
-                "test_data_megatron.py", "test_finetuning_runs.py", "test_import_config.py", "test_generate_parallel.py",
-                "test_cli_errors.py")
+LONG_MODULES = ("test_parallel_layouts.py", "test_checkpoint_resume.py", "test_checkpoint_reshard.py", "test_nxdt_release_runs.py",
+                "test_fault_tolerance.py", "test_benchmark_scripts.py", "test_grpo_runs.py", "test_slurm.py",
+                "test_finetuning_runs.py", "test_lm_eval.py", "test_data_arrow.py", "test_parallel_units.py", "test_config.py",
+                "test_precision.py", "test_train.py", "test_evaluate.py", "test_lora_parallel.py", "test_data_megatron.py",
+                "test_import_config.py", "test_generate_parallel.py", "test_cli_errors.py", "test_precision_parallel.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -206,6 +206,8 @@ def test_a_launched_runs_resume_command_is_the_launcher(monkeypatch, tmp_path, c
     from nxdt.spec import load_config
     from nxdt.tools.train import REPO_CONF_DIR, print_next_steps
 
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "meta.json").write_text("{}")  # a checkpoint's metadata (no LoRA: not adapter-only)
     for extra, prompt in (([], "'And God said'"), ([f"data.tokenizer.type={tmp_path}"], "PROMPT")):
         cfg = load_config([*BASE, *extra], default_config_dir=REPO_CONF_DIR, check_paths=False, quiet=True)
         print_next_steps(cfg, SimpleNamespace(log_dir=tmp_path), SimpleNamespace(argv=BASE, multirun=False),

@@ -9,6 +9,7 @@ of tests/test_parallel_layouts.py. All are multi-process, so marked slow.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import math
 import os
 
@@ -34,18 +35,26 @@ def _cfg(*overrides: str, world: int = 2):
                        world_size=world, check_paths=False, quiet=True)
 
 
-def _spawn(worker, tmp_path, nprocs: int = 2) -> list:
-    """Run `worker(rank, world)` in `nprocs` forked processes with a gloo group; their JSON results."""
-    def entry(rank: int) -> None:
-        torch.set_num_threads(1)
-        os.environ["RANK"] = str(rank)
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=rank, world_size=nprocs)
-        try:
-            (tmp_path / f"out{rank}.json").write_text(json.dumps(worker(rank, nprocs)))
-        finally:
-            dist.destroy_process_group()
+def _entry(rank: int, worker, tmp_path, nprocs: int) -> None:
+    torch.set_num_threads(1)
+    os.environ["RANK"] = str(rank)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=rank, world_size=nprocs)
+    try:
+        (tmp_path / f"out{rank}.json").write_text(json.dumps(worker(rank, nprocs)))
+    finally:
+        dist.destroy_process_group()
 
-    torch.multiprocessing.start_processes(entry, nprocs=nprocs, start_method="fork", join=True)
+
+def _spawn(worker, tmp_path, nprocs: int = 2) -> list:
+    """Run `worker(rank, world)` in `nprocs` processes with a gloo group; their JSON results.
+
+    Forked from a forkserver (started once per pytest worker, this module preloaded), not from the
+    pytest worker itself: by the time these tests run, earlier tests have left threads in it (gloo,
+    TensorBoard writers, pyarrow's pool), and a fork of a multi-threaded process can crash the child
+    (seen once in the suite: SIGSEGV in rank 1)."""
+    multiprocessing.set_forkserver_preload([__name__])
+    torch.multiprocessing.start_processes(_entry, args=(worker, tmp_path, nprocs), nprocs=nprocs,
+                                          start_method="forkserver", join=True)
     return [json.loads((tmp_path / f"out{r}.json").read_text()) for r in range(nprocs)]
 
 
