@@ -163,6 +163,22 @@ def test_exported_config_matches_model(tmp_path, source):
         assert config["intermediate_size"] == 176 and config["output_router_logits"] is True
 
 
+def _hf_to_nxdt(original, folder, tmp_path, capsys):
+    """`nxdt convert hf-to-nxdt` of a transformers folder: (input ids, the original's logits on them, the
+    converted checkpoint, its nxdt_model.yaml as a dict)."""
+    from omegaconf import OmegaConf
+
+    from nxdt.cli import main
+
+    ids = torch.arange(24).reshape(2, 12) * 37 % 1000
+    with torch.no_grad():
+        want = original(input_ids=ids).logits
+    ckpt = tmp_path / "nxdt"
+    assert main(["convert", "hf-to-nxdt", "--input", str(folder), "--output", str(ckpt)]) == 0
+    assert "nxdt_model.yaml" in capsys.readouterr().out
+    return ids, want, ckpt, OmegaConf.to_container(OmegaConf.load(ckpt / "nxdt_model.yaml"))
+
+
 def _hf_neox_folder(tmp_path, parallel: bool, hidden_act: str = "gelu"):
     """A transformers GPTNeoX folder (save_pretrained, safetensors) with random weights and the tokenizer;
     a tanh-GELU one with MLP inputs of a few units (where the approximation differs from exact GELU)."""
@@ -192,21 +208,12 @@ def _hf_neox_folder(tmp_path, parallel: bool, hidden_act: str = "gelu"):
 
 @pytest.mark.parametrize("parallel", [True, False], ids=["parallel-residual", "sequential"])
 def test_neox_hf_folder_to_nxdt_and_back(tmp_path, capsys, parallel):
-    from omegaconf import OmegaConf
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from nxdt.cli import main
-
     original, folder = _hf_neox_folder(tmp_path, parallel)
-    ids = torch.arange(24).reshape(2, 12) * 37 % 1000
-    with torch.no_grad():
-        want = original(input_ids=ids).logits
-    ckpt = tmp_path / "nxdt"
-    assert main(["convert", "hf-to-nxdt", "--input", str(folder), "--output", str(ckpt)]) == 0
-    assert "nxdt_model.yaml" in capsys.readouterr().out
+    ids, want, ckpt, keys = _hf_to_nxdt(original, folder, tmp_path, capsys)
     # the written model keys build the native twin; the converted weights fit it exactly
-    keys = OmegaConf.to_container(OmegaConf.load(ckpt / "nxdt_model.yaml"))
     m = keys["model"]
     assert keys["model_source"] == "megatron"
     assert (m["transformer_block_type"], m.get("gpt_j_tied")) == (("gpt_j", False) if parallel else ("pre_ln", None))
@@ -326,19 +333,10 @@ def _hf_qwen3_folder(tmp_path, moe: bool):
 def test_qwen3_hf_folder_to_nxdt_and_back(tmp_path, capsys, moe):
     """hf-to-nxdt: the written model keys build the native twin (both sources load the weights) with
     transformers' logits; nxdt-to-hf: a folder plain transformers loads, logits unchanged."""
-    from omegaconf import OmegaConf
     from transformers import AutoModelForCausalLM
 
-    from nxdt.cli import main
-
     original, folder = _hf_qwen3_folder(tmp_path, moe)
-    ids = torch.arange(24).reshape(2, 12) * 37 % 1000
-    with torch.no_grad():
-        want = original(input_ids=ids).logits
-    ckpt = tmp_path / "nxdt"
-    assert main(["convert", "hf-to-nxdt", "--input", str(folder), "--output", str(ckpt)]) == 0
-    assert "nxdt_model.yaml" in capsys.readouterr().out
-    keys = OmegaConf.to_container(OmegaConf.load(ckpt / "nxdt_model.yaml"))
+    ids, want, ckpt, keys = _hf_to_nxdt(original, folder, tmp_path, capsys)
     m = keys["model"]
     assert (m["qk_layernorm"], m["kv_channels"], m["share_embeddings_and_output_weights"]) == (True, 24, not moe)
     if moe:

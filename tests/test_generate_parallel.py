@@ -42,11 +42,11 @@ def _worker() -> None:
 
     from nxdt.inference.generate import SamplingParams, generate
     from nxdt.inference.load import load_for_inference
-    from nxdt.tools.generate import _distributed
+    from nxdt.inference.load import tensor_parallel_group
 
     out = Path(os.environ["NXDT_TEST_OUT"])
     ckpts = json.loads((out.parent / "spec.json").read_text())
-    rank, mesh = _distributed()
+    rank, mesh = tensor_parallel_group()
     results = {}
     for name, path in ckpts.items():
         model = load_for_inference(Path(path), tp_mesh=mesh).model

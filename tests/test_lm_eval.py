@@ -234,7 +234,7 @@ def _worker() -> None:
     argv = json.loads((out.parent / "spec.json").read_text())
     for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
         os.environ[var] = "1"
-    rank, mesh = harness._distributed()
+    rank, mesh = harness.tensor_parallel_group()
     q = load_for_inference(Path(argv[1]), tp_mesh=mesh).model.model.layers[0].self_attn.q_proj.weight
     split = q.to_local().shape[0] * 2 == q.shape[0]
     assert harness.main(argv) == 0  # the command's own process group: destroyed at its end

@@ -19,19 +19,17 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 from nxdt.checkpoint.checkpointer import validate_checkpoint
 from nxdt.config.errors import ConfigError
-from nxdt.device import accelerator_type, process_group_backend, set_device
-from nxdt.inference.load import load_for_inference
+from nxdt.device import accelerator_type
+from nxdt.inference.load import load_for_inference, tensor_parallel_group
 
 INSTALL = "lm-evaluation-harness is not installed: install nxdt[eval] (pip install 'nxdt[eval]')"
 
@@ -98,19 +96,6 @@ def _lm_eval():
     return lm_eval, NxdtLM
 
 
-def _distributed():
-    """(rank, tp mesh) under torchrun, else (0, None): every rank runs every request on its shards."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return 0, None
-    kind = accelerator_type() or "cpu"
-    if kind != "cpu":
-        set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if not dist.is_initialized():
-        dist.init_process_group(process_group_backend(kind))
-    return dist.get_rank(), init_device_mesh(kind, (world,), mesh_dim_names=("tp",))
-
-
 def task_manager(tasks: list[str], include_path: Path | None = None):
     """The harness's TaskManager that knows `tasks`, or ConfigError naming the unknown ones. When
     --include-path holds every task, the harness's own thousands of YAMLs are not indexed (seconds)."""
@@ -158,7 +143,7 @@ def main(argv: list[str]) -> int:
     tasks = check_args(args)
     _, NxdtLM = _lm_eval()  # one line before anything loads
     manager = task_manager(tasks, args.include_path)  # an unknown task: said before the model loads
-    rank, tp_mesh = _distributed()
+    rank, tp_mesh = tensor_parallel_group()
     device = args.device or accelerator_type() or "cpu"
     if tp_mesh is not None and tp_mesh.device_type == "cpu":
         device = "cpu"

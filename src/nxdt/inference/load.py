@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import json
+import os
 import shutil
 import tempfile
 import warnings
@@ -30,7 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
 from torch import nn
 from torch.distributed.tensor import distribute_tensor
 
@@ -42,6 +45,7 @@ from nxdt.checkpoint.state import SafeReader, read_dcp_metadata
 from nxdt.config.errors import ConfigError
 from nxdt.config.load import load_saved_config
 from nxdt.config.schema import TokenizerConfig
+from nxdt.device import accelerator_type, process_group_backend, set_device
 from nxdt.data.tokenizers import build_tokenizer
 from nxdt.spec import config_from_dict
 from nxdt.models.builder import build_model, init_model_weights, padded_vocab_size
@@ -61,6 +65,20 @@ class InferenceModel:
     """The tokenizer's size: ids at or above it (vocabulary padding) are never sampled."""
     checkpoint: Path
     notes: list[str]
+
+
+def tensor_parallel_group():
+    """(rank, tp mesh) under torchrun, else (0, None): generation and the harness split the model over
+    every rank of the launch (tensor parallel), each rank running every request on its shards."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 0, None
+    kind = accelerator_type() or "cpu"
+    if kind != "cpu":
+        set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group(process_group_backend(kind))
+    return dist.get_rank(), init_device_mesh(kind, (world,), mesh_dim_names=("tp",))
 
 
 def read_run_config(path: Path, meta: dict[str, Any] | None = None):

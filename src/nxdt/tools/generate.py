@@ -16,22 +16,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 from nxdt.checkpoint.checkpointer import validate_checkpoint
 from nxdt.checkpoint.locate import is_hf_folder, resolve_checkpoint
 from nxdt.config.errors import ConfigError
-from nxdt.device import accelerator_type, process_group_backend, set_device
+from nxdt.device import accelerator_type
 from nxdt.inference.generate import SamplingParams, generate
-from nxdt.inference.load import load_for_inference
+from nxdt.inference.load import load_for_inference, tensor_parallel_group
 from nxdt.spec.exp import sampling_problem
 
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -112,19 +109,6 @@ def encode(tokenizer, prompts: list[str], context: int, max_new: int, where: str
     return ids, min(max_new, context - longest)
 
 
-def _distributed():
-    """(rank, tp mesh) under torchrun, else (0, None)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return 0, None
-    kind = accelerator_type() or "cpu"
-    if kind != "cpu":
-        set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if not dist.is_initialized():
-        dist.init_process_group(process_group_backend(kind))
-    return dist.get_rank(), init_device_mesh(kind, (world,), mesh_dim_names=("tp",))
-
-
 def main(argv: list[str] | None = None) -> int:
     # transformers' notice that its models will take `cache=` one day: nothing for the user to do
     warnings.filterwarnings("ignore", message=r".*`past_key_values` is deprecated", category=FutureWarning)
@@ -134,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     args.checkpoint, chosen = resolve_checkpoint(args.checkpoint)  # a run folder: its newest complete checkpoint
     if not is_hf_folder(args.checkpoint):
         validate_checkpoint(args.checkpoint)  # one line, before any process group starts
-    rank, tp_mesh = _distributed()
+    rank, tp_mesh = tensor_parallel_group()
     if chosen and rank == 0:
         print(f"note: {chosen}", file=sys.stderr)
     device = args.device or accelerator_type() or "cpu"
