@@ -145,6 +145,65 @@ def block_norms(block: nn.Module) -> list[str]:
     return [name for name, _ in block.named_children() if name.endswith("layernorm")]
 
 
+SEQUENCE = Shard(1)  # the sequence dimension of [B, S, H]: what sequence parallel shards
+
+
+def _sequence_parallel_block(plan: dict, adapter, p: str, block: nn.Module, first_block: bool, whole_out: bool) -> None:
+    """Sequence parallel's entries of block `p`: its norms on the sequence shard, attention and MLP
+    gathering it in. Between blocks the residual stream is a sequence shard; at the edges of the block
+    list (and so of a pipeline stage) it is whole: HF builds its causal mask and rotary table from the
+    embedding's output length, and stages pass full [B, S, H] tensors."""
+    seq = SEQUENCE
+    # positional arguments after the hidden states (native: rope, mask); transformers passes keywords
+    rest = (None,) * adapter.block_extra_args
+    edge = {}
+    if first_block:
+        edge.update(input_layouts=(Replicate(), *rest), desired_input_layouts=(seq, *rest))
+    if whole_out:
+        edge.update(output_layouts=seq, desired_output_layouts=Replicate())
+    if "input_layouts" in edge and "output_layouts" in edge:
+        plan[p] = PrepareModuleInputOutput(**edge, use_local_input=True)
+    elif "input_layouts" in edge:
+        plan[p] = PrepareModuleInput(**edge, use_local_output=True)
+    elif edge:
+        plan[p] = PrepareModuleOutput(**edge)
+    for norm in block_norms(block):
+        plan[f"{p}.{norm}"] = SequenceParallel(use_local_output=True)
+    if adapter.attention_kwarg:
+        plan[f"{p}.self_attn"] = PrepareModuleInput(
+            input_kwarg_layouts={adapter.attention_kwarg: seq},
+            desired_input_kwarg_layouts={adapter.attention_kwarg: Replicate()})
+    else:  # forward(x, rope, mask)
+        plan[f"{p}.self_attn"] = PrepareModuleInput(
+            input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None))
+    if _is_moe(block.mlp):  # gathered in; partial sums reduce-scattered (or a whole output sliced)
+        plan[f"{p}.mlp"] = PrepareModuleInputOutput(
+            input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,
+            output_layouts=(_moe_output(block.mlp),), desired_output_layouts=(seq,), use_local_output=True)
+    else:
+        plan[f"{p}.mlp"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
+
+
+def _mlp_plan(plan: dict, p: str, mlp: nn.Module, sp: bool) -> None:
+    """The MLP's entries of block `p`: up (and gate) column-parallel, down row-parallel; an MoE layer's
+    experts each split over tp (their intermediate dimension), its router whole."""
+    if _is_moe(mlp):
+        if isinstance(mlp.experts, MoEExperts):  # each expert's F over tp; the router whole
+            plan[f"{p}.mlp.experts"] = ExpertsTensorParallel(reduce_output=_moe_output(mlp) != Partial())
+            if not sp and _moe_output(mlp) == Partial():  # the partial sums all-reduced
+                plan[f"{p}.mlp"] = PrepareModuleOutput(output_layouts=(Partial(),),
+                                                       desired_output_layouts=(Replicate(),), use_local_output=True)
+        return
+    if hasattr(mlp, "gate_proj"):
+        plan[f"{p}.mlp.gate_proj"] = ColwiseParallel()
+    plan[f"{p}.mlp.up_proj"] = ColwiseParallel()
+    if getattr(mlp, "ffn_layernorm", None) is not None:  # normformer: a norm over the whole row
+        plan[f"{p}.mlp.ffn_layernorm"] = PrepareModuleInputOutput(
+            input_layouts=(Shard(-1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+            output_layouts=(Replicate(),), desired_output_layouts=(Shard(-1),), use_local_output=True)
+    plan[f"{p}.mlp.down_proj"] = RowwiseParallel(output_layouts=SEQUENCE if sp else Replicate())
+
+
 def llama_tp_plan(model: nn.Module, tp: int, sequence_parallel: bool, blocks: list[tuple[str, nn.Module]] | None = None,
                   first: bool = True, last: bool = True) -> dict[str, ParallelStyle]:
     """The plan {module path: ParallelStyle} for `model` (paths relative to the causal-LM root).
@@ -161,14 +220,12 @@ def llama_tp_plan(model: nn.Module, tp: int, sequence_parallel: bool, blocks: li
     if replicate_kv and tp % kv:
         raise ValueError(f"tensor_model_parallel_size ({tp}) must be a multiple of num_kv_heads ({kv})")
     sp = sequence_parallel
-    seq = Shard(1)
+    seq = SEQUENCE
     names = dict(model.named_modules())
     if blocks is None:
         layers = adapter.layers_path(model)
         blocks = [(f"{layers}.{name}", block) for name, block in adapter.decoder(model).layers.named_children()]
     has_embed, has_norm = first and adapter.embed in names, last and adapter.norm in names
-    # positional arguments after the hidden states (native: rope, mask); transformers passes keywords
-    rest = (None,) * adapter.block_extra_args
     plan: dict[str, ParallelStyle] = {}
 
     if has_embed:
@@ -176,35 +233,8 @@ def llama_tp_plan(model: nn.Module, tp: int, sequence_parallel: bool, blocks: li
     for i, (p, block) in enumerate(blocks):
         head_dim = block.self_attn.head_dim
         if sp:
-            # Between blocks the residual stream is a sequence shard; at the edges of the block
-            # list (and so of a pipeline stage) it is whole: HF builds its causal mask and rotary
-            # table from the embedding's output length, and stages pass full [B, S, H] tensors.
-            edge = {}
-            if i == 0:
-                edge.update(input_layouts=(Replicate(), *rest), desired_input_layouts=(seq, *rest))
-            if i == len(blocks) - 1 and not has_norm:
-                edge.update(output_layouts=seq, desired_output_layouts=Replicate())
-            if "input_layouts" in edge and "output_layouts" in edge:
-                plan[p] = PrepareModuleInputOutput(**edge, use_local_input=True)
-            elif "input_layouts" in edge:
-                plan[p] = PrepareModuleInput(**edge, use_local_output=True)
-            elif edge:
-                plan[p] = PrepareModuleOutput(**edge)
-            for norm in block_norms(block):
-                plan[f"{p}.{norm}"] = SequenceParallel(use_local_output=True)
-            if adapter.attention_kwarg:
-                plan[f"{p}.self_attn"] = PrepareModuleInput(
-                    input_kwarg_layouts={adapter.attention_kwarg: seq},
-                    desired_input_kwarg_layouts={adapter.attention_kwarg: Replicate()})
-            else:  # forward(x, rope, mask)
-                plan[f"{p}.self_attn"] = PrepareModuleInput(
-                    input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None))
-            if _is_moe(block.mlp):  # gathered in; partial sums reduce-scattered (or a whole output sliced)
-                plan[f"{p}.mlp"] = PrepareModuleInputOutput(
-                    input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,
-                    output_layouts=(_moe_output(block.mlp),), desired_output_layouts=(seq,), use_local_output=True)
-            else:
-                plan[f"{p}.mlp"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
+            _sequence_parallel_block(plan, adapter, p, block, first_block=i == 0,
+                                     whole_out=i == len(blocks) - 1 and not has_norm)
         plan[f"{p}.self_attn.q_proj"] = ColwiseParallel()
         plan[f"{p}.self_attn.k_proj"] = KVHeadSelect(kv, head_dim) if replicate_kv else ColwiseParallel()
         plan[f"{p}.self_attn.v_proj"] = KVHeadSelect(kv, head_dim) if replicate_kv else ColwiseParallel()
@@ -212,21 +242,7 @@ def llama_tp_plan(model: nn.Module, tp: int, sequence_parallel: bool, blocks: li
         for qk in ("q_norm", "k_norm"):  # Qwen3's per-head norms: weights whole, this rank's heads a shard of
             if isinstance(getattr(block.self_attn, qk, None), nn.Module):  # the heads axis (gradients summed)
                 plan[f"{p}.self_attn.{qk}"] = SequenceParallel(sequence_dim=adapter.head_axis, use_local_output=True)
-        if _is_moe(block.mlp):
-            if isinstance(block.mlp.experts, MoEExperts):  # each expert's F over tp; the router whole
-                plan[f"{p}.mlp.experts"] = ExpertsTensorParallel(reduce_output=_moe_output(block.mlp) != Partial())
-                if not sp and _moe_output(block.mlp) == Partial():  # the partial sums all-reduced
-                    plan[f"{p}.mlp"] = PrepareModuleOutput(output_layouts=(Partial(),),
-                                                           desired_output_layouts=(Replicate(),), use_local_output=True)
-            continue
-        if hasattr(block.mlp, "gate_proj"):
-            plan[f"{p}.mlp.gate_proj"] = ColwiseParallel()
-        plan[f"{p}.mlp.up_proj"] = ColwiseParallel()
-        if getattr(block.mlp, "ffn_layernorm", None) is not None:  # normformer: a norm over the whole row
-            plan[f"{p}.mlp.ffn_layernorm"] = PrepareModuleInputOutput(
-                input_layouts=(Shard(-1),), desired_input_layouts=(Replicate(),), use_local_input=True,
-                output_layouts=(Replicate(),), desired_output_layouts=(Shard(-1),), use_local_output=True)
-        plan[f"{p}.mlp.down_proj"] = RowwiseParallel(output_layouts=seq if sp else Replicate())
+        _mlp_plan(plan, p, block.mlp, sp)
     if has_norm and sp and not isinstance(names[adapter.norm], nn.Identity):
         plan[adapter.norm] = SequenceParallel(use_local_output=True)
     if last and adapter.lm_head in names:
