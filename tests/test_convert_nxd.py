@@ -370,15 +370,20 @@ def _nxdt_state(checkpoint) -> tuple[dict, dict]:
     return load_weights(checkpoint), {k.removeprefix("optim0."): v for k, v in optim.items()}
 
 
-def _nxd_with_optimizer(tag, weights: dict, optim: dict, dp: int, xser: bool) -> None:
-    """NxD's tp 2 x pp 2 x dp `dp` checkpoint (ZeRO-1) of nxdt's `weights` and Adam state."""
+def _nxd_with_optimizer(tag, weights: dict, optim: dict, dp: int, xser: bool, layout=(2, 2, 1, False),
+                        plain: bool = False) -> None:
+    """NxD's checkpoint of nxdt's `weights` and Adam state: layout (tp, pp, kv_replicator, trn2),
+    ZeRO-1 over dp `dp`; `plain`: without ZeRO-1 (one torch optimizer state dict per tp/pp rank,
+    trainer/checkpoint.py save_checkpoint's path without `dp`)."""
     moments = {k: {n: optim[f"state.{n}.{k}"] for n in weights} for k in ("exp_avg", "exp_avg_sq")}
-    shards = {key: _nxd_order(sd) for key, sd in _shard(weights, 2, 2, 1, False).items()}
-    per_rank = {k: _shard(v, 2, 2, 1, False) for k, v in moments.items()}
+    shards = {key: _nxd_order(sd) for key, sd in _shard(weights, *layout).items()}
+    per_rank = {k: _shard(v, *layout) for k, v in moments.items()}  # replicated K/V heads: equal moments
     step = float(next(v for k, v in optim.items() if k.endswith(".step")))
     no_decay = ["bias", "LayerNorm", "norm"]  # NxDT's with model.do_layer_norm_weight_decay: true
-    write_nxd(tag, shards, xser, {key: _zero1(sd, {k: per_rank[k][key] for k in moments}, step, dp, no_decay)
-                                  for key, sd in shards.items()})
+    states = {key: _zero1(sd, {k: per_rank[k][key] for k in moments}, step, dp, no_decay) for key, sd in shards.items()}
+    if plain:
+        states = {key: [{"state": s[0]["base_state"], "param_groups": s[0]["param_groups"]}] for key, s in states.items()}
+    write_nxd(tag, shards, xser, states)
 
 
 def test_nxd_optimizer_state_resumes_the_run(hf_model, tmp_path, kjv_prefix, capsys):
@@ -462,3 +467,26 @@ def test_malformed_optimizer_shard_is_refused(hf_model, tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert says in err and "\n" not in err, (says, err)
         assert not out.exists() and not (tmp_path / f".tmp-out{i}").exists()
+
+
+@pytest.mark.parametrize(("layout", "dp", "plain"), [((4, 2, 2, False), 2, False), ((4, 1, 2, True), 3, False),
+                                                     ((2, 2, 1, False), 1, True)])
+def test_optimizer_state_of_each_layout(hf_model, tmp_path, capsys, layout, dp, plain):
+    """Adam's moments through K/V replication (Trn1's repeat with its query shuffle, Trn2's
+    repeat_interleave; the copies' order is the weights') and without ZeRO-1: the converted
+    moments are the full ones, bit for bit."""
+    root, sd = hf_model
+    torch.manual_seed(1)
+    optim = {f"state.{n}.{k}": torch.randn_like(t).abs() for n, t in sd.items() for k in ("exp_avg", "exp_avg_sq")}
+    optim.update({f"state.{n}.step": torch.tensor(7.0) for n in sd})
+    tag = tmp_path / "nxd" / "hf_llama--step=7-consumed_samples=56.0.ckpt"
+    _nxd_with_optimizer(tag, sd, optim, dp=dp, xser=False, layout=layout, plain=plain)
+    config = _yaml(root, layout[0], layout[1], layout[2] if layout[2] > 1 else None)
+    config.write_text(config.read_text().replace("qkv_linear: true", "qkv_linear: true\n  do_layer_norm_weight_decay: true"))
+    lines = nxd_to_nxdt(tag, tmp_path / "conv", config)
+    assert any("step 7 " + ("(one file per tp/pp rank)" if plain else f"(ZeRO-1 shards over dp {dp})") in line
+               for line in lines), lines
+    _, got = _nxdt_state(tmp_path / "conv")
+    assert set(got) == set(optim)
+    for key, tensor in optim.items():
+        assert torch.equal(got[key], tensor), key

@@ -99,7 +99,6 @@ class NxdCheckpoint:
     tp: int
     pp: int
     xser: bool
-    has_optimizer: bool
     complete: bool
 
 
@@ -152,9 +151,7 @@ def scan(path: Path) -> NxdCheckpoint:
                 raise ConfigError(f"{tag / 'model'}: dp_rank_00_tp_rank_{t:02d}_pp_rank_{p:02d}.pt is missing "
                                   f"(the other files make tp {tp} x pp {pp})")
     xser = any(f.with_name(f.name + ".tensors").is_dir() for f in found.values())
-    optim = tag / "optim"
-    return NxdCheckpoint(tag=tag, files=found, tp=tp, pp=pp, xser=xser,
-                         has_optimizer=optim.is_dir() and any(optim.iterdir()), complete=(tag / "done").is_file())
+    return NxdCheckpoint(tag=tag, files=found, tp=tp, pp=pp, xser=xser, complete=(tag / "done").is_file())
 
 
 def read_shard(file: Path) -> dict[str, torch.Tensor]:

@@ -70,10 +70,14 @@ def _one_line(err: Exception) -> str:
 
 
 def _load(file: Path, mmap: bool = False) -> Any:
+    """`file` unpickled with tensors and xser's TensorReference only; `mmap`: tensors left on disk
+    (the model files, read for their order and shapes), where the file's format allows it."""
     try:
         with torch.serialization.safe_globals([(XserTensorReference, XSER_REFERENCE)]):
             return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as err:  # an unpickling error names the class it refused
+        if mmap:  # torch.save's legacy (non-zip) format cannot be mapped: read it whole
+            return _load(file)
         raise ConfigError(f"{file}: not a state dict of tensors: {_one_line(err)}") from None
 
 
