@@ -339,11 +339,12 @@ def _nxd_order(shard: dict) -> dict:
     return dict(sorted(shard.items(), key=lambda kv: place(kv[0])))
 
 
-def _zero1(weights: dict, moments: dict, step: float, dp: int, no_decay: list[str]) -> list[dict]:
+def _zero1(weights: dict, moments: dict, step: float, dp: int, no_decay: list[str], masters: dict | None = None) -> list[dict]:
     """Each dp rank's torch_xla ZeroRedundancyOptimizer.state_dict() (pytorch/xla @ 41398bff,
     zero_redundancy_optimizer.py: state_dict, get_shape_info, _pad_to_world_size, _shard_tensor) of
     one tp/pp rank, the parameters numbered over NxDT's groups (neuronx-distributed-training @
-    9169aa03, utils/model_utils.py get_param_groups_by_weight_decay: names without no_decay first)."""
+    9169aa03, utils/model_utils.py get_param_groups_by_weight_decay: names without no_decay first);
+    `masters`: save_master_weights' `sharded_master_weights` {index: this rank's shard}."""
     names = [n for n in weights if not n.endswith("inv_freq")]
     order = [n for n in names if not any(d in n for d in no_decay)] + [n for n in names if any(d in n for d in no_decay)]
     n0 = sum(not any(d in n for d in no_decay) for n in names)
@@ -356,9 +357,12 @@ def _zero1(weights: dict, moments: dict, step: float, dp: int, no_decay: list[st
         if t.size(0) % dp:
             t = torch.nn.functional.pad(t, [0, 0] * (t.dim() - 1) + [0, dp - t.size(0) % dp])
         return t.chunk(dp)[r].clone()
-    return [{"state": {}, "param_groups": groups, "shape_info": {i: weights[n].shape for i, n in enumerate(order)},
-             "base_state": {i: {"step": torch.tensor(step), **{k: shard(moments[k][n], r) for k in moments}}
-                            for i, n in enumerate(order)}} for r in range(dp)]
+    out = [{"state": {}, "param_groups": groups, "shape_info": {i: weights[n].shape for i, n in enumerate(order)},
+            "base_state": {i: {"step": torch.tensor(step), **{k: shard(moments[k][n], r) for k in moments}}
+                           for i, n in enumerate(order)}} for r in range(dp)]
+    for r, state in enumerate(out if masters else ()):
+        state["sharded_master_weights"] = {i: shard(masters[n], r) for i, n in enumerate(order)}
+    return out
 
 
 def _nxdt_state(checkpoint) -> tuple[dict, dict]:
@@ -371,16 +375,21 @@ def _nxdt_state(checkpoint) -> tuple[dict, dict]:
 
 
 def _nxd_with_optimizer(tag, weights: dict, optim: dict, dp: int, xser: bool, layout=(2, 2, 1, False),
-                        plain: bool = False) -> None:
+                        plain: bool = False, bf16_masters: bool = False) -> None:
     """NxD's checkpoint of nxdt's `weights` and Adam state: layout (tp, pp, kv_replicator, trn2),
     ZeRO-1 over dp `dp`; `plain`: without ZeRO-1 (one torch optimizer state dict per tp/pp rank,
-    trainer/checkpoint.py save_checkpoint's path without `dp`)."""
+    trainer/checkpoint.py save_checkpoint's path without `dp`); `bf16_masters`: bf16 model files,
+    the fp32 weights as ZeRO-1's master weights."""
     moments = {k: {n: optim[f"state.{n}.{k}"] for n in weights} for k in ("exp_avg", "exp_avg_sq")}
     shards = {key: _nxd_order(sd) for key, sd in _shard(weights, *layout).items()}
+    masters = dict(shards) if bf16_masters else {}
+    if bf16_masters:
+        shards = {key: {n: t.bfloat16() for n, t in sd.items()} for key, sd in shards.items()}
     per_rank = {k: _shard(v, *layout) for k, v in moments.items()}  # replicated K/V heads: equal moments
     step = float(next(v for k, v in optim.items() if k.endswith(".step")))
     no_decay = ["bias", "LayerNorm", "norm"]  # NxDT's with model.do_layer_norm_weight_decay: true
-    states = {key: _zero1(sd, {k: per_rank[k][key] for k in moments}, step, dp, no_decay) for key, sd in shards.items()}
+    states = {key: _zero1(sd, {k: per_rank[k][key] for k in moments}, step, dp, no_decay, masters.get(key))
+              for key, sd in shards.items()}
     if plain:
         states = {key: [{"state": s[0]["base_state"], "param_groups": s[0]["param_groups"]}] for key, s in states.items()}
     write_nxd(tag, shards, xser, states)
@@ -469,18 +478,19 @@ def test_malformed_optimizer_shard_is_refused(hf_model, tmp_path, capsys):
         assert not out.exists() and not (tmp_path / f".tmp-out{i}").exists()
 
 
-@pytest.mark.parametrize(("layout", "dp", "plain"), [((4, 2, 2, False), 2, False), ((4, 1, 2, True), 3, False),
-                                                     ((2, 2, 1, False), 1, True)])
-def test_optimizer_state_of_each_layout(hf_model, tmp_path, capsys, layout, dp, plain):
+@pytest.mark.parametrize(("layout", "dp", "plain", "masters"), [
+    ((4, 2, 2, False), 2, False, True), ((4, 1, 2, True), 3, False, False), ((2, 2, 1, False), 1, True, False)])
+def test_optimizer_state_of_each_layout(hf_model, tmp_path, capsys, layout, dp, plain, masters):
     """Adam's moments through K/V replication (Trn1's repeat with its query shuffle, Trn2's
     repeat_interleave; the copies' order is the weights') and without ZeRO-1: the converted
-    moments are the full ones, bit for bit."""
+    moments are the full ones, bit for bit. With ZeRO-1's fp32 master weights beside bf16 model
+    files the weights are the masters, bit for bit; masters of another order are refused."""
     root, sd = hf_model
     torch.manual_seed(1)
     optim = {f"state.{n}.{k}": torch.randn_like(t).abs() for n, t in sd.items() for k in ("exp_avg", "exp_avg_sq")}
     optim.update({f"state.{n}.step": torch.tensor(7.0) for n in sd})
     tag = tmp_path / "nxd" / "hf_llama--step=7-consumed_samples=56.0.ckpt"
-    _nxd_with_optimizer(tag, sd, optim, dp=dp, xser=False, layout=layout, plain=plain)
+    _nxd_with_optimizer(tag, sd, optim, dp=dp, xser=False, layout=layout, plain=plain, bf16_masters=masters)
     config = _yaml(root, layout[0], layout[1], layout[2] if layout[2] > 1 else None)
     config.write_text(config.read_text().replace("qkv_linear: true", "qkv_linear: true\n  do_layer_norm_weight_decay: true"))
     lines = nxd_to_nxdt(tag, tmp_path / "conv", config)
@@ -490,3 +500,16 @@ def test_optimizer_state_of_each_layout(hf_model, tmp_path, capsys, layout, dp, 
     assert set(got) == set(optim)
     for key, tensor in optim.items():
         assert torch.equal(got[key], tensor), key
+    weights = load_weights(tmp_path / "conv")
+    assert all(torch.equal(weights[n], t) for n, t in sd.items())  # with masters: not the bf16 files' values
+    assert not torch.equal(sd["lm_head.weight"].bfloat16().float(), sd["lm_head.weight"])
+    if masters:  # one rank's master shards swapped between two parameters of the same shape
+        bad = tag / "optim" / "dp_rank_01_tp_rank_00_pp_rank_01.pt"
+        state = torch.load(bad, weights_only=True)
+        sharded = state["sharded_master_weights"]
+        a, b = [i for i, s in state["shape_info"].items() if tuple(s) == (64,)][:2]
+        sharded[a], sharded[b] = sharded[b], sharded[a]
+        torch.save(state, bad)
+        with pytest.raises(ConfigError) as err:
+            nxd_to_nxdt(tag, tmp_path / "conv_bad", config)
+        assert "differ from the model file's beyond torch.bfloat16 rounding" in str(err.value)

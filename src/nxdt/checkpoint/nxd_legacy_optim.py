@@ -45,6 +45,7 @@ Followed (read, not imported):
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -163,14 +164,24 @@ def merge_dp(files: list[Path]) -> tuple[dict[int, dict[str, Any]], list[dict[st
             entries.append(_moments(part["base_state"][i], f"{f}: base_state[{i}]"))
         merged = {"step": entries[0].get("step")}
         for key in MOMENTS:
-            full = torch.cat([e[key].reshape(-1, *e[key].shape[1:]) for e in entries])
-            full = full[: shape[0]] if shape else full[:1].reshape(())
-            if tuple(full.shape) != shape:
-                raise ConfigError(f"{files[0].parent}: base_state[{i}].{key} over the {len(files)} dp ranks "
-                                  f"is {tuple(full.shape)} after unpadding, shape_info says {shape}")
-            merged[key] = full.reshape(shape)
+            merged[key] = _join([e[key] for e in entries], shape, f"{files[0].parent}: base_state[{i}].{key}")
+        if all(i in part.get("sharded_master_weights", {}) for part in parts):  # save_master_weights
+            merged["master"] = _join([part["sharded_master_weights"][i] for part in parts], shape,
+                                     f"{files[0].parent}: sharded_master_weights[{i}]")
         state[i] = merged
     return state, groups, shapes
+
+
+def _join(shards: list[torch.Tensor], shape: tuple, where: str) -> torch.Tensor:
+    """The dp shards of one parameter joined on dim 0 and the padding cut (convert_zero_checkpoints._merge)."""
+    if any(not isinstance(t, torch.Tensor) for t in shards):
+        raise ConfigError(f"{where}: not a tensor on every dp rank")
+    full = torch.cat([t.reshape(-1, *t.shape[1:]) for t in shards])
+    full = full[: shape[0]] if shape else full[:1].reshape(())
+    if tuple(full.shape) != shape:
+        raise ConfigError(f"{where} over the {len(shards)} dp ranks is {tuple(full.shape)} after unpadding, "
+                          f"shape_info says {shape}")
+    return full
 
 
 # --------------------------------------------------------------------------- parameter order
@@ -227,12 +238,21 @@ def param_names(model_file: Path, groups: list[dict[str, Any]], shapes: dict[int
 
 
 # --------------------------------------------------------------------------- merging
+@dataclass
+class NxdOptimizer:
+    """Adam's state of an NxDT checkpoint under transformers' names."""
+
+    state: dict[str, torch.Tensor]  # nxdt's flattened optimizer tensors: state.<name>.exp_avg/exp_avg_sq/step
+    step: float  # Adam's step (one for every parameter)
+    dp: int  # the dp ranks it was sharded over (1: not ZeRO-1)
+    masters: dict[str, torch.Tensor]  # ZeRO-1's fp32 master weights (save_master_weights), else {}
+
+
 def merge_optimizer(ckpt: NxdCheckpoint, files: dict[tuple[int, int], list[Path]], lay: NxdLayout,
-                    do_layer_norm_weight_decay: bool, kv_order: str | None) -> tuple[dict[str, torch.Tensor], float, int]:
-    """Adam's state as nxdt's flattened optimizer tensors (`state.<name>.exp_avg`, ...) under
-    transformers' names, NxDT's Adam step, and the dp size it was sharded over."""
+                    do_layer_norm_weight_decay: bool, kv_order: str | None) -> NxdOptimizer:
+    """The optimizer files of every tp/pp rank merged (kv_order: the K/V replication the weights showed)."""
     no_decay = no_decay_of(do_layer_norm_weight_decay)
-    per_rank = {key: [{} for _ in range(ckpt.tp)] for key in MOMENTS}
+    per_rank = {key: [{} for _ in range(ckpt.tp)] for key in (*MOMENTS, "master")}
     steps: dict[float, str] = {}
     for (t, p), dp_files in sorted(files.items()):
         state, groups, shapes = merge_dp(dp_files)
@@ -242,21 +262,38 @@ def merge_optimizer(ckpt: NxdCheckpoint, files: dict[tuple[int, int], list[Path]
                 raise ConfigError(f"{dp_files[0]}: no Adam state for parameter {i} ({name})")
             step = state[i]["step"]
             steps.setdefault(float(step) if step is not None else -1.0, f"{dp_files[0].name}: {name}")
-            for key in MOMENTS:
-                per_rank[key][t][name] = state[i][key]
+            for key in (*MOMENTS, "master"):
+                if key in state[i]:
+                    per_rank[key][t][name] = state[i][key]
     if len(steps) != 1 or -1.0 in steps:
         said = ", ".join(f"{v:g} at {w}" for v, w in sorted(steps.items())[:2])
         raise ConfigError(f"{ckpt.tag / 'optim'}: Adam's step is {said}: not one step for every parameter "
                           "(-1: none saved)")
     out: dict[str, torch.Tensor] = {}
     step = next(iter(steps))
+    with_masters = all(len(per_rank["master"][t]) == len(per_rank["exp_avg"][t]) for t in range(ckpt.tp))
     for key in MOMENTS:
         full, _ = merge_ranks(per_rank[key], lay, ckpt.tag / "optim", order=kv_order or None)
         for name, tensor in full.items():
             out[f"state.{name}.{key}"] = tensor.float().contiguous()
     for name in {k.split(".", 1)[1].rsplit(".", 1)[0] for k in out}:
         out[f"state.{name}.step"] = torch.tensor(step, dtype=torch.float32)
-    return out, step, len(next(iter(files.values())))
+    masters: dict[str, torch.Tensor] = {}
+    if with_masters:  # every parameter's (merge_ranks consumes what it merges: counted before)
+        masters, _ = merge_ranks(per_rank["master"], lay, ckpt.tag / "optim", order=kv_order or None)
+    return NxdOptimizer(out, step, len(next(iter(files.values()))), {k: v.float() for k, v in masters.items()})
+
+
+def check_masters(masters: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], where: Path) -> None:
+    """The master weights agree with the model files' weights to their dtype's rounding (stochastic
+    rounding included: one unit in the last place); a mismatch means another parameter order."""
+    for name, master in masters.items():
+        weight = weights[name]
+        ulp = torch.finfo(weight.dtype).eps * master.abs() + torch.finfo(weight.dtype).tiny
+        worst = float(((master - weight.float()).abs() - ulp).max()) if master.numel() else 0.0
+        if worst > 0:
+            raise ConfigError(f"{where}: the fp32 master weights of {name} differ from the model file's beyond "
+                              f"{weight.dtype} rounding: not the parameter order of the model files")
 
 
 # --------------------------------------------------------------------------- the resume

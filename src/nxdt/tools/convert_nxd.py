@@ -28,7 +28,7 @@ from typing import Any
 
 from nxdt.checkpoint.checkpointer import save_weights
 from nxdt.checkpoint.nxd_legacy import NxdLayout, merge, scan
-from nxdt.checkpoint.nxd_legacy_optim import merge_optimizer, optim_files
+from nxdt.checkpoint.nxd_legacy_optim import check_masters, merge_optimizer, optim_files
 from nxdt.checkpoint.state import reseed_state
 from nxdt.config.errors import ConfigError
 from nxdt.config.load import compose
@@ -100,16 +100,18 @@ def nxd_to_nxdt(input_path: Path, output: Path, config: Path | None, overrides: 
     files = optim_files(ckpt)
     optimizer, resume = None, {}
     if files is not None:
-        optimizer, adam_step, dp = merge_optimizer(ckpt, files, lay, bool(cfg.model.do_layer_norm_weight_decay),
-                                                   None if "/" in kv_order else kv_order)
-        resume = _resume_meta(cfg, progress, adam_step)
+        optimizer = merge_optimizer(ckpt, files, lay, bool(cfg.model.do_layer_norm_weight_decay),
+                                    None if "/" in kv_order else kv_order)
+        check_masters(optimizer.masters, tensors, ckpt.tag / "optim")
+        tensors.update(optimizer.masters)  # fp32 where NxD kept them (the model files' may be bf16)
+        resume = _resume_meta(cfg, progress, optimizer.step)
     meta = {"hf_config": hf, "source": str(ckpt.tag), **resume,
             "nxd_source": {"tp": ckpt.tp, "pp": ckpt.pp, "xser": ckpt.xser, "kv_replicator": lay.kv_replicator,
                            "kv_replication": kv_order if lay.kv_replicator > 1 else None, **progress}}
     rank_state = {"rank": 0, "world_size": 1, "dp_rank": 0, "scalars": {}, "trainer": {},
                   "rng": reseed_state(cfg.seed, resume.get("step", 0))}
     save_weights(tensors, output, meta, files={"rank_00000.json": json.dumps(rank_state)} if resume else None,
-                 optimizer_state=optimizer)
+                 optimizer_state=optimizer.state if optimizer else None)
     lines = [f"read {ckpt.tag}: tp {ckpt.tp} x pp {ckpt.pp}, {'xser' if ckpt.xser else 'torch.save'}, "
              f"{len(tensors)} tensors" + (f", K/V replicated x{lay.kv_replicator} ({kv_order})"
                                            if lay.kv_replicator > 1 else "")
@@ -121,8 +123,10 @@ def nxd_to_nxdt(input_path: Path, output: Path, config: Path | None, overrides: 
                      "moments start fresh)")
         lines.append(f"start training from it: exp_manager.resume_from_checkpoint={output} model.weight_init_only=true")
         return lines
-    lines.append(f"optimizer: Adam's exp_avg and exp_avg_sq of {len(optimizer) // 3} parameters, step {adam_step:g} "
-                 + (f"(ZeRO-1 shards over dp {dp})" if dp > 1 else "(one file per tp/pp rank)")
+    lines.append(f"optimizer: Adam's exp_avg and exp_avg_sq of {len(optimizer.state) // 3} parameters, step "
+                 f"{optimizer.step:g} " + (f"(ZeRO-1 shards over dp {optimizer.dp})" if optimizer.dp > 1 else
+                                           "(one file per tp/pp rank)")
+                 + (", the weights from its fp32 master copies" if optimizer.masters else "")
                  + f"; resumes at step {resume['step']}, consumed_samples {resume['consumed_samples']}"
                  + ("" if "consumed_samples" in progress else " (step x data.global_batch_size: the tag's name has none)"))
     lines.append(f"continue training from it: exp_manager.resume_from_checkpoint={output} (lr, betas, eps and weight "
