@@ -513,3 +513,24 @@ def test_optimizer_state_of_each_layout(hf_model, tmp_path, capsys, layout, dp, 
         with pytest.raises(ConfigError) as err:
             nxd_to_nxdt(tag, tmp_path / "conv_bad", config)
         assert "differ from the model file's beyond torch.bfloat16 rounding" in str(err.value)
+
+
+def test_optimizer_joined_by_nxds_converter(hf_model, tmp_path):
+    """optim/full_tp_rank_YY_pp_rank_ZZ.pt, the ZeRO-1 state NxD's convert_zero_checkpoints.py
+    --convert_to_full writes (base_state joined over dp, shape_info kept): read as dp 1."""
+    root, sd = hf_model
+    optim = {f"state.{n}.{k}": torch.randn_like(t) for n, t in sd.items() for k in ("exp_avg", "exp_avg_sq")}
+    optim.update({f"state.{n}.step": torch.tensor(4.0) for n in sd})
+    tag = tmp_path / "nxd" / "tag"
+    _nxd_with_optimizer(tag, sd, optim, dp=1, xser=False)
+    for f in sorted((tag / "optim").iterdir()):
+        f.rename(f.with_name(f.name.replace("dp_rank_00_", "full_")))
+    config = _yaml(root, 2, 2, None)
+    config.write_text(config.read_text().replace("qkv_linear: true", "qkv_linear: true\n  do_layer_norm_weight_decay: true"))
+    nxd_to_nxdt(tag, tmp_path / "conv", config)
+    _, got = _nxdt_state(tmp_path / "conv")
+    assert set(got) == set(optim) and all(torch.equal(got[k], v) for k, v in optim.items())
+    (tag / "optim" / "full_tp_rank_01_pp_rank_01.pt").unlink()
+    with pytest.raises(ConfigError) as err:
+        nxd_to_nxdt(tag, tmp_path / "conv2", config)
+    assert "full_tp_rank_01_pp_rank_01.pt is missing" in str(err.value)

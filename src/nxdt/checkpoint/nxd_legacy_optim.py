@@ -64,6 +64,7 @@ from nxdt.config.errors import ConfigError
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 DCP_OPTIM = re.compile(r"\.metadata|.*\.distcp")  # NxD's use_zero1_dcp: torch DCP under optim/
+FULL_FILE = re.compile(r"full_tp_rank_(\d+)_pp_rank_(\d+)\.pt")  # convert_zero_checkpoints --convert_to_full
 
 
 def _one_line(err: Exception) -> str:
@@ -106,8 +107,14 @@ def optim_files(ckpt: NxdCheckpoint) -> dict[tuple[int, int], list[Path]] | None
                           "dp_rank_XX_tp_rank_YY_pp_rank_ZZ.pt files are read (convert without it: remove optim/ "
                           "for a weights-only conversion)")
     found: dict[tuple[int, int], dict[int, Path]] = {}
+    full = [m for n in names if (m := FULL_FILE.fullmatch(n))]
+    for m in full:  # NxD's converter joined the dp shards: one ZeRO-1 state of dp 1 per tp/pp rank
+        found.setdefault((int(m.group(1)), int(m.group(2))), {})[0] = folder / m.group(0)
     for name in names:
         m = RANK_FILE.fullmatch(name)
+        if m and full:
+            raise ConfigError(f"{folder}: both {full[0].group(0)} (joined over dp) and {name} (a dp rank's): "
+                              "keep one kind")
         if m:
             dp, _, tp, pp = (int(x) if x is not None else 0 for x in m.groups())
             found.setdefault((tp, pp), {})[dp] = folder / name
@@ -120,7 +127,8 @@ def optim_files(ckpt: NxdCheckpoint) -> dict[tuple[int, int], list[Path]] | None
             ranks = found.get((t, p), {})
             for dp in range(dp_size):
                 if dp not in ranks:
-                    raise ConfigError(f"{folder}: dp_rank_{dp:02d}_tp_rank_{t:02d}_pp_rank_{p:02d}.pt is missing "
+                    missing = f"full_tp_rank_{t:02d}" if full else f"dp_rank_{dp:02d}_tp_rank_{t:02d}"
+                    raise ConfigError(f"{folder}: {missing}_pp_rank_{p:02d}.pt is missing "
                                       f"(the other files make dp {dp_size} x tp {ckpt.tp} x pp {ckpt.pp})")
             out[(t, p)] = [ranks[dp] for dp in range(dp_size)]
     return out
