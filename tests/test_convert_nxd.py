@@ -440,6 +440,10 @@ def test_nxd_optimizer_state_resumes_the_run(hf_model, tmp_path, kjv_prefix, cap
     for step in (2, 3):
         assert abs(got["conv"][step] - want[step]) <= 1e-6, (step, got, want)
     assert abs(got["conv0"][2] - want[2]) <= 1e-6 and abs(got["conv0"][3] - want[3]) > 1e-4, (got, want)
+    # an optimizer keeping more than Adam's moments (amsgrad's max_exp_avg_sq): one line, exit 2
+    amsgrad = train_in_process([*run, f"exp_manager.explicit_log_dir={tmp_path / 'amsgrad_run'}",
+                                f"exp_manager.resume_from_checkpoint={tmp_path / 'conv'}", "+model.optim.amsgrad=true"])
+    assert amsgrad.rc == 2 and "also keeps 'max_exp_avg_sq' (21 tensors)" in amsgrad.err, amsgrad.err[-2000:]
 
 
 def test_malformed_optimizer_shard_is_refused(hf_model, tmp_path, capsys):

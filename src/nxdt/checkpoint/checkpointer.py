@@ -48,7 +48,7 @@ from nxdt.device import load_xser, save_xser
 from nxdt.checkpoint.save_errors import CheckpointException, CheckpointSaveError, agree, attempt, describe, writer_class
 from nxdt.checkpoint.lora_state import tensors_to_load, tensors_to_save, write_adapter_config
 from nxdt.checkpoint.dtype import flags, model_keys_for_export, weights_for_load, weights_for_save
-from nxdt.checkpoint.nxd_legacy_optim import converted_trainer_state
+from nxdt.checkpoint.nxd_legacy_optim import check_converted_request, converted_trainer_state
 from nxdt.checkpoint.state import (
     MARKER,
     META,
@@ -406,7 +406,10 @@ def load_checkpoint(strategy, path: Path, cfg=None, weights_only: bool = False,
         notes = _xser_load(tensors, path, rank)
     else:
         # fp32 master weights, where the checkpoint has them, go into the model (checkpoint_dtype)
-        request, notes = weights_for_load(tensors, read_dcp_metadata(path).state_dict_metadata)
+        saved = read_dcp_metadata(path).state_dict_metadata
+        if meta.get("converted_from") == "nxd":
+            check_converted_request(tensors, saved, path)
+        request, notes = weights_for_load(tensors, saved)
         try:
             dcp.load(request, storage_reader=SafeReader(str(path)))
         except Exception as err:

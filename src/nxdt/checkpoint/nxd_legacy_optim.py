@@ -305,6 +305,16 @@ def check_masters(masters: dict[str, torch.Tensor], weights: dict[str, torch.Ten
 
 
 # --------------------------------------------------------------------------- the resume
+def check_converted_request(tensors: dict[str, Any], saved: dict[str, Any], path: Path) -> None:
+    """The optimizer of this run keeps no state beyond what the converted checkpoint holds."""
+    missing = sorted(k for k in tensors if k.startswith("optim") and k not in saved)
+    if missing:
+        raise ConfigError(f"checkpoint {path} (converted from NxDT) holds Adam's exp_avg, exp_avg_sq and step; "
+                          f"this config's optimizer also keeps '{missing[0].rsplit('.', 1)[1]}' ({len(missing)} "
+                          "tensors): resume with model.optim.name adamw (without amsgrad), or start from the "
+                          "weights with model.weight_init_only=true")
+
+
 def _progress(fit: dict[str, Any], key: str, **values: int) -> None:
     for part in ("total", "current"):
         fit[key][part].update(values)
