@@ -89,7 +89,7 @@ def _resolve(obj: Any, file: Path) -> Any:
         tensor_file = file.with_name(file.name + ".tensors") / f"tensor_{obj.tid}.pt"
         if not tensor_file.is_file():
             raise ConfigError(f"{tensor_file} is missing (xser tensor of {file.name})")
-        return torch.load(tensor_file, map_location="cpu", weights_only=True)
+        return _load(tensor_file)
     if isinstance(obj, dict):
         return {k: _resolve(v, file) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
@@ -120,6 +120,10 @@ def optim_files(ckpt: NxdCheckpoint) -> dict[tuple[int, int], list[Path]] | None
             found.setdefault((tp, pp), {})[dp] = folder / name
     if not found:
         return None
+    extra = sorted(set(found) - {(t, p) for t in range(ckpt.tp) for p in range(ckpt.pp)})
+    if extra:
+        raise ConfigError(f"{folder}: files of tp rank {extra[0][0]}, pp rank {extra[0][1]}; the model files make "
+                          f"tp {ckpt.tp} x pp {ckpt.pp}")
     dp_size = 1 + max(dp for ranks in found.values() for dp in ranks)
     out = {}
     for t in range(ckpt.tp):
