@@ -91,3 +91,37 @@ def test_tp_shardings_follow_the_plan(spmd):
     assert s["model.embed_tokens.weight"].startswith("{devices=[2,1,2]")  # rows = vocabulary
     assert s["lm_head.weight"].startswith("{devices=[2,1,2]")  # output features = vocabulary
     assert s["model.norm.weight"] == "{replicated}"
+
+
+def _train(log_dir: Path, devices: int, *overrides: str) -> dict[int, float]:
+    """examples/train.py on `devices` XLA:CPU devices (Lightning; one SPMD process), its losses."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from conftest import TINY_OVERRIDES, read_scalars
+
+    data = REPO / "data" / "kjv" / "kjv_text_document"
+    if not Path(str(data) + ".idx").exists():
+        subprocess.run([sys.executable, "-m", "nxdt.tools.preprocess", "--input",
+                        str(REPO / "src/nxdt/assets/kjv_chapters.jsonl.gz"), "--tokenizer",
+                        str(REPO / "src/nxdt/assets/tokenizer"), "--output-prefix", str(data)], check=True)
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "OMP_NUM_THREADS": "1", "CPU_NUM_DEVICES": str(devices)}
+    proc = subprocess.run([sys.executable, str(REPO / "examples" / "train.py"), "--config-name", "tiny_llama_cpu",
+                           *TINY_OVERRIDES, f"trainer.devices={devices}", "trainer.max_steps=4",
+                           "trainer.accelerator=xla", "model.optim.sched.warmup_steps=1", "model.optim.lr=1e-2",
+                           "trainer.val_check_interval=4", "trainer.limit_val_batches=1", "precision.type=fp32",
+                           f"data.data_prefix=[1.0,{data}]", f"exp_manager.explicit_log_dir={log_dir}", *overrides],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return read_scalars(log_dir)
+
+
+def test_nxdt_train_on_four_devices_equals_one(tmp_path):
+    """The product path: examples/train.py with trainer.devices=4 (tp2 + sp x FSDP2 as shardings of one
+    SPMD process under Lightning) gives the one-device run's training and validation losses."""
+    one = _train(tmp_path / "one", 1)
+    four = _train(tmp_path / "four", 4, "distributed_strategy.tensor_model_parallel_size=2",
+                  "distributed_strategy.sequence_parallel=true", "distributed_strategy.sharding_strategy=fsdp")
+    assert len(one["reduced_train_loss"]) == 4
+    for tag in ("reduced_train_loss", "val_loss"):
+        assert one[tag].keys() == four[tag].keys()
+        gap = max(abs(one[tag][k] - four[tag][k]) for k in one[tag])
+        assert gap < TOL, (tag, one[tag], four[tag])

@@ -230,3 +230,49 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of optimizer state (tensors shaped like their parameter) one device holds."""
     return device_bytes(v for p, state in optimizer.state.items() for v in state.values()
                         if isinstance(v, torch.Tensor) and v.shape == p.shape)
+
+
+# --------------------------------------------------------------------------- a run's SPMD side
+@dataclass
+class SpmdRun:
+    """The mesh and shardings one SPMD process applies (to its model, optimizer and batches)."""
+
+    mesh: Any
+    shardings: SpmdShardings
+
+    def shard_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+        shard_optimizer_state(optimizer, model, self.mesh, self.shardings)
+
+    def shard_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return shard_batch(batch, self.mesh)
+
+
+def is_spmd(layout: Layout) -> bool:
+    """Several devices under XLA run as one SPMD process (the layout spans more than one device)."""
+    return layout.world_size > 1
+
+
+def process_layout(layout: Layout) -> Layout:
+    """The layout the one SPMD process sees: every parallel axis folded into it (its batch is all dp
+    ranks' shares; the model is whole, its shardings are annotations), the batch arithmetic unchanged."""
+    dp = layout.dp
+    return Layout(vpp=layout.vpp, micro_batch_size=layout.micro_batch_size * dp,
+                  global_batch_size=layout.global_batch_size, num_microbatches=layout.num_microbatches,
+                  local_batch_size=layout.local_batch_size * dp, seq_length=layout.seq_length,
+                  tokens_per_step=layout.tokens_per_step)
+
+
+def parallelize_spmd(model: nn.Module, plan: ParallelPlan, device: Any, zero1: bool = False) -> tuple[nn.Module, SpmdRun]:
+    """`model` (whole, on the CPU) moved to the XLA device and annotated as `plan` says; its SpmdRun."""
+    shardings = spmd_shardings(model, plan, zero1=zero1)
+    mesh = build_mesh(shardings.mesh_shape)
+    model = model.to(device)
+    return shard_model(model, mesh, shardings), SpmdRun(mesh, shardings)
+
+
+def check_device_count(layout: Layout) -> None:
+    """The devices torch-xla sees are the layout's (one line otherwise: on XLA:CPU, CPU_NUM_DEVICES)."""
+    n = device_count()
+    if n != layout.world_size:
+        raise ValueError(f"trainer.devices x trainer.num_nodes = {layout.world_size} XLA devices, but torch-xla sees "
+                         f"{n} (XLA:CPU: set CPU_NUM_DEVICES={layout.world_size})")
