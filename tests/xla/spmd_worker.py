@@ -3,6 +3,7 @@
     ref                 without SPMD: on one XLA device, then on the CPU (the one-process run)
     spmd LAYOUT ...     under torch-xla SPMD over all CPU_NUM_DEVICES devices, each layout in turn,
                         its shardings read from the run's parallel plan (nxdt.parallel.xla_spmd)
+    preset PTYPE        fsdp4 under SPMD with precision.type PTYPE (its env vars set before torch)
 
 and print one JSON line: per run the losses, and under SPMD the bytes one device holds of the
 parameters and of the optimizer state (read from the shardings).
@@ -29,6 +30,7 @@ LAYOUTS = {  # name -> (devices, overrides)
     "tp2_sp_fsdp2": (4, ["distributed_strategy.tensor_model_parallel_size=2", "distributed_strategy.sequence_parallel=true",
                          "distributed_strategy.sharding_strategy=fsdp"]),
 }
+
 VOCAB = 256
 
 
@@ -87,17 +89,18 @@ def reference() -> dict:
     return {"xla": xla, "cpu": cpu}
 
 
-def spmd(names: list[str]) -> dict:
+def spmd(names: list[str], ptype: str = "fp32") -> dict:
     from nxdt import device as dev
     from nxdt.parallel import xla_spmd
     from nxdt.parallel.plan import make_plan
+    from nxdt.planner import estimate
     from nxdt.spec import build_spec
 
     xla_spmd.use_spmd()
     out = {"devices": xla_spmd.device_count()}
     for name in names:
         devices, overrides = LAYOUTS[name]
-        cfg = config(devices, overrides)
+        cfg = config(devices, overrides, ptype)
         spec = build_spec(cfg)
         mesh = xla_spmd.build_mesh(xla_spmd.mesh_shape(spec.layout))
         held = {}
@@ -115,6 +118,7 @@ def spmd(names: list[str]) -> dict:
         out[name] = {"losses": run["losses"], "mesh": list(xla_spmd.mesh_shape(spec.layout)),
                      "param_bytes": xla_spmd.device_bytes(h.model.parameters()),
                      "state_bytes": xla_spmd.optimizer_state_bytes(h.optimizer),
+                     "plan_params_per_device": estimate.plan(spec, vocab_size=VOCAB)["parameters_per_rank"],
                      "by_param": {n: xla_spmd.device_bytes([p]) for n, p in h.model.named_parameters()},
                      "param_shardings": {n: xla_spmd.sharding_of(p) for n, p in h.model.named_parameters()}}
     return out
@@ -122,5 +126,12 @@ def spmd(names: list[str]) -> dict:
 
 if __name__ == "__main__":
     mode, names = sys.argv[1], sys.argv[2:]
-    result = reference() if mode == "ref" else spmd(names)
+    if mode == "preset":
+        from nxdt.config.env import apply_env
+
+        apply_env(config(4, [], names[0]))  # before torch / torch_xla are imported: they read the env vars
+        assert "torch" not in sys.modules
+        result = spmd(["fsdp4"], names[0])
+    else:
+        result = reference() if mode == "ref" else spmd(names)
     print("RESULT " + json.dumps(result), flush=True)

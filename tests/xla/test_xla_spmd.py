@@ -83,6 +83,14 @@ def test_sharded_bytes_per_device_are_the_plans_share(spmd):
     assert fsdp4["by_param"]["model.norm.weight"] * 4 == whole["model.norm.weight"]
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_nxdt_plan_counts_what_a_device_holds(layout, spmd):
+    """`nxdt plan`'s parameters per rank (nxdt.planner.estimate, the same plan) is what one XLA device
+    holds under SPMD (fp32: 4 bytes each), read from the shardings."""
+    out = spmd[layout]
+    assert out["param_bytes"] == 4 * out["plan_params_per_device"], (out["param_bytes"], out["plan_params_per_device"])
+
+
 def test_tp_shardings_follow_the_plan(spmd):
     """Column / row / vocabulary-parallel as the native plan says: the split dimension, read back."""
     s = spmd["tp2_dp2"]["param_shardings"]
@@ -125,3 +133,14 @@ def test_nxdt_train_on_four_devices_equals_one(tmp_path):
         assert one[tag].keys() == four[tag].keys()
         gap = max(abs(one[tag][k] - four[tag][k]) for k in one[tag])
         assert gap < TOL, (tag, one[tag], four[tag])
+
+
+@pytest.mark.parametrize("ptype", ["bf16SR", "mixed_precision"])
+def test_precision_presets_under_fsdp4(ptype, ref):
+    """A preset keeps its XLA meaning under SPMD (its env vars, set before torch-xla is imported):
+    finite, falling, and as close to the fp32 run as the one-device preset runs are (tests/xla/test_xla.py)."""
+    out = run_worker("preset", ptype, devices=4)["fsdp4"]
+    losses = out["losses"]
+    print(f"\n{ptype} fsdp4: {[round(v, 4) for v in losses]}")
+    assert all(v == v and abs(v) < 1e9 for v in losses) and losses[-1] < losses[0] - 0.5
+    assert max(abs(a - b) for a, b in zip(losses, ref["xla"])) < 0.15
