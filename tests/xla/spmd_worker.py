@@ -51,7 +51,8 @@ def data():
     return tokens
 
 
-def train(cfg, device, parallelize=None, shard_batch=None, after_build=None, steps: int = STEPS) -> dict:
+def train(cfg, device, parallelize=None, shard_batch=None, after_build=None, steps: int = STEPS, first: int = 0,
+          harness=None) -> dict:
     """`steps` optimizer steps of 2 micro-batches of 4 sequences each (global batch 8)."""
     import torch
 
@@ -59,12 +60,12 @@ def train(cfg, device, parallelize=None, shard_batch=None, after_build=None, ste
     from nxdt.training.builder import build_harness
     from nxdt.training.step import microbatch_forward_backward, train_step
 
-    h = build_harness(cfg, VOCAB, on_xla=device.type == "xla", device=device, parallelize=parallelize)
-    if after_build is not None:
+    h = harness or build_harness(cfg, VOCAB, on_xla=device.type == "xla", device=device, parallelize=parallelize)
+    if after_build is not None and harness is None:
         after_build(h)
     fwd_bwd = microbatch_forward_backward(h.model, h.precision, 2, device_type=device.type)
     tokens, losses = data(), []
-    for step in range(steps):
+    for step in range(first, first + steps):
         b = tokens[step % len(tokens)].to(device)
         batch = {"input_ids": b[:, :-1], "labels": b[:, 1:], "loss_mask": torch.ones(8, 16, device=device)}
         if shard_batch is not None:
@@ -124,9 +125,64 @@ def spmd(names: list[str], ptype: str = "fp32") -> dict:
     return out
 
 
+def checkpoint(path: str) -> dict:
+    """fsdp4: 3 steps, save (DCP, SPMD planner), 3 more; a fresh model + optimizer loads the checkpoint
+    and runs the same 3 steps; a plain CPU model loads the checkpoint's weights."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from nxdt import device as dev
+    from nxdt.models import build_model
+    from nxdt.parallel import xla_spmd
+    from nxdt.parallel.plan import make_plan
+    from nxdt.spec import build_spec
+
+    xla_spmd.use_spmd()
+    cfg = config(*LAYOUTS["fsdp4"])
+    spec = build_spec(cfg)
+    mesh = xla_spmd.build_mesh(xla_spmd.mesh_shape(spec.layout))
+    held = {}
+
+    def parallelize(model):
+        held["shardings"] = xla_spmd.spmd_shardings(model, make_plan(model, spec))
+        return xla_spmd.shard_model(model, mesh, held["shardings"])
+
+    def after_build(h):
+        xla_spmd.shard_optimizer_state(h.optimizer, h.model, mesh, held["shardings"])
+
+    def shard(b):
+        return xla_spmd.shard_batch(b, mesh)
+
+    first = train(cfg, dev.xla_device(), parallelize, shard, after_build, steps=3)
+    h = first["harness"]
+    xla_spmd.save_checkpoint({"model": h.model.state_dict(), "optimizer": h.optimizer.state_dict()}, path)
+    saved = {k: v.cpu().clone() for k, v in h.model.state_dict().items()}
+    shardings_saved = {n: xla_spmd.sharding_of(p) for n, p in h.model.named_parameters()}
+    cont = train(cfg, dev.xla_device(), shard_batch=shard, steps=3, first=3, harness=h)["losses"]
+    fresh = train(cfg, dev.xla_device(), parallelize, shard, after_build, steps=0)["harness"]
+    with torch.no_grad():  # other weights: the load must overwrite all of them
+        for p in fresh.model.parameters():
+            p.mul_(0.5)
+    dev.mark_step()
+    xla_spmd.load_checkpoint(fresh.model, fresh.optimizer, path)
+    dev.mark_step()
+    loaded_equal = all(torch.equal(saved[k], v.cpu()) for k, v in fresh.model.state_dict().items())
+    shardings_loaded = {n: xla_spmd.sharding_of(p) for n, p in fresh.model.named_parameters()}
+    resumed = train(cfg, dev.xla_device(), shard_batch=shard, steps=3, first=3, harness=fresh)["losses"]
+    cpu_model = build_model(cfg, VOCAB)
+    cpu_state = {"model": cpu_model.state_dict()}
+    dcp.load(cpu_state, checkpoint_id=path)  # the default planner: a CPU run of another layout
+    cpu_gap = max(float((cpu_state["model"][k] - saved[k]).abs().max()) for k in saved)
+    return {"first": first["losses"], "continued": cont, "resumed": resumed, "loaded_equal": loaded_equal,
+            "shardings_kept": shardings_saved == shardings_loaded, "cpu_gap": cpu_gap,
+            "state_bytes": xla_spmd.optimizer_state_bytes(fresh.optimizer)}
+
+
 if __name__ == "__main__":
     mode, names = sys.argv[1], sys.argv[2:]
-    if mode == "preset":
+    if mode == "ckpt":
+        result = checkpoint(names[0])
+    elif mode == "preset":
         from nxdt.config.env import apply_env
 
         apply_env(config(4, [], names[0]))  # before torch / torch_xla are imported: they read the env vars

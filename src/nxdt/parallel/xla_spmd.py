@@ -276,3 +276,31 @@ def check_device_count(layout: Layout) -> None:
     if n != layout.world_size:
         raise ValueError(f"trainer.devices x trainer.num_nodes = {layout.world_size} XLA devices, but torch-xla sees "
                          f"{n} (XLA:CPU: set CPU_NUM_DEVICES={layout.world_size})")
+
+
+# --------------------------------------------------------------------------- checkpoints (DCP)
+def save_checkpoint(state: dict[str, Any], path: Any) -> None:
+    """Save a state dict of sharded XLA tensors with torch.distributed.checkpoint and torch-xla's
+    SPMD planner: each shard is written once, from the device that holds it; no process group needed.
+    The checkpoint is plain DCP: a CPU or CUDA run of any layout loads it (DefaultLoadPlanner)."""
+    import torch.distributed.checkpoint as dcp  # the CPU path needs it only through nxdt.checkpoint
+    from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner  # torch-xla is optional
+
+    dcp.save(state, checkpoint_id=str(path), planner=SPMDSavePlanner())
+
+
+def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: Any) -> None:
+    """Load what `save_checkpoint` wrote ({"model": ..., "optimizer": ...}) into a model (and its
+    optimizer) already sharded: each device reads its own shards. The optimizer's state is made first
+    (torch-xla's prime_optimizer: one zero-gradient step, overwritten here)."""
+    import torch.distributed.checkpoint as dcp  # the CPU path needs it only through nxdt.checkpoint
+    from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, prime_optimizer  # torch-xla is optional
+
+    state: dict[str, Any] = {"model": model.state_dict()}
+    if optimizer is not None:
+        prime_optimizer(optimizer)
+        state["optimizer"] = optimizer.state_dict()
+    dcp.load(state, checkpoint_id=str(path), planner=SPMDLoadPlanner())
+    model.load_state_dict(state["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
