@@ -69,7 +69,7 @@ def grpo_summary(cfg, layout, g, lora: bool, reference_bytes: int, vocab_size: i
     prompts = layout.global_batch_size // g.num_generations
     local = layout.global_batch_size // max(layout.dp, 1)
     heads = m.num_attention_heads or 1
-    kv_heads = m.num_kv_heads or heads
+    kv_heads = -(-(m.num_kv_heads or heads) // max(layout.tp, 1))  # this rank's K/V heads (tensor parallel)
     head_dim = (m.hidden_size or 0) // heads
     kv = 2 * (m.num_layers or 0) * kv_heads * head_dim * layout.seq_length * local * 4  # fp32 upper bound
     logits = local * (vocab_size or 0) * 4 * 2  # one step's last-position logits and probabilities, fp32
@@ -113,7 +113,8 @@ class GRPOSteps:
             temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, seq_length=int(self.cfg.data.seq_length),
             scale_rewards=scale_rewards_of(g), mask_truncated=g.mask_truncated_completions,
             reward_weights=list(g.reward_weights or [1.0] * len(g.reward_funcs)), eos_token_id=tok.eos_token_id,
-            pad_id=int(pad or 0), vocab_size=len(tok), seed=int(self.cfg.seed))
+            pad_id=int(pad or 0), vocab_size=len(tok), seed=int(self.cfg.seed), tp=self.layout.tp,
+            length_multiple=self.layout.tp if self.cfg.distributed_strategy.sequence_parallel else 1)
 
     def _grpo_new_rollout(self, batch, step: int):
         g = self.alignment.grpo
@@ -129,12 +130,12 @@ class GRPOSteps:
         mbs = self.layout.micro_batch_size
         if g.num_iterations > 1:  # the old policy: these weights, before the rollout's first update
             r.old_logps = forward_logps(self.model, r.input_ids, r.labels, g.temperature, micro_batch_size=mbs,
-                                        autocast=autocast)
+                                        autocast=autocast, tp=self.layout.tp)
         if g.beta > 0:
             with (adapters_disabled(self.model) if self.alignment.peft is not None
                   else self._grpo_reference.swapped(self.model)):
                 r.ref_logps = forward_logps(self.model, r.input_ids, r.labels, g.temperature, micro_batch_size=mbs,
-                                            autocast=autocast)
+                                            autocast=autocast, tp=self.layout.tp)
         return r
 
     def grpo_forward_backward(self, batch) -> GRPOForwardBackward:
@@ -144,7 +145,8 @@ class GRPOSteps:
         if fresh:
             self._grpo_rollout = self._grpo_new_rollout(batch, rollout_step)
             self._grpo_rollout_step = rollout_step
-        options = LossOptions(g.loss_type, g.epsilon, g.epsilon_high, g.beta, g.temperature, g.max_completion_length)
+        options = LossOptions(g.loss_type, g.epsilon, g.epsilon_high, g.beta, g.temperature, g.max_completion_length,
+                              tp=self.layout.tp)
         fb = GRPOForwardBackward(self.model, self.precision, self._grpo_rollout, options,
                                  num_microbatches=self.layout.num_microbatches, backward=self.manual_backward,
                                  device_type=self.device.type)

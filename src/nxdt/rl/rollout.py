@@ -29,11 +29,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from nxdt.inference.generate import SamplingParams, generate
 from nxdt.models import logits_of
+from nxdt.parallel.tensor_parallel import is_vocab_parallel, loss_parallel
 from nxdt.rl.grpo_loss import group_advantages, total_rewards
 from nxdt.rl.rewards import RewardFn, call_rewards
 
@@ -49,15 +51,21 @@ def sample_seed(seed: int, step: int, row: int, sample: int) -> int:
 
 
 def token_logps(logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
-    """[B, S] fp32 log p(label) of logits [B, S, V] / temperature (the generator's formula)."""
+    """[B, S] fp32 log p(label) of logits [B, S, V] / temperature (the generator's formula).
+    Vocabulary-sharded logits (tensor parallel): the softmax across the shards, under
+    `loss_parallel()` (here and around the backward); a plain tensor comes back."""
     scaled = logits.float() / temperature
+    if is_vocab_parallel(scaled):
+        per_token = -F.cross_entropy(scaled.flatten(0, 1), labels.flatten(), reduction="none")
+        return per_token.full_tensor().view(labels.shape)
     return scaled.log_softmax(-1).gather(-1, labels[..., None])[..., 0]
 
 
 def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """[B, S] entropy of softmax(logits / temperature), no gradient."""
+    """[B, S] entropy of softmax(logits / temperature), no gradient (sharded logits gathered)."""
     with torch.no_grad():
-        logp = (logits.float() / temperature).log_softmax(-1)
+        full = getattr(logits, "full_tensor", None)
+        logp = ((full() if full is not None else logits).float() / temperature).log_softmax(-1)
         return -(logp.exp() * logp).sum(-1)
 
 
@@ -98,6 +106,8 @@ class RolloutOptions:
     pad_id: int
     vocab_size: int | None
     seed: int
+    tp: int = 1  # tensor-parallel ranks: logits vocabulary-sharded (log-probs under loss_parallel)
+    length_multiple: int = 1  # sequence parallel: forwards of whole multiples of tp (recomputed, no cache)
 
 
 def _training_rows(prompt_ids: list[list[int]], completions: list[list[int]], gen_logps: list[list[float]],
@@ -146,7 +156,7 @@ def rollout(model: nn.Module, rows: list, step: int, opts: RolloutOptions, rewar
     try:
         with autocast() if autocast is not None else contextlib.nullcontext():
             completions = generate(model, prompt_ids, params, pad_id=opts.pad_id, generators=generators,
-                                   logps=gen_logps, all_steps=True,
+                                   logps=gen_logps, all_steps=True, length_multiple=opts.length_multiple,
                                    prompt_width=max(len(r.ids) for r in rows))
     finally:
         model.train(was_training)
@@ -176,17 +186,23 @@ def rollout(model: nn.Module, rows: list, step: int, opts: RolloutOptions, rewar
                    prompts=prompts, completions=texts, seconds=seconds, generated_tokens=int(lengths.sum()))
 
 
+def loss_parallel_if(tp: int) -> contextlib.AbstractContextManager:
+    """`loss_parallel()` under tensor parallelism (tp > 1), else nothing."""
+    return loss_parallel() if tp > 1 else contextlib.nullcontext()
+
+
 @torch.no_grad()
 def forward_logps(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, temperature: float, *,
-                  micro_batch_size: int, autocast: Callable[[], contextlib.AbstractContextManager] | None = None
-                  ) -> torch.Tensor:
+                  micro_batch_size: int, autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
+                  tp: int = 1) -> torch.Tensor:
     """[L, S] log-probs of `labels` under `model` (no gradient), `micro_batch_size` rows a forward:
     the old policy's (num_iterations > 1) or the reference's (inside its context)."""
     out = []
     for ids, lab in zip(input_ids.split(micro_batch_size), labels.split(micro_batch_size)):
         with autocast() if autocast is not None else contextlib.nullcontext():
             logits = logits_of(model(input_ids=ids, position_ids=None))
-        out.append(token_logps(logits, lab, temperature))
+        with loss_parallel_if(tp):
+            out.append(token_logps(logits, lab, temperature))
     return torch.cat(out)
 
 
