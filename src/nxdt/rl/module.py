@@ -29,7 +29,8 @@ from nxdt.data.prompts import read_prompt_rows
 from nxdt.models.lora import adapters_disabled
 from nxdt.parallel.mesh import submesh
 from nxdt.rl.rewards import RewardError, load_reward_funcs, reward_name
-from nxdt.rl.rollout import ReferenceWeights, RolloutOptions, forward_logps, rollout
+from nxdt.rl.rollout import (ReferenceWeights, RolloutOptions, forward_logps, rollout, rollout_from_state,
+                             rollout_state)
 from nxdt.rl.step import GRPOForwardBackward, LossOptions
 from nxdt.spec.alignment import scale_rewards_of
 
@@ -103,6 +104,32 @@ class GRPOSteps:
             print(grpo_summary(self.cfg, self.layout, g, self.alignment.peft is not None,
                                sum(t.numel() * t.element_size() for t in self._grpo_reference.saved)
                                if self._grpo_reference is not None else 0, self.vocab_size), flush=True)
+
+    def grpo_save_state(self, checkpoint: dict) -> None:
+        """A checkpoint between the num_iterations of one batch of rollouts keeps that batch (this
+        rank's rows, old and reference log-probs): the resumed steps train on the same completions
+        (sampling again would use the updated weights)."""
+        g, r = self.alignment.grpo, self._grpo_rollout
+        if g is None or r is None or self.global_step % g.num_iterations == 0:
+            return
+        if self._grpo_rollout_step != self.global_step - self.global_step % g.num_iterations:
+            return
+        dp = submesh(self.device_mesh, "dp")
+        checkpoint["grpo_rollout"] = {"step": self._grpo_rollout_step, "dp": [dp.get_local_rank(), dp.size()],
+                                      **rollout_state(r)}
+
+    def grpo_load_state(self, checkpoint: dict) -> None:
+        saved = checkpoint.pop("grpo_rollout", None)
+        if saved is None or self.alignment.grpo is None:
+            return
+        dp = submesh(self.device_mesh, "dp")
+        if list(saved.pop("dp")) != [dp.get_local_rank(), dp.size()]:
+            raise ConfigError(f"resuming at step {checkpoint.get('global_step')}, between the num_iterations of the "
+                              f"rollouts sampled at step {saved['step']}, on another data-parallel size is not "
+                              "supported yet: resume on the saved layout, or from a checkpoint at a multiple of "
+                              "model_alignment_strategy.grpo.num_iterations")
+        self._grpo_rollout_step = int(saved.pop("step"))
+        self._grpo_rollout = rollout_from_state(saved, self.device)
 
     def _grpo_options(self) -> RolloutOptions:
         g, dm = self.alignment.grpo, self.trainer.datamodule

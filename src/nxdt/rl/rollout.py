@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn.functional as F
@@ -89,6 +89,19 @@ class Rollout:
     ref_logps: torch.Tensor | None = None
     seconds: float = 0.0
     generated_tokens: int = 0
+
+
+def rollout_state(r: Rollout) -> dict:
+    """A Rollout as checkpoint state (CPU tensors, floats, lists: nxdt.checkpoint's per-rank JSON)."""
+    return {f.name: (v.detach().cpu() if isinstance(v, torch.Tensor) else v)
+            for f in fields(Rollout) for v in [getattr(r, f.name)]}
+
+
+def rollout_from_state(state: dict, device) -> Rollout:
+    """`rollout_state`'s inverse, its tensors on `device` (the per-rank rows) or the CPU (the step's stats)."""
+    local = {"input_ids", "labels", "mask", "gen_logps", "advantages", "old_logps", "ref_logps"}
+    return Rollout(**{k: (v.to(device) if k in local and isinstance(v, torch.Tensor) else v)
+                      for k, v in state.items()})
 
 
 @dataclass
