@@ -1,5 +1,8 @@
 """What NxdtLightningModule does differently for GRPO (model_alignment_strategy.grpo).
 
+A checkpoint between the num_iterations updates of one batch of rollouts carries that batch in each
+rank's state (`grpo_save_state`), so the resumed steps train on the same completions.
+
 The optimizer step is the same `train_step`; before it, a step samples its rollouts
 (nxdt.rl.rollout: every num_iterations steps, reused in between with their old log-probs), and its
 forward/backward is GRPO's (nxdt.rl.step). Logged each step (the mean over the data-parallel ranks,

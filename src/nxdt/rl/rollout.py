@@ -8,7 +8,9 @@ prompt left-padded to the width of the step's longest: a completion depends neit
 nor on the number of ranks. All ranks decode every step to max_completion_length (a sharded model's
 ranks forward in step). Rewards are computed where the completions are, gathered over the
 data-parallel ranks (groups may span ranks), and the advantages computed on the whole batch, as
-TRL does.
+TRL does. Under tensor parallelism every tp rank runs the same loop on its shards (the logits
+gathered for sampling, the same draws on each) and the log-probs take the softmax across the
+vocabulary shards (`loss_parallel`).
 
 A training row is   prompt | completion   right-padded to data.seq_length; position t predicts
 token t + 1, and `mask` is 1 where that token is a completion token (EOS included; 0 for a
