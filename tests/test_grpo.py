@@ -208,8 +208,20 @@ def _low_ids(prompts, completions, completion_ids, **_):
     return [sum(t < VOCAB // 4 for t in ids) / max(len(ids), 1) for ids in completion_ids]
 
 
-def test_generator_logps_equal_the_training_forward_and_the_first_ratio_is_one():
-    model = _model()
+def _hf_model(seed=0):
+    """transformers' LlamaForCausalLM (model_source: hf) of _model's shapes."""
+    from transformers import LlamaConfig, LlamaForCausalLM  # reason: transformers only for this model
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=False)
+    return LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize("source", ["native", "hf"])
+def test_generator_logps_equal_the_training_forward_and_the_first_ratio_is_one(source):
+    model = _model() if source == "native" else _hf_model()
     r = rollout(model, _rows(), step=3, opts=_options(), reward_funcs=[_low_ids], tokenizer=_Tok())
     mask = r.mask.bool()
     assert int(mask.sum()) > 40 and float(r.advantages.abs().max()) > 0.5

@@ -14,6 +14,7 @@ random tiny model can move: the share of completion tokens with an id below 1000
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,9 @@ def runs(tmp_path_factory):
         "lora": _args(root / "lora", 2, [*KL, "+model_alignment_strategy.peft.lora_rank=4",
                                          "+model_alignment_strategy.peft.lora_dropout=0",
                                          "+model_alignment_strategy.peft.target_modules=[qkv_proj,down_proj]"]),
+        # transformers' LlamaForCausalLM (model_source: hf): its DynamicCache in the generator, kwargs forwards
+        "hf": _args(root / "hf", 2, ["model_source=hf",
+                                     "model.model_config=${nxdt_conf:model_configs/tiny_llama/config.json}"]),
         # the precision presets apply unchanged: bf16 compute with fp32 masters, the KL's reference swapped in
         "mixed_precision": _args(root / "mixed_precision", 2, [*KL, "precision.type=mixed_precision"]),
     }
@@ -120,6 +124,19 @@ def test_mixed_precision_runs(runs):
     mixed = read_scalars(root / "mixed_precision")
     assert curve(mixed, "kl")[0] < 1e-5 < curve(mixed, "kl")[1] < 1  # reference = start (bf16 forwards), then apart
     assert all(0 < g < 10 for g in curve(mixed, "gradient_norm"))
+
+
+def test_a_transformers_model_runs_grpo(runs):
+    """model_source: hf (the tiny Llama config.json, its sizes overridden to the tests' tiny shapes):
+    rollouts, rewards and steps as for nxdt's own Llama (the generator's log-probs equal the training
+    forward's within 1e-6: tests/test_grpo.py)."""
+    root, out = runs
+    hf = read_scalars(root / "hf")
+    assert "model_source=hf" in out["hf"] and "GRPO step 0:" in out["hf"]
+    reward, loss = curve(hf, "reward"), curve(hf, "reduced_train_loss")
+    assert len(reward) == 2 and all(0 < r < 1 for r in reward) and all(math.isfinite(v) for v in loss)
+    assert curve(hf, "clip_ratio")[0] == 0 and curve(hf, "completions/mean_length")[0] == 8.0
+    assert all(0 < g < 10 for g in curve(hf, "gradient_norm"))
 
 
 def test_completions_reach_tensorboards_text_tab(runs):
