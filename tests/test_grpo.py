@@ -17,6 +17,7 @@ import torch
 from nxdt.config.errors import ConfigError
 from nxdt.data.prompts import PromptRow, arithmetic_rows, prompt_ids, read_prompt_rows
 from nxdt.data.tokenizers import build_tokenizer
+from nxdt.inference.generate import SamplingParams, filter_logits, next_tokens
 from nxdt.models.llama import LlamaArgs, NxdtLlamaForCausalLM
 from nxdt.models.lora import adapters_disabled, inject_lora
 from nxdt.precision.precision import Precision
@@ -234,6 +235,21 @@ def test_generator_logps_equal_the_training_forward_and_the_first_ratio_is_one(s
     assert torch.equal(fb.first_logps[mask], train[mask])  # ratio exp(0) = 1 exactly: nothing clipped
     assert float(fb.sums["clipped"]) == 0 and float(fb.sums["tokens"]) == int(mask.sum())
     assert all(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in model.parameters())
+
+
+def test_per_row_sampling_draws_from_the_filtered_distribution():
+    """Per-row generators (the rollouts'): one uniform per row and the inverse CDF of the batch. The
+    frequencies over 3,000 rows match the top-k-filtered softmax, a filtered token is never drawn,
+    and a row's token depends on its own seed only."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 3.0]]).repeat(3000, 1)
+    params = SamplingParams(max_new_tokens=1, temperature=0.7, top_k=4)
+    gens = [torch.Generator().manual_seed(1000 + i) for i in range(3000)]
+    drawn = next_tokens(logits.clone(), params, gens)
+    want = filter_logits(logits[:1] / 0.7, 4, None).softmax(-1)[0]
+    freq = torch.bincount(drawn, minlength=6).double() / 3000
+    assert float((freq - want.double()).abs().max()) < 0.03 and freq[3] == 0 and freq[4] == 0, (freq, want)
+    alone = next_tokens(logits[7:8].clone(), params, [torch.Generator().manual_seed(1007)])
+    assert int(alone[0]) == int(drawn[7])
 
 
 def test_completions_do_not_depend_on_the_ranks():

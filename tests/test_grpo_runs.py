@@ -15,6 +15,7 @@ random tiny model can move: the share of completion tokens with an id below 1000
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,27 @@ def test_it_learns_on_one_process_and_dp2(runs):
     assert "dp=2" in out["kl_zero1"] and "GRPO step 4:" in out["whole"] and "GRPO step 5:" not in out["whole"]
     assert "grpo         4 prompts x 4 = 16 completions/step (8 per rank)" in out["kl_zero1"]
     assert "reference: a copy of the starting weights" in out["kl_zero1"]
+
+
+def test_a_run_logs_what_the_issue_lists(runs):
+    """Item 7: rewards (total and per function, mean and std), KL, clip ratio, completion lengths (mean,
+    max, truncated share), entropy, rollout and training tokens/s every step; the start summary's
+    completions per step and the rollouts' memory."""
+    root, out = runs
+    s = read_scalars(root / "kl_one_process")
+    tags = ["reward", "reward_std", "rewards/token_fraction/mean", "rewards/token_fraction/std", "kl", "clip_ratio",
+            "entropy", "completions/mean_length", "completions/max_length", "completions/clipped_ratio",
+            "tokens_per_s/rollout", "tokens_per_s/train"]
+    assert all(sorted(s.get(tag, {})) == [0, 1, 2, 3, 4] for tag in tags), {t: sorted(s.get(t, {})) for t in tags}
+    assert curve(s, "rewards/token_fraction/mean") == curve(s, "reward")  # one function, weight 1
+    assert all(0 < v < 0.5 for v in curve(s, "reward_std")) and curve(s, "reward_std") == curve(
+        s, "rewards/token_fraction/std")
+    assert curve(s, "completions/max_length") == [8.0] * 5 and curve(s, "completions/clipped_ratio") == [1.0] * 5
+    assert 8 < min(curve(s, "entropy")) and max(curve(s, "entropy")) < math.log(8192) + 1e-4  # near uniform at the start
+    assert all(v > 0 for v in curve(s, "tokens_per_s/rollout") + curve(s, "tokens_per_s/train"))
+    summary = re.search(r"grpo +4 prompts x 4 = 16 completions/step \(16 per rank\), up to 8 new tokens each; "
+                        r"rollouts need ~([0-9.]+) MiB per rank", out["kl_one_process"])
+    assert summary and float(summary.group(1)) > 0, out["kl_one_process"][:3000]
 
 
 def test_dp2_zero1_and_fsdp_equal_one_process(runs):

@@ -12,7 +12,8 @@ TRL does. Under tensor parallelism every tp rank runs the same loop on its shard
 gathered for sampling, the same draws on each) and the log-probs take the softmax across the
 vocabulary shards (`loss_parallel`).
 
-A training row is   prompt | completion   right-padded to data.seq_length; position t predicts
+A training row is   prompt | completion   right-padded to the step's longest (`row_width`: the same
+on every rank and layout, at most data.seq_length); position t predicts
 token t + 1, and `mask` is 1 where that token is a completion token (EOS included; 0 for a
 truncated completion with mask_truncated_completions). Log-probs are those of
 logits / temperature, as TRL scores them; the generator's own (`gen_logps`, same positions) equal a
@@ -125,9 +126,18 @@ class RolloutOptions:
     length_multiple: int = 1  # sequence parallel: forwards of whole multiples of tp (recomputed, no cache)
 
 
+def row_width(prompt_lengths: list[int], lengths: torch.Tensor, opts: RolloutOptions) -> int:
+    """The columns of the step's training rows: its longest prompt + completion - 1 (every rank and
+    layout computes it from the whole step), a multiple of length_multiple, at most data.seq_length.
+    The padding beyond it would cost forward/backward time and change no real position's log-prob."""
+    longest = max(p + int(n) for p, n in zip(prompt_lengths, lengths.tolist())) - 1
+    multiple = max(opts.length_multiple, 1)
+    return min(-(-longest // multiple) * multiple, opts.seq_length)
+
+
 def _training_rows(prompt_ids: list[list[int]], completions: list[list[int]], gen_logps: list[list[float]],
-                   truncated: list[bool], opts: RolloutOptions, device) -> tuple[torch.Tensor, ...]:
-    n, s = len(prompt_ids), opts.seq_length
+                   truncated: list[bool], opts: RolloutOptions, device, width: int) -> tuple[torch.Tensor, ...]:
+    n, s = len(prompt_ids), width
     input_ids = torch.full((n, s), opts.pad_id, dtype=torch.long)
     labels = torch.full((n, s), opts.pad_id, dtype=torch.long)
     mask = torch.zeros(n, s)
@@ -194,7 +204,9 @@ def rollout(model: nn.Module, rows: list, step: int, opts: RolloutOptions, rewar
     total = total_rewards(per_func_all, torch.tensor(opts.reward_weights, dtype=torch.float32))
     advantages = group_advantages(total, g, opts.scale_rewards)
     device = next(model.parameters()).device
-    input_ids, labels, mask, logps = _training_rows(prompt_ids, completions, gen_logps, truncated, opts, device)
+    width = row_width([len(rows[j // g].ids) for j in range(n)], everything[:, -2], opts)
+    input_ids, labels, mask, logps = _training_rows(prompt_ids, completions, gen_logps, truncated, opts, device,
+                                                    width)
     counted = everything[:, -2] * (1 - everything[:, -1]) if opts.mask_truncated else everything[:, -2]
     return Rollout(input_ids, labels, mask, logps, advantages[mine.start:mine.stop].to(device), per_func_all,
                    total, everything[:, -2], everything[:, -1].bool(), float(counted.sum()) / dp_size,
