@@ -2,9 +2,9 @@
 random tiny model can move: the share of completion tokens with an id below 1000
 (nxdt.rl.rewards.token_fraction, about 0.1 at the start; sampling among the 16 most likely tokens).
 
-- It learns: one process, dp 2 (ZeRO-1, FSDP) and tp 2 raise the mean reward by more than 0.2 within
+- It learns: one process, dp 2 (ZeRO-1, FSDP) and tp 2 (with and without sequence parallelism) raise the mean reward by more than 0.2 within
   5 steps (measured: about 0.11 over steps 0-1 to 0.45 over steps 3-4).
-- The layouts agree: dp 2 with ZeRO-1 and with FSDP, and tp 2, give one process's losses, rewards and
+- The layouts agree: dp 2 with ZeRO-1 and with FSDP, and tp 2 (and with sp), give one process's losses, rewards and
   KL within 1e-5 over 5 steps (the completions are seeded per step, prompt and sample, and identical).
 - Resume exact: a run with num_iterations 2 stopped at step 3 (between the two updates on step 2's
   rollouts) and resumed continues with the same prompts, completions, old log-probs, rewards and
@@ -71,7 +71,10 @@ def runs(tmp_path_factory):
     dp2 = {"kl_zero1": _args(root / "kl_zero1", 5, [*KL, "trainer.devices=2", "distributed_strategy.zero1=true"]),
            "kl_fsdp": _args(root / "kl_fsdp", 5, [*KL, "trainer.devices=2",
                                                   "distributed_strategy.sharding_strategy=FSDP"]),
-           "kl_tp2": _args(root / "kl_tp2", 5, [*KL, "trainer.devices=2", "distributed_strategy.tensor_model_parallel_size=2"])}
+           "kl_tp2": _args(root / "kl_tp2", 5, [*KL, "trainer.devices=2", "distributed_strategy.tensor_model_parallel_size=2"]),
+           # sequence parallel: each decode step recomputes the sequence padded to a multiple of tp
+           "kl_tp2_sp": _args(root / "kl_tp2_sp", 5, [*KL, "trainer.devices=2", "distributed_strategy.tensor_model_parallel_size=2",
+                                                     "distributed_strategy.sequence_parallel=true"])}
     procs = run_pool(dp2, 2, root / "pool")
     out.update({name: proc.stdout for name, proc in procs.items()})
     return root, out
@@ -84,7 +87,7 @@ def _rise(scalars) -> float:
 
 def test_it_learns_on_one_process_and_dp2(runs):
     root, out = runs
-    for name in ("kl_one_process", "kl_zero1", "kl_fsdp", "kl_tp2"):
+    for name in ("kl_one_process", "kl_zero1", "kl_fsdp", "kl_tp2", "kl_tp2_sp"):
         scalars = read_scalars(root / name)
         assert curve(scalars, "reward")[0] < 0.2 and _rise(scalars) > 0.2, (name, curve(scalars, "reward"))
         assert curve(scalars, "completions/mean_length")[0] == 8.0  # no EOS sampled: every completion truncated
@@ -118,7 +121,7 @@ def test_dp2_zero1_and_fsdp_equal_one_process(runs):
     root, _ = runs
     one = read_scalars(root / "kl_one_process")
     assert max(abs(v) for v in curve(one)) > 1e-4 and max(curve(one, "kl")) > 1e-4  # numbers that can differ
-    for name in ("kl_zero1", "kl_fsdp", "kl_tp2"):
+    for name in ("kl_zero1", "kl_fsdp", "kl_tp2", "kl_tp2_sp"):
         other = read_scalars(root / name)
         for tag in ("reduced_train_loss", "reward", "kl", "entropy"):
             assert curve(other, tag) == pytest.approx(curve(one, tag), abs=1e-5, rel=0), (name, tag)
