@@ -253,11 +253,13 @@ class NxdtLightningModule(PreferenceSteps, GRPOSteps, pl.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["consumed_samples"] = self.consumed_samples
         checkpoint["precision"] = self.precision.state_dict()
+        self.grpo_save_state(checkpoint)  # GRPO: a batch of rollouts between its num_iterations
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.consumed_samples = int(checkpoint.get("consumed_samples", 0))
         if checkpoint.get("precision"):
             self.precision.load_state_dict(checkpoint["precision"])
+        self.grpo_load_state(checkpoint)
 
 
 def _total_norm(norm: torch.Tensor) -> torch.Tensor:
