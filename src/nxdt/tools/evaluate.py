@@ -172,8 +172,7 @@ def _main(argv: list[str] | None = None) -> int:
         for note in notes:
             print(f"note: {note}", file=sys.stderr, flush=True)
     apply_env(cfg)  # validation already named the keys that have no effect here
-    # the run's modules (torch-xla among them) only after the env vars are set (nxdt.config.env)
-    with startup_imports():
+    with startup_imports():  # the run's modules (torch-xla among them) only after the env vars are set
         from nxdt.checkpoint.resume import evaluation_plan
         from nxdt.training.evaluate import evaluate
 
