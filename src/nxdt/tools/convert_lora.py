@@ -34,6 +34,7 @@ from nxdt.checkpoint.lora_merge import with_base
 from nxdt.config.errors import ConfigError
 from nxdt.config.load import load_saved_config
 from nxdt.models.lora import (
+    PEFT_EXPERT_KEY,
     PEFT_PREFIX,
     is_lora_key,
     lora_pairs,
@@ -41,6 +42,7 @@ from nxdt.models.lora import (
     peft_adapter_config,
     peft_adapter_state,
     peft_target_modules,
+    peft_target_parameters,
 )
 from nxdt.models.neox import native_to_neox
 from nxdt.tools.hf_folder import check_output_free, hf_config_for, write_hf_model
@@ -90,7 +92,7 @@ def lora_to_hf(ckpt: Path, tensors: dict[str, Any], output: Path, max_shard_byte
         print(f"note: {output / ADAPTER_DIR} not written: {why_not}")
         return
     base_path = None if adapter_only else str((output / BASE_DIR).resolve())
-    write_adapter(output / ADAPTER_DIR, adapter, peft, base_path, dtype)
+    write_adapter(output / ADAPTER_DIR, adapter, peft, base_path, dtype, peft_target_parameters(tensors))
 
 
 def peft_section(cfg, cfg_file: Path):
@@ -135,13 +137,16 @@ def neox_names(tensors: dict[str, Any], num_heads: int, bias: str) -> dict[str, 
             for k, v in renamed.items()}
 
 
-def write_adapter(folder: Path, adapter: dict[str, Any], peft, base_path: str | None, dtype: str | None) -> None:
-    """adapter_model.safetensors + adapter_config.json into `folder`."""
+def write_adapter(folder: Path, adapter: dict[str, Any], peft, base_path: str | None, dtype: str | None,
+                  expert_targets: list[str] | None = None) -> None:
+    """adapter_model.safetensors + adapter_config.json into `folder`; `expert_targets`: peft's
+    target_parameters of the expert adapters among them (peft_target_parameters of nxdt's keys)."""
     if dtype:
         adapter = {k: v.to(getattr(torch, dtype)) for k, v in adapter.items()}
-    targets = peft_target_modules({k.removeprefix(PEFT_PREFIX): v for k, v in adapter.items()})
+    targets = peft_target_modules({k.removeprefix(PEFT_PREFIX): v for k, v in adapter.items()
+                                   if not PEFT_EXPERT_KEY.search(k)})
     config = peft_adapter_config(targets, peft.lora_rank, peft.lora_alpha, peft.lora_dropout, peft.lora_bias,
-                                 base_model_name_or_path=base_path)
+                                 base_model_name_or_path=base_path, target_parameters=expert_targets)
     folder.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in adapter.items()}, str(folder / ADAPTER_FILE), metadata={"format": "pt"})
     (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
