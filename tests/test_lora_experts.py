@@ -159,3 +159,69 @@ def test_expert_targets_refused_where_they_mean_nothing():
         inject_lora(moe, LINEARS, RANK, ALPHA, 0.0, target_parameters=["experts.w1"])
     with pytest.raises(ValueError, match=r"lora_dropout: must be 0 with target_parameters"):
         inject_lora(moe, LINEARS, RANK, ALPHA, 0.05, target_parameters=BOTH)
+
+
+def test_convert_adapter_only_checkpoint_with_expert_adapters(tmp_path):
+    """`nxdt convert nxdt-to-hf --base`: a run's adapter-only checkpoint (experts and qkv_proj adapted) →
+    the merged Mixtral, its base and a peft adapter with target_parameters that PeftModel loads."""
+    from conftest import TOKENIZER_DIR
+
+    from nxdt.checkpoint.checkpointer import save_weights
+    from nxdt.cli import main
+    from nxdt.config import to_yaml
+    from nxdt.models.lora import trainable_state_keys
+
+    def cfg(peft=None):
+        values = {"model_source": "megatron", "model": NATIVE,
+                  "data": {"tokenizer": {"library": "huggingface", "type": str(TOKENIZER_DIR)}}}
+        return config_from_dict({**values, **({"model_alignment_strategy": {"peft": peft}} if peft else {})})
+
+    peft = {"lora_rank": RANK, "lora_alpha": ALPHA, "lora_dropout": 0.0, "target_modules": ["qkv_proj"],
+            "target_parameters": BOTH}
+    torch.manual_seed(0)
+    model = build_model(cfg(peft), 96).eval()
+    base, adapter_only, out = tmp_path / "base", tmp_path / "adapter_only", tmp_path / "hf"
+    save_weights(model.state_dict(), base)
+    (base / "config.yaml").write_text(to_yaml(cfg()))
+    inject_lora(model, ["qkv_proj"], RANK, ALPHA, 0.0, target_parameters=BOTH)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    state = model.state_dict()
+    save_weights({k: state[k] for k in trainable_state_keys(model)}, adapter_only)
+    (adapter_only / "config.yaml").write_text(to_yaml(cfg(peft)))
+    assert main(["convert", "nxdt-to-hf", "--input", str(adapter_only), "--output", str(out), "--base", str(base)]) == 0
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert config["target_parameters"] == sorted(BOTH) and config["target_modules"] == ["k_proj", "q_proj", "v_proj"]
+    ids = _ids(96)
+    hf_base = transformers.AutoModelForCausalLM.from_pretrained(out / "base", dtype=torch.float32)
+    loaded = PeftModel.from_pretrained(hf_base, out / "adapter").eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = logits_of(model(ids))
+        torch.testing.assert_close(logits_of(loaded(input_ids=ids)), want, rtol=0, atol=1e-5)
+        with loaded.disable_adapter():  # the adapters matter; the base folder is the base
+            assert (logits_of(loaded(input_ids=ids)) - want).abs().max() > 1e-3
+        torch.testing.assert_close(logits_of(merged(input_ids=ids)), want, rtol=0, atol=1e-5)
+
+
+def test_config_refuses_expert_targets_with_dropout_or_tensor_parallel():
+    from nxdt.spec import build_spec
+    from nxdt.training.finetuning import check_lora_targets
+
+    peft = {"lora_rank": RANK, "lora_alpha": ALPHA, "target_modules": [], "target_parameters": BOTH}
+    with pytest.raises(ConfigError, match=r"peft.lora_dropout: must be 0 with target_parameters .* got 0.05"):
+        config_from_dict({"model": NATIVE, "data": {"seq_length": 64}, "model_alignment_strategy": {"peft": peft}},
+                         check=True)
+    cfg = config_from_dict({"model": NATIVE, "model_alignment_strategy": {"peft": {**peft, "lora_dropout": 0.0}},
+                            "distributed_strategy": {"tensor_model_parallel_size": 2}, "trainer": {"devices": 2}})
+    with pytest.raises(ConfigError, match=r"target_parameters \(LoRA on the MoE experts\) with .*"
+                                          r"tensor_model_parallel_size > 1 is not supported yet"):
+        check_lora_targets(build_spec(cfg), 96)
+    dense = config_from_dict({"model": {k: v for k, v in NATIVE.items() if k != "moe"},
+                              "model_alignment_strategy": {"peft": {**peft, "lora_dropout": 0.0}}})
+    with pytest.raises(ConfigError, match=r"target_parameters \['experts.gate_up_proj', 'experts.down_proj'\]: "
+                                          r"NxdtLlamaForCausalLM has no MoE experts"):
+        check_lora_targets(build_spec(dense), 96)

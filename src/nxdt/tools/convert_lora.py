@@ -44,6 +44,7 @@ from nxdt.models.lora import (
     peft_target_modules,
     peft_target_parameters,
 )
+from nxdt.models.lora_experts import expert_pairs
 from nxdt.models.neox import native_to_neox
 from nxdt.tools.hf_folder import check_output_free, hf_config_for, write_hf_model
 
@@ -61,15 +62,16 @@ def lora_to_hf(ckpt: Path, tensors: dict[str, Any], output: Path, max_shard_byte
     peft = peft_section(cfg, cfg_file)
     try:
         pairs = lora_pairs(tensors)
+        experts = expert_pairs(tensors)
     except ValueError as err:
         raise ConfigError(f"{ckpt}: {err}") from None
-    ranks = sorted({int(a.shape[0]) for a, _ in pairs.values()})
+    ranks = sorted({int(a.shape[0]) for a, _ in pairs.values()} | {int(a.shape[1]) for a, _ in experts.values()})
     if ranks != [peft.lora_rank]:
         raise ConfigError(f"{cfg_file}: model_alignment_strategy.peft.lora_rank is {peft.lora_rank} but the "
                           f"checkpoint's adapters have rank {', '.join(map(str, ranks))}")
     if base is not None:
         tensors = with_base(tensors, base)
-    lacking = sorted(f"{module}.weight" for module in pairs if f"{module}.weight" not in tensors)
+    lacking = sorted(k for k in [f"{module}.weight" for module in pairs] + list(experts) if k not in tensors)
     if lacking and not adapter_only:
         raise ConfigError(f"{ckpt} holds LoRA adapters without the base weights (e.g. {lacking[0]}; "
                           "model_alignment_strategy.peft.save_lora_base: false): give the base model's checkpoint "
