@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from nxdt.config.errors import ConfigError
 from nxdt.models import build_model, init_model_weights, logits_of
 from nxdt.models.lora import (
+    adapters_disabled,
     inject_lora,
     lora_parameter_counts,
     merge_lora_,
@@ -145,6 +146,8 @@ def test_nxdt_expert_adapter_trained_exports_to_peft(kind, tmp_path):
         plain = hf()
         plain.load_state_dict(merged_state_dict(state, (RANK, ALPHA)), strict=True)
         torch.testing.assert_close(ours, logits_of(plain(input_ids=ids)), rtol=0, atol=1e-5)
+        with adapters_disabled(model):  # the frozen base alone (DPO's reference)
+            torch.testing.assert_close(logits_of(model(ids)), logits_of(hf()(input_ids=ids)), rtol=0, atol=1e-5)
         merge_lora_(model)
         assert not lora_experts(model) and not any(".lora_" in k for k in model.state_dict())
         torch.testing.assert_close(ours, logits_of(model(ids)), rtol=0, atol=1e-5)

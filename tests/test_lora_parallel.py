@@ -101,7 +101,8 @@ def test_lora_on_experts_layout_matches_one_process(results, layout):
     assert r["trainable"] == r["trainable_ref"] and r["expert_adapters"] == 8, r  # 2 layers x 2 weights x (A, B)
     assert r["steps"] == 6 and r["losses"] < 1e-5 and r["grads"] < 1e-5, r
     assert r["base_moved"] == 0.0 and r["adapters_moved"], r
-    if layout == "moe_ep2":  # each rank holds its 2 experts' adapters
+    if layout == "moe_ep2":  # each rank holds its 2 experts' adapters; a meta build draws them as one process
+        assert r["meta_max_abs_diff"] == 0.0 and r["meta_b_zero"], r
         from torch.distributed.tensor import Shard
 
         assert r["placements"] == [str(Shard(0))] * 4 and r["local_experts"] == 2, r
@@ -347,10 +348,31 @@ def _moe_case(layout: str, rank: int) -> dict:  # pragma: no cover - under torch
                             for n, p in model.named_parameters() if not p.requires_grad)
     out["adapters_moved"] = all(moved[n] for n in out["trainable"])
     if ep:
+        out.update(_meta_moe_case(cfg, mesh))
         experts = next(iter(lora_experts(model).values()))
         out["placements"] = [str(p.placements[0]) for n, p in experts.named_parameters() if ".lora_" in f".{n}"]
         out["local_experts"] = experts.lora_A.gate_up_proj.to_local().shape[0]
     return out
+
+
+def _meta_moe_case(cfg, mesh) -> dict:  # pragma: no cover - under torchrun
+    """Meta build + expert adapters + ep2 + materialise = the same build initialised in one process."""
+    from nxdt.models import build_model, init_model_weights
+    from nxdt.models.lora import inject_lora
+    from nxdt.parallel.parallelize import parallelize_llama
+
+    cfg.distributed_strategy.meta_init = True
+    models = []
+    for parallel in (True, False):
+        torch.manual_seed(3)
+        model = build_model(cfg, V, device="meta")
+        inject_lora(model, ["qkv_proj"], rank=4, alpha=8.0, target_parameters=EXPERT_TARGETS)
+        models.append(parallelize_llama(model, mesh, cfg, device="cpu") if parallel else init_model_weights(model, "cpu"))
+    model, ref = models
+    return {"meta_max_abs_diff": max((_full(p).detach() - ref.get_parameter(n)).abs().max().item()
+                                     for n, p in model.named_parameters()),
+            "meta_b_zero": all(float(_full(p).abs().max()) == 0 for n, p in model.named_parameters()
+                               if ".lora_B." in n)}
 
 
 def _worker() -> None:  # pragma: no cover - runs under torchrun
