@@ -207,7 +207,8 @@ def from_peft(adapter: Mapping[str, torch.Tensor], target_parameters, num_expert
               prefix: str) -> dict[str, torch.Tensor]:
     """peft's saved expert adapters (`adapter`: adapter_model.safetensors' tensors; `target_parameters`:
     its adapter_config.json's) → nxdt's keys and [E, ...] layout (transformers' module paths)."""
-    names = [n for n in EXPERT_WEIGHTS if f"experts.{n}" in set(target_parameters or ())]
+    targets = list(target_parameters or ())  # peft matches a name or its suffix (`mlp.experts.down_proj`)
+    names = [n for n in EXPERT_WEIGHTS if any(t == f"experts.{n}" or t.endswith(f".experts.{n}") for t in targets)]
     out = {}
     for key, t in adapter.items():
         m = re.fullmatch(re.escape(prefix) + r"(.+\.experts)\.((?:base_layer\.)*)lora_([AB])\.weight", key)
