@@ -155,8 +155,12 @@ def _check_peft(peft: PeftConfig) -> None:
         raise ConfigError(f"{key}.lora_alpha: must be > 0, got {peft.lora_alpha}")
     if not 0.0 <= peft.lora_dropout < 1.0:
         raise ConfigError(f"{key}.lora_dropout: must be in [0, 1), got {peft.lora_dropout}")
-    if not peft.target_modules:
-        raise ConfigError(f"{key}.target_modules: empty; name at least one linear (e.g. [qkv_proj])")
+    if not peft.target_modules and not peft.target_parameters:
+        raise ConfigError(f"{key}.target_modules: empty; name at least one linear (e.g. [qkv_proj]) or expert "
+                          f"weight ({key}.target_parameters)")
+    if peft.target_parameters and peft.lora_dropout:
+        raise ConfigError(f"{key}.lora_dropout: must be 0 with target_parameters (peft's adapters on the expert "
+                          f"weights take no dropout), got {peft.lora_dropout}")
 
 
 def _check_prompt_length(key: str, value: Optional[int], seq: Optional[int]) -> None:
