@@ -22,6 +22,7 @@ from nxdt.models.adapter import HF, NATIVE, adapter_of, attach_adapter
 from nxdt.models.hf import HF_MOE_OVERRIDES, HF_OVERRIDES, build_hf_model
 from nxdt.models.llama import LlamaArgs, NxdtLlamaForCausalLM
 from nxdt.models.lora import adapters_detached, reset_lora_parameters
+from nxdt.models.mla import MLAArgs
 from nxdt.models.moe import MoEArgs
 
 
@@ -91,7 +92,17 @@ def llama_args_from_cfg(cfg: Any, vocab_size: int | None = None) -> LlamaArgs:
         moe_ffn_hidden_size=m.moe.ffn_hidden_size if m.moe.num_experts else None,
         moe_layers=tuple(m.moe.layers) if m.moe.num_experts and m.moe.layers is not None else None,
         qk_layernorm=m.qk_layernorm,
+        mla=mla_args_from_cfg(m.mla),
     )
+
+
+def mla_args_from_cfg(mla: Any) -> MLAArgs | None:
+    """MLAArgs from the typed `model.mla` section; None (plain attention) without mla.kv_lora_rank."""
+    if mla.kv_lora_rank is None:
+        return None
+    return MLAArgs(kv_lora_rank=mla.kv_lora_rank, q_lora_rank=mla.q_lora_rank, qk_nope_head_dim=mla.qk_nope_head_dim,
+                   qk_rope_head_dim=mla.qk_rope_head_dim, v_head_dim=mla.v_head_dim,
+                   rope_interleave=mla.rope_interleave)
 
 
 def rope_base(m: Any) -> float:
@@ -111,7 +122,10 @@ def moe_args_from_cfg(moe: Any) -> MoEArgs | None:
     if not moe.num_experts:
         return None
     gate_type = moe.gate_type  # LLaMA-MoE's class names are normalised by validation (nxdt.config.schema)
-    if gate_type == "mixtral":
+    balancing = moe.load_balancing or "aux_loss"  # null: the balance loss as before (nxdt.spec.moe)
+    if balancing != "aux_loss":
+        coef = 0.0  # loss_free balances by the selection bias; none: statistics only
+    elif gate_type == "mixtral":
         coef = moe.router_aux_loss_coef if moe.output_router_logits else 0.0
     else:
         coef = moe.gate_balance_loss_weight
@@ -123,6 +137,8 @@ def moe_args_from_cfg(moe: Any) -> MoEArgs | None:
         sinkhorn_tol=None if moe.sinkhorn_tol is None else float(moe.sinkhorn_tol),
         aux_loss_coef=coef, dropout=moe.dropout, score_scale=moe.moe_calculator_score_scale_factor,
         gate_type=gate_type, gate_add_noise=moe.gate_add_noise, gate_noise_epsilon=moe.gate_noise_epsilon,
+        num_groups=moe.num_groups, group_top_k=moe.group_top_k, load_balancing=balancing,
+        bias_update_rate=moe.bias_update_rate, num_shared_experts=moe.num_shared_experts,
     )
 
 
