@@ -19,11 +19,13 @@ import torch
 from torch import nn
 
 from nxdt.models.adapter import HF, NATIVE, adapter_of, attach_adapter
-from nxdt.models.hf import HF_MOE_OVERRIDES, HF_OVERRIDES, build_hf_model
+from nxdt.models.deepseek_v3 import DEEPSEEK_V3_MODEL_TYPES, deepseek_v3_model_keys
+from nxdt.models.hf import HF_MOE_OVERRIDES, HF_OVERRIDES, build_hf_model, load_config_dict
 from nxdt.models.llama import LlamaArgs, NxdtLlamaForCausalLM
 from nxdt.models.lora import adapters_detached, reset_lora_parameters
 from nxdt.models.mla import MLAArgs
 from nxdt.models.moe import MoEArgs
+from nxdt.spec import config_from_dict
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int = 128, tp: int = 1) -> int:
@@ -142,6 +144,21 @@ def moe_args_from_cfg(moe: Any) -> MoEArgs | None:
     )
 
 
+def native_twin_args(cfg: Any, model_config: str, overrides: dict[str, Any]) -> LlamaArgs | None:
+    """model_source hf with a config.json nxdt builds natively (DeepSeek-V3: transformers' parameter names,
+    nxdt.models.deepseek_v3): the native model's arguments (vocabulary as the config.json's, unpadded, as
+    transformers keeps it; model.moe.load_balancing / bias_update_rate from the YAML); None otherwise."""
+    d = load_config_dict(model_config, overrides)
+    if d.get("model_type") not in DEEPSEEK_V3_MODEL_TYPES:
+        return None
+    keys = deepseek_v3_model_keys(d)
+    moe = cfg.model.moe
+    if "moe" in keys:
+        keys["moe"].update(bias_update_rate=moe.bias_update_rate,
+                           **({"load_balancing": moe.load_balancing} if moe.load_balancing else {}))
+    return llama_args_from_cfg(config_from_dict({"model_source": "megatron", "model": keys}))
+
+
 def build_model(cfg: Any, vocab_size: int | None = None, device: str | torch.device | None = None) -> nn.Module:
     """The model for the typed config `cfg` (see module docstring), fp32.
 
@@ -159,9 +176,13 @@ def build_model(cfg: Any, vocab_size: int | None = None, device: str | torch.dev
             if not model_config:
                 raise ValueError("model_source hf needs model.model_config (path to a config.json)")
             overrides = {k: getattr(cfg.model, k) for k in HF_OVERRIDES}
-            if cfg.model.moe.num_experts:
+            native = native_twin_args(cfg, model_config, overrides)
+            if native is not None:  # DeepSeek-V3: the native model in transformers' names
+                model = attach_adapter(NxdtLlamaForCausalLM(native), NATIVE)
+            elif cfg.model.moe.num_experts:
                 overrides.update({f"moe.{k}": getattr(cfg.model.moe, k) for k in HF_MOE_OVERRIDES})
-            model = attach_adapter(build_hf_model(model_config, overrides, moe_args_from_cfg(cfg.model.moe)), HF)
+            if native is None:
+                model = attach_adapter(build_hf_model(model_config, overrides, moe_args_from_cfg(cfg.model.moe)), HF)
         else:
             raise ValueError(f"model_source must be 'megatron' or 'hf', got {source!r}")
     if not _is_meta(model) and adapter_of(model) is NATIVE:

@@ -82,7 +82,7 @@ def deepseek_v3_model_keys(hf: dict[str, Any]) -> dict[str, Any]:
     }
     if scaling:
         keys["rope_scaling"] = scaling
-    experts = hf.get("n_routed_experts") or hf.get("num_local_experts")
+    experts = hf.get("num_local_experts") or hf.get("n_routed_experts")  # the former: a YAML override
     if experts and dense < layers:
         groups = hf.get("n_group") or 1
         keys["moe"] = {
