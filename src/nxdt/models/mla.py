@@ -79,6 +79,15 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
+class SharedRopeKey(nn.Module):
+    """The rotary key part (one head, [B, 1, S, qk_rope_head_dim]) handed to every head this module's
+    caller holds: a module of its own so tensor parallelism can sum its gradient over the ranks' heads
+    (nxdt.parallel.tensor_parallel: each rank's heads use it, the latent projection is replicated)."""
+
+    def forward(self, k_rot: torch.Tensor, heads: int) -> torch.Tensor:
+        return k_rot.expand(-1, heads, -1, -1)
+
+
 class MLAttention(nn.Module):
     """DeepSeek's multi-head latent attention (see the module docstring)."""
 
@@ -87,6 +96,7 @@ class MLAttention(nn.Module):
         m: MLAArgs = args.mla
         self.layer_idx, self.mla = layer_idx, m
         self.num_heads = args.num_attention_heads
+        self.head_dim = m.qk_head_dim  # of queries and keys (values: v_head_dim)
         hidden, heads, bias = args.hidden_size, args.num_attention_heads, args.has_bias
         if m.q_lora_rank is None:
             self.q_proj = nn.Linear(hidden, heads * m.qk_head_dim, bias=False)
@@ -99,12 +109,11 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(m.kv_lora_rank, heads * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
         self.o_proj = nn.Linear(heads * m.v_head_dim, hidden, bias=bias)
         self.q_scale = softmax_scale_factor(m, args.rope_scaling)
+        self.rope_key = SharedRopeKey()
         self.core_attention = CoreAttention(args)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 mask: torch.Tensor | None, kv_cache: Any = None) -> torch.Tensor:
-        if kv_cache is not None:
-            raise NotImplementedError("MLA with a KV cache (generation) is not supported yet")
         m = self.mla
         b, s, _ = x.shape
         q = self.q_proj(x) if m.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
@@ -122,6 +131,8 @@ class MLAttention(nn.Module):
         q = torch.cat((q_pass, q_rot), dim=-1)
         if self.q_scale != 1.0:
             q = q * self.q_scale
-        k = torch.cat((k_pass, k_rot.expand(-1, k_pass.shape[1], -1, -1)), dim=-1)
+        k = torch.cat((k_pass, self.rope_key(k_rot, k_pass.shape[1])), dim=-1)
+        if kv_cache is not None:  # decoding: the heads' keys and values are cached (not the latent: simple, bigger)
+            k, v = kv_cache.update(self.layer_idx, k, v)
         out = self.core_attention(q, k, v, mask)  # [B, H, S, v_head_dim]
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))

@@ -550,6 +550,15 @@ def pop_router_stats(model: nn.Module) -> dict[str, float]:
     return out
 
 
+def reset_router_stats(model: nn.Module) -> None:
+    """Forget the routing statistics and expert loads every MoE layer of `model` recorded (a pass that
+    trained nothing, e.g. a pipeline's shape inference)."""
+    for m in model.modules():
+        if isinstance(getattr(m, "stats", None), RouterStats):
+            m.stats.reset()
+            m.stats.load = None
+
+
 def attach_router_aux_loss(block: nn.Module, num_experts: int, top_k: int, coef: float) -> None:
     """The same load-balancing loss and statistics for a transformers MoE block (Mixtral's
     MixtralSparseMoeBlock and its kin: a `gate` whose output, or its first element, is the router
