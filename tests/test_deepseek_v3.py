@@ -216,7 +216,8 @@ def test_bad_configs_one_line():
              ({"moe": {"num_experts": 8, "top_k": 2, "group_top_k": 1}}, "model.moe.group_top_k needs model.moe.num_groups"),
              ({"moe": {"num_experts": 8, "top_k": 1, "load_balancing": "loss_free", "gate_type": "switch_balanced"}},
               "model.moe.load_balancing loss_free: built for the mixtral gate"),
-             ({"moe": {"num_experts": 8, "top_k": 2, "load_balancing": "balanced"}}, "model.moe.load_balancing")]
+             ({"moe": {"num_experts": 8, "top_k": 2, "load_balancing": "balanced"}}, "model.moe.load_balancing"),
+             ({"num_kv_heads": 2, "mla": {"kv_lora_rank": 16}}, r"model.num_kv_heads \(2\): multi-head latent attention")]
     for extra, match in cases:
         with pytest.raises(ConfigError, match=match):
             config_from_dict({"model_source": "megatron", "model": {**tiny, **extra}}, check=True, check_paths=False)
