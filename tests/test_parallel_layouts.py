@@ -287,6 +287,16 @@ LAYOUTS.update({
     "deepseek_v3_pp2": ("deepseek_v3", 2, [PP2], "dp=1  tp=1  pp=2"),
 })
 NORM_RTOL.update({name: 1e-4 for name, (model, *_) in LAYOUTS.items() if model == "deepseek_v3"})
+
+
+def test_deepseek_v3_loss_free_loads_are_the_whole_batchs(runs):
+    """Loss-free balancing logs each MoE layer's expert loads every step (shares of the step's assignments);
+    under ep2 + ZeRO-1 they are summed over the two dp ranks, so they equal one process's exactly."""
+    one, ep2 = runs["deepseek_v3"].scalars, runs["deepseek_v3_ep2_zero1"].scalars
+    for tag in ("moe/layer1/load_min", "moe/layer1/load_max", "moe/layer1/load_std"):
+        assert len(_curve(one, tag)) == STEPS and _curve(ep2, tag) == pytest.approx(_curve(one, tag), abs=1e-7), tag
+    assert all(0.0 <= lo <= 0.25 <= hi <= 1.0 for lo, hi in zip(_curve(one, "moe/layer1/load_min"),
+                                                                 _curve(one, "moe/layer1/load_max")))
 # ---- end of DeepSeek-V3
 
 
