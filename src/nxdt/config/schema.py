@@ -40,7 +40,7 @@ from nxdt.config.errors import ConfigError
 from nxdt.config.ranges import doc  # noqa: F401  (re-exported: the schema's field helper)
 from nxdt.config.ranges import hints, section_class, type_name, type_with_range  # noqa: F401  (re-exported)
 from nxdt.config.schema_finetuning import (  # noqa: F401  (re-exported: sections of NxdtConfig)
-    TRUNCATION_MODES, AlignmentConfig, DataAlignmentConfig, DPOConfig, ORPOConfig, PeftConfig, SFTConfig)
+    TRUNCATION_MODES, AlignmentConfig, DataAlignmentConfig, DPOConfig, MLAConfig, ORPOConfig, PeftConfig, SFTConfig)
 
 
 PRECISION_TYPES = (
@@ -394,7 +394,8 @@ class MoEConfig:
     gate_balance_loss_weight: float = doc(
         0.0, "LLaMA-MoE gates' balance loss weight w: noisy top-k w*(CV^2(importance)+CV^2(load)), "
              "switch w*E*sum(mean prob x token share); 0 = statistics only", ge=0)
-    moe_calculator_score_scale_factor: float = doc(1.0, "LLaMA-MoE: expert outputs x this (total/selected)", gt=0)
+    moe_calculator_score_scale_factor: float = doc(1.0, "routed expert outputs x this: LLaMA-MoE's total/selected, "
+                                                 "DeepSeek-V3's routed_scaling_factor (Megatron moe_router_topk_scaling_factor)", gt=0)
     gate_type: Literal["mixtral", "top_k_balanced_noisy", "switch_balanced", "TopKBalancedNoisyGate",
                        "SwitchBalancedGate"] = doc(
         "mixtral", "mixtral (routing_algorithm, router_activation, router_aux_loss_coef) | LLaMA-MoE's "
@@ -403,6 +404,17 @@ class MoEConfig:
     gate_add_noise: bool = doc(True, "LLaMA-MoE gates, training only: learned Gaussian noise (noisy top-k), "
                                      "Gumbel noise (switch)")
     gate_noise_epsilon: float = doc(1e-2, "noisy top-k: noise std = softplus(x W_noise) + this", ge=0)
+    num_shared_experts: int = doc(0, "experts every token goes through, one MLP of this x moe.ffn_hidden_size "
+                                     "(transformers' n_shared_experts; Megatron: moe_shared_expert_intermediate_size)", ge=0)
+    num_groups: Optional[int] = doc(None, "group-limited routing: the experts in this many groups, a token picks "
+                                          "within group_top_k of them (n_group; Megatron moe_router_num_groups)", ge=1)
+    group_top_k: Optional[int] = doc(None, "groups a token may pick from (topk_group; Megatron moe_router_group_topk)", ge=1)
+    load_balancing: Optional[Literal["aux_loss", "loss_free", "none"]] = doc(
+        None, "aux_loss (the gate's balance loss, as output_router_logits / gate_balance_loss_weight say) | loss_free "
+              "(DeepSeek-V3: a per-expert selection bias, mlp.gate.e_score_correction_bias, moved after each step "
+              "towards balance; Megatron moe_router_enable_expert_bias) | none; null = aux_loss")
+    bias_update_rate: float = doc(1e-3, "loss_free: each step a bias moves by this x sign(mean load - load) "
+                                        "(Megatron moe_router_bias_update_rate)", gt=0)
 
 
 @dataclass
@@ -471,6 +483,9 @@ class ModelConfig:
         None, "fms-fsdp: checkpoint this fraction of blocks, evenly spaced (0 < p <= 1)", gt=0, le=1)
     fusions: FusionsConfig = doc(FusionsConfig, "fused kernels")
     moe: MoEConfig = doc(MoEConfig, "mixture of experts")
+    mla: MLAConfig = doc(MLAConfig, "multi-head latent attention (DeepSeek-V3), on with mla.kv_lora_rank")
+    mtp_num_layers: int = doc(0, "multi-token prediction layers (Megatron's mtp_num_layers, transformers' "
+                                 "num_nextn_predict_layers); > 0 is not supported yet", ge=0)
     optim: Dict[str, Any] = doc(
         {"name": "adamw", "lr": 3e-4, "weight_decay": 0.01, "betas": [0.9, 0.95],
          "sched": {"name": "CosineAnnealing", "warmup_steps": 0, "constant_steps": 0, "min_lr": 0.0}},

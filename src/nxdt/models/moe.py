@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nxdt.models.moe_balance import LOAD_BALANCING, select_experts
+
 
 GATE_TYPES = ("mixtral", "top_k_balanced_noisy", "switch_balanced")
 
@@ -64,6 +66,20 @@ class MoEArgs:
     """LLaMA-MoE gates, training only: learned Gaussian noise (noisy top-k) or Gumbel noise (switch)."""
     gate_noise_epsilon: float = 1e-2
     """Noisy top-k: noise std = softplus(x W_noise^T) + this."""
+    num_groups: int | None = None
+    """Group-limited top-k (DeepSeek-V3's n_group): experts in this many equal groups, a token picks
+    its top_k among the `group_top_k` groups whose two best scores sum highest; None = all experts."""
+    group_top_k: int | None = None
+    """Groups a token may pick from (DeepSeek-V3's topk_group)."""
+    load_balancing: str = "aux_loss"
+    """'aux_loss' (the gate's balance loss, weighted by aux_loss_coef), 'loss_free' (DeepSeek-V3: a
+    per-expert bias on the selection scores, `mlp.gate.e_score_correction_bias`, moved after each
+    optimizer step towards balance; nxdt.models.moe_balance) or 'none'."""
+    bias_update_rate: float = 1e-3
+    """loss_free: each step every expert's bias moves by this x sign(mean load - its load)."""
+    num_shared_experts: int = 0
+    """Experts every token goes through (DeepSeek-V3's n_shared_experts): one SwiGLU MLP
+    `mlp.shared_experts` of this x the experts' width, added to the routed experts' output."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
@@ -80,6 +96,12 @@ class MoEArgs:
             raise ValueError(f"gate_type must be one of {GATE_TYPES}, got {self.gate_type!r}")
         if self.gate_type == "switch_balanced" and self.top_k != 1:
             raise ValueError(f"the switch gate picks one expert per token; top_k is {self.top_k}")
+        if self.load_balancing not in LOAD_BALANCING:
+            raise ValueError(f"load_balancing must be one of {LOAD_BALANCING}, got {self.load_balancing!r}")
+        if self.num_groups is not None and (self.num_experts % self.num_groups
+                                            or not 1 <= (self.group_top_k or 0) <= self.num_groups):
+            raise ValueError(f"num_groups ({self.num_groups}) must divide num_experts ({self.num_experts}) and "
+                             f"group_top_k ({self.group_top_k}) be in [1, num_groups]")
 
     @property
     def noise_weight(self) -> bool:
@@ -115,10 +137,13 @@ def sinkhorn(logits: torch.Tensor, iterations: int, tol: float | None = None) ->
     return d1 * cost * d0[:, None]
 
 
-def route(logits: torch.Tensor, args: MoEArgs) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] → (weights [T, k] in fp32, expert indices [T, k])."""
+def route(logits: torch.Tensor, args: MoEArgs, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] → (weights [T, k] in fp32, expert indices [T, k]). `bias` (loss-free
+    balancing's) and group-limited routing change which experts are picked, not their weights."""
     logits = logits.float()
     scores = torch.softmax(logits, -1) if args.router_activation == "softmax" else torch.sigmoid(logits)
+    if bias is not None or args.num_groups:
+        return select_experts(scores, bias, args)
     if args.routing_algorithm == "sinkhorn":
         with torch.no_grad():  # sinkhorn picks the expert; the score of the pick carries the gradient
             experts = sinkhorn(logits, args.sinkhorn_iterations, args.sinkhorn_tol).argmax(-1, keepdim=True)
@@ -258,7 +283,14 @@ class RouterStats:
     parameters, no buffers, nothing checkpointed)."""
 
     def __init__(self) -> None:
+        self.load: torch.Tensor | None = None
+        """Tokens per expert since loss-free balancing last took them (`take_load`), apart from pop()'s."""
         self.reset()
+
+    def take_load(self) -> torch.Tensor | None:
+        """The tokens per expert routed since the last call (None when nothing was trained); resets them."""
+        load, self.load = self.load, None
+        return load
 
     def reset(self) -> None:
         self.forwards = 0
@@ -272,6 +304,7 @@ class RouterStats:
         self.aux_loss += float(aux_loss)
         counts = tokens_per_expert.detach().float().cpu()
         self.tokens_per_expert = counts if self.tokens_per_expert is None else self.tokens_per_expert + counts
+        self.load = counts.clone() if self.load is None else self.load + counts
         self.dropped += int(dropped)
         self.assigned += int(tokens_per_expert.sum()) + int(dropped)  # routed: kept + dropped
 
@@ -422,10 +455,12 @@ class MoERouter(nn.Module):
     LLaMA-MoE's noisy top-k gate its noise weight (`mlp.gate.weight_noise`, [E, H]: per token and
     expert, noise std = softplus(x W_noise^T) + gate_noise_epsilon)."""
 
-    def __init__(self, hidden_size: int, num_experts: int, noise: bool = False) -> None:
+    def __init__(self, hidden_size: int, num_experts: int, noise: bool = False, score_bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.weight_noise = nn.Parameter(torch.empty(num_experts, hidden_size)) if noise else None
+        # loss-free balancing's per-expert bias on the selection scores (DeepSeek-V3's name): state, no gradient
+        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts) if score_bias else None)
 
     @torch.no_grad()
     def reset_parameters(self, std: float) -> None:
@@ -433,6 +468,8 @@ class MoERouter(nn.Module):
         nn.init.normal_(self.weight, mean=0.0, std=std)
         if self.weight_noise is not None:
             nn.init.zeros_(self.weight_noise)
+        if self.e_score_correction_bias is not None:
+            self.e_score_correction_bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
@@ -454,8 +491,8 @@ class MoERouter(nn.Module):
             if self.training and args.gate_add_noise:  # -log(Exp(1)) ~ Gumbel(0, 1)
                 gumbel = -torch.empty_like(logits, dtype=torch.float32).exponential_().log()
             return switch_gate(logits, gumbel)
-        weights, experts = route(logits, args)
-        trained = self.training and torch.is_grad_enabled()
+        weights, experts = route(logits, args, self.e_score_correction_bias)
+        trained = self.training and torch.is_grad_enabled() and args.load_balancing == "aux_loss"
         aux = load_balancing_loss((logits,), args.num_experts, args.top_k) if trained else None
         return weights, experts, aux
 
@@ -465,11 +502,16 @@ class LlamaMoE(nn.Module):
     weighted by the router's scores and summed (tokens over capacity get nothing from that
     expert; the residual carries them on)."""
 
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, args: MoEArgs) -> None:
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, args: MoEArgs,
+                 shared_experts: nn.Module | None = None) -> None:
+        """`shared_experts`: the MLP every token goes through besides its routed experts (DeepSeek-V3)."""
         super().__init__()
         self.args = args
-        self.gate = MoERouter(hidden_size, args.num_experts, noise=args.noise_weight)
+        self.gate = MoERouter(hidden_size, args.num_experts, noise=args.noise_weight,
+                              score_bias=args.load_balancing == "loss_free")
         self.experts = MoEExperts(args.num_experts, hidden_size, ffn_hidden_size)
+        if shared_experts is not None:
+            self.shared_experts = shared_experts
         self.dropout = nn.Dropout(args.dropout)
         self.stats = RouterStats()
 
@@ -491,9 +533,12 @@ class LlamaMoE(nn.Module):
         counts = torch.bincount(expert_idx, minlength=a.num_experts)
         routed = self.experts(x.index_select(0, token_idx), counts, slot_weight[:, None] * a.score_scale)
         out = torch.zeros_like(x).index_add_(0, token_idx, routed.to(x.dtype))
+        if a.num_shared_experts:
+            out = out + self.shared_experts(x)
         out = self.dropout(out).reshape(shape)
         if self.training and torch.is_grad_enabled():
             dropped = (~keep).sum()
+            aux = aux if aux is not None else x.new_zeros((), dtype=torch.float32)  # loss_free / none: stats only
             out = AuxLossGradient.apply(out, aux, a.aux_loss_coef, self.stats, (counts, dropped))
         return out
 
@@ -510,6 +555,15 @@ def pop_router_stats(model: nn.Module) -> dict[str, float]:
     out["expert_share_min"] = min(s["expert_share_min"] for s in per_layer)
     out["expert_share_max"] = max(s["expert_share_max"] for s in per_layer)
     return out
+
+
+def reset_router_stats(model: nn.Module) -> None:
+    """Forget the routing statistics and expert loads every MoE layer of `model` recorded (a pass that
+    trained nothing, e.g. a pipeline's shape inference)."""
+    for m in model.modules():
+        if isinstance(getattr(m, "stats", None), RouterStats):
+            m.stats.reset()
+            m.stats.load = None
 
 
 def attach_router_aux_loss(block: nn.Module, num_experts: int, top_k: int, coef: float) -> None:
