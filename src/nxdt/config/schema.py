@@ -382,7 +382,9 @@ class MoEConfig:
     dropout: float = doc(0.0, "dropout in the MoE layer", ge=0, lt=1)
     capacity_factor: Optional[float] = doc(None, "expert capacity factor; null = no token dropping (0 with dropless)", ge=0)
     dropless: bool = doc(False, "dropless (blockwise) expert computation")
-    routing_algorithm: Literal["top_k", "sinkhorn"] = doc("top_k", "router")
+    routing_algorithm: Literal["top_k", "sinkhorn", "neox_sinkhorn"] = doc(
+        "top_k", "router: top_k | sinkhorn (Megatron's, top-1) | neox_sinkhorn (GPT-NeoX's SinkhornRouter: "
+                 "sigmoid scores at top_k 1, softmax above; top-k of the scores outside training)")
     router_activation: Literal["softmax", "sigmoid"] = doc("softmax", "router score activation")
     sinkhorn_iterations: int = doc(30, "sinkhorn routing iterations", ge=1)
     sinkhorn_tol: Optional[float] = doc(None, "sinkhorn tolerance (optional; NxDT writes None)", gt=0)
@@ -403,6 +405,10 @@ class MoEConfig:
     gate_add_noise: bool = doc(True, "LLaMA-MoE gates, training only: learned Gaussian noise (noisy top-k), "
                                      "Gumbel noise (switch)")
     gate_noise_epsilon: float = doc(1e-2, "noisy top-k: noise std = softplus(x W_noise) + this", ge=0)
+    expert_activation: Optional[Literal["swiglu", "gelu", "gelu_tanh", "silu"]] = doc(
+        None, "the experts: swiglu (gate, up, down: Mixtral's) | gelu | gelu_tanh | silu (two matrices, up and "
+              "down, with that activation: GPT-NeoX's dropless experts); null = model.activation. Experts have "
+              "no biases")
 
 
 @dataclass

@@ -27,8 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nxdt.models.moe_neox import EXPERT_ACTIVATIONS, MLPExperts, neox_sinkhorn_route
+
 
 GATE_TYPES = ("mixtral", "top_k_balanced_noisy", "switch_balanced")
+ROUTING_ALGORITHMS = ("top_k", "sinkhorn", "neox_sinkhorn")
 
 
 @dataclass
@@ -40,7 +43,8 @@ class MoEArgs:
     frequency: int = 1
     """Layer i is an MoE layer when i % frequency == 0 (Megatron's moe_layer_freq): 1 = every layer."""
     routing_algorithm: str = "top_k"
-    """'top_k' (softmax or sigmoid scores, the k best) or 'sinkhorn' (balanced top-1, Megatron)."""
+    """'top_k' (softmax or sigmoid scores, the k best), 'sinkhorn' (balanced top-1, Megatron) or
+    'neox_sinkhorn' (GPT-NeoX's SinkhornRouter, nxdt.models.moe_neox)."""
     router_activation: str = "softmax"
     normalize_top_k_affinities: bool = True
     """Divide the k chosen scores by their sum (Mixtral)."""
@@ -64,12 +68,16 @@ class MoEArgs:
     """LLaMA-MoE gates, training only: learned Gaussian noise (noisy top-k) or Gumbel noise (switch)."""
     gate_noise_epsilon: float = 1e-2
     """Noisy top-k: noise std = softplus(x W_noise^T) + this."""
+    expert_activation: str = "swiglu"
+    """'swiglu' (MoEExperts) or a two-matrix expert's activation (MLPExperts: gelu, gelu_tanh, silu)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k ({self.top_k}) must be between 1 and num_experts ({self.num_experts})")
-        if self.routing_algorithm not in ("top_k", "sinkhorn"):
-            raise ValueError(f"routing_algorithm must be 'top_k' or 'sinkhorn', got {self.routing_algorithm!r}")
+        if self.routing_algorithm not in ROUTING_ALGORITHMS:
+            raise ValueError(f"routing_algorithm must be one of {ROUTING_ALGORITHMS}, got {self.routing_algorithm!r}")
+        if self.expert_activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"expert_activation must be one of {EXPERT_ACTIVATIONS}, got {self.expert_activation!r}")
         if self.routing_algorithm == "sinkhorn" and self.top_k != 1:
             raise ValueError(f"sinkhorn routing picks one expert per token; top_k is {self.top_k}")
         if self.router_activation not in ("softmax", "sigmoid"):
@@ -447,7 +455,11 @@ class MoERouter(nn.Module):
             if self.training and args.gate_add_noise:  # -log(Exp(1)) ~ Gumbel(0, 1)
                 gumbel = -torch.empty_like(logits, dtype=torch.float32).exponential_().log()
             return switch_gate(logits, gumbel)
-        weights, experts = route(logits, args)
+        if args.routing_algorithm == "neox_sinkhorn":
+            weights, experts = neox_sinkhorn_route(logits, args.top_k, self.training, args.sinkhorn_iterations,
+                                                   args.sinkhorn_tol)
+        else:
+            weights, experts = route(logits, args)
         trained = self.training and torch.is_grad_enabled()
         aux = load_balancing_loss((logits,), args.num_experts, args.top_k) if trained else None
         return weights, experts, aux
@@ -462,7 +474,10 @@ class LlamaMoE(nn.Module):
         super().__init__()
         self.args = args
         self.gate = MoERouter(hidden_size, args.num_experts, noise=args.noise_weight)
-        self.experts = MoEExperts(args.num_experts, hidden_size, ffn_hidden_size)
+        if args.expert_activation == "swiglu":
+            self.experts = MoEExperts(args.num_experts, hidden_size, ffn_hidden_size)
+        else:  # two-matrix experts (GPT-NeoX's)
+            self.experts = MLPExperts(args.num_experts, hidden_size, ffn_hidden_size, args.expert_activation)
         self.dropout = nn.Dropout(args.dropout)
         self.stats = RouterStats()
 

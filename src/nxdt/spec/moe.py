@@ -69,9 +69,7 @@ def check_moe(cfg: Any, piece: MoESpec, hf_json: dict) -> None:
     if moe.sinkhorn_iterations < 1:
         raise ConfigError(f"model.moe.sinkhorn_iterations: must be >= 1, got {moe.sinkhorn_iterations}")
     check_gate(cfg, gate)
-    if cfg.model_source == "megatron" and (cfg.model.activation != "swiglu" or cfg.model.has_bias):
-        raise ConfigError("model.moe: experts are SwiGLU without bias; needs model.activation=swiglu and "
-                          "model.has_bias=false")
+    check_experts(cfg)
     if cfg.model_source == "hf":
         if hf_json and "num_local_experts" not in hf_json:
             raise ConfigError(f"model.moe.num_experts ({moe.num_experts}) with model_source hf needs a Mixtral-style "
@@ -98,6 +96,30 @@ def check_moe(cfg: Any, piece: MoESpec, hf_json: dict) -> None:
             if size > 1:
                 raise ConfigError(f"'distributed_strategy.{key}' > 1 with model_source hf and model_type "
                                   f"{hf_json['model_type']!r} is not supported yet (got {size}); Mixtral's MoE takes it")
+
+
+def check_experts(cfg: Any) -> None:
+    """model.moe.expert_activation (null: model.activation): swiglu experts are nxdt's (Mixtral's
+    layout, every parallel layout); two-matrix experts (GPT-NeoX's) are built for model_source
+    megatron and stay whole on each rank (no expert parallelism yet). Experts have no biases: with
+    model.has_bias only attention and dense MLP layers get them (as GPT-NeoX's MoE)."""
+    moe = cfg.model.moe
+    act = moe.expert_activation or cfg.model.activation
+    if cfg.model_source == "hf":
+        if moe.expert_activation not in (None, "swiglu"):
+            raise ConfigError(f"model.moe.expert_activation={moe.expert_activation}: two-matrix experts are built "
+                              f"for model_source megatron only (transformers' MoE blocks bring their own experts)")
+        return
+    if act not in ("swiglu", "gelu", "gelu_tanh", "silu"):
+        raise ConfigError(f"model.moe.expert_activation: null takes model.activation ({act}), which the experts "
+                          f"do not build; give swiglu, gelu, gelu_tanh or silu")
+    if cfg.model.mlp_bias and (moe.frequency == 1 and moe.layers is None):
+        raise ConfigError("model.mlp_bias=true with every layer an MoE layer: experts have no biases "
+                          "(model.has_bias gives attention its biases; the experts' MLPs have none)")
+    ep = cfg.distributed_strategy.expert_model_parallel_size
+    if act != "swiglu" and ep > 1:
+        raise ConfigError(f"'distributed_strategy.expert_model_parallel_size' > 1 with two-matrix experts "
+                          f"(model.moe.expert_activation {act}) is not supported yet (got {ep})")
 
 
 def check_gate(cfg: Any, gate: str) -> None:
