@@ -405,6 +405,9 @@ class MoEConfig:
     gate_add_noise: bool = doc(True, "LLaMA-MoE gates, training only: learned Gaussian noise (noisy top-k), "
                                      "Gumbel noise (switch)")
     gate_noise_epsilon: float = doc(1e-2, "noisy top-k: noise std = softplus(x W_noise) + this", ge=0)
+    gate_network: Literal["linear", "mlp"] = doc(
+        "linear", "the router's network: linear (one [E, hidden] weight) | mlp (LLaMA-MoE's gate_network mlp, its "
+                  "default: Linear(hidden, E) -> Tanh -> Linear(E, E), mlp.gate.weight and mlp.gate.weight_out)")
     expert_activation: Optional[Literal["swiglu", "gelu", "gelu_tanh", "silu"]] = doc(
         None, "the experts: swiglu (gate, up, down: Mixtral's) | gelu | gelu_tanh | silu (two matrices, up and "
               "down, with that activation: GPT-NeoX's dropless experts); null = model.activation. Experts have "

@@ -125,6 +125,7 @@ def moe_args_from_cfg(moe: Any, activation: str = "swiglu") -> MoEArgs | None:
         aux_loss_coef=coef, dropout=moe.dropout, score_scale=moe.moe_calculator_score_scale_factor,
         gate_type=gate_type, gate_add_noise=moe.gate_add_noise, gate_noise_epsilon=moe.gate_noise_epsilon,
         expert_activation=getattr(moe, "expert_activation", None) or activation,
+        gate_network=getattr(moe, "gate_network", "linear"),
     )
 
 

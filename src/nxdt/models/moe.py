@@ -68,6 +68,8 @@ class MoEArgs:
     """LLaMA-MoE gates, training only: learned Gaussian noise (noisy top-k) or Gumbel noise (switch)."""
     gate_noise_epsilon: float = 1e-2
     """Noisy top-k: noise std = softplus(x W_noise^T) + this."""
+    gate_network: str = "linear"
+    """The router: 'linear' (one [E, H] weight) or LLaMA-MoE's 'mlp' (Linear -> Tanh -> Linear [E, E])."""
     expert_activation: str = "swiglu"
     """'swiglu' (MoEExperts) or a two-matrix expert's activation (MLPExperts: gelu, gelu_tanh, silu)."""
 
@@ -76,6 +78,8 @@ class MoEArgs:
             raise ValueError(f"top_k ({self.top_k}) must be between 1 and num_experts ({self.num_experts})")
         if self.routing_algorithm not in ROUTING_ALGORITHMS:
             raise ValueError(f"routing_algorithm must be one of {ROUTING_ALGORITHMS}, got {self.routing_algorithm!r}")
+        if self.gate_network not in ("linear", "mlp"):
+            raise ValueError(f"gate_network must be 'linear' or 'mlp', got {self.gate_network!r}")
         if self.expert_activation not in EXPERT_ACTIVATIONS:
             raise ValueError(f"expert_activation must be one of {EXPERT_ACTIVATIONS}, got {self.expert_activation!r}")
         if self.routing_algorithm == "sinkhorn" and self.top_k != 1:
@@ -421,22 +425,27 @@ def _expert_grad(weight: torch.Tensor, active: list[int]) -> torch.Tensor:
 class MoERouter(nn.Module):
     """The gate: one bias-free linear layer, hidden → expert logits (`mlp.gate.weight`), and for
     LLaMA-MoE's noisy top-k gate its noise weight (`mlp.gate.weight_noise`, [E, H]: per token and
-    expert, noise std = softplus(x W_noise^T) + gate_noise_epsilon)."""
+    expert, noise std = softplus(x W_noise^T) + gate_noise_epsilon). With `mlp` (LLaMA-MoE's
+    gate_network "mlp"): logits = tanh(x W^T) W_out^T, `mlp.gate.weight_out` [E, E]."""
 
-    def __init__(self, hidden_size: int, num_experts: int, noise: bool = False) -> None:
+    def __init__(self, hidden_size: int, num_experts: int, noise: bool = False, mlp: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.weight_noise = nn.Parameter(torch.empty(num_experts, hidden_size)) if noise else None
+        self.weight_out = nn.Parameter(torch.empty(num_experts, num_experts)) if mlp else None
 
     @torch.no_grad()
     def reset_parameters(self, std: float) -> None:
         """Gate ~ N(0, std); noise weight 0 as LLaMA-MoE starts it (std softplus(0) + eps at first)."""
         nn.init.normal_(self.weight, mean=0.0, std=std)
+        if self.weight_out is not None:
+            nn.init.normal_(self.weight_out, mean=0.0, std=std)
         if self.weight_noise is not None:
             nn.init.zeros_(self.weight_noise)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        logits = F.linear(x, self.weight)
+        return logits if self.weight_out is None else F.linear(torch.tanh(logits), self.weight_out)
 
     def route(self, x: torch.Tensor, args: MoEArgs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Tokens [T, H] → (weights [T, k] fp32, experts [T, k], the gate's balance loss,
@@ -473,7 +482,7 @@ class LlamaMoE(nn.Module):
     def __init__(self, hidden_size: int, ffn_hidden_size: int, args: MoEArgs) -> None:
         super().__init__()
         self.args = args
-        self.gate = MoERouter(hidden_size, args.num_experts, noise=args.noise_weight)
+        self.gate = MoERouter(hidden_size, args.num_experts, noise=args.noise_weight, mlp=args.gate_network == "mlp")
         if args.expert_activation == "swiglu":
             self.experts = MoEExperts(args.num_experts, hidden_size, ffn_hidden_size)
         else:  # two-matrix experts (GPT-NeoX's)

@@ -106,6 +106,9 @@ def check_experts(cfg: Any) -> None:
     moe = cfg.model.moe
     act = moe.expert_activation or cfg.model.activation
     if cfg.model_source == "hf":
+        if moe.gate_network != "linear":
+            raise ConfigError(f"model.moe.gate_network={moe.gate_network}: built for model_source megatron only "
+                              f"(transformers' MoE blocks bring their own router)")
         if moe.expert_activation not in (None, "swiglu"):
             raise ConfigError(f"model.moe.expert_activation={moe.expert_activation}: two-matrix experts are built "
                               f"for model_source megatron only (transformers' MoE blocks bring their own experts)")
