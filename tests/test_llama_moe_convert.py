@@ -20,6 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from nxdt.checkpoint.checkpointer import load_weights
 from nxdt.cli import main
+from nxdt.config.errors import ConfigError
 from nxdt.models import build_model, logits_of
 from nxdt.spec import config_from_dict
 from nxdt.tools.convert import nxdt_to_hf
@@ -168,3 +169,17 @@ def test_what_nxdt_does_not_build_is_refused_at_convert_time(tmp_path, capsys, o
     errors = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(errors) == 1 and "cannot convert this LLaMA-MoE model: " in errors[0] and message in errors[0], errors
     assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("key, value, why", [
+    ("calculator_type", "SwitchDropTokenCalculator", "nxdt computes UniversalCalculator's rule"),
+    ("size_experts", [16, 48, 32, 32], "nxdt's experts are equal"),
+    ("gate_use_softmax", False, "the gates weigh by the softmax"),
+    ("add_weight_norm", True, "no WeightNorm"),
+])
+def test_llama_moe_names_nxdt_does_not_build_are_not_supported_yet(key, value, why):
+    """In a training config, LLaMA-MoE's calculator / expert names are refused as not built, one line."""
+    model = {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 96, "num_attention_heads": 4,
+             "moe": {"num_experts": 4, "gate_type": "TopKBalancedNoisyGate", key: value}}
+    with pytest.raises(ConfigError, match=rf"^'model.moe.{key}' \(LLaMA-MoE's {key}\) is not supported yet: {why}"):
+        config_from_dict({"model_source": "megatron", "model": model}, check=True)

@@ -53,6 +53,21 @@ GATE_ALIASES = {"TopKBalancedNoisyGate": "top_k_balanced_noisy", "SwitchBalanced
 """LLaMA-MoE's class names for `model.moe.gate_type` -> nxdt's names (validation normalises them)."""
 
 
+LLAMA_MOE_NOT_BUILT = {
+    "calculator_type": "nxdt computes UniversalCalculator's rule (every routed token; capacity_factor drops "
+                       "deterministically, not SwitchDropTokenCalculator's random drops)",
+    "drop_tokens": "SwitchDropTokenCalculator is not built", "dropped_padding": "SwitchDropTokenCalculator is not built",
+    "size_experts": "nxdt's experts are equal (model.moe.ffn_hidden_size each)",
+    "gate_use_softmax": "the gates weigh by the softmax (gate_use_softmax true)",
+    "gate_use_balance": "the balance loss is on; model.moe.gate_balance_loss_weight=0 leaves it out",
+    "multiply_gate_scores": "expert outputs are weighted by the gate's scores (multiply_gate_scores true)",
+    "add_weight_norm": "no WeightNorm on the experts' output",
+    "score_scale_factor": "nxdt's name is model.moe.moe_calculator_score_scale_factor",
+}
+"""LLaMA-MoE's `model.moe`-level names nxdt does not build: refused as "not supported yet" with the reason,
+not as unknown keys."""
+
+
 def canonical_gate_type(name: str) -> str:
     return GATE_ALIASES.get(name, name)
 
