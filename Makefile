@@ -47,16 +47,20 @@ slurm-local:
 clean:
 	rm -rf data nxdt_experiments .pytest_cache
 
-# The XLA path (docs/precision.md): torch-xla 2.9.0 needs torch 2.9.0, so it gets its own venv.
-# Trains a tiny Llama with every precision preset on XLA:CPU and reloads an xser checkpoint.
+# The XLA path (docs/xla.md): torch-xla 2.9.0 needs torch 2.9.0, so it gets its own venv.
+# Trains a tiny Llama with every precision preset on XLA:CPU, reloads an xser checkpoint, and runs
+# the SPMD layouts (dp, FSDP, ZeRO-1, tp + sp) on four XLA:CPU devices of one process.
+# From PyPI, torch 2.9.0 comes with its CUDA wheels (GBs); where download.pytorch.org is reachable,
+# XLA_PIP_ARGS='--extra-index-url https://download.pytorch.org/whl/cpu' takes the CPU wheel instead.
 XLA_VENV  := .venv-xla
 XLA_STAMP := $(XLA_VENV)/.nxdt-installed
+XLA_PIP_ARGS ?=
 
 $(XLA_STAMP): pyproject.toml setup.py
 	test -x $(XLA_VENV)/bin/python || $(PYTHON) -m venv $(XLA_VENV)
 	$(XLA_VENV)/bin/python -m pip install -q --upgrade pip
-	$(XLA_VENV)/bin/python -m pip install -q torch==2.9.0 torch-xla==2.9.0
-	$(XLA_VENV)/bin/python -m pip install -q -e '.[test]'
+	$(XLA_VENV)/bin/python -m pip install -q torch==2.9.0 torch-xla==2.9.0 $(XLA_PIP_ARGS)
+	$(XLA_VENV)/bin/python -m pip install -q -e '.[test]' $(XLA_PIP_ARGS)
 	touch $(XLA_STAMP)
 
 .PHONY: test-xla

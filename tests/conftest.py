@@ -75,6 +75,15 @@ LONG_MODULES = ("test_parallel_layouts.py", "test_checkpoint_resume.py", "test_c
                 "test_import_config.py", "test_generate_parallel.py", "test_cli_errors.py", "test_precision_parallel.py")
 
 
+def pytest_configure(config):
+    # pytest-xdist 3.x queues `--dist loadfile`'s modules by their number of tests, most first,
+    # unless told not to (--no-loadscope-reorder): LONG_MODULES' order was ignored (a suite's second
+    # worker began with test_config.py's 116 quick tests; test_checkpoint_resume started 6.5 minutes
+    # in), and the two workers ending together was luck.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items):
     def rank(item) -> int:
         name = item.path.name

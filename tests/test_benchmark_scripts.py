@@ -65,3 +65,22 @@ def test_bad_input_is_one_line_exit_2(tmp_path):
     assert "repeat 1/" not in out.stdout
     out = subprocess.run([*script, "--ranks", "0"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "--ranks and --repeats must be >= 1" in out.stderr
+
+
+def test_grpo_benchmark_runs_nxdt_and_trl_side_by_side():
+    """benchmarks/grpo.py on its smoke model (one repeat, one timed step): a row per way with its steps/s
+    and rollout tokens/s, the ratio and the goal's verdict (not judged here)."""
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "grpo.py"), "--quick", "--steps", "1",
+                          "--completion-length", "8", "--ways", "nxdt,trl"],
+                         capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines()
+            if line.split()[:1] in (["nxdt"], ["trl"]) and line.split()[-1] == "1"}  # the table's rows: 1 run
+    assert set(rows) == {"nxdt", "trl"} and all(float(r[1]) > 0 and float(r[2].replace(",", "")) > 0
+                                                 for r in rows.values()), out.stdout
+    assert out.stdout.startswith("cpu: ") and "nxdt / trl: steps/s" in out.stdout
+    assert "goal: nxdt >= 2x TRL's steps/s:" in out.stdout
+    bad = subprocess.run([sys.executable, str(REPO / "benchmarks" / "grpo.py"), "--ways", "nxdt,vllm"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "error: --ways: from nxdt, nxdt-nocache, trl (got nxdt,vllm)"]

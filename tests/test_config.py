@@ -159,7 +159,11 @@ def test_hf_gpt_neox_refuses_the_layouts_it_is_not_built_for():
      "model.fusions.ring_attention: true needs distributed_strategy.context_parallel_size > 1"),
     (["model.moe.num_experts=4", "model.moe.gate_balance_loss_weight=0.01"],
      "model.moe.gate_balance_loss_weight=0.01 weighs LLaMA-MoE's balance loss: needs model.moe.gate_type"),
-    (["trainer.accelerator=xla"], "trainer.accelerator xla: only one device is supported yet"),
+    (["trainer.accelerator=xla", "distributed_strategy.pipeline_model_parallel_size=2"],
+     "trainer.accelerator xla with 2 devices: distributed_strategy.pipeline_model_parallel_size = 2 is not supported "
+     "yet on XLA"),
+    (["trainer.accelerator=xla", "distributed_strategy.context_parallel_size=2"],
+     "trainer.accelerator xla with 2 devices: distributed_strategy.context_parallel_size = 2 is not supported yet on XLA"),
     (["precision.fp16.enabled=true", "precision.type=bf16SR"],
      "precision.fp16.enabled: cannot be combined with precision.type bf16SR"),
     (["data.data_prefix=[1.0]"], "data.data_prefix: expected [weight, path, weight, path, ...]"),

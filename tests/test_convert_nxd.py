@@ -19,10 +19,14 @@ import pytest
 import torch
 import yaml
 from conftest import TINY_OVERRIDES, read_scalars, train_in_process
+from torch.distributed.checkpoint import load as dcp_load
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from nxdt.checkpoint.checkpointer import load_weights
+from nxdt.checkpoint.nxd_legacy import LAYER_KEY as LAYER
+from nxdt.checkpoint.state import SafeReader, read_dcp_metadata
 from nxdt.config.errors import ConfigError
+from nxdt.config.load import main_guard
 from nxdt.tools.convert import main as convert_main
 from nxdt.tools.convert import hf_to_nxdt
 from nxdt.tools.convert_nxd import nxd_to_nxdt
@@ -143,13 +147,37 @@ def _torch_xla_reference():
             del sys.modules[n]
 
 
-def write_nxd(tag, shards: dict, xser: bool) -> None:
+def _xser_save(obj, path) -> None:
+    """torch_xla.utils.serialization.save (_rewrite_data): each tensor of a nested structure, in
+    traversal order, as `<path>.tensors/tensor_<tid>.pt`, a TensorReference(tid) in its place."""
+    folder = path.with_name(path.name + ".tensors")
+    folder.mkdir()
+    tids = iter(range(10**6))
+    with _torch_xla_reference() as ref:
+        def rewrite(o):
+            if isinstance(o, torch.Tensor):
+                tid = next(tids)
+                torch.save(o, folder / f"tensor_{tid}.pt")
+                return ref(tid)
+            if isinstance(o, dict):
+                return {k: rewrite(v) for k, v in o.items()}
+            if isinstance(o, (list, tuple)) and not isinstance(o, torch.Size):
+                return type(o)(rewrite(v) for v in o)
+            return o
+        torch.save(rewrite(obj), path)
+
+
+def write_nxd(tag, shards: dict, xser: bool, optim: dict | None = None) -> None:
+    """NxD's tag folder; `optim`: per (tp, pp) rank the optimizer state dict of each dp rank
+    (dp_rank_XX_tp_rank_YY_pp_rank_ZZ.pt under optim/, trainer/checkpoint.py _get_path with dp)."""
     (tag / "model").mkdir(parents=True)
     (tag / "optim").mkdir()
+    for (t, p), per_dp in (optim or {}).items():
+        for dp, state in enumerate(per_dp):
+            path = tag / "optim" / f"dp_rank_{dp:02d}_tp_rank_{t:02d}_pp_rank_{p:02d}.pt"
+            _xser_save(state, path) if xser else torch.save(state, path)
     for (t, p), sd in shards.items():
         path = tag / "model" / f"dp_rank_00_tp_rank_{t:02d}_pp_rank_{p:02d}.pt"
-        torch.save({"state": {0: {"exp_avg": torch.zeros(3)}}, "param_groups": [{"params": [0]}]},
-                   tag / "optim" / path.name)
         if not xser:
             torch.save(sd, path)
             continue
@@ -224,7 +252,7 @@ def test_nxd_layout_gives_transformers_logits(hf_model, tmp_path, capsys, tp, pp
     assert convert_main(["nxd-to-nxdt", "--input", str(given), "--output", str(out), "--config", str(config),
                          f"model.model_config={root / 'hf' / 'config.json'}"]) == 0
     said = capsys.readouterr().out
-    assert f"tp {tp} x pp {pp}, {'xser' if xser else 'torch.save'}" in said and "optimizer state not carried" in said
+    assert f"tp {tp} x pp {pp}, {'xser' if xser else 'torch.save'}" in said and "the output is weights-only" in said
     assert "NxDT's step 5, consumed_samples 40" in said
     weights = load_weights(out)
     assert set(weights) == set(sd)
@@ -292,3 +320,221 @@ def test_converted_checkpoint_resumes_training(hf_model, tmp_path, kjv_prefix):
     assert len(losses["from_nxd"]) == 2
     assert losses["from_nxd"] == pytest.approx(losses["from_hf"], abs=1e-6)
     assert abs(losses["from_nxd"][0] - losses["scratch"][0]) > 1e-4, losses
+
+
+# --------------------------------------------------------------------------- Adam's state (optim/)
+SUBLAYER = ("self_attn.qkv_proj", "self_attn.o_proj", "self_attn.rotary_emb", "mlp.gate_up_proj", "mlp.down_proj",
+            "input_layernorm", "post_attention_layernorm")
+
+
+def _nxd_order(shard: dict) -> dict:
+    """A rank's tensors in the order NxD's model lists them (local_state_dict = the order of
+    local_named_parameters: embed_tokens, each layer's self_attn, mlp, input_layernorm,
+    post_attention_layernorm, then norm, lm_head; NxDT's hf_models/modeling_llama.py)."""
+    def place(key):
+        m = LAYER.fullmatch(key)
+        if m:
+            return 1, int(m.group(1)), next(i for i, s in enumerate(SUBLAYER) if m.group(2).startswith(s))
+        return {"model.embed_tokens.weight": 0, "model.norm.weight": 2, "lm_head.weight": 3}[key], 0, 0
+    return dict(sorted(shard.items(), key=lambda kv: place(kv[0])))
+
+
+def _zero1(weights: dict, moments: dict, step: float, dp: int, no_decay: list[str], masters: dict | None = None) -> list[dict]:
+    """Each dp rank's torch_xla ZeroRedundancyOptimizer.state_dict() (pytorch/xla @ 41398bff,
+    zero_redundancy_optimizer.py: state_dict, get_shape_info, _pad_to_world_size, _shard_tensor) of
+    one tp/pp rank, the parameters numbered over NxDT's groups (neuronx-distributed-training @
+    9169aa03, utils/model_utils.py get_param_groups_by_weight_decay: names without no_decay first);
+    `masters`: save_master_weights' `sharded_master_weights` {index: this rank's shard}."""
+    names = [n for n in weights if not n.endswith("inv_freq")]
+    order = [n for n in names if not any(d in n for d in no_decay)] + [n for n in names if any(d in n for d in no_decay)]
+    n0 = sum(not any(d in n for d in no_decay) for n in names)
+    hyper = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "amsgrad": False, "maximize": False, "foreach": None,
+             "capturable": False, "differentiable": False, "fused": None}
+    groups = [{"weight_decay": 0.01, **hyper, "params": list(range(n0))},
+              {"weight_decay": 0.0, **hyper, "params": list(range(n0, len(order)))}]
+
+    def shard(t, r):
+        if t.size(0) % dp:
+            t = torch.nn.functional.pad(t, [0, 0] * (t.dim() - 1) + [0, dp - t.size(0) % dp])
+        return t.chunk(dp)[r].clone()
+    out = [{"state": {}, "param_groups": groups, "shape_info": {i: weights[n].shape for i, n in enumerate(order)},
+            "base_state": {i: {"step": torch.tensor(step), **{k: shard(moments[k][n], r) for k in moments}}
+                           for i, n in enumerate(order)}} for r in range(dp)]
+    for r, state in enumerate(out if masters else ()):
+        state["sharded_master_weights"] = {i: shard(masters[n], r) for i, n in enumerate(order)}
+    return out
+
+
+def _nxdt_state(checkpoint) -> tuple[dict, dict]:
+    """An nxdt checkpoint's model weights and Adam tensors (`state.<fqn>.<key>`), full, on CPU."""
+    saved = read_dcp_metadata(checkpoint).state_dict_metadata
+    optim = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in saved.items()
+             if k.startswith("optim0.state.")}
+    dcp_load(optim, storage_reader=SafeReader(str(checkpoint)), no_dist=True)
+    return load_weights(checkpoint), {k.removeprefix("optim0."): v for k, v in optim.items()}
+
+
+def _nxd_with_optimizer(tag, weights: dict, optim: dict, dp: int, xser: bool, layout=(2, 2, 1, False),
+                        plain: bool = False, bf16_masters: bool = False) -> None:
+    """NxD's checkpoint of nxdt's `weights` and Adam state: layout (tp, pp, kv_replicator, trn2),
+    ZeRO-1 over dp `dp`; `plain`: without ZeRO-1 (one torch optimizer state dict per tp/pp rank,
+    trainer/checkpoint.py save_checkpoint's path without `dp`); `bf16_masters`: bf16 model files,
+    the fp32 weights as ZeRO-1's master weights."""
+    moments = {k: {n: optim[f"state.{n}.{k}"] for n in weights} for k in ("exp_avg", "exp_avg_sq")}
+    shards = {key: _nxd_order(sd) for key, sd in _shard(weights, *layout).items()}
+    masters = dict(shards) if bf16_masters else {}
+    if bf16_masters:
+        shards = {key: {n: t.bfloat16() for n, t in sd.items()} for key, sd in shards.items()}
+    per_rank = {k: _shard(v, *layout) for k, v in moments.items()}  # replicated K/V heads: equal moments
+    step = float(next(v for k, v in optim.items() if k.endswith(".step")))
+    no_decay = ["bias", "LayerNorm", "norm"]  # NxDT's with model.do_layer_norm_weight_decay: true
+    states = {key: _zero1(sd, {k: per_rank[k][key] for k in moments}, step, dp, no_decay, masters.get(key))
+              for key, sd in shards.items()}
+    if plain:
+        states = {key: [{"state": s[0]["base_state"], "param_groups": s[0]["param_groups"]}] for key, s in states.items()}
+    write_nxd(tag, shards, xser, states)
+
+
+def test_nxd_optimizer_state_resumes_the_run(hf_model, tmp_path, kjv_prefix, capsys):
+    """NxDT's ZeRO-1 Adam shards (dp 3: dims of 64 rows pad to 66 and split 22/22/20) of a tp 2 x
+    pp 2 run, xser, made from nxdt's own step-2 checkpoint of the same tiny Llama: converted, the
+    moments are nxdt's bit for bit, and a resume from it logs the losses of the uninterrupted run
+    at steps 3 and 4 (step 4's depends on Adam's state and the lr at step 3) within 1e-6, where
+    the same checkpoint with the moments zeroed (torch.save this time) misses step 4's by > 1e-4."""
+    root, _ = hf_model
+    run = ["--config-name", "tiny_llama_cpu", *TINY_OVERRIDES, "trainer.devices=1", "trainer.max_steps=4",
+           "model_source=hf", f"model.model_config={root / 'hf' / 'config.json'}", "model.do_layer_norm_weight_decay=true",
+           "model.optim.sched.warmup_steps=2", f"data.data_prefix=[1.0,{kjv_prefix}]"]
+    ref = train_in_process([*run, f"exp_manager.explicit_log_dir={tmp_path / 'ref'}",
+                            "exp_manager.create_checkpoint_callback=true",
+                            "exp_manager.checkpoint_callback_params.every_n_train_steps=2",
+                            "exp_manager.checkpoint_callback_params.save_top_k=-1"])
+    assert ref.rc == 0, ref.err[-3000:]
+    weights, optim = _nxdt_state(next((tmp_path / "ref" / "checkpoints").glob("*step=2-*")))
+    tag = tmp_path / "nxd" / "hf_llama--step=2-consumed_samples=16.0.ckpt"
+    _nxd_with_optimizer(tag, weights, optim, dp=3, xser=True)
+    config = _yaml(root, 2, 2, None)
+    config.write_text(config.read_text().replace("qkv_linear: true", "qkv_linear: true\n  do_layer_norm_weight_decay: true"))
+    assert convert_main(["nxd-to-nxdt", "--input", str(tag), "--output", str(tmp_path / "conv"),
+                         "--config", str(config)]) == 0
+    said = capsys.readouterr().out
+    assert "(ZeRO-1 shards over dp 3); resumes at step 2, consumed_samples 16" in said, said
+    got_weights, got_optim = _nxdt_state(tmp_path / "conv")
+    assert set(got_optim) == set(optim) and set(got_weights) == set(weights)
+    for key, tensor in optim.items():
+        assert torch.equal(got_optim[key], tensor), key
+    assert float(optim["state.model.norm.weight.exp_avg_sq"].abs().max()) > 0  # moments of substance
+
+    # the same checkpoint with Adam's moments zeroed: step 3's loss is the same, step 4's is not
+    zeroed = {k: torch.zeros_like(v) if "exp_avg" in k else v for k, v in optim.items()}
+    _nxd_with_optimizer(tmp_path / "nxd0" / tag.name, weights, zeroed, dp=3, xser=False)
+    nxd_to_nxdt(tmp_path / "nxd0" / tag.name, tmp_path / "conv0", config)
+    want = read_scalars(tmp_path / "ref")["reduced_train_loss"]
+    got = {}
+    for name in ("conv", "conv0"):
+        resumed = train_in_process([*run, f"exp_manager.explicit_log_dir={tmp_path / name}_run",
+                                    f"exp_manager.resume_from_checkpoint={tmp_path / name}"])
+        assert resumed.rc == 0, resumed.err[-3000:]
+        got[name] = read_scalars(tmp_path / f"{name}_run")["reduced_train_loss"]
+        assert sorted(got[name]) == [2, 3], got
+    for step in (2, 3):
+        assert abs(got["conv"][step] - want[step]) <= 1e-6, (step, got, want)
+    assert abs(got["conv0"][2] - want[2]) <= 1e-6 and abs(got["conv0"][3] - want[3]) > 1e-4, (got, want)
+    # an optimizer keeping more than Adam's moments (amsgrad's max_exp_avg_sq): one line, exit 2
+    amsgrad = train_in_process([*run, f"exp_manager.explicit_log_dir={tmp_path / 'amsgrad_run'}",
+                                f"exp_manager.resume_from_checkpoint={tmp_path / 'conv'}", "+model.optim.amsgrad=true"])
+    assert amsgrad.rc == 2 and "also keeps 'max_exp_avg_sq' (21 tensors)" in amsgrad.err, amsgrad.err[-2000:]
+
+
+def test_malformed_optimizer_shard_is_refused(hf_model, tmp_path, capsys):
+    """A ZeRO-1 shard whose exp_avg lost rows, a dp rank's file missing, a plain optimizer whose
+    parameters do not match the model file's: one line naming it, exit 2, nothing written."""
+    root, sd = hf_model
+    optim = {f"state.{n}.{k}": torch.randn_like(t) for n, t in sd.items() for k in ("exp_avg", "exp_avg_sq")}
+    optim.update({f"state.{n}.step": torch.tensor(3.0) for n in sd})
+    config = _yaml(root, 2, 2, None)
+    config.write_text(config.read_text().replace("qkv_linear: true", "qkv_linear: true\n  do_layer_norm_weight_decay: true"))
+    cases = {}
+    tag = tmp_path / "short" / "tag"
+    _nxd_with_optimizer(tag, sd, optim, dp=2, xser=False)
+    bad = tag / "optim" / "dp_rank_01_tp_rank_01_pp_rank_00.pt"
+    state = torch.load(bad, weights_only=True)
+    state["base_state"][0]["exp_avg"] = state["base_state"][0]["exp_avg"][:-3]
+    torch.save(state, bad)
+    cases["base_state[0].exp_avg over the 2 dp ranks is (4093, 64) after unpadding, shape_info says (4096, 64)"] = tag
+    tag = tmp_path / "missing" / "tag"
+    _nxd_with_optimizer(tag, sd, optim, dp=2, xser=False)
+    (tag / "optim" / "dp_rank_01_tp_rank_00_pp_rank_01.pt").unlink()
+    cases["dp_rank_01_tp_rank_00_pp_rank_01.pt is missing (the other files make dp 2 x tp 2 x pp 2)"] = tag
+    tag = tmp_path / "plain" / "tag"
+    _nxd_with_optimizer(tag, sd, optim, dp=1, xser=False)
+    plain = tag / "optim" / "dp_rank_00_tp_rank_00_pp_rank_00.pt"
+    state = torch.load(plain, weights_only=True)
+    torch.save({"state": state["base_state"], "param_groups": state["param_groups"][:1]}, plain)
+    cases["parameters in 1 groups"] = tag
+    for i, (says, src) in enumerate(cases.items()):
+        out = tmp_path / f"out{i}"
+        with pytest.raises(SystemExit) as exit_:
+            main_guard(convert_main)(["nxd-to-nxdt", "--input", str(src), "--output", str(out), "--config", str(config)])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert says in err and "\n" not in err, (says, err)
+        assert not out.exists() and not (tmp_path / f".tmp-out{i}").exists()
+
+
+@pytest.mark.parametrize(("layout", "dp", "plain", "masters"), [
+    ((4, 2, 2, False), 2, False, True), ((4, 1, 2, True), 3, False, False), ((2, 2, 1, False), 1, True, False)])
+def test_optimizer_state_of_each_layout(hf_model, tmp_path, capsys, layout, dp, plain, masters):
+    """Adam's moments through K/V replication (Trn1's repeat with its query shuffle, Trn2's
+    repeat_interleave; the copies' order is the weights') and without ZeRO-1: the converted
+    moments are the full ones, bit for bit. With ZeRO-1's fp32 master weights beside bf16 model
+    files the weights are the masters, bit for bit; masters of another order are refused."""
+    root, sd = hf_model
+    torch.manual_seed(1)
+    optim = {f"state.{n}.{k}": torch.randn_like(t).abs() for n, t in sd.items() for k in ("exp_avg", "exp_avg_sq")}
+    optim.update({f"state.{n}.step": torch.tensor(7.0) for n in sd})
+    tag = tmp_path / "nxd" / "hf_llama--step=7-consumed_samples=56.0.ckpt"
+    _nxd_with_optimizer(tag, sd, optim, dp=dp, xser=False, layout=layout, plain=plain, bf16_masters=masters)
+    config = _yaml(root, layout[0], layout[1], layout[2] if layout[2] > 1 else None)
+    config.write_text(config.read_text().replace("qkv_linear: true", "qkv_linear: true\n  do_layer_norm_weight_decay: true"))
+    lines = nxd_to_nxdt(tag, tmp_path / "conv", config)
+    assert any("step 7 " + ("(one file per tp/pp rank)" if plain else f"(ZeRO-1 shards over dp {dp})") in line
+               for line in lines), lines
+    _, got = _nxdt_state(tmp_path / "conv")
+    assert set(got) == set(optim)
+    for key, tensor in optim.items():
+        assert torch.equal(got[key], tensor), key
+    weights = load_weights(tmp_path / "conv")
+    assert all(torch.equal(weights[n], t) for n, t in sd.items())  # with masters: not the bf16 files' values
+    assert not torch.equal(sd["lm_head.weight"].bfloat16().float(), sd["lm_head.weight"])
+    if masters:  # one rank's master shards swapped between two parameters of the same shape
+        bad = tag / "optim" / "dp_rank_01_tp_rank_00_pp_rank_01.pt"
+        state = torch.load(bad, weights_only=True)
+        sharded = state["sharded_master_weights"]
+        a, b = [i for i, s in state["shape_info"].items() if tuple(s) == (64,)][:2]
+        sharded[a], sharded[b] = sharded[b], sharded[a]
+        torch.save(state, bad)
+        with pytest.raises(ConfigError) as err:
+            nxd_to_nxdt(tag, tmp_path / "conv_bad", config)
+        assert "differ from the model file's beyond torch.bfloat16 rounding" in str(err.value)
+
+
+def test_optimizer_joined_by_nxds_converter(hf_model, tmp_path):
+    """optim/full_tp_rank_YY_pp_rank_ZZ.pt, the ZeRO-1 state NxD's convert_zero_checkpoints.py
+    --convert_to_full writes (base_state joined over dp, shape_info kept): read as dp 1."""
+    root, sd = hf_model
+    optim = {f"state.{n}.{k}": torch.randn_like(t) for n, t in sd.items() for k in ("exp_avg", "exp_avg_sq")}
+    optim.update({f"state.{n}.step": torch.tensor(4.0) for n in sd})
+    tag = tmp_path / "nxd" / "tag"
+    _nxd_with_optimizer(tag, sd, optim, dp=1, xser=False)
+    for f in sorted((tag / "optim").iterdir()):
+        f.rename(f.with_name(f.name.replace("dp_rank_00_", "full_")))
+    config = _yaml(root, 2, 2, None)
+    config.write_text(config.read_text().replace("qkv_linear: true", "qkv_linear: true\n  do_layer_norm_weight_decay: true"))
+    nxd_to_nxdt(tag, tmp_path / "conv", config)
+    _, got = _nxdt_state(tmp_path / "conv")
+    assert set(got) == set(optim) and all(torch.equal(got[k], v) for k, v in optim.items())
+    (tag / "optim" / "full_tp_rank_01_pp_rank_01.pt").unlink()
+    with pytest.raises(ConfigError) as err:
+        nxd_to_nxdt(tag, tmp_path / "conv2", config)
+    assert "full_tp_rank_01_pp_rank_01.pt is missing" in str(err.value)

@@ -26,6 +26,7 @@ from nxdt.config.errors import ConfigError
 from nxdt.hardware import local_device_type
 from nxdt.parallel.parallelize import apply_compile, compile_backend_missing
 from nxdt.spec import load_config
+from nxdt.spec.layout import Layout
 from nxdt.spec.parallel import check_xla_devices
 from nxdt.training import trainer as trainer_mod
 from nxdt.training.strategy import NeuronAccelerator, native_neuron_strategy
@@ -291,11 +292,15 @@ def test_torchneuron_reports_the_xla_only_keys_inert_and_allows_several_devices(
                                                                  "trainer.devices": 2})
     keys = [key for key, _value, _why in inert.inert_keys(cfg)]
     assert keys == ["exp_manager.save_xser"]  # compile runs (TorchNeuron's backend); the cache URL is read
-    check_xla_devices(cfg)  # 2 devices: the one-device rule is torch-xla's
+    check_xla_devices(cfg, Layout(pp=2, dp_shard=1))  # 2 devices, pp: the SPMD rule is torch-xla's
     monkeypatch.setattr(env, "torchneuron_installed", lambda: False)
     _installed(monkeypatch, "torch_neuronx", "torch_xla")
-    with pytest.raises(ConfigError, match="only one device is supported yet"):
-        check_xla_devices(cfg)
+    with pytest.raises(ConfigError, match="create_checkpoint_callback = true .* is not supported yet on XLA"):
+        check_xla_devices(cfg, Layout(dp_shard=2))  # SPMD trains (nxdt.parallel.xla_spmd); its callback is not wired
+    cfg.exp_manager.create_checkpoint_callback = False
+    check_xla_devices(cfg, Layout(dp_shard=2))
+    with pytest.raises(ConfigError, match="pipeline_model_parallel_size = 2 is not supported yet on XLA"):
+        check_xla_devices(cfg, Layout(pp=2))
 
 
 def test_compile_uses_torchneuron_backend_on_its_device(monkeypatch):

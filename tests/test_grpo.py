@@ -17,6 +17,7 @@ import torch
 from nxdt.config.errors import ConfigError
 from nxdt.data.prompts import PromptRow, arithmetic_rows, prompt_ids, read_prompt_rows
 from nxdt.data.tokenizers import build_tokenizer
+from nxdt.inference.generate import SamplingParams, filter_logits, next_tokens
 from nxdt.models.llama import LlamaArgs, NxdtLlamaForCausalLM
 from nxdt.models.lora import adapters_disabled, inject_lora
 from nxdt.precision.precision import Precision
@@ -208,8 +209,20 @@ def _low_ids(prompts, completions, completion_ids, **_):
     return [sum(t < VOCAB // 4 for t in ids) / max(len(ids), 1) for ids in completion_ids]
 
 
-def test_generator_logps_equal_the_training_forward_and_the_first_ratio_is_one():
-    model = _model()
+def _hf_model(seed=0):
+    """transformers' LlamaForCausalLM (model_source: hf) of _model's shapes."""
+    from transformers import LlamaConfig, LlamaForCausalLM  # reason: transformers only for this model
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=False)
+    return LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize("source", ["native", "hf"])
+def test_generator_logps_equal_the_training_forward_and_the_first_ratio_is_one(source):
+    model = _model() if source == "native" else _hf_model()
     r = rollout(model, _rows(), step=3, opts=_options(), reward_funcs=[_low_ids], tokenizer=_Tok())
     mask = r.mask.bool()
     assert int(mask.sum()) > 40 and float(r.advantages.abs().max()) > 0.5
@@ -222,6 +235,21 @@ def test_generator_logps_equal_the_training_forward_and_the_first_ratio_is_one()
     assert torch.equal(fb.first_logps[mask], train[mask])  # ratio exp(0) = 1 exactly: nothing clipped
     assert float(fb.sums["clipped"]) == 0 and float(fb.sums["tokens"]) == int(mask.sum())
     assert all(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in model.parameters())
+
+
+def test_per_row_sampling_draws_from_the_filtered_distribution():
+    """Per-row generators (the rollouts'): one uniform per row and the inverse CDF of the batch. The
+    frequencies over 3,000 rows match the top-k-filtered softmax, a filtered token is never drawn,
+    and a row's token depends on its own seed only."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 3.0]]).repeat(3000, 1)
+    params = SamplingParams(max_new_tokens=1, temperature=0.7, top_k=4)
+    gens = [torch.Generator().manual_seed(1000 + i) for i in range(3000)]
+    drawn = next_tokens(logits.clone(), params, gens)
+    want = filter_logits(logits[:1] / 0.7, 4, None).softmax(-1)[0]
+    freq = torch.bincount(drawn, minlength=6).double() / 3000
+    assert float((freq - want.double()).abs().max()) < 0.03 and freq[3] == 0 and freq[4] == 0, (freq, want)
+    alone = next_tokens(logits[7:8].clone(), params, [torch.Generator().manual_seed(1007)])
+    assert int(alone[0]) == int(drawn[7])
 
 
 def test_completions_do_not_depend_on_the_ranks():

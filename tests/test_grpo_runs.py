@@ -2,17 +2,20 @@
 random tiny model can move: the share of completion tokens with an id below 1000
 (nxdt.rl.rewards.token_fraction, about 0.1 at the start; sampling among the 16 most likely tokens).
 
-- It learns: one process and dp 2 (ZeRO-1, FSDP) raise the mean reward by more than 0.2 within 5
-  steps (measured: about 0.11 over steps 0-1 to 0.45 over steps 3-4).
-- The layouts agree: dp 2 with ZeRO-1 and with FSDP give one process's losses, rewards and KL within
-  1e-5 over 5 steps (the completions are seeded per step, prompt and sample, and identical).
-- Resume exact: a run stopped at step 3 and resumed continues with the same prompts, completions,
-  rewards and losses, bitwise (CPU fp32).
+- It learns: one process, dp 2 (ZeRO-1, FSDP) and tp 2 (with and without sequence parallelism) raise the mean reward by more than 0.2 within
+  5 steps (measured: about 0.11 over steps 0-1 to 0.45 over steps 3-4).
+- The layouts agree: dp 2 with ZeRO-1 and with FSDP, and tp 2 (and with sp), give one process's losses, rewards and
+  KL within 1e-5 over 5 steps (the completions are seeded per step, prompt and sample, and identical).
+- Resume exact: a run with num_iterations 2 stopped at step 3 (between the two updates on step 2's
+  rollouts) and resumed continues with the same prompts, completions, old log-probs, rewards and
+  losses, bitwise (CPU fp32).
 - Bad input: one line, exit 2, nothing written.
 """
 
 from __future__ import annotations
 
+import math
+import re
 from pathlib import Path
 
 import pytest
@@ -42,17 +45,21 @@ KL = [f"{GRPO}.beta=0.04", f"{GRPO}.loss_type=grpo"]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("grpo")
+    # two updates per batch of rollouts (the old log-probs kept): sampled at steps 0, 2, 4; the checkpoint
+    # at step 3 falls between the two iterations of step 2's batch, and the resume continues on it
+    mu2 = [*CKPT_EVERY_3, f"{GRPO}.num_iterations=2"]
     single = {
-        "whole": _args(root / "whole", 6, CKPT_EVERY_3),
-        "first": _args(root / "split", 3, CKPT_EVERY_3),
-        "rest": _args(root / "split", 6, CKPT_EVERY_3),
+        "whole": _args(root / "whole", 5, mu2),
+        "first": _args(root / "split", 3, mu2),
+        "rest": _args(root / "split", 5, mu2),
         "kl_one_process": _args(root / "kl_one_process", 5, KL),
         # LoRA: adapters only, the reference is the base with the adapters off (no copy of the weights)
         "lora": _args(root / "lora", 2, [*KL, "+model_alignment_strategy.peft.lora_rank=4",
                                          "+model_alignment_strategy.peft.lora_dropout=0",
                                          "+model_alignment_strategy.peft.target_modules=[qkv_proj,down_proj]"]),
-        # two updates per batch of rollouts: the old log-probs kept, the second update's ratio off 1
-        "mu2": _args(root / "mu2", 4, [f"{GRPO}.num_iterations=2", f"{GRPO}.loss_type=bnpo"]),
+        # transformers' LlamaForCausalLM (model_source: hf): its DynamicCache in the generator, kwargs forwards
+        "hf": _args(root / "hf", 2, ["model_source=hf",
+                                     "model.model_config=${nxdt_conf:model_configs/tiny_llama/config.json}"]),
         # the precision presets apply unchanged: bf16 compute with fp32 masters, the KL's reference swapped in
         "mixed_precision": _args(root / "mixed_precision", 2, [*KL, "precision.type=mixed_precision"]),
     }
@@ -63,7 +70,11 @@ def runs(tmp_path_factory):
         out[name] = run.out
     dp2 = {"kl_zero1": _args(root / "kl_zero1", 5, [*KL, "trainer.devices=2", "distributed_strategy.zero1=true"]),
            "kl_fsdp": _args(root / "kl_fsdp", 5, [*KL, "trainer.devices=2",
-                                                  "distributed_strategy.sharding_strategy=FSDP"])}
+                                                  "distributed_strategy.sharding_strategy=FSDP"]),
+           "kl_tp2": _args(root / "kl_tp2", 5, [*KL, "trainer.devices=2", "distributed_strategy.tensor_model_parallel_size=2"]),
+           # sequence parallel: each decode step recomputes the sequence padded to a multiple of tp
+           "kl_tp2_sp": _args(root / "kl_tp2_sp", 5, [*KL, "trainer.devices=2", "distributed_strategy.tensor_model_parallel_size=2",
+                                                     "distributed_strategy.sequence_parallel=true"])}
     procs = run_pool(dp2, 2, root / "pool")
     out.update({name: proc.stdout for name, proc in procs.items()})
     return root, out
@@ -76,7 +87,7 @@ def _rise(scalars) -> float:
 
 def test_it_learns_on_one_process_and_dp2(runs):
     root, out = runs
-    for name in ("whole", "kl_one_process", "kl_zero1", "kl_fsdp"):
+    for name in ("kl_one_process", "kl_zero1", "kl_fsdp", "kl_tp2", "kl_tp2_sp"):
         scalars = read_scalars(root / name)
         assert curve(scalars, "reward")[0] < 0.2 and _rise(scalars) > 0.2, (name, curve(scalars, "reward"))
         assert curve(scalars, "completions/mean_length")[0] == 8.0  # no EOS sampled: every completion truncated
@@ -85,11 +96,32 @@ def test_it_learns_on_one_process_and_dp2(runs):
     assert "reference: a copy of the starting weights" in out["kl_zero1"]
 
 
+def test_a_run_logs_what_the_issue_lists(runs):
+    """Item 7: rewards (total and per function, mean and std), KL, clip ratio, completion lengths (mean,
+    max, truncated share), entropy, rollout and training tokens/s every step; the start summary's
+    completions per step and the rollouts' memory."""
+    root, out = runs
+    s = read_scalars(root / "kl_one_process")
+    tags = ["reward", "reward_std", "rewards/token_fraction/mean", "rewards/token_fraction/std", "kl", "clip_ratio",
+            "entropy", "completions/mean_length", "completions/max_length", "completions/clipped_ratio",
+            "tokens_per_s/rollout", "tokens_per_s/train"]
+    assert all(sorted(s.get(tag, {})) == [0, 1, 2, 3, 4] for tag in tags), {t: sorted(s.get(t, {})) for t in tags}
+    assert curve(s, "rewards/token_fraction/mean") == curve(s, "reward")  # one function, weight 1
+    assert all(0 < v < 0.5 for v in curve(s, "reward_std")) and curve(s, "reward_std") == curve(
+        s, "rewards/token_fraction/std")
+    assert curve(s, "completions/max_length") == [8.0] * 5 and curve(s, "completions/clipped_ratio") == [1.0] * 5
+    assert 8 < min(curve(s, "entropy")) and max(curve(s, "entropy")) < math.log(8192) + 1e-4  # near uniform at the start
+    assert all(v > 0 for v in curve(s, "tokens_per_s/rollout") + curve(s, "tokens_per_s/train"))
+    summary = re.search(r"grpo +4 prompts x 4 = 16 completions/step \(16 per rank\), up to 8 new tokens each; "
+                        r"rollouts need ~([0-9.]+) MiB per rank", out["kl_one_process"])
+    assert summary and float(summary.group(1)) > 0, out["kl_one_process"][:3000]
+
+
 def test_dp2_zero1_and_fsdp_equal_one_process(runs):
     root, _ = runs
     one = read_scalars(root / "kl_one_process")
     assert max(abs(v) for v in curve(one)) > 1e-4 and max(curve(one, "kl")) > 1e-4  # numbers that can differ
-    for name in ("kl_zero1", "kl_fsdp"):
+    for name in ("kl_zero1", "kl_fsdp", "kl_tp2", "kl_tp2_sp"):
         other = read_scalars(root / name)
         for tag in ("reduced_train_loss", "reward", "kl", "entropy"):
             assert curve(other, tag) == pytest.approx(curve(one, tag), abs=1e-5, rel=0), (name, tag)
@@ -105,11 +137,11 @@ def test_lora_grpo_runs_against_the_base(runs):
 
 def test_num_iterations_reuses_the_rollouts(runs):
     root, _ = runs
-    mu2 = read_scalars(root / "mu2")
+    mu2 = read_scalars(root / "whole")
     reward, clip = curve(mu2, "reward"), curve(mu2, "clip_ratio")
     assert reward[0] == reward[1] and reward[2] == reward[3] and reward[1] != reward[2]  # one batch, two steps
     assert clip[0] == 0 and clip[1] > 0.01  # the second update's ratios moved off 1 (lr 1e-2)
-    assert sorted(mu2["tokens_per_s/rollout"]) == [0, 2]  # sampled on steps 0 and 2 only
+    assert sorted(mu2["tokens_per_s/rollout"]) == [0, 2, 4]  # sampled on steps 0, 2 and 4 only
 
 
 def test_mixed_precision_runs(runs):
@@ -117,6 +149,19 @@ def test_mixed_precision_runs(runs):
     mixed = read_scalars(root / "mixed_precision")
     assert curve(mixed, "kl")[0] < 1e-5 < curve(mixed, "kl")[1] < 1  # reference = start (bf16 forwards), then apart
     assert all(0 < g < 10 for g in curve(mixed, "gradient_norm"))
+
+
+def test_a_transformers_model_runs_grpo(runs):
+    """model_source: hf (the tiny Llama config.json, its sizes overridden to the tests' tiny shapes):
+    rollouts, rewards and steps as for nxdt's own Llama (the generator's log-probs equal the training
+    forward's within 1e-6: tests/test_grpo.py)."""
+    root, out = runs
+    hf = read_scalars(root / "hf")
+    assert "model_source=hf" in out["hf"] and "GRPO step 0:" in out["hf"]
+    reward, loss = curve(hf, "reward"), curve(hf, "reduced_train_loss")
+    assert len(reward) == 2 and all(0 < r < 1 for r in reward) and all(math.isfinite(v) for v in loss)
+    assert curve(hf, "clip_ratio")[0] == 0 and curve(hf, "completions/mean_length")[0] == 8.0
+    assert all(0 < g < 10 for g in curve(hf, "gradient_norm"))
 
 
 def test_completions_reach_tensorboards_text_tab(runs):
@@ -129,16 +174,18 @@ def test_resume_is_exact(runs):
     root, out = runs
     whole, split = read_scalars(root / "whole"), read_scalars(root / "split")
     for tag in ("reduced_train_loss", "reward", "gradient_norm", "entropy", "clip_ratio"):
-        assert curve(split, tag) == curve(whole, tag) and len(curve(whole, tag)) == 6, tag  # bitwise
-    assert "resuming from" in out["rest"] or "resuming" in out["rest"]
+        assert curve(split, tag) == curve(whole, tag) and len(curve(whole, tag)) == 5, tag  # bitwise
+    assert "resuming" in out["rest"]
+    saved = [p.read_text() for p in (root / "split").rglob("rank_00000.json") if "step=3" in str(p)]
+    assert len(saved) == 1 and '"grpo_rollout"' in saved[0]  # step 2's rollouts, reused by step 3
 
 
 @pytest.mark.parametrize("override, fragment", [
     (f"{GRPO}.num_generations=3", "num_generations (3) does not divide data.global_batch_size (16)"),
     (f"{GRPO}.num_generations=1", "num_generations = 1 with scale_rewards='group'"),
     (f"{GRPO}.reward_funcs=[no_such_pkg.rewards.accuracy]", "reward_funcs[0]: cannot import 'no_such_pkg.rewards'"),
-    ("distributed_strategy.tensor_model_parallel_size=2 trainer.devices=2",
-     "tensor_model_parallel_size > 1 is not supported yet"),
+    ("distributed_strategy.pipeline_model_parallel_size=2 trainer.devices=2",
+     "pipeline_model_parallel_size > 1 is not supported yet (got 2): nxdt's generator runs whole forward passes"),
     (f"{GRPO}.epsilon=1.5", f"{GRPO}.epsilon"),
 ])
 def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, override, fragment):

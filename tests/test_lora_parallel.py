@@ -14,6 +14,10 @@ after 3 AdamW steps equal one process's with the same weights and batch:
     meta_fsdp    same build initialised in one process (init_model_weights), adapters drawn as peft does
     tp2_dropout  lora_dropout 0.1 under tp2 (sharded and replicated DTensor inputs) trains: finite losses,
                  adapters updated (one process's dropout masks are not reproduced, nor meant to be)
+    moe_ep2      a native Mixtral-style model with adapters on its experts (peft's target_parameters:
+    moe_fsdp     gate_up_proj and down_proj, per expert) and on qkv_proj, under ep2 (the expert adapters
+                 sharded with their experts) and FSDP dp2: the losses of 6 AdamW steps and the first
+                 gradients equal one process's
 
 The config-level layouts (10 training steps through the run, pipeline included) are the run's tests.
 """
@@ -35,6 +39,8 @@ from conftest import exit_worker, run_worker  # noqa: E402
 V = 512
 TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 LAYOUTS = ["tp2", "tp2_sp", "tp2_kv1", "fsdp", "zero1", "hf_tp2", "pp2"]
+MOE_LAYOUTS = ["moe_ep2", "moe_fsdp"]
+EXPERT_TARGETS = ["experts.gate_up_proj", "experts.down_proj"]
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +92,20 @@ def test_lora_meta_init_sharded_equals_one_process_init(results, layout):
 def test_lora_dropout_under_tp_trains(results):
     r = results["tp2_dropout"]
     assert r["finite"] and r["adapters_moved"] and not r["base_moved"], r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", MOE_LAYOUTS)
+def test_lora_on_experts_layout_matches_one_process(results, layout):
+    r = results[layout]
+    assert r["trainable"] == r["trainable_ref"] and r["expert_adapters"] == 8, r  # 2 layers x 2 weights x (A, B)
+    assert r["steps"] == 6 and r["losses"] < 1e-5 and r["grads"] < 1e-5, r
+    assert r["base_moved"] == 0.0 and r["adapters_moved"], r
+    if layout == "moe_ep2":  # each rank holds its 2 experts' adapters; a meta build draws them as one process
+        assert r["meta_max_abs_diff"] == 0.0 and r["meta_b_zero"], r
+        from torch.distributed.tensor import Shard
+
+        assert r["placements"] == [str(Shard(0))] * 4 and r["local_experts"] == 2, r
 
 
 # ----------------------------------------------------------------------------- the worker
@@ -269,6 +289,92 @@ def _dropout_case() -> dict:  # pragma: no cover - under torchrun
             "base_moved": any(m for n, m in moved.items() if n not in lora)}
 
 
+def _moe_case(layout: str, rank: int) -> dict:  # pragma: no cover - under torchrun
+    """LoRA on the experts (and qkv_proj) under ep2 or FSDP dp2 against one process, 6 AdamW steps."""
+    import torch.distributed as dist
+
+    from nxdt.models import build_model
+    from nxdt.models.lora import inject_lora, trainable_state_keys
+    from nxdt.models.lora_experts import lora_experts
+    from nxdt.parallel.mesh import build_mesh
+    from nxdt.parallel.parallelize import parallelize_llama
+    from nxdt.spec import config_from_dict
+    from nxdt.spec.layout import Layout
+
+    ep = layout == "moe_ep2"
+    cfg = config_from_dict({
+        "model_source": "megatron", "precision": {"type": "fp32"},
+        "model": {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 96, "num_attention_heads": 4,
+                  "num_kv_heads": 2, "make_vocab_size_divisible_by": 8, "moe": {"num_experts": 4, "top_k": 2}},
+        "distributed_strategy": {"expert_model_parallel_size": 2 if ep else 1,
+                                 "sharding_strategy": None if ep else "FSDP"}})
+
+    def lora_model():
+        torch.manual_seed(0)
+        model = build_model(cfg, V)
+        inject_lora(model, ["qkv_proj"], rank=4, alpha=8.0, dropout=0.0, target_parameters=EXPERT_TARGETS)
+        g = torch.Generator().manual_seed(7)
+        with torch.no_grad():  # B non-zero, so that A's gradients are too
+            for name, p in model.named_parameters():
+                if ".lora_B." in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+        return model
+
+    ref = lora_model()
+    mesh = build_mesh(Layout(dp_replicate=2, ep=2) if ep else Layout(dp_shard=2), "cpu")
+    model = parallelize_llama(lora_model(), mesh, cfg)
+    ids = torch.randint(0, V, (4, 16), generator=torch.Generator().manual_seed(1))
+    mine = ids[2 * rank:2 * rank + 2]
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    before = {n: _full(p).detach().clone() for n, p in model.named_parameters()}
+    out: dict = {"trainable": trainable_state_keys(model), "trainable_ref": trainable_state_keys(ref),
+                 "expert_adapters": sum(".experts.lora_" in n for n in trainable_state_keys(model)), "losses": 0.0}
+    for step in range(6):
+        ref_opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=True)
+        ref_loss = _loss_backward(ref, ids).item()
+        loss = _full(_loss_backward(model, mine)).clone()
+        dist.all_reduce(loss)
+        out["losses"] = max(out["losses"], abs(ref_loss - loss.item() / 2))
+        if step == 0:
+            out["grads"] = max((_full(p.grad) - ref.get_parameter(n).grad).abs().max().item()
+                               for n, p in model.named_parameters() if p.requires_grad)
+        ref_opt.step()
+        opt.step()
+        out["steps"] = step + 1
+    moved = {n: not torch.equal(_full(p).detach(), before[n]) for n, p in model.named_parameters()}
+    out["base_moved"] = max((_full(p).detach() - before[n]).abs().max().item()
+                            for n, p in model.named_parameters() if not p.requires_grad)
+    out["adapters_moved"] = all(moved[n] for n in out["trainable"])
+    if ep:
+        out.update(_meta_moe_case(cfg, mesh))
+        experts = next(iter(lora_experts(model).values()))
+        out["placements"] = [str(p.placements[0]) for n, p in experts.named_parameters() if ".lora_" in f".{n}"]
+        out["local_experts"] = experts.lora_A.gate_up_proj.to_local().shape[0]
+    return out
+
+
+def _meta_moe_case(cfg, mesh) -> dict:  # pragma: no cover - under torchrun
+    """Meta build + expert adapters + ep2 + materialise = the same build initialised in one process."""
+    from nxdt.models import build_model, init_model_weights
+    from nxdt.models.lora import inject_lora
+    from nxdt.parallel.parallelize import parallelize_llama
+
+    cfg.distributed_strategy.meta_init = True
+    models = []
+    for parallel in (True, False):
+        torch.manual_seed(3)
+        model = build_model(cfg, V, device="meta")
+        inject_lora(model, ["qkv_proj"], rank=4, alpha=8.0, target_parameters=EXPERT_TARGETS)
+        models.append(parallelize_llama(model, mesh, cfg, device="cpu") if parallel else init_model_weights(model, "cpu"))
+    model, ref = models
+    return {"meta_max_abs_diff": max((_full(p).detach() - ref.get_parameter(n)).abs().max().item()
+                                     for n, p in model.named_parameters()),
+            "meta_b_zero": all(float(_full(p).abs().max()) == 0 for n, p in model.named_parameters()
+                               if ".lora_B." in n)}
+
+
 def _worker() -> None:  # pragma: no cover - runs under torchrun
     import json
 
@@ -279,6 +385,7 @@ def _worker() -> None:  # pragma: no cover - runs under torchrun
     results = {layout: _layout_case(layout, rank) for layout in LAYOUTS}
     results.update({f"meta_{layout}": _meta_case(layout) for layout in ("tp2", "fsdp")})
     results["tp2_dropout"] = _dropout_case()
+    results.update({layout: _moe_case(layout, rank) for layout in MOE_LAYOUTS})
     if rank == 0:
         Path(os.environ["NXDT_TEST_OUT"]).write_text(json.dumps(results))
     dist.destroy_process_group()

@@ -345,6 +345,33 @@ def test_lora_counts_frozen_base_without_grads_or_optimizer_state(capsys):
     assert (full["params"], full["grads"], full["optimizer"]) == (4 * base, 4 * base, 8 * base)
 
 
+def test_lora_on_experts_counts_adapters_per_expert_under_ep_and_fsdp(capsys):
+    """tiny_mixtral_cpu with rank-4 adapters on the experts only (peft's target_parameters): each of
+    the 4 experts of the 4 layers gets A (r x in) + B (out x r) on gate_up_proj [2F, H] and down_proj
+    [H, F]; they train (gradients, AdamW state), the base is frozen; under ep2 the expert adapters are
+    split with their experts, under FSDP dp2 everything is."""
+    h, f, e, layers, r = 256, 352, 4, 4, 4
+    base, experts = 5_249_280, layers * e * (2 * f * h + h * f)
+    adapters = layers * e * r * ((h + 2 * f) + (f + h))
+    assert (experts, adapters) == (4_325_376, 100_352)
+    lora = ["model.vocab_size=256", "distributed_strategy.zero1=false", "+model_alignment_strategy.peft.lora_rank=4",
+            "+model_alignment_strategy.peft.lora_dropout=0", "+model_alignment_strategy.peft.target_modules=[]",
+            "+model_alignment_strategy.peft.target_parameters=[experts.gate_up_proj,experts.down_proj]"]
+    p = _plan(capsys, "tiny_mixtral_cpu", "trainer.devices=1", *lora)
+    assert (p["parameters"], p["parameters_trainable"], p["parameters_per_rank"]) == (base, adapters, base + adapters)
+    mem = p["memory_per_rank_bytes"]
+    assert (mem["params"], mem["grads"], mem["optimizer"]) == (4 * (base + adapters), 4 * adapters, 8 * adapters)
+    p = _plan(capsys, "tiny_mixtral_cpu", "trainer.devices=2", "distributed_strategy.expert_model_parallel_size=2",
+              *lora)
+    mem = p["memory_per_rank_bytes"]
+    assert p["parameters_per_rank"] == base - experts + (experts + adapters) // 2 == 3_136_768
+    assert (mem["grads"], mem["optimizer"]) == (4 * adapters // 2, 8 * adapters // 2)
+    p = _plan(capsys, "tiny_mixtral_cpu", "trainer.devices=2", "distributed_strategy.sharding_strategy=FSDP", *lora)
+    mem = p["memory_per_rank_bytes"]
+    assert p["parameters_per_rank"] == (base + adapters) // 2 and (mem["grads"], mem["optimizer"]) == (
+        4 * adapters // 2, 8 * adapters // 2)
+
+
 def test_8b_sft_lora_per_rank(capsys):
     """hf_llama3_8B_SFT_lora_config (tp 32, autocast: fp32 weights, rank-16 adapters on q/k/v): per
     rank the SFT config's base shard frozen, plus the adapters split as the run splits them (q_proj

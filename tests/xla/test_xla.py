@@ -92,15 +92,16 @@ def test_examples_train_runs_on_xla(tmp_path):
     assert len(losses) == 4 and all(math.isfinite(v) for v in losses.values())
 
 
-@pytest.mark.parametrize("accelerator", ["xla", "auto"])
-def test_several_xla_devices_refused_in_one_line(accelerator):
-    """dp over XLA devices is not built (XLA:CPU cannot run it: see nxdt.config.validate); with torch-xla
-    installed and PJRT_DEVICE set, `auto` is XLA too and must be refused the same way, before any work."""
+@pytest.mark.parametrize("accelerator, key", [("xla", "pipeline_model_parallel_size"), ("auto", "context_parallel_size")])
+def test_pipeline_or_context_parallel_over_xla_devices_refused_in_one_line(accelerator, key):
+    """Several XLA devices are SPMD (tests/xla/test_xla_spmd.py); pipeline and context parallel have no
+    SPMD form yet: one line, exit 2, before any work. With torch-xla installed and PJRT_DEVICE set,
+    `auto` is XLA too and is refused the same way."""
     env = {**os.environ, "PJRT_DEVICE": "CPU"}
     proc = subprocess.run([sys.executable, str(REPO / "examples" / "train.py"), "--config-name", "tiny_llama_cpu",
-                           f"trainer.accelerator={accelerator}", "trainer.devices=2"],
+                           f"trainer.accelerator={accelerator}", "trainer.devices=2", f"distributed_strategy.{key}=2"],
                           capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: trainer.accelerator {accelerator}"), lines
-    assert "only one device is supported yet (got trainer.devices x trainer.num_nodes = 2)" in lines[0]
+    assert f"with 2 devices: distributed_strategy.{key} = 2 is not supported yet on XLA" in lines[0], lines[0]

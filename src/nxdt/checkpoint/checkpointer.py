@@ -48,6 +48,7 @@ from nxdt.device import load_xser, save_xser
 from nxdt.checkpoint.save_errors import CheckpointException, CheckpointSaveError, agree, attempt, describe, writer_class
 from nxdt.checkpoint.lora_state import tensors_to_load, tensors_to_save, write_adapter_config
 from nxdt.checkpoint.dtype import flags, model_keys_for_export, weights_for_load, weights_for_save
+from nxdt.checkpoint.nxd_legacy_optim import check_converted_request, converted_trainer_state
 from nxdt.checkpoint.state import (
     MARKER,
     META,
@@ -392,7 +393,8 @@ def load_checkpoint(strategy, path: Path, cfg=None, weights_only: bool = False,
         saved_scalars: dict[str, Any] = {}
         for f in files:  # pipeline stages and ZeRO-1 shards hold different keys: merge
             saved_scalars.update(from_json(f.get("scalars", {})))
-        for key in scalars:
+        # converted from NxDT (`nxdt convert nxd-to-nxdt`): the hyperparameters are the config's
+        for key in scalars if meta.get("converted_from") != "nxd" else ():
             if key not in saved_scalars:
                 raise ConfigError(f"checkpoint {path}: optimizer key '{key}' not found in {rank_file(0)} "
                                   "(saved with another optimizer?)")
@@ -404,7 +406,10 @@ def load_checkpoint(strategy, path: Path, cfg=None, weights_only: bool = False,
         notes = _xser_load(tensors, path, rank)
     else:
         # fp32 master weights, where the checkpoint has them, go into the model (checkpoint_dtype)
-        request, notes = weights_for_load(tensors, read_dcp_metadata(path).state_dict_metadata)
+        saved = read_dcp_metadata(path).state_dict_metadata
+        if meta.get("converted_from") == "nxd":
+            check_converted_request(tensors, saved, path)
+        request, notes = weights_for_load(tensors, saved)
         try:
             dcp.load(request, storage_reader=SafeReader(str(path)))
         except Exception as err:
@@ -416,6 +421,8 @@ def load_checkpoint(strategy, path: Path, cfg=None, weights_only: bool = False,
     t2 = time.perf_counter()
 
     trainer_state = from_json(own.get("trainer", {}))
+    if meta.get("converted_from") == "nxd" and not weights_only and not model_only:
+        trainer_state.update(converted_trainer_state(strategy, meta, path))
     trainer_state["pending_rng"] = None
     if not weights_only and not model_only:
         # RNG states belong to a rank's place in the layout. In another layout (even with the same
@@ -507,10 +514,12 @@ class ResumedLoader:
 
 # --------------------------------------------------------------------------- single-process weights
 def save_weights(model_state: dict[str, torch.Tensor], path: Path, extra_meta: dict[str, Any] | None = None,
-                 strategy=None, files: dict[str, str] | None = None) -> None:
+                 strategy=None, files: dict[str, str] | None = None,
+                 optimizer_state: dict[str, torch.Tensor] | None = None) -> None:
     """A weights-only checkpoint (no trainer state), e.g. from `nxdt convert hf-to-nxdt`, or a LoRA
     run's merged model. One process, or with `strategy` every rank of a run writing its shards
     (the tensors may be DTensors). `files`: text files (name → content) written inside it.
+    `optimizer_state`: the optimizer's tensors, flattened (`state.<fqn>.exp_avg`), stored as `optim0.*`.
 
     Load it for training with `exp_manager.resume_from_checkpoint=PATH model.weight_init_only=true`.
     """
@@ -518,6 +527,7 @@ def save_weights(model_state: dict[str, torch.Tensor], path: Path, extra_meta: d
     rank = strategy.global_rank if strategy is not None else 0
     tmp = path.parent / f"{TMP_PREFIX}{path.name}"
     tensors = {f"model.{k}": v.detach().contiguous() for k, v in model_state.items()}
+    tensors.update({f"optim0.{k}": v.detach().contiguous() for k, v in (optimizer_state or {}).items()})
     shapes = all_tensor_shapes(tensors) if strategy is not None else tensor_shapes(tensors)  # a collective
     if rank == 0:
         if tmp.exists():

@@ -28,6 +28,7 @@ from typing import Any
 from nxdt.checkpoint.state import META, read_json
 from nxdt.config.errors import ConfigError
 from nxdt.models.lora import is_lora_key, peft_adapter_config, trained_keys
+from nxdt.models.lora_experts import is_expert_lora_key
 from nxdt.spec.alignment import alignment_of
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -89,8 +90,11 @@ def write_adapter_config(folder: Path, cfg, model_keys) -> None:
     peft = _peft(cfg)
     if peft is None or not peft.save_lora_config_adapter:
         return
-    targets = sorted({k.rsplit(".lora_A.", 1)[0].rsplit(".", 1)[-1] for k in model_keys if ".lora_A." in k})
-    config = peft_adapter_config(targets, peft.lora_rank, peft.lora_alpha, peft.lora_dropout, peft.lora_bias)
+    experts = sorted({"experts." + k.rpartition(".")[2] for k in model_keys if is_expert_lora_key(k)})
+    targets = sorted({k.rsplit(".lora_A.", 1)[0].rsplit(".", 1)[-1] for k in model_keys
+                      if ".lora_A." in k and not is_expert_lora_key(k)})
+    config = peft_adapter_config(targets, peft.lora_rank, peft.lora_alpha, peft.lora_dropout, peft.lora_bias,
+                                 target_parameters=experts)
     (Path(folder) / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 

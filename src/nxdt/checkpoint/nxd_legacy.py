@@ -99,7 +99,6 @@ class NxdCheckpoint:
     tp: int
     pp: int
     xser: bool
-    has_optimizer: bool
     complete: bool
 
 
@@ -152,9 +151,7 @@ def scan(path: Path) -> NxdCheckpoint:
                 raise ConfigError(f"{tag / 'model'}: dp_rank_00_tp_rank_{t:02d}_pp_rank_{p:02d}.pt is missing "
                                   f"(the other files make tp {tp} x pp {pp})")
     xser = any(f.with_name(f.name + ".tensors").is_dir() for f in found.values())
-    optim = tag / "optim"
-    return NxdCheckpoint(tag=tag, files=found, tp=tp, pp=pp, xser=xser,
-                         has_optimizer=optim.is_dir() and any(optim.iterdir()), complete=(tag / "done").is_file())
+    return NxdCheckpoint(tag=tag, files=found, tp=tp, pp=pp, xser=xser, complete=(tag / "done").is_file())
 
 
 def read_shard(file: Path) -> dict[str, torch.Tensor]:
@@ -203,16 +200,19 @@ def _stages_per_tp_rank(ckpt: NxdCheckpoint) -> list[dict[str, torch.Tensor]]:
     return ranks
 
 
-def _kv_order(k: torch.Tensor, v: torch.Tensor, kv_heads: int, mult: int, where: str) -> str:
+def _kv_order(k: torch.Tensor, v: torch.Tensor, kv_heads: int, mult: int, where: str, order: str | None = None) -> str:
     """'repeat' (Trn1: K0..Kn K0..Kn) or 'interleave' (Trn2: K0 K0 .. K1 K1): the replication whose
-    copies agree. k, v: (kv_heads x mult, head_dim, hidden)."""
+    copies agree (`order`: the one the weights showed, checked here, e.g. for Adam's moments).
+    k, v: (kv_heads x mult, head_dim, hidden)."""
     if mult == 1:
         return "repeat"
     idx = torch.arange(kv_heads * mult)
     scale = max(float(k.abs().max()), float(v.abs().max()), 1e-30)
     spread = {}
-    for order, first in (("repeat", idx % kv_heads), ("interleave", idx // mult * mult)):
-        spread[order] = max(float((k - k[first]).abs().max()), float((v - v[first]).abs().max())) / scale
+    for name, first in (("repeat", idx % kv_heads), ("interleave", idx // mult * mult)):
+        if order not in (None, name):
+            continue
+        spread[name] = max(float((k - k[first]).abs().max()), float((v - v[first]).abs().max())) / scale
     best = min(spread, key=spread.get)
     if spread[best] > KV_TOLERANCE:
         raise ConfigError(f"{where}: the {mult} copies of each of the {kv_heads} K/V heads differ (relative "
@@ -220,7 +220,7 @@ def _kv_order(k: torch.Tensor, v: torch.Tensor, kv_heads: int, mult: int, where:
     return best
 
 
-def _attention(parts: dict[str, list[torch.Tensor]], lay: NxdLayout, mult: int, where: str):
+def _attention(parts: dict[str, list[torch.Tensor]], lay: NxdLayout, mult: int, where: str, order: str | None = None):
     """q, k, v, o in transformers' order from each tp rank's [q], [k], [v], [o] (o: RowParallel)."""
     nh, nkv, hd, tp = lay.num_heads, lay.num_kv_heads, lay.head_dim, lay.tp
     rep = nkv * mult
@@ -235,7 +235,7 @@ def _attention(parts: dict[str, list[torch.Tensor]], lay: NxdLayout, mult: int, 
             raise ConfigError(f"{where}: {name} has {t.shape[0]} rows over the tp ranks, {expect[name]} expected "
                               f"({nh} heads, {nkv} KV heads x kv_replicator {mult}, head_dim {hd})")
     k, v = k.view(rep, hd, -1), v.view(rep, hd, -1)
-    order = _kv_order(k, v, nkv, mult, where)
+    order = _kv_order(k, v, nkv, mult, where, order)
     group = [i % nkv if order == "repeat" else i // mult for i in range(rep)]  # replicated head -> KV head
     q_pp, kv_pp = nh // tp, rep // tp
     per_kv = q_pp // kv_pp  # query heads per KV head within a rank (NxD's repeat_kv)
@@ -275,14 +275,15 @@ def _split_qkv(ranks: list[dict[str, torch.Tensor]], prefix: str, lay: NxdLayout
                       "qkv_proj.weight or q_proj/k_proj/v_proj)")
 
 
-def _layer(ranks: list[dict[str, torch.Tensor]], i: int, lay: NxdLayout, orders: set[str]) -> dict[str, torch.Tensor]:
+def _layer(ranks: list[dict[str, torch.Tensor]], i: int, lay: NxdLayout, orders: set[str],
+           order: str | None = None) -> dict[str, torch.Tensor]:
     p = f"model.layers.{i}."
     parts, mult = _split_qkv(ranks, p + "self_attn.", lay)
     if p + "self_attn.o_proj.weight" not in ranks[0]:
         raise ConfigError(f"{p}self_attn.o_proj.weight: not in the checkpoint")
     parts["o"] = [r.pop(p + "self_attn.o_proj.weight") for r in ranks]
-    q, k, v, o, order = _attention(parts, lay, mult, f"{p}self_attn")
-    orders.add(order)
+    q, k, v, o, found = _attention(parts, lay, mult, f"{p}self_attn", order)
+    orders.add(found)
     out = {f"{p}self_attn.q_proj.weight": q, f"{p}self_attn.k_proj.weight": k,
            f"{p}self_attn.v_proj.weight": v, f"{p}self_attn.o_proj.weight": o}
     if p + "mlp.gate_up_proj.weight" in ranks[0]:
@@ -323,18 +324,25 @@ def merge(ckpt: NxdCheckpoint, lay: NxdLayout) -> tuple[dict[str, torch.Tensor],
     if (ckpt.tp, ckpt.pp) != (lay.tp, lay.pp):
         raise ConfigError(f"{ckpt.tag}: written with tp {ckpt.tp} x pp {ckpt.pp}, the config says tp {lay.tp} x "
                           f"pp {lay.pp} (distributed_strategy.tensor/pipeline_model_parallel_size)")
-    ranks = _stages_per_tp_rank(ckpt)
+    return merge_ranks(_stages_per_tp_rank(ckpt), lay, ckpt.tag)
+
+
+def merge_ranks(ranks: list[dict[str, torch.Tensor]], lay: NxdLayout, tag: Path,
+                order: str | None = None) -> tuple[dict[str, torch.Tensor], str]:
+    """Each tp rank's tensors (pp stages merged, NxD's names) as full tensors under transformers'
+    names; `order`: the K/V replication the weights showed (for tensors shaped like them, e.g.
+    Adam's moments). Consumes `ranks`."""
     if any(key.startswith("language_model.") for key in ranks[0]):
-        raise ConfigError(f"{ckpt.tag}: a megatron-style (model_source megatron) checkpoint; only NxDT's "
+        raise ConfigError(f"{tag}: a megatron-style (model_source megatron) checkpoint; only NxDT's "
                           "HF-style Llama (model_source hf) is read")
     layers = sorted({int(m.group(1)) for key in ranks[0] if (m := LAYER_KEY.fullmatch(key))})
     if layers != list(range(lay.num_layers)):
-        raise ConfigError(f"{ckpt.tag}: layers {layers[0] if layers else '-'}..{layers[-1] if layers else '-'} "
+        raise ConfigError(f"{tag}: layers {layers[0] if layers else '-'}..{layers[-1] if layers else '-'} "
                           f"({len(layers)}) in the checkpoint, the config has {lay.num_layers}")
     out: dict[str, torch.Tensor] = {}
     orders: set[str] = set()
     for i in layers:
-        out.update(_layer(ranks, i, lay, orders))
+        out.update(_layer(ranks, i, lay, orders, order))
     for key, dim in (("model.embed_tokens.weight", 0), ("lm_head.weight", 0)):
         if key in ranks[0]:
             out[key] = torch.cat([r.pop(key) for r in ranks], dim=dim)
@@ -342,8 +350,8 @@ def merge(ckpt: NxdCheckpoint, lay: NxdLayout) -> tuple[dict[str, torch.Tensor],
         out["model.norm.weight"] = ranks[0].pop("model.norm.weight")
     left = sorted(ranks[0])
     if left:
-        raise ConfigError(f"{ckpt.tag}: {left[0]} is not a tensor of NxDT's Llama ({len(left)} such)")
-    _check_shapes(ckpt.tag, out, expected_shapes(lay))
+        raise ConfigError(f"{tag}: {left[0]} is not a tensor of NxDT's Llama ({len(left)} such)")
+    _check_shapes(tag, out, expected_shapes(lay))
     return out, "/".join(sorted(orders))
 
 

@@ -28,6 +28,9 @@ class PeftConfig:
     target_modules: List[str] = doc(
         ["qkv_proj"], "linears that get adapters: NxDT's fused qkv_proj, gate_up_proj or the plain q_proj, "
                       "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj")
+    target_parameters: List[str] = doc(
+        [], "MoE expert weights that get adapters, one per expert (peft's target_parameters): "
+            "experts.gate_up_proj, experts.down_proj; needs lora_dropout 0 (as peft)")
     load_lora_from_ckpt: bool = doc(
         False, "with model.weight_init_only: also load the adapters from exp_manager.resume_from_checkpoint "
                "(else they start fresh)")

@@ -75,9 +75,13 @@ def next_tokens(logits: torch.Tensor, params: SamplingParams,
     probs = logits.softmax(-1).cpu()
     # sample on CPU: the same stream of draws on every device kind and every tensor-parallel rank
     if isinstance(generator, (list, tuple)):
-        drawn = torch.cat([torch.multinomial(probs[row:row + 1], 1, generator=g)[:, 0]
-                           for row, g in enumerate(generator)])
-        return drawn.to(logits.device)
+        # one uniform draw per row from its own generator, then the inverse CDF of the whole batch at
+        # once: the smallest token whose cumulative probability exceeds u x total (never a token of
+        # probability 0). torch.multinomial row by row cost 140 us a row at a vocabulary of 8,192.
+        u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generator])
+        cdf = probs.double().cumsum(-1)
+        drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+        return drawn.clamp(max=probs.shape[-1] - 1).to(logits.device)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(logits.device)
 
 

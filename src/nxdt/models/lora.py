@@ -15,7 +15,9 @@ PEFT saves the same tensors as `base_model.model.<fqn>.lora_A.weight` (the adapt
 
 Targets use NxDT's names (`model_alignment_strategy.peft.target_modules`): the fused `qkv_proj`
 (q, k and v) and `gate_up_proj` (gate and up), or the plain q/k/v/o/gate/up/down_proj. Only
-linears inside the decoder blocks are targets; MoE experts (stacked tensors) and routers are not.
+linears inside the decoder blocks are targets; routers are not. MoE experts (stacked 3-D weights)
+are targeted by `target_parameters` (peft's key and names: `experts.gate_up_proj`,
+`experts.down_proj`): nxdt.models.lora_experts.
 transformers' GPTNeoXForCausalLM has other names (query_key_value, dense, dense_h_to_4h,
 dense_4h_to_h): NxDT's names map onto them, and its own names are accepted too.
 
@@ -37,6 +39,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nxdt.models.lora_experts import (
+    LoraExperts,
+    expert_delta,
+    expert_pairs,
+    from_peft,
+    inject_expert_lora,
+    is_expert_lora_key,
+    lora_experts,
+    merge_expert_lora_,
+    resolve_expert_targets,
+    to_peft,
+)
+
 KEY = "model_alignment_strategy.peft"
 BIAS_MODES = ("none", "all", "lora_only")
 ADAPTER_CHILDREN = ("lora_A", "lora_B", "lora_dropout")
@@ -51,6 +66,7 @@ NEOX_ALIASES = {"qkv_proj": ("query_key_value",), "o_proj": ("dense",), "up_proj
                 "gate_up_proj": ("dense_h_to_4h",), "down_proj": ("dense_4h_to_h",)}
 
 _LORA_KEY = re.compile(r"(^|\.)lora_[AB]\.")
+PEFT_EXPERT_KEY = re.compile(r"\.experts\.(base_layer\.)*lora_[AB]\.weight$")  # peft's expert adapters
 
 
 class LoraLinear(nn.Linear):
@@ -166,27 +182,38 @@ def resolve_targets(target_modules: list[str] | tuple[str, ...], present: set[st
 
 
 def inject_lora(model: nn.Module, target_modules: list[str] | tuple[str, ...], rank: int, alpha: float,
-                dropout: float = 0.0, bias: str = "none") -> list[str]:
-    """Wrap every targeted linear of the decoder blocks in a `LoraLinear` (in place) and freeze the rest.
+                dropout: float = 0.0, bias: str = "none", target_parameters: list[str] | tuple[str, ...] = ()
+                ) -> list[str]:
+    """Wrap every targeted linear of the decoder blocks in a `LoraLinear` (in place) and freeze the rest;
+    `target_parameters` (peft's `experts.gate_up_proj`, `experts.down_proj`) put adapters on the MoE
+    experts' weights too (nxdt.models.lora_experts; lora_dropout must then be 0, as peft requires).
 
     Afterwards only the adapters require grad, plus the biases `bias` names (NxDT's / peft's
     lora_bias): 'none'; 'all' every bias of the model; 'lora_only' the wrapped linears' biases.
-    Returns the wrapped module paths in model order. Call it on the whole model as built (real or
-    meta device), before parallelizing or splitting it into pipeline stages.
+    Returns the wrapped module paths (then the adapted expert weights' keys) in model order. Call it
+    on the whole model as built (real or meta device), before parallelizing or splitting it into
+    pipeline stages.
     """
     check_lora_values(rank, alpha, dropout)
     if bias not in BIAS_MODES:
         raise ValueError(f"{KEY}.lora_bias: must be one of {', '.join(BIAS_MODES)}, got {bias!r}")
-    if lora_modules(model):
+    if lora_modules(model) or lora_experts(model):
         raise ValueError(f"{type(model).__name__} already has LoRA adapters")
+    expert_names = resolve_expert_targets(target_parameters, model)
+    if expert_names and dropout:
+        raise ValueError(f"{KEY}.lora_dropout: must be 0 with target_parameters (peft's adapters on the expert "
+                         f"weights take no dropout), got {dropout}")
     linears = list(_block_linears(model))
-    wanted = resolve_targets(target_modules, {path.rpartition(".")[2] for path, _ in linears})
+    wanted = resolve_targets(target_modules, {path.rpartition(".")[2] for path, _ in linears}) if target_modules \
+        else set()
     wrapped = []
     for path, linear in linears:
         if path.rpartition(".")[2] in wanted:
             parent_path, _, leaf = path.rpartition(".")
             setattr(model.get_submodule(parent_path), leaf, LoraLinear.from_linear(linear, rank, alpha, dropout))
             wrapped.append(path)
+    if expert_names:
+        wrapped += inject_expert_lora(model, expert_names, rank, alpha)
     for name, p in model.named_parameters():
         p.requires_grad_(is_lora_key(name) or (bias == "all" and _is_bias(name)))
     if bias == "lora_only":
@@ -238,8 +265,9 @@ def lora_parameter_counts(model: nn.Module) -> tuple[int, int]:
 
 
 def lora_scalings(model: nn.Module) -> dict[str, float]:
-    """{module path: alpha / rank} of every LoraLinear (what `merged_state_dict` takes)."""
-    return {path: m.scaling for path, m in lora_modules(model).items()}
+    """{module path: alpha / rank} of every LoraLinear and LoRA experts module (what `merged_state_dict` takes)."""
+    modules: dict[str, LoraLinear | LoraExperts] = {**lora_modules(model), **lora_experts(model)}
+    return {path: m.scaling for path, m in modules.items()}
 
 
 # --------------------------------------------------------------------------- init, adapters on/off
@@ -248,6 +276,8 @@ def reset_lora_parameters(model: nn.Module) -> None:
     """(Re)draw every adapter as peft does (A kaiming-uniform, B zeros), in model order."""
     for module in lora_modules(model).values():
         module.reset_lora_parameters()
+    for experts in lora_experts(model).values():
+        experts.reset_lora_parameters()
 
 
 @contextmanager
@@ -259,6 +289,8 @@ def adapters_detached(model: nn.Module) -> Iterator[dict[str, dict[str, nn.Modul
     parameters recursively). Do not run the model inside."""
     detached = {path: {name: m._modules.pop(name) for name in ADAPTER_CHILDREN}
                 for path, m in lora_modules(model).items()}
+    detached.update({path: {name: m._modules.pop(name) for name in ("lora_A", "lora_B")}
+                     for path, m in lora_experts(model).items()})
     try:
         yield detached
     finally:
@@ -269,7 +301,7 @@ def adapters_detached(model: nn.Module) -> Iterator[dict[str, dict[str, nn.Modul
 @contextmanager
 def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
     """Forward as the frozen base (e.g. DPO's reference log-probs without a second model copy)."""
-    modules = list(lora_modules(model).values())
+    modules = list(lora_modules(model).values()) + list(lora_experts(model).values())
     before = [m.adapters_enabled for m in modules]
     for m in modules:
         m.adapters_enabled = False
@@ -298,7 +330,7 @@ def merge_lora_(model: nn.Module) -> list[str]:
         parent_path, _, leaf = path.rpartition(".")
         setattr(model.get_submodule(parent_path), leaf, plain)
         merged.append(path)
-    return merged
+    return merged + merge_expert_lora_(model)
 
 
 def merged_state_dict(state: Mapping[str, torch.Tensor],
@@ -311,6 +343,7 @@ def merged_state_dict(state: Mapping[str, torch.Tensor],
     """
     pairs = lora_pairs(state)
     out = {k: v for k, v in state.items() if not is_lora_key(k)}
+    _merge_experts(out, expert_pairs(state), scaling)
     for module, (a, b) in pairs.items():
         if isinstance(scaling, Mapping):
             s = float(scaling[module])
@@ -328,6 +361,27 @@ def merged_state_dict(state: Mapping[str, torch.Tensor],
                              f"{list(w.shape)}")
         out[key] = (w.float() + (b.float() @ a.float()) * s).to(w.dtype)
     return out
+
+
+def _merge_experts(out: dict[str, torch.Tensor], pairs: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                   scaling: Mapping[str, float] | tuple[int, float]) -> None:
+    """merged_state_dict's fold of the expert adapters ({weight key: (A [E, r, in], B [E, out, r])})."""
+    for key, (a, b) in pairs.items():
+        module = key.rpartition(".")[0]
+        if isinstance(scaling, Mapping):
+            s = float(scaling[module])
+        else:
+            rank, alpha = scaling
+            if a.shape[1] != rank:
+                raise ValueError(f"{key}'s expert adapters have rank {a.shape[1]}, expected {KEY}.lora_rank={rank}")
+            s = float(alpha) / int(rank)
+        if key not in out:
+            raise ValueError(f"{key}: expert adapters without the base weight (an adapter-only state dict)")
+        w = out[key]
+        if tuple(w.shape) != (a.shape[0], b.shape[1], a.shape[2]):
+            raise ValueError(f"{key}: expert adapters A {list(a.shape)}, B {list(b.shape)} do not fit the base "
+                             f"weight {list(w.shape)}")
+        out[key] = (w.float() + expert_delta(a, b, s)).to(w.dtype)
 
 
 def lora_pairs(state: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -354,9 +408,9 @@ def peft_adapter_state(state: Mapping[str, torch.Tensor], bias: str = "none") ->
         raise ValueError(f"{KEY}.lora_bias: must be one of {', '.join(BIAS_MODES)}, got {bias!r}")
     wrapped = set(lora_pairs(state))
     trained = trained_keys(state, bias)
-    out = {}
+    out = to_peft(state, PEFT_PREFIX)
     for key, t in state.items():
-        if key not in trained:
+        if key not in trained or is_expert_lora_key(key):
             continue
         module = key.rpartition(".")[0]
         if not is_lora_key(key) and module in wrapped:  # a wrapped linear's bias: peft's base_layer
@@ -366,16 +420,38 @@ def peft_adapter_state(state: Mapping[str, torch.Tensor], bias: str = "none") ->
     return out
 
 
+def peft_target_parameters(state: Mapping[str, torch.Tensor]) -> list[str]:
+    """peft's target_parameters names of the expert weights that have adapters (nxdt's keys)."""
+    return sorted({"experts." + key.rpartition(".")[2] for key in expert_pairs(state)})
+
+
+def nxdt_adapter_state(adapter: Mapping[str, torch.Tensor], config: Mapping[str, Any],
+                       num_experts: int | None = None) -> dict[str, torch.Tensor]:
+    """A peft adapter (adapter_model.safetensors' tensors, adapter_config.json as a dict) in nxdt's keys
+    (transformers' module paths, no `base_model.model.` prefix): `<m>.lora_A.weight` as they are, the
+    expert adapters (config's target_parameters; `num_experts` needed then) in nxdt's [E, ...] layout."""
+    targets = config.get("target_parameters") or []
+    experts = from_peft(adapter, targets, int(num_experts or 0), PEFT_PREFIX) if targets else {}
+    if targets and not num_experts:
+        raise ValueError("a peft adapter with target_parameters: give num_experts")
+    plain = {k.removeprefix(PEFT_PREFIX): v for k, v in adapter.items()
+             if not PEFT_EXPERT_KEY.search(k)}
+    return {**plain, **experts}
+
+
 def peft_target_modules(state: Mapping[str, torch.Tensor]) -> list[str]:
     """The leaf names of the linears that have adapters (what adapter_config.json's target_modules lists)."""
     return sorted({module.rpartition(".")[2] for module in lora_pairs(state)})
 
 
 def peft_adapter_config(target_modules: list[str], rank: int, alpha: float, dropout: float = 0.0,
-                        bias: str = "none", base_model_name_or_path: str | None = None) -> dict[str, Any]:
+                        bias: str = "none", base_model_name_or_path: str | None = None,
+                        target_parameters: list[str] | None = None) -> dict[str, Any]:
     """PEFT's adapter_config.json (LoRA for a causal LM) as a dict; `target_modules` are the
-    model's own linear names (`peft_target_modules`), not NxDT's fused aliases."""
-    return {
+    model's own linear names (`peft_target_modules`), not NxDT's fused aliases; `target_parameters`
+    the adapted expert weights (`peft_target_parameters`), when there are any."""
+    extra = {"target_parameters": sorted(target_parameters)} if target_parameters else {}
+    return {**extra,
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
         "r": int(rank), "lora_alpha": alpha, "lora_dropout": float(dropout), "bias": bias,
         "target_modules": sorted(target_modules), "fan_in_fan_out": False, "use_rslora": False,

@@ -319,8 +319,15 @@ class MoEExperts(nn.Module):
         Expert parallelism wraps this call (it exchanges the tokens so that each rank runs its own
         experts over every rank's tokens for them); tensor parallelism returns this rank's partial
         sums (nxdt.parallel.expert_parallel)."""
-        out = swiglu_experts(x, tokens_per_expert, self.gate_up_proj, self.down_proj)
+        out = swiglu_experts(x, tokens_per_expert, *self.expert_weights())
         return out if weights is None else out * weights.to(out.dtype)
+
+    def expert_weights(self, local=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up_proj, down_proj) as the experts compute with them, each through `local` (expert
+        parallelism: this rank's shard as a plain tensor; None: as they are). LoRA on the experts
+        (nxdt.models.lora_experts) adds its adapters' update here."""
+        local = local or (lambda w: w)
+        return local(self.gate_up_proj), local(self.down_proj)
 
 
 @torch.compiler.disable  # data-dependent row counts: torch.compile would specialize on them

@@ -48,7 +48,8 @@ def _storage(t: torch.Tensor) -> tuple[int, int] | None:
 
 def live_cpu_storages() -> dict[int, int]:
     """{address: bytes} of every CPU tensor storage reachable from Python now (views and shared
-    storages once)."""
+    storages once). Objects frozen by gc.freeze() are not listed: those of the imports before a
+    run (nxdt.tools.train.startup_imports); the run's own tensors are made after them."""
     storages: dict[int, int] = {}
     for obj in gc.get_objects():
         # type(), not isinstance: isinstance reads __class__, which some module proxies warn about;

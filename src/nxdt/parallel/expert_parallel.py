@@ -83,7 +83,9 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh | None) -> None:
         if experts.num_experts % ep:
             raise ValueError(f"{experts.num_experts} experts cannot be split over {ep} expert-parallel ranks")
         tp_mesh = getattr(experts, "tp_mesh", None)
-        for name, param in list(experts.named_parameters(recurse=False)):
+        # the weights, and LoRA adapters on them ([E, ...] too, in child modules: nxdt.models.lora_experts)
+        for path, param in list(experts.named_parameters()):
+            owner_path, _, name = path.rpartition(".")
             if tp_mesh is None:
                 # a meta-device model keeps meta shards (materialised later, drawing the full tensor)
                 sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None if param.is_meta else 0)
@@ -91,7 +93,8 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh | None) -> None:
                 mesh = ep_mesh._get_root_mesh()["ep", "tp"]
                 local = param.data.to_local().chunk(ep)[ep_mesh.get_local_rank()]
                 sharded = DTensor.from_local(local, mesh, [Shard(0), Shard(TP_DIMS[name])], run_check=False)
-            experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+            owner = experts.get_submodule(owner_path) if owner_path else experts
+            owner.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         experts.ep_mesh = ep_mesh
         experts.__class__ = _expert_parallel_class(type(experts))
 
@@ -109,6 +112,9 @@ class ExpertsTensorParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, MoEExperts):
             raise ValueError(f"ExpertsTensorParallel applies to nxdt's MoEExperts, got {type(module).__name__}")
+        if any("." in name for name, _ in module.named_parameters()):
+            raise ValueError("LoRA on the MoE experts (model_alignment_strategy.peft.target_parameters) with "
+                             "tensor_model_parallel_size > 1 is not supported yet")
         tp = device_mesh.size()
         ffn = module.down_proj.shape[2]
         if ffn % tp:
@@ -217,7 +223,7 @@ class ExpertParallelExperts(MoEExperts):
         rows = _all_to_all(x, recv_splits, send_splits, group)
         local_expert = torch.arange(num_local, device=x.device).repeat(ep).repeat_interleave(received)
         order = torch.argsort(local_expert, stable=True)
-        gate_up, down = (_local_weight(w, x.dtype, ep) for w in (self.gate_up_proj, self.down_proj))
+        gate_up, down = self.expert_weights(lambda w: _local_weight(w, x.dtype, ep))
         out = _run_experts(self, rows[order], received.view(ep, num_local).sum(0), gate_up, down)
         # 3. undo the grouping, combine back to the tokens' ranks
         out = torch.empty_like(out).index_copy_(0, order, out)

@@ -1,5 +1,8 @@
 """What NxdtLightningModule does differently for GRPO (model_alignment_strategy.grpo).
 
+A checkpoint between the num_iterations updates of one batch of rollouts carries that batch in each
+rank's state (`grpo_save_state`), so the resumed steps train on the same completions.
+
 The optimizer step is the same `train_step`; before it, a step samples its rollouts
 (nxdt.rl.rollout: every num_iterations steps, reused in between with their old log-probs), and its
 forward/backward is GRPO's (nxdt.rl.step). Logged each step (the mean over the data-parallel ranks,
@@ -29,7 +32,8 @@ from nxdt.data.prompts import read_prompt_rows
 from nxdt.models.lora import adapters_disabled
 from nxdt.parallel.mesh import submesh
 from nxdt.rl.rewards import RewardError, load_reward_funcs, reward_name
-from nxdt.rl.rollout import ReferenceWeights, RolloutOptions, forward_logps, rollout
+from nxdt.rl.rollout import (ReferenceWeights, RolloutOptions, forward_logps, rollout, rollout_from_state,
+                             rollout_state)
 from nxdt.rl.step import GRPOForwardBackward, LossOptions
 from nxdt.spec.alignment import scale_rewards_of
 
@@ -69,7 +73,7 @@ def grpo_summary(cfg, layout, g, lora: bool, reference_bytes: int, vocab_size: i
     prompts = layout.global_batch_size // g.num_generations
     local = layout.global_batch_size // max(layout.dp, 1)
     heads = m.num_attention_heads or 1
-    kv_heads = m.num_kv_heads or heads
+    kv_heads = -(-(m.num_kv_heads or heads) // max(layout.tp, 1))  # this rank's K/V heads (tensor parallel)
     head_dim = (m.hidden_size or 0) // heads
     kv = 2 * (m.num_layers or 0) * kv_heads * head_dim * layout.seq_length * local * 4  # fp32 upper bound
     logits = local * (vocab_size or 0) * 4 * 2  # one step's last-position logits and probabilities, fp32
@@ -104,6 +108,32 @@ class GRPOSteps:
                                sum(t.numel() * t.element_size() for t in self._grpo_reference.saved)
                                if self._grpo_reference is not None else 0, self.vocab_size), flush=True)
 
+    def grpo_save_state(self, checkpoint: dict) -> None:
+        """A checkpoint between the num_iterations of one batch of rollouts keeps that batch (this
+        rank's rows, old and reference log-probs): the resumed steps train on the same completions
+        (sampling again would use the updated weights)."""
+        g, r = self.alignment.grpo, self._grpo_rollout
+        if g is None or r is None or self.global_step % g.num_iterations == 0:
+            return
+        if self._grpo_rollout_step != self.global_step - self.global_step % g.num_iterations:
+            return
+        dp = submesh(self.device_mesh, "dp")
+        checkpoint["grpo_rollout"] = {"step": self._grpo_rollout_step, "dp": [dp.get_local_rank(), dp.size()],
+                                      **rollout_state(r)}
+
+    def grpo_load_state(self, checkpoint: dict) -> None:
+        saved = checkpoint.pop("grpo_rollout", None)
+        if saved is None or self.alignment.grpo is None:
+            return
+        dp = submesh(self.device_mesh, "dp")
+        if list(saved.pop("dp")) != [dp.get_local_rank(), dp.size()]:
+            raise ConfigError(f"resuming at step {checkpoint.get('global_step')}, between the num_iterations of the "
+                              f"rollouts sampled at step {saved['step']}, on another data-parallel size is not "
+                              "supported yet: resume on the saved layout, or from a checkpoint at a multiple of "
+                              "model_alignment_strategy.grpo.num_iterations")
+        self._grpo_rollout_step = int(saved.pop("step"))
+        self._grpo_rollout = rollout_from_state(saved, self.device)
+
     def _grpo_options(self) -> RolloutOptions:
         g, dm = self.alignment.grpo, self.trainer.datamodule
         tok = dm.tokenizer
@@ -113,7 +143,8 @@ class GRPOSteps:
             temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, seq_length=int(self.cfg.data.seq_length),
             scale_rewards=scale_rewards_of(g), mask_truncated=g.mask_truncated_completions,
             reward_weights=list(g.reward_weights or [1.0] * len(g.reward_funcs)), eos_token_id=tok.eos_token_id,
-            pad_id=int(pad or 0), vocab_size=len(tok), seed=int(self.cfg.seed))
+            pad_id=int(pad or 0), vocab_size=len(tok), seed=int(self.cfg.seed), tp=self.layout.tp,
+            length_multiple=self.layout.tp if self.cfg.distributed_strategy.sequence_parallel else 1)
 
     def _grpo_new_rollout(self, batch, step: int):
         g = self.alignment.grpo
@@ -129,12 +160,12 @@ class GRPOSteps:
         mbs = self.layout.micro_batch_size
         if g.num_iterations > 1:  # the old policy: these weights, before the rollout's first update
             r.old_logps = forward_logps(self.model, r.input_ids, r.labels, g.temperature, micro_batch_size=mbs,
-                                        autocast=autocast)
+                                        autocast=autocast, tp=self.layout.tp)
         if g.beta > 0:
             with (adapters_disabled(self.model) if self.alignment.peft is not None
                   else self._grpo_reference.swapped(self.model)):
                 r.ref_logps = forward_logps(self.model, r.input_ids, r.labels, g.temperature, micro_batch_size=mbs,
-                                            autocast=autocast)
+                                            autocast=autocast, tp=self.layout.tp)
         return r
 
     def grpo_forward_backward(self, batch) -> GRPOForwardBackward:
@@ -144,7 +175,8 @@ class GRPOSteps:
         if fresh:
             self._grpo_rollout = self._grpo_new_rollout(batch, rollout_step)
             self._grpo_rollout_step = rollout_step
-        options = LossOptions(g.loss_type, g.epsilon, g.epsilon_high, g.beta, g.temperature, g.max_completion_length)
+        options = LossOptions(g.loss_type, g.epsilon, g.epsilon_high, g.beta, g.temperature, g.max_completion_length,
+                              tp=self.layout.tp)
         fb = GRPOForwardBackward(self.model, self.precision, self._grpo_rollout, options,
                                  num_microbatches=self.layout.num_microbatches, backward=self.manual_backward,
                                  device_type=self.device.type)

@@ -8,9 +8,12 @@ prompt left-padded to the width of the step's longest: a completion depends neit
 nor on the number of ranks. All ranks decode every step to max_completion_length (a sharded model's
 ranks forward in step). Rewards are computed where the completions are, gathered over the
 data-parallel ranks (groups may span ranks), and the advantages computed on the whole batch, as
-TRL does.
+TRL does. Under tensor parallelism every tp rank runs the same loop on its shards (the logits
+gathered for sampling, the same draws on each) and the log-probs take the softmax across the
+vocabulary shards (`loss_parallel`).
 
-A training row is   prompt | completion   right-padded to data.seq_length; position t predicts
+A training row is   prompt | completion   right-padded to the step's longest (`row_width`: the same
+on every rank and layout, at most data.seq_length); position t predicts
 token t + 1, and `mask` is 1 where that token is a completion token (EOS included; 0 for a
 truncated completion with mask_truncated_completions). Log-probs are those of
 logits / temperature, as TRL scores them; the generator's own (`gen_logps`, same positions) equal a
@@ -26,14 +29,16 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from nxdt.inference.generate import SamplingParams, generate
 from nxdt.models import logits_of
+from nxdt.parallel.tensor_parallel import is_vocab_parallel, loss_parallel
 from nxdt.rl.grpo_loss import group_advantages, total_rewards
 from nxdt.rl.rewards import RewardFn, call_rewards
 
@@ -49,15 +54,21 @@ def sample_seed(seed: int, step: int, row: int, sample: int) -> int:
 
 
 def token_logps(logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
-    """[B, S] fp32 log p(label) of logits [B, S, V] / temperature (the generator's formula)."""
+    """[B, S] fp32 log p(label) of logits [B, S, V] / temperature (the generator's formula).
+    Vocabulary-sharded logits (tensor parallel): the softmax across the shards, under
+    `loss_parallel()` (here and around the backward); a plain tensor comes back."""
     scaled = logits.float() / temperature
+    if is_vocab_parallel(scaled):
+        per_token = -F.cross_entropy(scaled.flatten(0, 1), labels.flatten(), reduction="none")
+        return per_token.full_tensor().view(labels.shape)
     return scaled.log_softmax(-1).gather(-1, labels[..., None])[..., 0]
 
 
 def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """[B, S] entropy of softmax(logits / temperature), no gradient."""
+    """[B, S] entropy of softmax(logits / temperature), no gradient (sharded logits gathered)."""
     with torch.no_grad():
-        logp = (logits.float() / temperature).log_softmax(-1)
+        full = getattr(logits, "full_tensor", None)
+        logp = ((full() if full is not None else logits).float() / temperature).log_softmax(-1)
         return -(logp.exp() * logp).sum(-1)
 
 
@@ -83,6 +94,19 @@ class Rollout:
     generated_tokens: int = 0
 
 
+def rollout_state(r: Rollout) -> dict:
+    """A Rollout as checkpoint state (CPU tensors, floats, lists: nxdt.checkpoint's per-rank JSON)."""
+    return {f.name: (v.detach().cpu() if isinstance(v, torch.Tensor) else v)
+            for f in fields(Rollout) for v in [getattr(r, f.name)]}
+
+
+def rollout_from_state(state: dict, device) -> Rollout:
+    """`rollout_state`'s inverse, its tensors on `device` (the per-rank rows) or the CPU (the step's stats)."""
+    local = {"input_ids", "labels", "mask", "gen_logps", "advantages", "old_logps", "ref_logps"}
+    return Rollout(**{k: (v.to(device) if k in local and isinstance(v, torch.Tensor) else v)
+                      for k, v in state.items()})
+
+
 @dataclass
 class RolloutOptions:
     num_generations: int
@@ -98,11 +122,22 @@ class RolloutOptions:
     pad_id: int
     vocab_size: int | None
     seed: int
+    tp: int = 1  # tensor-parallel ranks: logits vocabulary-sharded (log-probs under loss_parallel)
+    length_multiple: int = 1  # sequence parallel: forwards of whole multiples of tp (recomputed, no cache)
+
+
+def row_width(prompt_lengths: list[int], lengths: torch.Tensor, opts: RolloutOptions) -> int:
+    """The columns of the step's training rows: its longest prompt + completion - 1 (every rank and
+    layout computes it from the whole step), a multiple of length_multiple, at most data.seq_length.
+    The padding beyond it would cost forward/backward time and change no real position's log-prob."""
+    longest = max(p + int(n) for p, n in zip(prompt_lengths, lengths.tolist())) - 1
+    multiple = max(opts.length_multiple, 1)
+    return min(-(-longest // multiple) * multiple, opts.seq_length)
 
 
 def _training_rows(prompt_ids: list[list[int]], completions: list[list[int]], gen_logps: list[list[float]],
-                   truncated: list[bool], opts: RolloutOptions, device) -> tuple[torch.Tensor, ...]:
-    n, s = len(prompt_ids), opts.seq_length
+                   truncated: list[bool], opts: RolloutOptions, device, width: int) -> tuple[torch.Tensor, ...]:
+    n, s = len(prompt_ids), width
     input_ids = torch.full((n, s), opts.pad_id, dtype=torch.long)
     labels = torch.full((n, s), opts.pad_id, dtype=torch.long)
     mask = torch.zeros(n, s)
@@ -146,7 +181,7 @@ def rollout(model: nn.Module, rows: list, step: int, opts: RolloutOptions, rewar
     try:
         with autocast() if autocast is not None else contextlib.nullcontext():
             completions = generate(model, prompt_ids, params, pad_id=opts.pad_id, generators=generators,
-                                   logps=gen_logps, all_steps=True,
+                                   logps=gen_logps, all_steps=True, length_multiple=opts.length_multiple,
                                    prompt_width=max(len(r.ids) for r in rows))
     finally:
         model.train(was_training)
@@ -169,24 +204,32 @@ def rollout(model: nn.Module, rows: list, step: int, opts: RolloutOptions, rewar
     total = total_rewards(per_func_all, torch.tensor(opts.reward_weights, dtype=torch.float32))
     advantages = group_advantages(total, g, opts.scale_rewards)
     device = next(model.parameters()).device
-    input_ids, labels, mask, logps = _training_rows(prompt_ids, completions, gen_logps, truncated, opts, device)
+    width = row_width([len(rows[j // g].ids) for j in range(n)], everything[:, -2], opts)
+    input_ids, labels, mask, logps = _training_rows(prompt_ids, completions, gen_logps, truncated, opts, device,
+                                                    width)
     counted = everything[:, -2] * (1 - everything[:, -1]) if opts.mask_truncated else everything[:, -2]
     return Rollout(input_ids, labels, mask, logps, advantages[mine.start:mine.stop].to(device), per_func_all,
                    total, everything[:, -2], everything[:, -1].bool(), float(counted.sum()) / dp_size,
                    prompts=prompts, completions=texts, seconds=seconds, generated_tokens=int(lengths.sum()))
 
 
+def loss_parallel_if(tp: int) -> contextlib.AbstractContextManager:
+    """`loss_parallel()` under tensor parallelism (tp > 1), else nothing."""
+    return loss_parallel() if tp > 1 else contextlib.nullcontext()
+
+
 @torch.no_grad()
 def forward_logps(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, temperature: float, *,
-                  micro_batch_size: int, autocast: Callable[[], contextlib.AbstractContextManager] | None = None
-                  ) -> torch.Tensor:
+                  micro_batch_size: int, autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
+                  tp: int = 1) -> torch.Tensor:
     """[L, S] log-probs of `labels` under `model` (no gradient), `micro_batch_size` rows a forward:
     the old policy's (num_iterations > 1) or the reference's (inside its context)."""
     out = []
     for ids, lab in zip(input_ids.split(micro_batch_size), labels.split(micro_batch_size)):
         with autocast() if autocast is not None else contextlib.nullcontext():
             logits = logits_of(model(input_ids=ids, position_ids=None))
-        out.append(token_logps(logits, lab, temperature))
+        with loss_parallel_if(tp):
+            out.append(token_logps(logits, lab, temperature))
     return torch.cat(out)
 
 

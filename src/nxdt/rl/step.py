@@ -26,7 +26,7 @@ from nxdt.models.moe import set_aux_loss_scale
 from nxdt.parallel.data_parallel import set_gradient_sync
 from nxdt.precision.precision import Precision
 from nxdt.rl.grpo_loss import grpo_loss
-from nxdt.rl.rollout import Rollout, token_entropy, token_logps
+from nxdt.rl.rollout import Rollout, loss_parallel_if, token_entropy, token_logps
 
 
 @dataclass
@@ -37,6 +37,7 @@ class LossOptions:
     beta: float
     temperature: float
     max_completion_length: int
+    tp: int = 1  # tensor-parallel ranks: the log-probs and their backward under loss_parallel
 
 
 class GRPOForwardBackward:
@@ -74,15 +75,16 @@ class GRPOForwardBackward:
             set_aux_loss_scale(self.precision.loss_scale / n)
             with self.precision.autocast(self.device_type):
                 logits = logits_of(self.model(input_ids=r.input_ids[rows], position_ids=None))
-            logps = token_logps(logits, r.labels[rows], o.temperature)
-            logps_all.append(logps.detach())
-            old = r.old_logps[rows] if r.old_logps is not None else logps.detach()
-            ref = r.ref_logps[rows] if r.ref_logps is not None else None
             mask = r.mask[rows]
-            parts = grpo_loss(logps, old, r.advantages[rows], mask, loss_type=o.loss_type, epsilon=o.epsilon,
-                              epsilon_high=o.epsilon_high, beta=o.beta, ref_logps=ref, num_microbatches=n,
-                              max_completion_length=o.max_completion_length, tokens_per_rank=r.tokens_per_rank)
-            self.run_backward(self.precision.scale_loss(parts.loss))
+            with loss_parallel_if(o.tp):  # tensor parallel: the softmax across the vocabulary shards
+                logps = token_logps(logits, r.labels[rows], o.temperature)
+                logps_all.append(logps.detach())
+                old = r.old_logps[rows] if r.old_logps is not None else logps.detach()
+                ref = r.ref_logps[rows] if r.ref_logps is not None else None
+                parts = grpo_loss(logps, old, r.advantages[rows], mask, loss_type=o.loss_type, epsilon=o.epsilon,
+                                  epsilon_high=o.epsilon_high, beta=o.beta, ref_logps=ref, num_microbatches=n,
+                                  max_completion_length=o.max_completion_length, tokens_per_rank=r.tokens_per_rank)
+                self.run_backward(self.precision.scale_loss(parts.loss))
             total = parts.loss.detach() if total is None else total + parts.loss.detach()
             m = mask.detach().double().cpu()
             if parts.kl is not None:

@@ -152,6 +152,7 @@ def check_spec(cfg: schema.NxdtConfig, world_size: int | None = None) -> RunSpec
     parallel.check_world_size(cfg, world_size)
     spec = build_spec(cfg, world_size)
     layout, arch = spec.layout, spec.model
+    parallel.check_xla_devices(cfg, layout)  # before the pp / cp checks: they are not built on XLA at all
     model.check_source(cfg)
     parallel.check_data_parallel(cfg, layout, spec.sharding, spec.precision)
     parallel.check_pipeline(cfg, layout, arch.num_layers)
@@ -161,7 +162,6 @@ def check_spec(cfg: schema.NxdtConfig, world_size: int | None = None) -> RunSpec
     model.check_dimensions(cfg, arch, layout)
     model.check_recompute_classes(cfg, arch)
     parallel.check_hsdp(cfg, layout)
-    parallel.check_xla_devices(cfg)
     model.check_checkpoint_layers(cfg)
     moe.check_moe(cfg, spec.moe, arch.hf_json)
     moe.check_expert_parallel(cfg)

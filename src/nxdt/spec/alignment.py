@@ -155,8 +155,12 @@ def _check_peft(peft: PeftConfig) -> None:
         raise ConfigError(f"{key}.lora_alpha: must be > 0, got {peft.lora_alpha}")
     if not 0.0 <= peft.lora_dropout < 1.0:
         raise ConfigError(f"{key}.lora_dropout: must be in [0, 1), got {peft.lora_dropout}")
-    if not peft.target_modules:
-        raise ConfigError(f"{key}.target_modules: empty; name at least one linear (e.g. [qkv_proj])")
+    if not peft.target_modules and not peft.target_parameters:
+        raise ConfigError(f"{key}.target_modules: empty; name at least one linear (e.g. [qkv_proj]) or expert "
+                          f"weight ({key}.target_parameters)")
+    if peft.target_parameters and peft.lora_dropout:
+        raise ConfigError(f"{key}.lora_dropout: must be 0 with target_parameters (peft's adapters on the expert "
+                          f"weights take no dropout), got {peft.lora_dropout}")
 
 
 def _check_prompt_length(key: str, value: Optional[int], seq: Optional[int]) -> None:
@@ -184,13 +188,16 @@ def check_grpo(cfg: Any, al: Alignment) -> None:
     others = [name for name in ("sft", "dpo", "orpo") if getattr(al, name) is not None]
     if others:
         raise ConfigError(f"{key} and model_alignment_strategy.{others[0]} are both set: pick one training method")
-    for what, size in (("tensor_model_parallel_size", ds.tensor_model_parallel_size),
-                       ("pipeline_model_parallel_size", ds.pipeline_model_parallel_size),
-                       ("context_parallel_size", ds.context_parallel_size),
-                       ("expert_model_parallel_size", ds.expert_model_parallel_size)):
+    for what, size, why in (
+            ("pipeline_model_parallel_size", ds.pipeline_model_parallel_size,
+             "nxdt's generator runs whole forward passes on every rank, not pipeline stages"),
+            ("context_parallel_size", ds.context_parallel_size,
+             "the generator's KV cache holds whole sequences, context parallelism slices them"),
+            ("expert_model_parallel_size", ds.expert_model_parallel_size,
+             "the rollouts' decode steps would need the expert all-to-all on every rank in step")):
         if (size or 1) > 1:
             raise ConfigError(f"{key} with distributed_strategy.{what} > 1 is not supported yet (got {size}): "
-                              "GRPO's rollouts run on data-parallel layouts (DDP, ZeRO-1, FSDP)")
+                              f"{why}; GRPO runs on data and tensor parallelism (DDP, ZeRO-1, FSDP, tp)")
     if not g.reward_funcs:
         raise ConfigError(f"{key}.reward_funcs: empty; name at least one reward function (e.g. "
                           "[nxdt.rl.rewards.accuracy])")

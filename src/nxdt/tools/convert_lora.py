@@ -34,6 +34,7 @@ from nxdt.checkpoint.lora_merge import with_base
 from nxdt.config.errors import ConfigError
 from nxdt.config.load import load_saved_config
 from nxdt.models.lora import (
+    PEFT_EXPERT_KEY,
     PEFT_PREFIX,
     is_lora_key,
     lora_pairs,
@@ -41,7 +42,9 @@ from nxdt.models.lora import (
     peft_adapter_config,
     peft_adapter_state,
     peft_target_modules,
+    peft_target_parameters,
 )
+from nxdt.models.lora_experts import expert_pairs
 from nxdt.models.neox import native_to_neox
 from nxdt.tools.hf_folder import check_output_free, hf_config_for, write_hf_model
 
@@ -59,15 +62,16 @@ def lora_to_hf(ckpt: Path, tensors: dict[str, Any], output: Path, max_shard_byte
     peft = peft_section(cfg, cfg_file)
     try:
         pairs = lora_pairs(tensors)
+        experts = expert_pairs(tensors)
     except ValueError as err:
         raise ConfigError(f"{ckpt}: {err}") from None
-    ranks = sorted({int(a.shape[0]) for a, _ in pairs.values()})
+    ranks = sorted({int(a.shape[0]) for a, _ in pairs.values()} | {int(a.shape[1]) for a, _ in experts.values()})
     if ranks != [peft.lora_rank]:
         raise ConfigError(f"{cfg_file}: model_alignment_strategy.peft.lora_rank is {peft.lora_rank} but the "
                           f"checkpoint's adapters have rank {', '.join(map(str, ranks))}")
     if base is not None:
         tensors = with_base(tensors, base)
-    lacking = sorted(f"{module}.weight" for module in pairs if f"{module}.weight" not in tensors)
+    lacking = sorted(k for k in [f"{module}.weight" for module in pairs] + list(experts) if k not in tensors)
     if lacking and not adapter_only:
         raise ConfigError(f"{ckpt} holds LoRA adapters without the base weights (e.g. {lacking[0]}; "
                           "model_alignment_strategy.peft.save_lora_base: false): give the base model's checkpoint "
@@ -90,7 +94,7 @@ def lora_to_hf(ckpt: Path, tensors: dict[str, Any], output: Path, max_shard_byte
         print(f"note: {output / ADAPTER_DIR} not written: {why_not}")
         return
     base_path = None if adapter_only else str((output / BASE_DIR).resolve())
-    write_adapter(output / ADAPTER_DIR, adapter, peft, base_path, dtype)
+    write_adapter(output / ADAPTER_DIR, adapter, peft, base_path, dtype, peft_target_parameters(tensors))
 
 
 def peft_section(cfg, cfg_file: Path):
@@ -135,13 +139,16 @@ def neox_names(tensors: dict[str, Any], num_heads: int, bias: str) -> dict[str, 
             for k, v in renamed.items()}
 
 
-def write_adapter(folder: Path, adapter: dict[str, Any], peft, base_path: str | None, dtype: str | None) -> None:
-    """adapter_model.safetensors + adapter_config.json into `folder`."""
+def write_adapter(folder: Path, adapter: dict[str, Any], peft, base_path: str | None, dtype: str | None,
+                  expert_targets: list[str] | None = None) -> None:
+    """adapter_model.safetensors + adapter_config.json into `folder`; `expert_targets`: peft's
+    target_parameters of the expert adapters among them (peft_target_parameters of nxdt's keys)."""
     if dtype:
         adapter = {k: v.to(getattr(torch, dtype)) for k, v in adapter.items()}
-    targets = peft_target_modules({k.removeprefix(PEFT_PREFIX): v for k, v in adapter.items()})
+    targets = peft_target_modules({k.removeprefix(PEFT_PREFIX): v for k, v in adapter.items()
+                                   if not PEFT_EXPERT_KEY.search(k)})
     config = peft_adapter_config(targets, peft.lora_rank, peft.lora_alpha, peft.lora_dropout, peft.lora_bias,
-                                 base_model_name_or_path=base_path)
+                                 base_model_name_or_path=base_path, target_parameters=expert_targets)
     folder.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in adapter.items()}, str(folder / ADAPTER_FILE), metadata={"format": "pt"})
     (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))

@@ -10,21 +10,26 @@ YAML's overrides), tp and pp, and `distributed_strategy.kv_replicator`; KEY=VALU
 the training command line (NxDT's YAMLs name `model.model_config: /home/ubuntu/config.json`). NxDT's HF-style Llama
 (model_source hf) is read, both formats (torch.save and xser) (nxdt.checkpoint.nxd_legacy).
 
-The output is a weights-only nxdt checkpoint under transformers' names: start training from it
-with `exp_manager.resume_from_checkpoint=CKPT model.weight_init_only=true`, or export it with
-`nxdt convert nxdt-to-hf`. NxDT's optimizer shards are not carried over: their tensors are keyed by
-the optimizer's parameter index in NxDT's parameter groups (flattened and split over dp ranks under
-ZeRO-1), an order the checkpoint does not record, so Adam's moments start fresh (a line says so).
+The output is an nxdt checkpoint under transformers' names. Where NxDT saved Adam's state
+(`optim/`: ZeRO-1 shards per dp rank, or a plain optimizer per tp/pp rank; nxdt.checkpoint.nxd_legacy_optim),
+it carries exp_avg, exp_avg_sq and the step, merged like the weights, and NxDT's step and
+consumed_samples (from the tag's name): `exp_manager.resume_from_checkpoint=CKPT` continues the
+run there (lr, betas, eps and weight decay from the YAML, lr at its schedule's step). Without
+`optim/` files it is weights-only (a line says so): start from it with `exp_manager.resume_from_checkpoint=CKPT
+model.weight_init_only=true`. Either exports with `nxdt convert nxdt-to-hf`.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
 
 from nxdt.checkpoint.checkpointer import save_weights
 from nxdt.checkpoint.nxd_legacy import NxdLayout, merge, scan
+from nxdt.checkpoint.nxd_legacy_optim import check_masters, merge_optimizer, optim_files
+from nxdt.checkpoint.state import reseed_state
 from nxdt.config.errors import ConfigError
 from nxdt.config.load import compose
 from nxdt.config.validate import validate
@@ -92,18 +97,45 @@ def nxd_to_nxdt(input_path: Path, output: Path, config: Path | None, overrides: 
     ckpt = scan(input_path)
     tensors, kv_order = merge(ckpt, lay)
     progress = progress_of(ckpt.tag.name)
-    meta = {"hf_config": hf, "source": str(ckpt.tag),
+    files = optim_files(ckpt)
+    optimizer, resume = None, {}
+    if files is not None:
+        optimizer = merge_optimizer(ckpt, files, lay, bool(cfg.model.do_layer_norm_weight_decay),
+                                    None if "/" in kv_order else kv_order)
+        check_masters(optimizer.masters, tensors, ckpt.tag / "optim")
+        tensors.update(optimizer.masters)  # fp32 where NxD kept them (the model files' may be bf16)
+        resume = _resume_meta(cfg, progress, optimizer.step)
+    meta = {"hf_config": hf, "source": str(ckpt.tag), **resume,
             "nxd_source": {"tp": ckpt.tp, "pp": ckpt.pp, "xser": ckpt.xser, "kv_replicator": lay.kv_replicator,
                            "kv_replication": kv_order if lay.kv_replicator > 1 else None, **progress}}
-    save_weights(tensors, output, meta)
+    rank_state = {"rank": 0, "world_size": 1, "dp_rank": 0, "scalars": {}, "trainer": {},
+                  "rng": reseed_state(cfg.seed, resume.get("step", 0))}
+    save_weights(tensors, output, meta, files={"rank_00000.json": json.dumps(rank_state)} if resume else None,
+                 optimizer_state=optimizer.state if optimizer else None)
     lines = [f"read {ckpt.tag}: tp {ckpt.tp} x pp {ckpt.pp}, {'xser' if ckpt.xser else 'torch.save'}, "
              f"{len(tensors)} tensors" + (f", K/V replicated x{lay.kv_replicator} ({kv_order})"
                                            if lay.kv_replicator > 1 else "")
              + (", NxDT's " + ", ".join(f"{k} {v:g}" for k, v in progress.items()) if progress else "")]
     if not ckpt.complete:
         lines.append(f"notice: {ckpt.tag} has no `done` marker (NxD writes it last): the save may not have finished")
-    if ckpt.has_optimizer:
-        lines.append(f"notice: {ckpt.tag / 'optim'}: optimizer state not carried over (NxDT keys it by its "
-                     "parameter-group order, which the checkpoint does not record); the output is weights-only")
-    lines.append(f"start training from it: exp_manager.resume_from_checkpoint={output} model.weight_init_only=true")
+    if files is None:
+        lines.append(f"notice: no optimizer files in {ckpt.tag / 'optim'}: the output is weights-only (Adam's "
+                     "moments start fresh)")
+        lines.append(f"start training from it: exp_manager.resume_from_checkpoint={output} model.weight_init_only=true")
+        return lines
+    lines.append(f"optimizer: Adam's exp_avg and exp_avg_sq of {len(optimizer.state) // 3} parameters, step "
+                 f"{optimizer.step:g} " + (f"(ZeRO-1 shards over dp {optimizer.dp})" if optimizer.dp > 1 else
+                                           "(one file per tp/pp rank)")
+                 + (", the weights from its fp32 master copies" if optimizer.masters else "")
+                 + f"; resumes at step {resume['step']}, consumed_samples {resume['consumed_samples']}"
+                 + ("" if "consumed_samples" in progress else " (step x data.global_batch_size: the tag's name has none)"))
+    lines.append(f"continue training from it: exp_manager.resume_from_checkpoint={output} (lr, betas, eps and weight "
+                 "decay from the YAML, lr at its schedule's step)")
     return lines
+
+
+def _resume_meta(cfg, progress: dict[str, float], adam_step: float) -> dict[str, object]:
+    """meta.json's entries of a checkpoint that resumes NxDT's run (nxd_legacy_optim.converted_trainer_state)."""
+    step = int(progress.get("step", adam_step))
+    consumed = int(progress.get("consumed_samples", step * cfg.data.global_batch_size))
+    return {"weights_only": False, "converted_from": "nxd", "step": step, "consumed_samples": consumed, "layout": {}}

@@ -38,6 +38,7 @@ from nxdt.config.errors import ConfigError
 from nxdt.config.load import global_rank, main_guard, quote_value
 from nxdt.spec import load_config
 from nxdt.tools.train import main as train_main
+from nxdt.tools.train import startup_imports
 
 USAGE = "usage: nxdt evaluate --checkpoint DIR [key=value ...] (a transformers folder: also --config-name NAME)"
 CONFIG_OPTIONS = ("--config-path", "-cp", "--config-name", "-cn")
@@ -171,9 +172,9 @@ def _main(argv: list[str] | None = None) -> int:
         for note in notes:
             print(f"note: {note}", file=sys.stderr, flush=True)
     apply_env(cfg)  # validation already named the keys that have no effect here
-    # the run's modules (torch-xla among them) only after the env vars are set (nxdt.config.env)
-    from nxdt.checkpoint.resume import evaluation_plan
-    from nxdt.training.evaluate import evaluate
+    with startup_imports():  # the run's modules (torch-xla among them) only after the env vars are set
+        from nxdt.checkpoint.resume import evaluation_plan
+        from nxdt.training.evaluate import evaluate
 
     evaluate(cfg, evaluation_plan(cfg, checkpoint=checkpoint))
     return 0

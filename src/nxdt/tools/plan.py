@@ -33,8 +33,10 @@ import sys
 from typing import Any
 
 from nxdt.config.errors import ConfigError
+from nxdt.device import use_xla
 from nxdt.hardware import device_peak, local_device_type, low_precision_notice
 from nxdt.models.param_count import ParameterCount, activated_lines
+from nxdt.parallel import xla_spmd
 from nxdt.observability.user_callbacks import build_user_callbacks
 from nxdt.planner.estimate import batch_lines, flops_line, memory_line, peak_lines, plan, stage_lines
 from nxdt.spec import build_spec, load_config
@@ -98,6 +100,7 @@ def format_plan(p: dict[str, Any], peak=None) -> str:
         *_layers_line(p),
         f"  sharding     {p['sharding']}   activation checkpointing: {p['activations_checkpoint'] or 'off'}",
         memory_line(mem),
+        *xla_lines(p),
         flops_line(p),
         # the start summary's lines: global batch, tokens per step, max_steps and the tokens in all
         *batch_lines(p["global_batch_size"], p["micro_batch_size"], p["num_microbatches"], p["seq_length"],
@@ -106,6 +109,15 @@ def format_plan(p: dict[str, Any], peak=None) -> str:
         *peak_lines(p, peak, p["world_size"]),
     ]
     return "\n".join(lines)
+
+
+def xla_lines(p: dict[str, Any]) -> list[str]:
+    """Several XLA devices: one SPMD process drives them; the memory line is per device."""
+    mesh = p.get("xla_spmd_mesh")
+    if not mesh:
+        return []
+    return [f"  xla          one SPMD process per host over {p['world_size']} devices, mesh (dp, ep, tp) = "
+            f"({', '.join(map(str, mesh))}): memory/rank above is per device (the plan's shardings)"]
 
 
 def not_checked_lines(keys: list[str] | None) -> list[str]:
@@ -126,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         raise ConfigError(str(err)) from None
     result["layers_per_stage"] = layers_per_stage(spec)
+    if use_xla(spec.cfg) and xla_spmd.is_spmd(spec.layout):  # the same plan, as shardings (docs/xla.md)
+        result["xla_spmd_mesh"] = list(xla_spmd.mesh_shape(spec.layout))
     peak = plan_peak(spec)
     if as_json:
         step = result["model_tflop_per_step"] / result["world_size"] / peak.tflops if peak and result[

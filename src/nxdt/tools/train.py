@@ -9,6 +9,8 @@ and `train`, after `apply_env`.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import sys
 from pathlib import Path
@@ -97,6 +99,33 @@ def load_job(cl, overrides: list[str], log_dir=None, quiet: bool = False):
     return cfg, record
 
 
+_frozen = False
+
+
+@contextlib.contextmanager
+def startup_imports():
+    """The run's modules imported with Python's cyclic garbage collector paused, then frozen, once
+    per process. Importing torch, Lightning (and through it torchmetrics, transformers, scipy) makes
+    some 500,000 objects that are never garbage; the collector's full passes during the imports
+    scanned all of them again and again (0.6-0.7 s), and every full pass of the run after it too
+    (0.27 s each). `gc.freeze()` moves them out of its sight for good: a tiny one-process run of
+    6 steps took 5.5 s, 3.55 s with this (CPU time alike). Once per process: a sweep's later jobs
+    import nothing new, and what they leave behind is collected as before."""
+    global _frozen
+    if _frozen:
+        yield
+        return
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        _frozen = True
+        if enabled:
+            gc.enable()
+
+
 def train(cfg, **kwargs):
     """nxdt.training.trainer.train (imported here: torch only after `apply_env`)."""
     from nxdt.training.trainer import train as train_run  # torch only after apply_env (env vars first)
@@ -108,12 +137,12 @@ def run_job(cl, overrides: list[str], log_dir=None, job_num: int = 0, loaded=Non
     """One training (or evaluate-only) run of the command line `cl` with these overrides."""
     cfg, record = loaded or load_job(cl, overrides, log_dir)
     apply_env(cfg)  # the Neuron-only keys it finds inert are in load_config's notice (nxdt.config.inert)
-    # torch is imported from here on (the env vars are set)
-    from nxdt.checkpoint.retention import complete_checkpoints
-    from nxdt.checkpoint.save_errors import CheckpointSaveError
-    from nxdt.precision.precision import NumericalInstabilityError
-    from nxdt.training.evaluate import evaluate_only
-    from nxdt.training.launcher_watchdog import watch_launcher
+    with startup_imports():  # torch is imported from here on (the env vars are set)
+        from nxdt.checkpoint.retention import complete_checkpoints
+        from nxdt.checkpoint.save_errors import CheckpointSaveError
+        from nxdt.precision.precision import NumericalInstabilityError
+        from nxdt.training.evaluate import evaluate_only
+        from nxdt.training.launcher_watchdog import watch_launcher
 
     watch_launcher()  # a rank whose launcher is gone (kill -9 of torchrun) exits instead of living on
     try:

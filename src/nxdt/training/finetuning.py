@@ -19,13 +19,14 @@ def add_lora(model: torch.nn.Module, peft) -> str:
     """Wrap `model`'s target linears with adapters (`peft`: the PeftConfig) and freeze the rest.
     Returns the summary line: trainable vs total parameters (and, with lora_verbose, the targets)."""
     wrapped = inject_lora(model, peft.target_modules, peft.lora_rank, peft.lora_alpha, peft.lora_dropout,
-                          peft.lora_bias)
+                          peft.lora_bias, peft.target_parameters)
     trainable, total = lora_parameter_counts(model)
     line = (f"rank={peft.lora_rank} alpha={peft.lora_alpha:g}  trainable {trainable:,} of {total:,} parameters "
             f"({100 * trainable / max(total, 1):.3f}%)")
     if peft.lora_verbose:
         leaves = sorted({path.rpartition(".")[2] for path in wrapped})
-        line += f"  adapters on {len(wrapped)} linears ({', '.join(leaves)}), lora_bias={peft.lora_bias}"
+        line += f"  adapters on {len(wrapped)} linears or expert weights ({', '.join(leaves)}), " \
+                f"lora_bias={peft.lora_bias}"
     return line
 
 
@@ -35,6 +36,10 @@ def check_lora_targets(spec, vocab_size: int | None) -> None:
     cfg, peft = spec.cfg, spec.alignment.peft
     if peft is None:
         return
+    if peft.target_parameters and spec.layout.tp > 1:
+        raise ConfigError("model_alignment_strategy.peft.target_parameters (LoRA on the MoE experts) with "
+                          "distributed_strategy.tensor_model_parallel_size > 1 is not supported yet (ep, FSDP, "
+                          "ZeRO-1 and pp are)")
     try:
         add_lora(build_model(cfg, vocab_size, device="meta"), peft)
     except ValueError as err:

@@ -28,6 +28,7 @@ from nxdt.parallel.context_parallel import shard_sequence
 from nxdt.parallel.parallelize import parallelize_llama
 from nxdt.parallel.pipeline import build_pipeline, model_of
 from nxdt.parallel.plan import make_plan
+from nxdt.parallel import xla_spmd
 from nxdt.parallel.tensor_parallel import total_norm
 from nxdt.training.preference import PreferenceSteps
 from nxdt.rl.module import GRPOSteps
@@ -48,7 +49,10 @@ class NxdtLightningModule(PreferenceSteps, GRPOSteps, pl.LightningModule):
         self.automatic_optimization = False
         self.spec = spec
         self.cfg = cfg = spec.cfg
-        self.layout = spec.layout
+        # several XLA devices: one SPMD process holds every dp rank's batch; the plan keeps spec.layout
+        self.spmd = None  # nxdt.parallel.xla_spmd.SpmdRun, made by configure_model
+        on_spmd = use_xla(cfg) and xla_spmd.is_spmd(spec.layout)
+        self.layout = xla_spmd.process_layout(spec.layout) if on_spmd else spec.layout
         self.vocab_size = vocab_size
         self.model: torch.nn.Module | None = None
         self.pipeline = None  # nxdt.parallel.pipeline.Pipeline when pipeline_model_parallel_size > 1
@@ -76,6 +80,11 @@ class NxdtLightningModule(PreferenceSteps, GRPOSteps, pl.LightningModule):
         self.num_parameters, self.lora_summary = base.num_parameters, base.lora_summary
         # what each rank holds and what is done to each module; the start summary's figures read it too
         self.parallel_plan = make_plan(base.model, self.spec)
+        if self.layout is not self.spec.layout:  # several XLA devices: the plan as SPMD shardings
+            self.model, self.spmd = xla_spmd.parallelize_spmd(base.model, self.parallel_plan, self.device,
+                                                              zero1=bool(self.cfg.distributed_strategy.zero1))
+            self.precision.attach(self.model)
+            return
         if self.layout.pp > 1:
             self._configure_pipeline(base.model)
             self.precision.attach(self.model, delegate=True)  # the schedule runs fwd/bwd: autocast only
@@ -97,6 +106,8 @@ class NxdtLightningModule(PreferenceSteps, GRPOSteps, pl.LightningModule):
     def configure_optimizers(self) -> Any:
         optimizer, scheduler = build_optimizer_and_scheduler(self.spec, self.model, submesh(self.device_mesh, "dp"),
                                                              self.cfg.trainer.max_steps)
+        if self.spmd is not None:
+            self.spmd.shard_optimizer(optimizer, self.model)
         if scheduler is None:
             return optimizer
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
@@ -133,6 +144,8 @@ class NxdtLightningModule(PreferenceSteps, GRPOSteps, pl.LightningModule):
         self.grpo_start()  # GRPO: reward functions, the reference weights (nxdt.rl.module)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if self.spmd is not None:
+            self.spmd.shard_batch(batch)  # dim 0 over the data-parallel axes
         # GRPO: this step's rollouts first (sampled on the policy as it is), then its forward/backward
         forward_backward = self.grpo_forward_backward(batch) if self.alignment.grpo else self._forward_backward()
         # the LightningOptimizer: its step() is what Lightning counts (global_step), skipped steps too
@@ -240,11 +253,13 @@ class NxdtLightningModule(PreferenceSteps, GRPOSteps, pl.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["consumed_samples"] = self.consumed_samples
         checkpoint["precision"] = self.precision.state_dict()
+        self.grpo_save_state(checkpoint)  # GRPO: a batch of rollouts between its num_iterations
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.consumed_samples = int(checkpoint.get("consumed_samples", 0))
         if checkpoint.get("precision"):
             self.precision.load_state_dict(checkpoint["precision"])
+        self.grpo_load_state(checkpoint)
 
 
 def _total_norm(norm: torch.Tensor) -> torch.Tensor:

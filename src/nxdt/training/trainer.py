@@ -66,11 +66,13 @@ def build_trainer(cfg, layout, loggers, callbacks):
         accelerator, strategy = NeuronAccelerator(), native_neuron_strategy(layout)
     else:
         accelerator, strategy = t.accelerator, NxdtStrategy(layout)
+    # several XLA devices are one SPMD process (nxdt.parallel.xla_spmd): Lightning sees one device
+    devices, num_nodes = (1, 1) if use_xla(cfg) else (t.devices, t.num_nodes)
     return pl.Trainer(
         accelerator=accelerator,
         strategy=strategy,
-        devices=t.devices,
-        num_nodes=t.num_nodes,
+        devices=devices,
+        num_nodes=num_nodes,
         max_epochs=t.max_epochs,
         max_steps=t.max_steps,
         log_every_n_steps=t.log_every_n_steps,

@@ -29,6 +29,7 @@ from lightning.pytorch.strategies import SingleDeviceXLAStrategy
 
 from nxdt.device import mark_step
 from nxdt.parallel.mesh import build_mesh
+from nxdt.parallel.xla_spmd import check_device_count, is_spmd, process_layout, use_spmd
 
 
 def lightning_accelerator(cfg: Any):
@@ -60,7 +61,7 @@ def lightning_accelerator(cfg: Any):
     return NxdtXLAAccelerator()
 
 
-def build_xla_strategy(mesh_shape: Any):
+def build_xla_strategy(layout: Any):
     """A Lightning strategy for one XLA device with nxdt's DeviceMesh bookkeeping.
 
     Lightning's `SingleDeviceXLAStrategy` runs the device, wraps the data loader with torch-xla's
@@ -68,9 +69,16 @@ def build_xla_strategy(mesh_shape: Any):
     mark_step. nxdt's module and data modules also read a DeviceMesh (dp rank/size, collectives
     over mesh axes): on one device every axis has size 1, so a world-size-1 gloo group and a CPU
     mesh give them the same answers as on CPU without any collective touching the device.
-    Several XLA devices are not built; nxdt.config.validate refuses them (why: docs/precision.md,
-    "One device only").
+    Several XLA devices (`layout` spans more than one) are one SPMD process (docs/xla.md): torch-xla
+    is switched to SPMD before the device is touched, the mesh above is the one-process mesh (every
+    axis 1: the module's collectives are no-ops), and the module applies the plan as shardings
+    (nxdt.parallel.xla_spmd).
     """
+    spmd = is_spmd(layout)
+    mesh_shape = process_layout(layout) if spmd else layout
+    if spmd:
+        use_spmd()  # before any XLA tensor exists
+
     class NxdtXLAStrategy(SingleDeviceXLAStrategy):
         def __init__(self) -> None:
             super().__init__(device=0)
@@ -78,6 +86,8 @@ def build_xla_strategy(mesh_shape: Any):
             self._device_mesh = None
 
         def setup_environment(self) -> None:
+            if spmd:
+                check_device_count(layout)
             super().setup_environment()
             if not dist.is_initialized():
                 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

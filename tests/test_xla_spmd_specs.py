@@ -1,0 +1,58 @@
+"""nxdt.parallel.xla_spmd's partition specs, read from the parallel plan (no torch-xla needed: the
+specs are data; tests/xla/test_xla_spmd.py runs them on four XLA:CPU devices)."""
+
+from __future__ import annotations
+
+import pytest
+
+from nxdt.models import build_model
+from nxdt.parallel.plan import make_plan
+from nxdt.parallel.xla_spmd import mesh_shape, process_layout, spmd_shardings
+from nxdt.spec import build_spec, load_config
+
+TINY = ["model.num_layers=1", "model.hidden_size=64", "model.ffn_hidden_size=128", "model.num_attention_heads=4",
+        "model.num_kv_heads=2", "model.max_position_embeddings=64", "model.encoder_seq_length=16",
+        "data.seq_length=16", "data.micro_batch_size=1", "data.global_batch_size=8", "trainer.devices=4"]
+
+
+def _shardings(*overrides: str, zero1: bool = False):
+    cfg = load_config(["--config-name", "tiny_llama_cpu", *TINY, *overrides], check_paths=False, quiet=True)
+    spec = build_spec(cfg)
+    model = build_model(cfg, 256)
+    return spec, spmd_shardings(model, make_plan(model, spec), zero1=zero1)
+
+
+def test_tp_and_fsdp_specs_follow_the_plan():
+    spec, s = _shardings("distributed_strategy.tensor_model_parallel_size=2", "distributed_strategy.sequence_parallel=true",
+                         "distributed_strategy.sharding_strategy=fsdp")
+    assert s.mesh_shape == mesh_shape(spec.layout) == (2, 1, 2)
+    p = s.params
+    assert p["model.layers.0.self_attn.q_proj.weight"] == ("tp", "dp")  # colwise, then FSDP on the other dim
+    assert p["model.layers.0.self_attn.o_proj.weight"] == ("dp", "tp")  # rowwise: a Linear's inputs
+    assert p["model.layers.0.mlp.down_proj.weight"] == ("dp", "tp")
+    assert p["model.embed_tokens.weight"] == ("tp", "dp")  # vocabulary-parallel embedding: rows
+    assert p["lm_head.weight"] == ("tp", "dp")  # vocabulary-parallel output layer
+    assert p["model.norm.weight"] == ("dp",)
+    assert s.optimizer_state == s.params
+    assert "model.norm" in s.sequence_parallel and "model.layers.0.input_layernorm" in s.sequence_parallel
+
+
+def test_zero1_shards_only_the_optimizer_state():
+    _, s = _shardings("distributed_strategy.zero1=true", zero1=True)
+    assert s.params["model.layers.0.mlp.up_proj.weight"] == (None, None)
+    assert s.optimizer_state["model.layers.0.mlp.up_proj.weight"] == ("dp", None)
+
+
+def test_experts_over_ep():
+    _, s = _shardings("model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.ffn_hidden_size=64",
+                      "distributed_strategy.expert_model_parallel_size=2")
+    experts = [n for n in s.params if n.endswith("gate_up_proj")]
+    assert experts and all(s.params[n][0] == "ep" for n in experts)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_process_layout_holds_every_dp_share(tp):
+    spec, _ = _shardings(f"distributed_strategy.tensor_model_parallel_size={tp}")
+    one = process_layout(spec.layout)
+    assert one.world_size == 1 and one.local_batch_size == spec.layout.local_batch_size * spec.layout.dp
+    assert one.num_microbatches == spec.layout.num_microbatches
