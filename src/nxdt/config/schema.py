@@ -53,6 +53,21 @@ GATE_ALIASES = {"TopKBalancedNoisyGate": "top_k_balanced_noisy", "SwitchBalanced
 """LLaMA-MoE's class names for `model.moe.gate_type` -> nxdt's names (validation normalises them)."""
 
 
+LLAMA_MOE_NOT_BUILT = {
+    "calculator_type": "nxdt computes UniversalCalculator's rule (every routed token; capacity_factor drops "
+                       "deterministically, not SwitchDropTokenCalculator's random drops)",
+    "drop_tokens": "SwitchDropTokenCalculator is not built", "dropped_padding": "SwitchDropTokenCalculator is not built",
+    "size_experts": "nxdt's experts are equal (model.moe.ffn_hidden_size each)",
+    "gate_use_softmax": "the gates weigh by the softmax (gate_use_softmax true)",
+    "gate_use_balance": "the balance loss is on; model.moe.gate_balance_loss_weight=0 leaves it out",
+    "multiply_gate_scores": "expert outputs are weighted by the gate's scores (multiply_gate_scores true)",
+    "add_weight_norm": "no WeightNorm on the experts' output",
+    "score_scale_factor": "nxdt's name is model.moe.moe_calculator_score_scale_factor",
+}
+"""LLaMA-MoE's `model.moe`-level names nxdt does not build: refused as "not supported yet" with the reason,
+not as unknown keys."""
+
+
 def canonical_gate_type(name: str) -> str:
     return GATE_ALIASES.get(name, name)
 
@@ -382,7 +397,9 @@ class MoEConfig:
     dropout: float = doc(0.0, "dropout in the MoE layer", ge=0, lt=1)
     capacity_factor: Optional[float] = doc(None, "expert capacity factor; null = no token dropping (0 with dropless)", ge=0)
     dropless: bool = doc(False, "dropless (blockwise) expert computation")
-    routing_algorithm: Literal["top_k", "sinkhorn"] = doc("top_k", "router")
+    routing_algorithm: Literal["top_k", "sinkhorn", "neox_sinkhorn"] = doc(
+        "top_k", "router: top_k | sinkhorn (Megatron's, top-1) | neox_sinkhorn (GPT-NeoX's SinkhornRouter: "
+                 "sigmoid scores at top_k 1, softmax above; top-k of the scores outside training)")
     router_activation: Literal["softmax", "sigmoid"] = doc("softmax", "router score activation")
     sinkhorn_iterations: int = doc(30, "sinkhorn routing iterations", ge=1)
     sinkhorn_tol: Optional[float] = doc(None, "sinkhorn tolerance (optional; NxDT writes None)", gt=0)
@@ -415,6 +432,13 @@ class MoEConfig:
               "towards balance; Megatron moe_router_enable_expert_bias) | none; null = aux_loss")
     bias_update_rate: float = doc(1e-3, "loss_free: each step a bias moves by this x sign(mean load - load) "
                                         "(Megatron moe_router_bias_update_rate)", gt=0)
+    gate_network: Literal["linear", "mlp"] = doc(
+        "linear", "the router's network: linear (one [E, hidden] weight) | mlp (LLaMA-MoE's gate_network mlp, its "
+                  "default: Linear(hidden, E) -> Tanh -> Linear(E, E), mlp.gate.weight and mlp.gate.weight_out)")
+    expert_activation: Optional[Literal["swiglu", "gelu", "gelu_tanh", "silu"]] = doc(
+        None, "the experts: swiglu (gate, up, down: Mixtral's) | gelu | gelu_tanh | silu (two matrices, up and "
+              "down, with that activation: GPT-NeoX's dropless experts); null = model.activation. Experts have "
+              "no biases")
 
 
 @dataclass

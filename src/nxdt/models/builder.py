@@ -90,7 +90,7 @@ def llama_args_from_cfg(cfg: Any, vocab_size: int | None = None) -> LlamaArgs:
         apply_query_key_layer_scaling=m.apply_query_key_layer_scaling,
         transformer_block_type=m.transformer_block_type,
         gpt_j_tied=m.gpt_j_tied,
-        moe=moe_args_from_cfg(m.moe),
+        moe=moe_args_from_cfg(m.moe, m.activation),
         moe_ffn_hidden_size=m.moe.ffn_hidden_size if m.moe.num_experts else None,
         moe_layers=tuple(m.moe.layers) if m.moe.num_experts and m.moe.layers is not None else None,
         qk_layernorm=m.qk_layernorm,
@@ -116,11 +116,12 @@ def rope_base(m: Any) -> float:
     return 10000.0
 
 
-def moe_args_from_cfg(moe: Any) -> MoEArgs | None:
+def moe_args_from_cfg(moe: Any, activation: str = "swiglu") -> MoEArgs | None:
     """MoEArgs from the typed `model.moe` section; None for a dense model (num_experts 0).
     The mixtral gate's load-balancing loss joins the training loss only with output_router_logits,
     as in transformers' Mixtral; LLaMA-MoE's gates weigh theirs by gate_balance_loss_weight (0:
-    not added). The statistics are logged either way."""
+    not added). The statistics are logged either way. The experts take model.moe.expert_activation,
+    null: `activation` (model.activation)."""
     if not moe.num_experts:
         return None
     gate_type = moe.gate_type  # LLaMA-MoE's class names are normalised by validation (nxdt.config.schema)
@@ -141,6 +142,8 @@ def moe_args_from_cfg(moe: Any) -> MoEArgs | None:
         gate_type=gate_type, gate_add_noise=moe.gate_add_noise, gate_noise_epsilon=moe.gate_noise_epsilon,
         num_groups=moe.num_groups, group_top_k=moe.group_top_k, load_balancing=balancing,
         bias_update_rate=moe.bias_update_rate, num_shared_experts=moe.num_shared_experts,
+        expert_activation=getattr(moe, "expert_activation", None) or activation,
+        gate_network=getattr(moe, "gate_network", "linear"),
     )
 
 

@@ -29,7 +29,8 @@ LlamaArgs = Any
 
 # the plain Mixtral router: anything else is nxdt's own (LLaMA-MoE gates, sinkhorn, ...)
 _MIXTRAL_MOE = {"frequency": 1, "routing_algorithm": "top_k", "router_activation": "softmax",
-                "normalize_top_k_affinities": True, "score_scale": 1.0, "gate_type": "mixtral"}
+                "normalize_top_k_affinities": True, "score_scale": 1.0, "gate_type": "mixtral",
+                "expert_activation": "swiglu", "gate_network": "linear"}
 
 
 def hf_config_dict(args: LlamaArgs) -> dict[str, Any]:

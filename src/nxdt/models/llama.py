@@ -35,6 +35,7 @@ from nxdt.models.chunked_loss import chunked_cross_entropy
 from nxdt.models.hf_export import hf_config_dict
 from nxdt.models.kv_cache import KVCache
 from nxdt.models.moe import LlamaMoE, MoEArgs, MoEExperts, MoERouter
+from nxdt.models.moe_neox import MLPExperts
 from nxdt.models.rope import LlamaRotaryEmbedding, apply_rotary, rope_inv_freq, rotate_half  # noqa: F401 - re-exported
 
 
@@ -91,7 +92,8 @@ class LlamaArgs:
     each layer adds two residual branches, this keeps the residual stream's variance from growing."""
     moe: MoEArgs | None = None
     """Mixture of experts (nxdt.models.moe) in place of the MLP of every `moe.frequency`-th layer
-    (or of the `moe_layers`); None = dense. Experts are SwiGLU without bias (Mixtral, Qwen3-MoE)."""
+    (or of the `moe_layers`); None = dense. Experts have no bias: SwiGLU (Mixtral, Qwen3-MoE) or
+    two-matrix ones (GPT-NeoX's; moe.expert_activation); has_bias / mlp_bias concern the rest."""
     moe_ffn_hidden_size: int | None = None
     """Each expert's width (Qwen3-MoE's moe_intermediate_size); None = ffn_hidden_size (Mixtral)."""
     moe_layers: tuple[int, ...] | None = None
@@ -141,8 +143,6 @@ class LlamaArgs:
             raise ValueError(f"rotary_percentage must be in (0, 1], got {self.rotary_percentage}")
         if self.position_embedding_type == "rope" and self.rotary_dim % 2 != 0:
             raise ValueError(f"rotary dimension {self.rotary_dim} (head_dim × rotary_percentage) must be even")
-        if self.moe is not None and (self.activation != "swiglu" or self.has_bias or self.mlp_bias):
-            raise ValueError("MoE experts are SwiGLU without bias: needs activation=swiglu and has_bias=false")
         if self.moe is not None and self.transformer_block_type == "normformer":
             # the experts have no FFN norm: MoE layers would silently lose normformer's third norm
             raise ValueError("transformer_block_type normformer has no MoE form (the experts have no FFN norm)")
@@ -552,6 +552,8 @@ class NxdtLlamaForCausalLM(nn.Module):
             elif isinstance(module, MoEExperts):
                 nn.init.normal_(module.gate_up_proj, mean=0.0, std=std)
                 nn.init.normal_(module.down_proj, mean=0.0, std=out_std)
+            elif isinstance(module, MLPExperts):
+                module.reset_parameters(std, out_std)
             elif isinstance(module, LlamaRMSNorm):
                 module.reset_parameters()
             elif isinstance(module, nn.LayerNorm):

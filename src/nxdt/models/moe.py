@@ -27,10 +27,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nxdt.models.llama_moe import noisy_top_k_gate, switch_gate
 from nxdt.models.moe_balance import LOAD_BALANCING, select_experts
+from nxdt.models.moe_neox import EXPERT_ACTIVATIONS, MLPExperts, neox_sinkhorn_route
 
 
 GATE_TYPES = ("mixtral", "top_k_balanced_noisy", "switch_balanced")
+ROUTING_ALGORITHMS = ("top_k", "sinkhorn", "neox_sinkhorn")
 
 
 @dataclass
@@ -42,7 +45,8 @@ class MoEArgs:
     frequency: int = 1
     """Layer i is an MoE layer when i % frequency == 0 (Megatron's moe_layer_freq): 1 = every layer."""
     routing_algorithm: str = "top_k"
-    """'top_k' (softmax or sigmoid scores, the k best) or 'sinkhorn' (balanced top-1, Megatron)."""
+    """'top_k' (softmax or sigmoid scores, the k best), 'sinkhorn' (balanced top-1, Megatron) or
+    'neox_sinkhorn' (GPT-NeoX's SinkhornRouter, nxdt.models.moe_neox)."""
     router_activation: str = "softmax"
     normalize_top_k_affinities: bool = True
     """Divide the k chosen scores by their sum (Mixtral)."""
@@ -80,12 +84,20 @@ class MoEArgs:
     num_shared_experts: int = 0
     """Experts every token goes through (DeepSeek-V3's n_shared_experts): one SwiGLU MLP
     `mlp.shared_experts` of this x the experts' width, added to the routed experts' output."""
+    gate_network: str = "linear"
+    """The router: 'linear' (one [E, H] weight) or LLaMA-MoE's 'mlp' (Linear -> Tanh -> Linear [E, E])."""
+    expert_activation: str = "swiglu"
+    """'swiglu' (MoEExperts) or a two-matrix expert's activation (MLPExperts: gelu, gelu_tanh, silu)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k ({self.top_k}) must be between 1 and num_experts ({self.num_experts})")
-        if self.routing_algorithm not in ("top_k", "sinkhorn"):
-            raise ValueError(f"routing_algorithm must be 'top_k' or 'sinkhorn', got {self.routing_algorithm!r}")
+        if self.routing_algorithm not in ROUTING_ALGORITHMS:
+            raise ValueError(f"routing_algorithm must be one of {ROUTING_ALGORITHMS}, got {self.routing_algorithm!r}")
+        if self.gate_network not in ("linear", "mlp"):
+            raise ValueError(f"gate_network must be 'linear' or 'mlp', got {self.gate_network!r}")
+        if self.expert_activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"expert_activation must be one of {EXPERT_ACTIVATIONS}, got {self.expert_activation!r}")
         if self.routing_algorithm == "sinkhorn" and self.top_k != 1:
             raise ValueError(f"sinkhorn routing picks one expert per token; top_k is {self.top_k}")
         if self.router_activation not in ("softmax", "sigmoid"):
@@ -187,68 +199,6 @@ def load_balancing_loss(router_logits: tuple[torch.Tensor, ...] | list[torch.Ten
         prob_sum = prob_sum + probs.sum(0)
         rows += logits.shape[0]
     return num_experts * torch.sum((counts / rows) * (prob_sum / rows))
-
-
-# --------------------------------------------------------------------------- LLaMA-MoE's gates
-
-
-def cv_squared(x: torch.Tensor, eps: float = 1e-10) -> torch.Tensor:
-    """Squared coefficient of variation var(x) / (mean(x)^2 + eps), as LLaMA-MoE's cv_squared:
-    torch's var, i.e. the unbiased (n - 1) variance, and eps in the denominator only; 0 for one
-    expert (their guard: the unbiased variance of one value is nan)."""
-    x = x.float()
-    if x.numel() == 1:
-        return x.new_zeros(())
-    return x.var() / (x.mean() ** 2 + eps)
-
-
-def noisy_top_k_gate(clean: torch.Tensor, top_k: int, noise_std: torch.Tensor | None = None,
-                     z: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """LLaMA-MoE's TopKBalancedNoisyGate (Shazeer et al. 2017) on gate logits [T, E] → (weights
-    [T, k] fp32, experts [T, k], balance loss CV²(importance) + CV²(load), unweighted).
-
-    noisy = clean + z x noise_std (z ~ N(0, 1) [T, E]; no noise when noise_std is None). The k
-    best noisy logits are chosen and their weights are the softmax over those k logits only.
-    importance_e = sum over tokens of e's weight (0 where not chosen). load_e, with noise, is the
-    smooth count sum_t P(e in the top k of token t) = Phi((clean - threshold) / noise_std), the
-    threshold being the best noisy logit among the other experts that still keeps e out: the
-    (k+1)-th noisy logit when e is in the top k, the k-th when it is not; without noise (and when
-    k = E) load_e is the number of tokens that chose e."""
-    clean = clean.float()
-    num_experts = clean.shape[-1]
-    noisy = clean if noise_std is None else clean + z * noise_std
-    top_vals, top_idx = noisy.topk(min(top_k + 1, num_experts), dim=-1)
-    weights, experts = torch.softmax(top_vals[:, :top_k], dim=-1), top_idx[:, :top_k]
-    importance = torch.zeros_like(clean).scatter(1, experts, weights).sum(0)
-    if noise_std is not None and top_k < num_experts:
-        threshold_in, threshold_out = top_vals[:, top_k:top_k + 1], top_vals[:, top_k - 1:top_k]
-        # "is in the top k" compares the noisy logit, as the paper and its reference code do;
-        # LLaMA-MoE's code compares the noise term alone (logits_noise), which we take for a slip
-        is_in = noisy > threshold_in
-        prob = torch.where(is_in, torch.special.ndtr((clean - threshold_in) / noise_std),  # ndtr: normal CDF
-                           torch.special.ndtr((clean - threshold_out) / noise_std))
-        load = prob.sum(0)
-    else:
-        load = torch.bincount(experts.reshape(-1), minlength=num_experts).float()
-    return weights, experts, cv_squared(importance) + cv_squared(load)
-
-
-def switch_gate(logits: torch.Tensor, gumbel: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """LLaMA-MoE's SwitchBalancedGate (Switch Transformer) on logits [T, E] → (weights [T, 1] fp32,
-    experts [T, 1], balance loss, unweighted): p = softmax(logits); the expert is the argmax of
-    logits + gumbel (Gumbel(0, 1) noise, or none); loss = E x sum_e mean_t(p_e) x (tokens that
-    chose e) / T, no gradient through the counts. The weight is the chosen expert's p (the Switch
-    Transformer's), where LLaMA-MoE's code returns the chosen (noisy) logit itself."""
-    logits = logits.float()
-    probs = torch.softmax(logits, dim=-1)
-    experts = (logits if gumbel is None else logits + gumbel).argmax(-1, keepdim=True)
-    num_tokens, num_experts = logits.shape
-    load = torch.bincount(experts.reshape(-1), minlength=num_experts).float() / num_tokens
-    return probs.gather(-1, experts), experts, num_experts * torch.sum(probs.mean(0) * load)
-
-
-_aux_loss_scale = 1.0
 
 
 def set_aux_loss_scale(scale: float) -> None:
@@ -453,12 +403,15 @@ def _expert_grad(weight: torch.Tensor, active: list[int]) -> torch.Tensor:
 class MoERouter(nn.Module):
     """The gate: one bias-free linear layer, hidden → expert logits (`mlp.gate.weight`), and for
     LLaMA-MoE's noisy top-k gate its noise weight (`mlp.gate.weight_noise`, [E, H]: per token and
-    expert, noise std = softplus(x W_noise^T) + gate_noise_epsilon)."""
+    expert, noise std = softplus(x W_noise^T) + gate_noise_epsilon). With `mlp` (LLaMA-MoE's
+    gate_network "mlp"): logits = tanh(x W^T) W_out^T, `mlp.gate.weight_out` [E, E]."""
 
-    def __init__(self, hidden_size: int, num_experts: int, noise: bool = False, score_bias: bool = False) -> None:
+    def __init__(self, hidden_size: int, num_experts: int, noise: bool = False, score_bias: bool = False,
+                 mlp: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.weight_noise = nn.Parameter(torch.empty(num_experts, hidden_size)) if noise else None
+        self.weight_out = nn.Parameter(torch.empty(num_experts, num_experts)) if mlp else None
         # loss-free balancing's per-expert bias on the selection scores (DeepSeek-V3's name): state, no gradient
         self.register_buffer("e_score_correction_bias", torch.zeros(num_experts) if score_bias else None)
 
@@ -466,13 +419,16 @@ class MoERouter(nn.Module):
     def reset_parameters(self, std: float) -> None:
         """Gate ~ N(0, std); noise weight 0 as LLaMA-MoE starts it (std softplus(0) + eps at first)."""
         nn.init.normal_(self.weight, mean=0.0, std=std)
+        if self.weight_out is not None:
+            nn.init.normal_(self.weight_out, mean=0.0, std=std)
         if self.weight_noise is not None:
             nn.init.zeros_(self.weight_noise)
         if self.e_score_correction_bias is not None:
             self.e_score_correction_bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        logits = F.linear(x, self.weight)
+        return logits if self.weight_out is None else F.linear(torch.tanh(logits), self.weight_out)
 
     def route(self, x: torch.Tensor, args: MoEArgs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Tokens [T, H] → (weights [T, k] fp32, experts [T, k], the gate's balance loss,
@@ -491,7 +447,11 @@ class MoERouter(nn.Module):
             if self.training and args.gate_add_noise:  # -log(Exp(1)) ~ Gumbel(0, 1)
                 gumbel = -torch.empty_like(logits, dtype=torch.float32).exponential_().log()
             return switch_gate(logits, gumbel)
-        weights, experts = route(logits, args, self.e_score_correction_bias)
+        if args.routing_algorithm == "neox_sinkhorn":
+            weights, experts = neox_sinkhorn_route(logits, args.top_k, self.training, args.sinkhorn_iterations,
+                                                   args.sinkhorn_tol)
+        else:
+            weights, experts = route(logits, args, self.e_score_correction_bias)
         trained = self.training and torch.is_grad_enabled() and args.load_balancing == "aux_loss"
         aux = load_balancing_loss((logits,), args.num_experts, args.top_k) if trained else None
         return weights, experts, aux
@@ -508,8 +468,11 @@ class LlamaMoE(nn.Module):
         super().__init__()
         self.args = args
         self.gate = MoERouter(hidden_size, args.num_experts, noise=args.noise_weight,
-                              score_bias=args.load_balancing == "loss_free")
-        self.experts = MoEExperts(args.num_experts, hidden_size, ffn_hidden_size)
+                              score_bias=args.load_balancing == "loss_free", mlp=args.gate_network == "mlp")
+        if args.expert_activation == "swiglu":
+            self.experts = MoEExperts(args.num_experts, hidden_size, ffn_hidden_size)
+        else:  # two-matrix experts (GPT-NeoX's)
+            self.experts = MLPExperts(args.num_experts, hidden_size, ffn_hidden_size, args.expert_activation)
         if shared_experts is not None:
             self.shared_experts = shared_experts
         self.dropout = nn.Dropout(args.dropout)

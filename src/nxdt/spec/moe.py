@@ -78,9 +78,7 @@ def check_moe(cfg: Any, piece: MoESpec, hf_json: dict) -> None:
         raise ConfigError(f"model.moe.sinkhorn_iterations: must be >= 1, got {moe.sinkhorn_iterations}")
     check_gate(cfg, gate)
     check_routing_extras(cfg, piece)
-    if cfg.model_source == "megatron" and (cfg.model.activation != "swiglu" or cfg.model.has_bias):
-        raise ConfigError("model.moe: experts are SwiGLU without bias; needs model.activation=swiglu and "
-                          "model.has_bias=false")
+    check_experts(cfg)
     if cfg.model_source == "hf":
         if hf_json.get("model_type") == "deepseek_v3":
             # nxdt's native DeepSeek-V3 (nxdt.models.deepseek_v3): the config.json routes (sigmoid, groups, shared
@@ -138,6 +136,33 @@ def check_routing_extras(cfg: Any, piece: MoESpec) -> None:
     if piece.load_balancing == "loss_free" and moe.output_router_logits:
         raise ConfigError("model.moe.load_balancing loss_free balances without the auxiliary loss: set "
                           "model.moe.output_router_logits false (or load_balancing aux_loss)")
+
+
+def check_experts(cfg: Any) -> None:
+    """model.moe.expert_activation (null: model.activation): swiglu experts are nxdt's (Mixtral's
+    layout, every parallel layout); two-matrix experts (GPT-NeoX's) are built for model_source
+    megatron and stay whole on each rank (no expert parallelism yet). Experts have no biases: with
+    model.has_bias only attention and dense MLP layers get them (as GPT-NeoX's MoE)."""
+    moe = cfg.model.moe
+    act = moe.expert_activation or cfg.model.activation
+    if cfg.model_source == "hf":
+        if moe.gate_network != "linear":
+            raise ConfigError(f"model.moe.gate_network={moe.gate_network}: built for model_source megatron only "
+                              f"(transformers' MoE blocks bring their own router)")
+        if moe.expert_activation not in (None, "swiglu"):
+            raise ConfigError(f"model.moe.expert_activation={moe.expert_activation}: two-matrix experts are built "
+                              f"for model_source megatron only (transformers' MoE blocks bring their own experts)")
+        return
+    if act not in ("swiglu", "gelu", "gelu_tanh", "silu"):
+        raise ConfigError(f"model.moe.expert_activation: null takes model.activation ({act}), which the experts "
+                          f"do not build; give swiglu, gelu, gelu_tanh or silu")
+    if cfg.model.mlp_bias and (moe.frequency == 1 and moe.layers is None):
+        raise ConfigError("model.mlp_bias=true with every layer an MoE layer: experts have no biases "
+                          "(model.has_bias gives attention its biases; the experts' MLPs have none)")
+    ep = cfg.distributed_strategy.expert_model_parallel_size
+    if act != "swiglu" and ep > 1:
+        raise ConfigError(f"'distributed_strategy.expert_model_parallel_size' > 1 with two-matrix experts "
+                          f"(model.moe.expert_activation {act}) is not supported yet (got {ep})")
 
 
 def check_gate(cfg: Any, gate: str) -> None:

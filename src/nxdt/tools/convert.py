@@ -10,7 +10,9 @@ Llama, Mixtral, Qwen3, Qwen3-MoE and DeepSeek-V3: both model sources use transfo
 names, so the tensors are copied as they are (a Qwen3-MoE or DeepSeek-V3 folder's per-expert weights
 are stacked into the fused layout, nxdt.models.qwen3; DeepSeek-V3's multi-token-prediction layer is
 left out with a notice, its fp8 weights refused: dequantize first); a Qwen3 or DeepSeek-V3 checkpoint
-gets an `nxdt_model.yaml` too (the native model's keys, below). Another model_type is refused in one line (no nxdt model would load its weights). GPT-NeoX / Pythia (config.json model_type gpt_neox): the weights are renamed
+gets an `nxdt_model.yaml` too (the native model's keys, below); a LLaMA-MoE folder (model_type llama_moe)
+is renamed to nxdt's MoE (nxdt.models.llama_moe), its settings nxdt does not build refused in one line.
+Another model_type is refused in one line (no nxdt model would load its weights). GPT-NeoX / Pythia (config.json model_type gpt_neox): the weights are renamed
 to the native model's and the fused QKV is split (nxdt.models.neox), and the checkpoint gets an
 `nxdt_model.yaml`: the `model_source: megatron` + `model:` keys (block type, layernorm, gelu,
 biases, rotary_percentage, ...) that build that native model; put them in the training YAML.
@@ -41,6 +43,7 @@ from nxdt.checkpoint.checkpointer import load_weights, save_weights
 from nxdt.checkpoint.locate import resolve_checkpoint
 from nxdt.config.errors import ConfigError
 from nxdt.models.deepseek_v3 import DEEPSEEK_V3_MODEL_TYPES, deepseek_v3_model_keys, mtp_notice
+from nxdt.models.llama_moe import llama_moe_model_keys, llama_moe_to_native
 from nxdt.models.lora import is_lora_key
 from nxdt.models.neox import neox_model_keys, neox_to_native
 from nxdt.models.qwen3 import QWEN3_MODEL_TYPES, fuse_experts, qwen3_model_keys
@@ -50,7 +53,7 @@ from nxdt.tools.hf_folder import check_output_free, copy_tokenizer, hf_config_fo
 
 NXDT_MODEL_FILE = "nxdt_model.yaml"
 # config.json model_types whose weights an nxdt model loads (both sources; qwen3*, gpt_neox also native)
-HF_MODEL_TYPES = ("llama", "mistral", "mixtral", "gpt_neox") + QWEN3_MODEL_TYPES + DEEPSEEK_V3_MODEL_TYPES
+HF_MODEL_TYPES = ("llama", "mistral", "mixtral", "gpt_neox", "llama_moe") + QWEN3_MODEL_TYPES + DEEPSEEK_V3_MODEL_TYPES
 
 
 def parse_size(text: str) -> int:
@@ -92,6 +95,13 @@ def hf_to_nxdt(input_dir: Path, output: Path) -> dict[str, Any] | None:
             tensors = fuse_experts(tensors)  # published Qwen3-MoE folders keep each expert apart
         except (ValueError, KeyError) as err:
             raise ConfigError(f"{input_dir}: cannot convert this {model_type} model: {err}") from None
+        meta["nxdt_model"] = nxdt_model
+    if model_type == "llama_moe":  # LLaMA-MoE (nxdt.models.llama_moe)
+        try:
+            nxdt_model = {"model_source": "megatron", "model": llama_moe_model_keys(hf_config)}
+            tensors = llama_moe_to_native(tensors, hf_config)
+        except (ValueError, KeyError) as err:
+            raise ConfigError(f"{input_dir}: cannot convert this LLaMA-MoE model: {err}; nothing written") from None
         meta["nxdt_model"] = nxdt_model
     if model_type == "gpt_neox":
         try:
