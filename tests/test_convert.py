@@ -382,15 +382,15 @@ def test_qwen3_native_checkpoint_exports_as_qwen3(tmp_path):
 
 
 def test_a_model_type_nxdt_cannot_build_is_refused_in_one_line(tmp_path, capsys):
-    """DeepSeek-V3 (or any model_type no nxdt model builds): one error line, rc 2, nothing written,
+    """Gemma 3 (or any model_type no nxdt model builds): one error line, rc 2, nothing written,
     no weight read (the folder's safetensors file is not even valid)."""
     from nxdt.cli import main
 
-    folder = tmp_path / "deepseek"
+    folder = tmp_path / "gemma3"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]}))
+    (folder / "config.json").write_text(json.dumps({"model_type": "gemma3", "architectures": ["Gemma3ForCausalLM"]}))
     (folder / "model.safetensors").write_bytes(b"not read")
     assert main(["convert", "hf-to-nxdt", "--input", str(folder), "--output", str(tmp_path / "c")]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "model_type 'deepseek_v3'" in errors[0] and str(folder) in errors[0]
+    assert len(errors) == 1 and "model_type 'gemma3'" in errors[0] and str(folder) in errors[0]
     assert not (tmp_path / "c").exists()

@@ -289,15 +289,14 @@ NEOX_ARGUMENTS = REPO / "tests" / "neox_arguments.json"  # every NeoXArgs field 
                           "blocks in 12 of 12 layers"]),  # "all" is NeoX's: every layer
     (["125M.yml", "sparse.yml"], ["'attention_config' (in sparse.yml) = [[[\"local\", \"global\"], \"all\"]]: local: "
                                   "NeoX builds local (windowed) attention in 6 of 12 layers"]),
-    (["125M-dmoe.yml"], ["'moe_num_experts' (in 125M-dmoe.yml) = 8: NeoX's dropless MoE (megablocks) has experts of "
-                         "two matrices"]),
     (["mistral_7B.yml"], ["'intermediate_size' (in mistral_7B.yml) = 14336: NeoX's gated MLP (megatron/model/"
                           "transformer.py ParallelMLP) gets a gate+up projection of 9558 rows (4779 each) and a down "
                           "projection of 4778 inputs, which do not fit"]),
 ])
 def test_neox_files_of_models_nxdt_cannot_build_are_refused(tmp_path, capsys, monkeypatch, files, refused):
     """NeoX's own files: every model setting nxdt cannot build is named, all in one error, exit 2, nothing
-    written (before: Mamba / RWKV became transformers, the MoE a dense model, gMLP failed on "all")."""
+    written (before: Mamba / RWKV became transformers, gMLP failed on "all"). NeoX's MoE (125M-dmoe.yml)
+    imports: tests/test_moe_neox.py."""
     monkeypatch.chdir(NEOX_CONFIGS)
     out = tmp_path / "out.yaml"
     rc, _, err = _import(capsys, *files, "local_setup.yml", "--output", out)

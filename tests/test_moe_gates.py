@@ -14,8 +14,8 @@ from nxdt.spec import config_from_dict
 from nxdt.models import build_model
 from nxdt.models.builder import moe_args_from_cfg
 from nxdt.models.llama import LlamaArgs, NxdtLlamaForCausalLM
-from nxdt.models.moe import (LlamaMoE, MoEArgs, cv_squared, noisy_top_k_gate, pop_router_stats,
-                             set_aux_loss_scale, switch_gate)
+from nxdt.models.llama_moe import cv_squared, noisy_top_k_gate, switch_gate
+from nxdt.models.moe import LlamaMoE, MoEArgs, pop_router_stats, set_aux_loss_scale
 
 
 def sigmoid(v: float) -> float:

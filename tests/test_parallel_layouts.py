@@ -266,6 +266,39 @@ NORM_RTOL["qwen3_moe_tp2_sp"] = 5e-4
 # reducing each expert row before the combine instead gave 6.3e-5), the validation loss alike: rounding.
 LOSS_TOL = {"qwen3_moe_tp2_sp": 3e-5}
 
+# ---- DeepSeek-V3 (native): multi-head latent attention (queries through a 24-wide latent, keys/values through
+# a 16-wide one, 16 + 8 rotary query/key dims per head, values 12; YaRN), layer 0 dense, layer 1 MoE: 4 experts
+# of 32 in 2 groups (top-2 within the best group) by sigmoid scores x 2.5, one shared expert, balanced
+# loss-free (rate 1e-2, so that the bias moves the routing within six steps; its loads summed over dp).
+# tp2+sp: q_b_proj / kv_b_proj column-wise, o_proj row-wise, the latents replicated, the shared rotary key's
+# gradient summed over the ranks' heads, the shared expert split like the experts.
+DEEPSEEK_V3 = ["model.num_kv_heads=4", "model.layernorm_epsilon=1e-6", "model.mla.kv_lora_rank=16", "model.mla.q_lora_rank=24",
+               "model.mla.qk_nope_head_dim=16", "model.mla.qk_rope_head_dim=8", "model.mla.v_head_dim=12",
+               "model.rope_scaling={rope_type:yarn,factor:4.0,original_max_position_embeddings:16,mscale:1.0,"
+               "mscale_all_dim:1.0}",
+               "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.ffn_hidden_size=32", "model.moe.layers=[1]",
+               "model.moe.dropless=true", "model.moe.router_activation=sigmoid", "model.moe.num_groups=2",
+               "model.moe.group_top_k=1", "model.moe.num_shared_experts=1", "model.moe.moe_calculator_score_scale_factor=2.5",
+               "model.moe.load_balancing=loss_free", "model.moe.bias_update_rate=1e-2"]
+MODELS["deepseek_v3"] = DEEPSEEK_V3
+LAYOUTS.update({
+    "deepseek_v3_tp2_sp": ("deepseek_v3", 2, [f"{TP}=2", SP], "dp=1  tp=2"),
+    "deepseek_v3_ep2_zero1": ("deepseek_v3", 2, [EP2, "distributed_strategy.zero1=true"], "dp=2  tp=1  pp=1  cp=1  ep=2"),
+    "deepseek_v3_pp2": ("deepseek_v3", 2, [PP2], "dp=1  tp=1  pp=2"),
+})
+NORM_RTOL.update({name: 1e-4 for name, (model, *_) in LAYOUTS.items() if model == "deepseek_v3"})
+
+
+def test_deepseek_v3_loss_free_loads_are_the_whole_batchs(runs):
+    """Loss-free balancing logs each MoE layer's expert loads every step (shares of the step's assignments);
+    under ep2 + ZeRO-1 they are summed over the two dp ranks, so they equal one process's exactly."""
+    one, ep2 = runs["deepseek_v3"].scalars, runs["deepseek_v3_ep2_zero1"].scalars
+    for tag in ("moe/layer1/load_min", "moe/layer1/load_max", "moe/layer1/load_std"):
+        assert len(_curve(one, tag)) == STEPS and _curve(ep2, tag) == pytest.approx(_curve(one, tag), abs=1e-7), tag
+    assert all(0.0 <= lo <= 0.25 <= hi <= 1.0 for lo, hi in zip(_curve(one, "moe/layer1/load_min"),
+                                                                 _curve(one, "moe/layer1/load_max")))
+# ---- end of DeepSeek-V3
+
 
 def _args(log_dir, devices: int, model: str, extra=()) -> list[str]:
     overrides = [*TINY_OVERRIDES, f"trainer.devices={devices}", f"trainer.max_steps={STEPS}",

@@ -59,6 +59,10 @@ EXPECTED = {
     # q/k norms 2 x 64, MLP 3 x 256 x 704, norms 2 x 256; final norm 256 (test_tiny_qwen3_counts)
     "tiny_qwen3_cpu": (8192, 5_835_520),
     "tiny_qwen3_moe_cpu": (8192, 7_639_808),
+    # DeepSeek-V3: the published 671B (without its MTP layer; tests/test_deepseek_v3.py counts transformers'
+    # model the same), and the tiny one by hand there (test_shipped_configs)
+    "hf_deepseek_v3_config": (None, 671_026_404_352),
+    "tiny_deepseek_v3_cpu": (8192, 8_119_168),
 }
 
 

@@ -40,7 +40,7 @@ from nxdt.config.errors import ConfigError
 from nxdt.config.ranges import doc  # noqa: F401  (re-exported: the schema's field helper)
 from nxdt.config.ranges import hints, section_class, type_name, type_with_range  # noqa: F401  (re-exported)
 from nxdt.config.schema_finetuning import (  # noqa: F401  (re-exported: sections of NxdtConfig)
-    TRUNCATION_MODES, AlignmentConfig, DataAlignmentConfig, DPOConfig, ORPOConfig, PeftConfig, SFTConfig)
+    TRUNCATION_MODES, AlignmentConfig, DataAlignmentConfig, DPOConfig, MLAConfig, ORPOConfig, PeftConfig, SFTConfig)
 
 
 PRECISION_TYPES = (
@@ -51,6 +51,21 @@ PIPELINE_SCHEDULES = (
 )
 GATE_ALIASES = {"TopKBalancedNoisyGate": "top_k_balanced_noisy", "SwitchBalancedGate": "switch_balanced"}
 """LLaMA-MoE's class names for `model.moe.gate_type` -> nxdt's names (validation normalises them)."""
+
+
+LLAMA_MOE_NOT_BUILT = {
+    "calculator_type": "nxdt computes UniversalCalculator's rule (every routed token; capacity_factor drops "
+                       "deterministically, not SwitchDropTokenCalculator's random drops)",
+    "drop_tokens": "SwitchDropTokenCalculator is not built", "dropped_padding": "SwitchDropTokenCalculator is not built",
+    "size_experts": "nxdt's experts are equal (model.moe.ffn_hidden_size each)",
+    "gate_use_softmax": "the gates weigh by the softmax (gate_use_softmax true)",
+    "gate_use_balance": "the balance loss is on; model.moe.gate_balance_loss_weight=0 leaves it out",
+    "multiply_gate_scores": "expert outputs are weighted by the gate's scores (multiply_gate_scores true)",
+    "add_weight_norm": "no WeightNorm on the experts' output",
+    "score_scale_factor": "nxdt's name is model.moe.moe_calculator_score_scale_factor",
+}
+"""LLaMA-MoE's `model.moe`-level names nxdt does not build: refused as "not supported yet" with the reason,
+not as unknown keys."""
 
 
 def canonical_gate_type(name: str) -> str:
@@ -382,7 +397,9 @@ class MoEConfig:
     dropout: float = doc(0.0, "dropout in the MoE layer", ge=0, lt=1)
     capacity_factor: Optional[float] = doc(None, "expert capacity factor; null = no token dropping (0 with dropless)", ge=0)
     dropless: bool = doc(False, "dropless (blockwise) expert computation")
-    routing_algorithm: Literal["top_k", "sinkhorn"] = doc("top_k", "router")
+    routing_algorithm: Literal["top_k", "sinkhorn", "neox_sinkhorn"] = doc(
+        "top_k", "router: top_k | sinkhorn (Megatron's, top-1) | neox_sinkhorn (GPT-NeoX's SinkhornRouter: "
+                 "sigmoid scores at top_k 1, softmax above; top-k of the scores outside training)")
     router_activation: Literal["softmax", "sigmoid"] = doc("softmax", "router score activation")
     sinkhorn_iterations: int = doc(30, "sinkhorn routing iterations", ge=1)
     sinkhorn_tol: Optional[float] = doc(None, "sinkhorn tolerance (optional; NxDT writes None)", gt=0)
@@ -394,7 +411,8 @@ class MoEConfig:
     gate_balance_loss_weight: float = doc(
         0.0, "LLaMA-MoE gates' balance loss weight w: noisy top-k w*(CV^2(importance)+CV^2(load)), "
              "switch w*E*sum(mean prob x token share); 0 = statistics only", ge=0)
-    moe_calculator_score_scale_factor: float = doc(1.0, "LLaMA-MoE: expert outputs x this (total/selected)", gt=0)
+    moe_calculator_score_scale_factor: float = doc(1.0, "routed expert outputs x this: LLaMA-MoE's total/selected, "
+                                                 "DeepSeek-V3's routed_scaling_factor (Megatron moe_router_topk_scaling_factor)", gt=0)
     gate_type: Literal["mixtral", "top_k_balanced_noisy", "switch_balanced", "TopKBalancedNoisyGate",
                        "SwitchBalancedGate"] = doc(
         "mixtral", "mixtral (routing_algorithm, router_activation, router_aux_loss_coef) | LLaMA-MoE's "
@@ -403,6 +421,24 @@ class MoEConfig:
     gate_add_noise: bool = doc(True, "LLaMA-MoE gates, training only: learned Gaussian noise (noisy top-k), "
                                      "Gumbel noise (switch)")
     gate_noise_epsilon: float = doc(1e-2, "noisy top-k: noise std = softplus(x W_noise) + this", ge=0)
+    num_shared_experts: int = doc(0, "experts every token goes through, one MLP of this x moe.ffn_hidden_size "
+                                     "(transformers' n_shared_experts; Megatron: moe_shared_expert_intermediate_size)", ge=0)
+    num_groups: Optional[int] = doc(None, "group-limited routing: the experts in this many groups, a token picks "
+                                          "within group_top_k of them (n_group; Megatron moe_router_num_groups)", ge=1)
+    group_top_k: Optional[int] = doc(None, "groups a token may pick from (topk_group; Megatron moe_router_group_topk)", ge=1)
+    load_balancing: Optional[Literal["aux_loss", "loss_free", "none"]] = doc(
+        None, "aux_loss (the gate's balance loss, as output_router_logits / gate_balance_loss_weight say) | loss_free "
+              "(DeepSeek-V3: a per-expert selection bias, mlp.gate.e_score_correction_bias, moved after each step "
+              "towards balance; Megatron moe_router_enable_expert_bias) | none; null = aux_loss")
+    bias_update_rate: float = doc(1e-3, "loss_free: each step a bias moves by this x sign(mean load - load) "
+                                        "(Megatron moe_router_bias_update_rate)", gt=0)
+    gate_network: Literal["linear", "mlp"] = doc(
+        "linear", "the router's network: linear (one [E, hidden] weight) | mlp (LLaMA-MoE's gate_network mlp, its "
+                  "default: Linear(hidden, E) -> Tanh -> Linear(E, E), mlp.gate.weight and mlp.gate.weight_out)")
+    expert_activation: Optional[Literal["swiglu", "gelu", "gelu_tanh", "silu"]] = doc(
+        None, "the experts: swiglu (gate, up, down: Mixtral's) | gelu | gelu_tanh | silu (two matrices, up and "
+              "down, with that activation: GPT-NeoX's dropless experts); null = model.activation. Experts have "
+              "no biases")
 
 
 @dataclass
@@ -471,6 +507,9 @@ class ModelConfig:
         None, "fms-fsdp: checkpoint this fraction of blocks, evenly spaced (0 < p <= 1)", gt=0, le=1)
     fusions: FusionsConfig = doc(FusionsConfig, "fused kernels")
     moe: MoEConfig = doc(MoEConfig, "mixture of experts")
+    mla: MLAConfig = doc(MLAConfig, "multi-head latent attention (DeepSeek-V3), on with mla.kv_lora_rank")
+    mtp_num_layers: int = doc(0, "multi-token prediction layers (Megatron's mtp_num_layers, transformers' "
+                                 "num_nextn_predict_layers); > 0 is not supported yet", ge=0)
     optim: Dict[str, Any] = doc(
         {"name": "adamw", "lr": 3e-4, "weight_decay": 0.01, "betas": [0.9, 0.95],
          "sched": {"name": "CosineAnnealing", "warmup_steps": 0, "constant_steps": 0, "min_lr": 0.0}},

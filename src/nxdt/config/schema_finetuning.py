@@ -1,5 +1,6 @@
 """The fine-tuning sections of the schema: `model_alignment_strategy` (sft, peft, dpo, orpo, grpo) and
-NxDT's `data.alignment_strategy`. Conventions as in `nxdt.config.schema`, which re-exports these
+NxDT's `data.alignment_strategy`; and `model.mla` (multi-head latent attention), kept here for the
+schema module's size. Conventions as in `nxdt.config.schema`, which re-exports these
 classes. Standard library only."""
 
 from dataclasses import dataclass
@@ -8,6 +9,23 @@ from typing import List, Literal, Optional, Union
 from nxdt.config.ranges import doc
 
 TRUNCATION_MODES = ("keep_start", "keep_end")
+
+
+@dataclass
+class MLAConfig:
+    kv_lora_rank: Optional[int] = doc(
+        None, "multi-head latent attention (DeepSeek-V2/V3) with a key/value latent this wide (transformers' and "
+              "Megatron's kv_lora_rank); null = plain attention (q/k/v/o projections)", ge=1)
+    q_lora_rank: Optional[int] = doc(
+        None, "MLA: queries through a latent this wide (q_a_proj, q_a_layernorm, q_b_proj); null = one q_proj "
+              "(DeepSeek-V2-Lite)", ge=1)
+    qk_nope_head_dim: int = doc(128, "MLA: per-head query/key width without rotary (transformers' name; Megatron's "
+                                     "qk_head_dim)", ge=1)
+    qk_rope_head_dim: int = doc(64, "MLA: per-head query/key width with rotary, the key part shared by all heads "
+                                    "(transformers' name; Megatron's qk_pos_emb_head_dim)", ge=2)
+    v_head_dim: int = doc(128, "MLA: per-head value width (transformers' and Megatron's v_head_dim)", ge=1)
+    rope_interleave: bool = doc(True, "MLA: the rotary dims stored as interleaved pairs (DeepSeek's checkpoints; "
+                                      "transformers' rope_interleave)")
 
 
 @dataclass

@@ -19,10 +19,13 @@ import torch
 from torch import nn
 
 from nxdt.models.adapter import HF, NATIVE, adapter_of, attach_adapter
-from nxdt.models.hf import HF_MOE_OVERRIDES, HF_OVERRIDES, build_hf_model
+from nxdt.models.deepseek_v3 import DEEPSEEK_V3_MODEL_TYPES, deepseek_v3_model_keys
+from nxdt.models.hf import HF_MOE_OVERRIDES, HF_OVERRIDES, build_hf_model, load_config_dict
 from nxdt.models.llama import LlamaArgs, NxdtLlamaForCausalLM
 from nxdt.models.lora import adapters_detached, reset_lora_parameters
+from nxdt.models.mla import MLAArgs
 from nxdt.models.moe import MoEArgs
+from nxdt.spec import config_from_dict
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int = 128, tp: int = 1) -> int:
@@ -87,11 +90,21 @@ def llama_args_from_cfg(cfg: Any, vocab_size: int | None = None) -> LlamaArgs:
         apply_query_key_layer_scaling=m.apply_query_key_layer_scaling,
         transformer_block_type=m.transformer_block_type,
         gpt_j_tied=m.gpt_j_tied,
-        moe=moe_args_from_cfg(m.moe),
+        moe=moe_args_from_cfg(m.moe, m.activation),
         moe_ffn_hidden_size=m.moe.ffn_hidden_size if m.moe.num_experts else None,
         moe_layers=tuple(m.moe.layers) if m.moe.num_experts and m.moe.layers is not None else None,
         qk_layernorm=m.qk_layernorm,
+        mla=mla_args_from_cfg(m.mla),
     )
+
+
+def mla_args_from_cfg(mla: Any) -> MLAArgs | None:
+    """MLAArgs from the typed `model.mla` section; None (plain attention) without mla.kv_lora_rank."""
+    if mla.kv_lora_rank is None:
+        return None
+    return MLAArgs(kv_lora_rank=mla.kv_lora_rank, q_lora_rank=mla.q_lora_rank, qk_nope_head_dim=mla.qk_nope_head_dim,
+                   qk_rope_head_dim=mla.qk_rope_head_dim, v_head_dim=mla.v_head_dim,
+                   rope_interleave=mla.rope_interleave)
 
 
 def rope_base(m: Any) -> float:
@@ -103,15 +116,19 @@ def rope_base(m: Any) -> float:
     return 10000.0
 
 
-def moe_args_from_cfg(moe: Any) -> MoEArgs | None:
+def moe_args_from_cfg(moe: Any, activation: str = "swiglu") -> MoEArgs | None:
     """MoEArgs from the typed `model.moe` section; None for a dense model (num_experts 0).
     The mixtral gate's load-balancing loss joins the training loss only with output_router_logits,
     as in transformers' Mixtral; LLaMA-MoE's gates weigh theirs by gate_balance_loss_weight (0:
-    not added). The statistics are logged either way."""
+    not added). The statistics are logged either way. The experts take model.moe.expert_activation,
+    null: `activation` (model.activation)."""
     if not moe.num_experts:
         return None
     gate_type = moe.gate_type  # LLaMA-MoE's class names are normalised by validation (nxdt.config.schema)
-    if gate_type == "mixtral":
+    balancing = moe.load_balancing or "aux_loss"  # null: the balance loss as before (nxdt.spec.moe)
+    if balancing != "aux_loss":
+        coef = 0.0  # loss_free balances by the selection bias; none: statistics only
+    elif gate_type == "mixtral":
         coef = moe.router_aux_loss_coef if moe.output_router_logits else 0.0
     else:
         coef = moe.gate_balance_loss_weight
@@ -123,7 +140,26 @@ def moe_args_from_cfg(moe: Any) -> MoEArgs | None:
         sinkhorn_tol=None if moe.sinkhorn_tol is None else float(moe.sinkhorn_tol),
         aux_loss_coef=coef, dropout=moe.dropout, score_scale=moe.moe_calculator_score_scale_factor,
         gate_type=gate_type, gate_add_noise=moe.gate_add_noise, gate_noise_epsilon=moe.gate_noise_epsilon,
+        num_groups=moe.num_groups, group_top_k=moe.group_top_k, load_balancing=balancing,
+        bias_update_rate=moe.bias_update_rate, num_shared_experts=moe.num_shared_experts,
+        expert_activation=getattr(moe, "expert_activation", None) or activation,
+        gate_network=getattr(moe, "gate_network", "linear"),
     )
+
+
+def native_twin_args(cfg: Any, model_config: str, overrides: dict[str, Any]) -> LlamaArgs | None:
+    """model_source hf with a config.json nxdt builds natively (DeepSeek-V3: transformers' parameter names,
+    nxdt.models.deepseek_v3): the native model's arguments (vocabulary as the config.json's, unpadded, as
+    transformers keeps it; model.moe.load_balancing / bias_update_rate from the YAML); None otherwise."""
+    d = load_config_dict(model_config, overrides)
+    if d.get("model_type") not in DEEPSEEK_V3_MODEL_TYPES:
+        return None
+    keys = deepseek_v3_model_keys(d)
+    moe = cfg.model.moe
+    if "moe" in keys:
+        keys["moe"].update(bias_update_rate=moe.bias_update_rate,
+                           **({"load_balancing": moe.load_balancing} if moe.load_balancing else {}))
+    return llama_args_from_cfg(config_from_dict({"model_source": "megatron", "model": keys}))
 
 
 def build_model(cfg: Any, vocab_size: int | None = None, device: str | torch.device | None = None) -> nn.Module:
@@ -143,9 +179,13 @@ def build_model(cfg: Any, vocab_size: int | None = None, device: str | torch.dev
             if not model_config:
                 raise ValueError("model_source hf needs model.model_config (path to a config.json)")
             overrides = {k: getattr(cfg.model, k) for k in HF_OVERRIDES}
-            if cfg.model.moe.num_experts:
+            native = native_twin_args(cfg, model_config, overrides)
+            if native is not None:  # DeepSeek-V3: the native model in transformers' names
+                model = attach_adapter(NxdtLlamaForCausalLM(native), NATIVE)
+            elif cfg.model.moe.num_experts:
                 overrides.update({f"moe.{k}": getattr(cfg.model.moe, k) for k in HF_MOE_OVERRIDES})
-            model = attach_adapter(build_hf_model(model_config, overrides, moe_args_from_cfg(cfg.model.moe)), HF)
+            if native is None:
+                model = attach_adapter(build_hf_model(model_config, overrides, moe_args_from_cfg(cfg.model.moe)), HF)
         else:
             raise ValueError(f"model_source must be 'megatron' or 'hf', got {source!r}")
     if not _is_meta(model) and adapter_of(model) is NATIVE:

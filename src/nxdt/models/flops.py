@@ -47,8 +47,11 @@ def model_shape(model: nn.Module) -> ModelShape:
     """The shape of nxdt's model (its LlamaArgs) or of a transformers model (its config)."""
     args = getattr(model, "args", None)
     if args is not None:
+        # MLA: QK^T over qk_nope + qk_rope dims, AV over v_head_dim; the attention term's 12 x head_dim is their sum x 6
+        mla = args.mla
+        head_dim = (mla.qk_head_dim + mla.v_head_dim) // 2 if mla is not None else args.head_dim
         return ModelShape(hidden=args.hidden_size, ffn=args.ffn_hidden_size, heads=args.num_attention_heads,
-                          kv_heads=args.num_kv_heads, head_dim=args.head_dim, layers=args.num_layers,
+                          kv_heads=args.num_kv_heads, head_dim=head_dim, layers=args.num_layers,
                           vocab=args.vocab_size, window=args.sliding_window_size)
     c = model.config
     heads = c.num_attention_heads

@@ -1,11 +1,12 @@
 """The transformers config.json equivalent to a native model's `LlamaArgs`, for `nxdt convert nxdt-to-hf`.
 
-Four families cover what the native model builds and transformers can load unchanged:
+Five families cover what the native model builds and transformers can load unchanged:
 
 - `LlamaForCausalLM`: RMSNorm, SwiGLU, pre_ln blocks, full rotary (the native model's defaults);
 - `MixtralForCausalLM`: the same with Mixtral-style MoE layers;
 - `Qwen3ForCausalLM` / `Qwen3MoeForCausalLM`: the same with q/k norms (`qk_layernorm`), and for
   Qwen3-MoE experts of their own width in the MoE layers (the others dense, `mlp_only_layers`);
+- `DeepseekV3ForCausalLM`: multi-head latent attention (nxdt.models.deepseek_v3);
 - `GPTNeoXForCausalLM` (GPT-NeoX, Pythia): LayerNorm, GELU (exact: hidden_act gelu; gelu_tanh:
   gelu_pytorch_tanh), biases, partial rotary, untied embeddings, and either parallel residual
   with two input norms (native `gpt_j` with `gpt_j_tied: false` = transformers'
@@ -20,18 +21,23 @@ from __future__ import annotations
 
 from typing import Any
 
+from nxdt.models.deepseek_v3 import deepseek_v3_config_dict
+
 # a native model's arguments, nxdt.models.llama.LlamaArgs (read by attribute): llama.py imports this
 # module (LlamaArgs.to_hf_config_dict), so this one does not import it back
 LlamaArgs = Any
 
 # the plain Mixtral router: anything else is nxdt's own (LLaMA-MoE gates, sinkhorn, ...)
 _MIXTRAL_MOE = {"frequency": 1, "routing_algorithm": "top_k", "router_activation": "softmax",
-                "normalize_top_k_affinities": True, "score_scale": 1.0, "gate_type": "mixtral"}
+                "normalize_top_k_affinities": True, "score_scale": 1.0, "gate_type": "mixtral",
+                "expert_activation": "swiglu", "gate_network": "linear"}
 
 
 def hf_config_dict(args: LlamaArgs) -> dict[str, Any]:
     """config.json (as a dict) of the transformers model equal to `NxdtLlamaForCausalLM(args)`.
     Raises ValueError naming the options no transformers family here can express."""
+    if args.mla is not None:  # DeepSeek-V3 is the family with multi-head latent attention
+        return deepseek_v3_config_dict(args)
     if args.qk_layernorm:  # Qwen3 is the family with q/k norms
         issues = qwen3_issues(args)
         if issues:

@@ -24,7 +24,7 @@ Design points:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -35,6 +35,7 @@ from nxdt.models.chunked_loss import chunked_cross_entropy
 from nxdt.models.hf_export import hf_config_dict
 from nxdt.models.kv_cache import KVCache
 from nxdt.models.moe import LlamaMoE, MoEArgs, MoEExperts, MoERouter
+from nxdt.models.moe_neox import MLPExperts
 from nxdt.models.rope import LlamaRotaryEmbedding, apply_rotary, rope_inv_freq, rotate_half  # noqa: F401 - re-exported
 
 
@@ -91,7 +92,8 @@ class LlamaArgs:
     each layer adds two residual branches, this keeps the residual stream's variance from growing."""
     moe: MoEArgs | None = None
     """Mixture of experts (nxdt.models.moe) in place of the MLP of every `moe.frequency`-th layer
-    (or of the `moe_layers`); None = dense. Experts are SwiGLU without bias (Mixtral, Qwen3-MoE)."""
+    (or of the `moe_layers`); None = dense. Experts have no bias: SwiGLU (Mixtral, Qwen3-MoE) or
+    two-matrix ones (GPT-NeoX's; moe.expert_activation); has_bias / mlp_bias concern the rest."""
     moe_ffn_hidden_size: int | None = None
     """Each expert's width (Qwen3-MoE's moe_intermediate_size); None = ffn_hidden_size (Mixtral)."""
     moe_layers: tuple[int, ...] | None = None
@@ -100,6 +102,9 @@ class LlamaArgs:
     qk_layernorm: bool = False
     """A norm (`normalization`, head_dim wide, one per q and k) over each head's queries and keys
     before the rotary embedding: Qwen3's `self_attn.q_norm` / `k_norm` (Megatron's qk_layernorm)."""
+    mla: Any = None
+    """nxdt.models.mla.MLAArgs: multi-head latent attention (DeepSeek-V3) in place of q/k/v/o
+    projections; None = the attention above. The rotary part is then MLA's qk_rope_head_dim."""
     transformer_block_type: str = "pre_ln"
     """How a block connects its norms, attention and MLP (see `LlamaDecoderLayer`): 'pre_ln',
     'post_ln', 'normformer' or 'gpt_j' (parallel residual)."""
@@ -138,8 +143,6 @@ class LlamaArgs:
             raise ValueError(f"rotary_percentage must be in (0, 1], got {self.rotary_percentage}")
         if self.position_embedding_type == "rope" and self.rotary_dim % 2 != 0:
             raise ValueError(f"rotary dimension {self.rotary_dim} (head_dim × rotary_percentage) must be even")
-        if self.moe is not None and (self.activation != "swiglu" or self.has_bias or self.mlp_bias):
-            raise ValueError("MoE experts are SwiGLU without bias: needs activation=swiglu and has_bias=false")
         if self.moe is not None and self.transformer_block_type == "normformer":
             # the experts have no FFN norm: MoE layers would silently lose normformer's third norm
             raise ValueError("transformer_block_type normformer has no MoE form (the experts have no FFN norm)")
@@ -160,7 +163,7 @@ class LlamaArgs:
 
     @property
     def rotary_dim(self) -> int:
-        return int(self.head_dim * self.rotary_percentage)
+        return self.mla.qk_rope_head_dim if self.mla is not None else int(self.head_dim * self.rotary_percentage)
 
     def to_hf_config_dict(self) -> dict[str, Any]:
         """The equivalent transformers config.json (Llama, Mixtral or GPT-NeoX) as a dict;
@@ -395,9 +398,14 @@ class LlamaDecoderLayer(nn.Module):
         self.block_type = kind = args.transformer_block_type
         self.shared_input_norm = kind == "gpt_j" and args.gpt_j_tied  # GPT-J: one norm feeds attention and MLP
         # Registration order = transformers' order, so state dicts list keys identically.
-        self.self_attn = LlamaAttention(args, layer_idx)
+        self.self_attn = LlamaAttention(args, layer_idx) if args.mla is None else args.mla.attention(args, layer_idx)
         expert_width = args.moe_ffn_hidden_size or args.ffn_hidden_size
-        self.mlp = LlamaMoE(args.hidden_size, expert_width, args.moe) if args.is_moe_layer(layer_idx) else LlamaMLP(args)
+        if args.is_moe_layer(layer_idx):
+            shared = args.moe.num_shared_experts  # DeepSeek-V3: one MLP of n x the experts' width for every token
+            shared = LlamaMLP(replace(args, ffn_hidden_size=expert_width * shared)) if shared else None
+            self.mlp = LlamaMoE(args.hidden_size, expert_width, args.moe, shared_experts=shared)
+        else:
+            self.mlp = LlamaMLP(args)
         if kind != "post_ln":
             self.input_layernorm = make_norm(args)
         if not self.shared_input_norm:
@@ -533,7 +541,7 @@ class NxdtLlamaForCausalLM(nn.Module):
             if tied and module is self.lm_head:
                 continue  # its weight is model.embed_tokens.weight, drawn as an embedding
             if isinstance(module, nn.Linear):
-                is_output_proj = name.endswith(("self_attn.o_proj", "mlp.down_proj"))
+                is_output_proj = name.endswith(("self_attn.o_proj", "mlp.down_proj", "shared_experts.down_proj"))
                 nn.init.normal_(module.weight, mean=0.0, std=out_std if is_output_proj else std)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
@@ -544,6 +552,8 @@ class NxdtLlamaForCausalLM(nn.Module):
             elif isinstance(module, MoEExperts):
                 nn.init.normal_(module.gate_up_proj, mean=0.0, std=std)
                 nn.init.normal_(module.down_proj, mean=0.0, std=out_std)
+            elif isinstance(module, MLPExperts):
+                module.reset_parameters(std, out_std)
             elif isinstance(module, LlamaRMSNorm):
                 module.reset_parameters()
             elif isinstance(module, nn.LayerNorm):

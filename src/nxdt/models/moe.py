@@ -27,8 +27,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nxdt.models.llama_moe import noisy_top_k_gate, switch_gate
+from nxdt.models.moe_balance import LOAD_BALANCING, select_experts
+from nxdt.models.moe_neox import EXPERT_ACTIVATIONS, MLPExperts, neox_sinkhorn_route
+
 
 GATE_TYPES = ("mixtral", "top_k_balanced_noisy", "switch_balanced")
+ROUTING_ALGORITHMS = ("top_k", "sinkhorn", "neox_sinkhorn")
 
 
 @dataclass
@@ -40,7 +45,8 @@ class MoEArgs:
     frequency: int = 1
     """Layer i is an MoE layer when i % frequency == 0 (Megatron's moe_layer_freq): 1 = every layer."""
     routing_algorithm: str = "top_k"
-    """'top_k' (softmax or sigmoid scores, the k best) or 'sinkhorn' (balanced top-1, Megatron)."""
+    """'top_k' (softmax or sigmoid scores, the k best), 'sinkhorn' (balanced top-1, Megatron) or
+    'neox_sinkhorn' (GPT-NeoX's SinkhornRouter, nxdt.models.moe_neox)."""
     router_activation: str = "softmax"
     normalize_top_k_affinities: bool = True
     """Divide the k chosen scores by their sum (Mixtral)."""
@@ -64,12 +70,34 @@ class MoEArgs:
     """LLaMA-MoE gates, training only: learned Gaussian noise (noisy top-k) or Gumbel noise (switch)."""
     gate_noise_epsilon: float = 1e-2
     """Noisy top-k: noise std = softplus(x W_noise^T) + this."""
+    num_groups: int | None = None
+    """Group-limited top-k (DeepSeek-V3's n_group): experts in this many equal groups, a token picks
+    its top_k among the `group_top_k` groups whose two best scores sum highest; None = all experts."""
+    group_top_k: int | None = None
+    """Groups a token may pick from (DeepSeek-V3's topk_group)."""
+    load_balancing: str = "aux_loss"
+    """'aux_loss' (the gate's balance loss, weighted by aux_loss_coef), 'loss_free' (DeepSeek-V3: a
+    per-expert bias on the selection scores, `mlp.gate.e_score_correction_bias`, moved after each
+    optimizer step towards balance; nxdt.models.moe_balance) or 'none'."""
+    bias_update_rate: float = 1e-3
+    """loss_free: each step every expert's bias moves by this x sign(mean load - its load)."""
+    num_shared_experts: int = 0
+    """Experts every token goes through (DeepSeek-V3's n_shared_experts): one SwiGLU MLP
+    `mlp.shared_experts` of this x the experts' width, added to the routed experts' output."""
+    gate_network: str = "linear"
+    """The router: 'linear' (one [E, H] weight) or LLaMA-MoE's 'mlp' (Linear -> Tanh -> Linear [E, E])."""
+    expert_activation: str = "swiglu"
+    """'swiglu' (MoEExperts) or a two-matrix expert's activation (MLPExperts: gelu, gelu_tanh, silu)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k ({self.top_k}) must be between 1 and num_experts ({self.num_experts})")
-        if self.routing_algorithm not in ("top_k", "sinkhorn"):
-            raise ValueError(f"routing_algorithm must be 'top_k' or 'sinkhorn', got {self.routing_algorithm!r}")
+        if self.routing_algorithm not in ROUTING_ALGORITHMS:
+            raise ValueError(f"routing_algorithm must be one of {ROUTING_ALGORITHMS}, got {self.routing_algorithm!r}")
+        if self.gate_network not in ("linear", "mlp"):
+            raise ValueError(f"gate_network must be 'linear' or 'mlp', got {self.gate_network!r}")
+        if self.expert_activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"expert_activation must be one of {EXPERT_ACTIVATIONS}, got {self.expert_activation!r}")
         if self.routing_algorithm == "sinkhorn" and self.top_k != 1:
             raise ValueError(f"sinkhorn routing picks one expert per token; top_k is {self.top_k}")
         if self.router_activation not in ("softmax", "sigmoid"):
@@ -80,6 +108,12 @@ class MoEArgs:
             raise ValueError(f"gate_type must be one of {GATE_TYPES}, got {self.gate_type!r}")
         if self.gate_type == "switch_balanced" and self.top_k != 1:
             raise ValueError(f"the switch gate picks one expert per token; top_k is {self.top_k}")
+        if self.load_balancing not in LOAD_BALANCING:
+            raise ValueError(f"load_balancing must be one of {LOAD_BALANCING}, got {self.load_balancing!r}")
+        if self.num_groups is not None and (self.num_experts % self.num_groups
+                                            or not 1 <= (self.group_top_k or 0) <= self.num_groups):
+            raise ValueError(f"num_groups ({self.num_groups}) must divide num_experts ({self.num_experts}) and "
+                             f"group_top_k ({self.group_top_k}) be in [1, num_groups]")
 
     @property
     def noise_weight(self) -> bool:
@@ -115,10 +149,13 @@ def sinkhorn(logits: torch.Tensor, iterations: int, tol: float | None = None) ->
     return d1 * cost * d0[:, None]
 
 
-def route(logits: torch.Tensor, args: MoEArgs) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] → (weights [T, k] in fp32, expert indices [T, k])."""
+def route(logits: torch.Tensor, args: MoEArgs, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] → (weights [T, k] in fp32, expert indices [T, k]). `bias` (loss-free
+    balancing's) and group-limited routing change which experts are picked, not their weights."""
     logits = logits.float()
     scores = torch.softmax(logits, -1) if args.router_activation == "softmax" else torch.sigmoid(logits)
+    if bias is not None or args.num_groups:
+        return select_experts(scores, bias, args)
     if args.routing_algorithm == "sinkhorn":
         with torch.no_grad():  # sinkhorn picks the expert; the score of the pick carries the gradient
             experts = sinkhorn(logits, args.sinkhorn_iterations, args.sinkhorn_tol).argmax(-1, keepdim=True)
@@ -164,68 +201,6 @@ def load_balancing_loss(router_logits: tuple[torch.Tensor, ...] | list[torch.Ten
     return num_experts * torch.sum((counts / rows) * (prob_sum / rows))
 
 
-# --------------------------------------------------------------------------- LLaMA-MoE's gates
-
-
-def cv_squared(x: torch.Tensor, eps: float = 1e-10) -> torch.Tensor:
-    """Squared coefficient of variation var(x) / (mean(x)^2 + eps), as LLaMA-MoE's cv_squared:
-    torch's var, i.e. the unbiased (n - 1) variance, and eps in the denominator only; 0 for one
-    expert (their guard: the unbiased variance of one value is nan)."""
-    x = x.float()
-    if x.numel() == 1:
-        return x.new_zeros(())
-    return x.var() / (x.mean() ** 2 + eps)
-
-
-def noisy_top_k_gate(clean: torch.Tensor, top_k: int, noise_std: torch.Tensor | None = None,
-                     z: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """LLaMA-MoE's TopKBalancedNoisyGate (Shazeer et al. 2017) on gate logits [T, E] → (weights
-    [T, k] fp32, experts [T, k], balance loss CV²(importance) + CV²(load), unweighted).
-
-    noisy = clean + z x noise_std (z ~ N(0, 1) [T, E]; no noise when noise_std is None). The k
-    best noisy logits are chosen and their weights are the softmax over those k logits only.
-    importance_e = sum over tokens of e's weight (0 where not chosen). load_e, with noise, is the
-    smooth count sum_t P(e in the top k of token t) = Phi((clean - threshold) / noise_std), the
-    threshold being the best noisy logit among the other experts that still keeps e out: the
-    (k+1)-th noisy logit when e is in the top k, the k-th when it is not; without noise (and when
-    k = E) load_e is the number of tokens that chose e."""
-    clean = clean.float()
-    num_experts = clean.shape[-1]
-    noisy = clean if noise_std is None else clean + z * noise_std
-    top_vals, top_idx = noisy.topk(min(top_k + 1, num_experts), dim=-1)
-    weights, experts = torch.softmax(top_vals[:, :top_k], dim=-1), top_idx[:, :top_k]
-    importance = torch.zeros_like(clean).scatter(1, experts, weights).sum(0)
-    if noise_std is not None and top_k < num_experts:
-        threshold_in, threshold_out = top_vals[:, top_k:top_k + 1], top_vals[:, top_k - 1:top_k]
-        # "is in the top k" compares the noisy logit, as the paper and its reference code do;
-        # LLaMA-MoE's code compares the noise term alone (logits_noise), which we take for a slip
-        is_in = noisy > threshold_in
-        prob = torch.where(is_in, torch.special.ndtr((clean - threshold_in) / noise_std),  # ndtr: normal CDF
-                           torch.special.ndtr((clean - threshold_out) / noise_std))
-        load = prob.sum(0)
-    else:
-        load = torch.bincount(experts.reshape(-1), minlength=num_experts).float()
-    return weights, experts, cv_squared(importance) + cv_squared(load)
-
-
-def switch_gate(logits: torch.Tensor, gumbel: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """LLaMA-MoE's SwitchBalancedGate (Switch Transformer) on logits [T, E] → (weights [T, 1] fp32,
-    experts [T, 1], balance loss, unweighted): p = softmax(logits); the expert is the argmax of
-    logits + gumbel (Gumbel(0, 1) noise, or none); loss = E x sum_e mean_t(p_e) x (tokens that
-    chose e) / T, no gradient through the counts. The weight is the chosen expert's p (the Switch
-    Transformer's), where LLaMA-MoE's code returns the chosen (noisy) logit itself."""
-    logits = logits.float()
-    probs = torch.softmax(logits, dim=-1)
-    experts = (logits if gumbel is None else logits + gumbel).argmax(-1, keepdim=True)
-    num_tokens, num_experts = logits.shape
-    load = torch.bincount(experts.reshape(-1), minlength=num_experts).float() / num_tokens
-    return probs.gather(-1, experts), experts, num_experts * torch.sum(probs.mean(0) * load)
-
-
-_aux_loss_scale = 1.0
-
-
 def set_aux_loss_scale(scale: float) -> None:
     """How much one forward's auxiliary losses weigh in the backward: the training step sets it
     to loss_scale / micro-batches, as it scales the main loss of each micro-batch."""
@@ -258,7 +233,14 @@ class RouterStats:
     parameters, no buffers, nothing checkpointed)."""
 
     def __init__(self) -> None:
+        self.load: torch.Tensor | None = None
+        """Tokens per expert since loss-free balancing last took them (`take_load`), apart from pop()'s."""
         self.reset()
+
+    def take_load(self) -> torch.Tensor | None:
+        """The tokens per expert routed since the last call (None when nothing was trained); resets them."""
+        load, self.load = self.load, None
+        return load
 
     def reset(self) -> None:
         self.forwards = 0
@@ -272,6 +254,7 @@ class RouterStats:
         self.aux_loss += float(aux_loss)
         counts = tokens_per_expert.detach().float().cpu()
         self.tokens_per_expert = counts if self.tokens_per_expert is None else self.tokens_per_expert + counts
+        self.load = counts.clone() if self.load is None else self.load + counts
         self.dropped += int(dropped)
         self.assigned += int(tokens_per_expert.sum()) + int(dropped)  # routed: kept + dropped
 
@@ -420,22 +403,32 @@ def _expert_grad(weight: torch.Tensor, active: list[int]) -> torch.Tensor:
 class MoERouter(nn.Module):
     """The gate: one bias-free linear layer, hidden → expert logits (`mlp.gate.weight`), and for
     LLaMA-MoE's noisy top-k gate its noise weight (`mlp.gate.weight_noise`, [E, H]: per token and
-    expert, noise std = softplus(x W_noise^T) + gate_noise_epsilon)."""
+    expert, noise std = softplus(x W_noise^T) + gate_noise_epsilon). With `mlp` (LLaMA-MoE's
+    gate_network "mlp"): logits = tanh(x W^T) W_out^T, `mlp.gate.weight_out` [E, E]."""
 
-    def __init__(self, hidden_size: int, num_experts: int, noise: bool = False) -> None:
+    def __init__(self, hidden_size: int, num_experts: int, noise: bool = False, score_bias: bool = False,
+                 mlp: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.weight_noise = nn.Parameter(torch.empty(num_experts, hidden_size)) if noise else None
+        self.weight_out = nn.Parameter(torch.empty(num_experts, num_experts)) if mlp else None
+        # loss-free balancing's per-expert bias on the selection scores (DeepSeek-V3's name): state, no gradient
+        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts) if score_bias else None)
 
     @torch.no_grad()
     def reset_parameters(self, std: float) -> None:
         """Gate ~ N(0, std); noise weight 0 as LLaMA-MoE starts it (std softplus(0) + eps at first)."""
         nn.init.normal_(self.weight, mean=0.0, std=std)
+        if self.weight_out is not None:
+            nn.init.normal_(self.weight_out, mean=0.0, std=std)
         if self.weight_noise is not None:
             nn.init.zeros_(self.weight_noise)
+        if self.e_score_correction_bias is not None:
+            self.e_score_correction_bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        logits = F.linear(x, self.weight)
+        return logits if self.weight_out is None else F.linear(torch.tanh(logits), self.weight_out)
 
     def route(self, x: torch.Tensor, args: MoEArgs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Tokens [T, H] → (weights [T, k] fp32, experts [T, k], the gate's balance loss,
@@ -454,8 +447,12 @@ class MoERouter(nn.Module):
             if self.training and args.gate_add_noise:  # -log(Exp(1)) ~ Gumbel(0, 1)
                 gumbel = -torch.empty_like(logits, dtype=torch.float32).exponential_().log()
             return switch_gate(logits, gumbel)
-        weights, experts = route(logits, args)
-        trained = self.training and torch.is_grad_enabled()
+        if args.routing_algorithm == "neox_sinkhorn":
+            weights, experts = neox_sinkhorn_route(logits, args.top_k, self.training, args.sinkhorn_iterations,
+                                                   args.sinkhorn_tol)
+        else:
+            weights, experts = route(logits, args, self.e_score_correction_bias)
+        trained = self.training and torch.is_grad_enabled() and args.load_balancing == "aux_loss"
         aux = load_balancing_loss((logits,), args.num_experts, args.top_k) if trained else None
         return weights, experts, aux
 
@@ -465,11 +462,19 @@ class LlamaMoE(nn.Module):
     weighted by the router's scores and summed (tokens over capacity get nothing from that
     expert; the residual carries them on)."""
 
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, args: MoEArgs) -> None:
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, args: MoEArgs,
+                 shared_experts: nn.Module | None = None) -> None:
+        """`shared_experts`: the MLP every token goes through besides its routed experts (DeepSeek-V3)."""
         super().__init__()
         self.args = args
-        self.gate = MoERouter(hidden_size, args.num_experts, noise=args.noise_weight)
-        self.experts = MoEExperts(args.num_experts, hidden_size, ffn_hidden_size)
+        self.gate = MoERouter(hidden_size, args.num_experts, noise=args.noise_weight,
+                              score_bias=args.load_balancing == "loss_free", mlp=args.gate_network == "mlp")
+        if args.expert_activation == "swiglu":
+            self.experts = MoEExperts(args.num_experts, hidden_size, ffn_hidden_size)
+        else:  # two-matrix experts (GPT-NeoX's)
+            self.experts = MLPExperts(args.num_experts, hidden_size, ffn_hidden_size, args.expert_activation)
+        if shared_experts is not None:
+            self.shared_experts = shared_experts
         self.dropout = nn.Dropout(args.dropout)
         self.stats = RouterStats()
 
@@ -491,9 +496,12 @@ class LlamaMoE(nn.Module):
         counts = torch.bincount(expert_idx, minlength=a.num_experts)
         routed = self.experts(x.index_select(0, token_idx), counts, slot_weight[:, None] * a.score_scale)
         out = torch.zeros_like(x).index_add_(0, token_idx, routed.to(x.dtype))
+        if a.num_shared_experts:
+            out = out + self.shared_experts(x)
         out = self.dropout(out).reshape(shape)
         if self.training and torch.is_grad_enabled():
             dropped = (~keep).sum()
+            aux = aux if aux is not None else x.new_zeros((), dtype=torch.float32)  # loss_free / none: stats only
             out = AuxLossGradient.apply(out, aux, a.aux_loss_coef, self.stats, (counts, dropped))
         return out
 
@@ -510,6 +518,15 @@ def pop_router_stats(model: nn.Module) -> dict[str, float]:
     out["expert_share_min"] = min(s["expert_share_min"] for s in per_layer)
     out["expert_share_max"] = max(s["expert_share_max"] for s in per_layer)
     return out
+
+
+def reset_router_stats(model: nn.Module) -> None:
+    """Forget the routing statistics and expert loads every MoE layer of `model` recorded (a pass that
+    trained nothing, e.g. a pipeline's shape inference)."""
+    for m in model.modules():
+        if isinstance(getattr(m, "stats", None), RouterStats):
+            m.stats.reset()
+            m.stats.load = None
 
 
 def attach_router_aux_loss(block: nn.Module, num_experts: int, top_k: int, coef: float) -> None:

@@ -26,8 +26,10 @@ def rope_inv_freq(dim: int, theta: float, rope_scaling: dict[str, Any] | None) -
         return inv_freq
     if rope_type == "linear":
         return inv_freq / rope_scaling["factor"]
+    if rope_type == "yarn":
+        return yarn_inv_freq(inv_freq, dim, theta, rope_scaling)
     if rope_type != "llama3":
-        raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: llama3, linear)")
+        raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: llama3, linear, yarn)")
     factor = rope_scaling["factor"]
     low_freq_factor = rope_scaling["low_freq_factor"]
     high_freq_factor = rope_scaling["high_freq_factor"]
@@ -40,6 +42,45 @@ def rope_inv_freq(dim: int, theta: float, rope_scaling: dict[str, Any] | None) -
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 x mscale x ln(scale) + 1 (1 for scale <= 1)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_inv_freq(inv_freq: torch.Tensor, dim: int, theta: float, s: dict[str, Any]) -> torch.Tensor:
+    """YaRN (DeepSeek-V3's long context): the frequencies interpolated by `factor` below the
+    correction range (beta_fast, beta_slow rotations over original_max_position_embeddings), kept
+    above it, ramped linearly between; transformers' `_compute_yarn_parameters` (truncate true)."""
+    factor, old = s["factor"], s["original_max_position_embeddings"]
+    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(old / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    return (inv_freq / factor) * (1 - extrapolation) + inv_freq * extrapolation
+
+
+def rope_attention_factor(rope_scaling: dict[str, Any] | None) -> float:
+    """What YaRN multiplies cos and sin by (attention_factor, else mscale(factor, mscale) /
+    mscale(factor, mscale_all_dim), else mscale(factor)); 1 for every other rope type."""
+    if not rope_scaling or rope_scaling.get("rope_type", rope_scaling.get("type")) != "yarn":
+        return 1.0
+    if rope_scaling.get("attention_factor") is not None:
+        return float(rope_scaling["attention_factor"])
+    factor, mscale, mscale_all = rope_scaling["factor"], rope_scaling.get("mscale"), rope_scaling.get("mscale_all_dim")
+    if mscale and mscale_all:
+        return float(yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all))
+    return yarn_mscale(factor)
 
 
 class LlamaRotaryEmbedding(nn.Module):
@@ -62,6 +103,9 @@ class LlamaRotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(self.dim, self.theta, self.rope_scaling).to(x.device)
         freqs = position_ids[..., None].float() * inv_freq  # [B, S, dim/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # "rotate half" layout, as in HF Llama
+        factor = rope_attention_factor(self.rope_scaling)  # YaRN's; 1 otherwise
+        if factor != 1.0:
+            return (emb.cos() * factor).to(x.dtype), (emb.sin() * factor).to(x.dtype)
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
 

@@ -39,6 +39,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from nxdt.models.adapter import adapter_of
+from nxdt.models.moe import reset_router_stats
 from nxdt.spec import build_spec
 from nxdt.parallel.plan import ParallelPlan, make_plan
 
@@ -161,6 +162,23 @@ class Pipeline:
         return loss
 
 
+def forget_inference_routing(stage: PipelineStage) -> PipelineStage:
+    """torch's first step infers the stages' shapes by a forward and backward of its own, on uninitialised
+    tensors: the MoE layers' routing statistics (and loss-free balancing's expert loads) would count that
+    pass. They are dropped when it ends (before any micro-batch is trained)."""
+    infer = getattr(stage, "_backward_metadata_inference", None)
+    if infer is None:
+        return stage
+
+    def backward_metadata_inference(*args, **kwargs):
+        out = infer(*args, **kwargs)
+        reset_router_stats(stage.submod)
+        return out
+
+    stage._backward_metadata_inference = backward_metadata_inference
+    return stage
+
+
 def build_pipeline(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -198,7 +216,8 @@ def build_pipeline(
         if parallelize_fn is not None:
             part = parallelize_fn(part, mesh, cfg, plan=plan)
         parts.append(part)
-        stages.append(PipelineStage(part, stage_index=sid, num_stages=num_stages, device=device, group=pp_group))
+        stages.append(forget_inference_routing(
+            PipelineStage(part, stage_index=sid, num_stages=num_stages, device=device, group=pp_group)))
 
     n = layout.num_microbatches
     unscaled: dict[int, torch.Tensor] | None = {} if loss_scale is not None else None

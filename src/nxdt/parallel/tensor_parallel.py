@@ -121,6 +121,33 @@ class KVHeadSelect(ParallelStyle):
         return distribute_module(module, device_mesh, partition_fn, input_fn, output_fn)
 
 
+class SumGradOverTP(ParallelStyle):
+    """A module whose (replicated) first input each tp rank uses for its own heads only: forward
+    unchanged, the input's gradient summed over the tp ranks (MLA's shared rotary key)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def input_fn(mod, inputs, mesh):
+            x = DTensor.from_local(inputs[0], mesh, [Replicate()], run_check=False)
+            return (x.to_local(grad_placements=[Partial()]), *inputs[1:])
+
+        return distribute_module(module, device_mesh, input_fn=input_fn)
+
+
+def _mla_plan(plan: dict, p: str, attn: nn.Module, sp: bool) -> None:
+    """Multi-head latent attention (nxdt.models.mla) as the reference implementations split it: the
+    per-head projections (q_proj or q_b_proj, kv_b_proj) column-wise, o_proj row-wise, the latent
+    projections and norms replicated (their input gradients come back summed through the column-wise
+    layers), the shared rotary key's gradient summed over the ranks' heads."""
+    for name in ("q_proj", "q_b_proj", "kv_b_proj"):
+        if isinstance(getattr(attn, name, None), nn.Module):
+            plan[f"{p}.self_attn.{name}"] = ColwiseParallel()
+    plan[f"{p}.self_attn.rope_key"] = SumGradOverTP()
+    if sp:  # the gathered input as a local tensor: the replicated latent projections take plain tensors
+        plan[f"{p}.self_attn"] = PrepareModuleInput(input_layouts=(SEQUENCE, None, None),
+                                                    desired_input_layouts=(Replicate(), None, None), use_local_output=True)
+    plan[f"{p}.self_attn.o_proj"] = RowwiseParallel(output_layouts=SEQUENCE if sp else Replicate())
+
+
 def _is_moe(mlp: nn.Module) -> bool:
     """An MoE layer in the MLP's place. Its router is not split over tp: every tp rank routes the
     same (whole, with sequence parallel gathered) tokens, so routing is one process's and the
@@ -193,6 +220,10 @@ def _mlp_plan(plan: dict, p: str, mlp: nn.Module, sp: bool) -> None:
             if not sp and _moe_output(mlp) == Partial():  # the partial sums all-reduced
                 plan[f"{p}.mlp"] = PrepareModuleOutput(output_layouts=(Partial(),),
                                                        desired_output_layouts=(Replicate(),), use_local_output=True)
+            shared = f"{p}.mlp.shared_experts"  # DeepSeek-V3: split too, its partial sums joining the experts'
+            if isinstance(getattr(mlp, "shared_experts", None), nn.Module) and _moe_output(mlp) == Partial():
+                plan[f"{shared}.gate_proj"], plan[f"{shared}.up_proj"] = ColwiseParallel(), ColwiseParallel()
+                plan[f"{shared}.down_proj"] = RowwiseParallel(output_layouts=Partial())
         return
     if hasattr(mlp, "gate_proj"):
         plan[f"{p}.mlp.gate_proj"] = ColwiseParallel()
@@ -235,6 +266,10 @@ def llama_tp_plan(model: nn.Module, tp: int, sequence_parallel: bool, blocks: li
         if sp:
             _sequence_parallel_block(plan, adapter, p, block, first_block=i == 0,
                                      whole_out=i == len(blocks) - 1 and not has_norm)
+        if hasattr(block.self_attn, "kv_b_proj"):
+            _mla_plan(plan, p, block.self_attn, sp)
+            _mlp_plan(plan, p, block.mlp, sp)
+            continue
         plan[f"{p}.self_attn.q_proj"] = ColwiseParallel()
         plan[f"{p}.self_attn.k_proj"] = KVHeadSelect(kv, head_dim) if replicate_kv else ColwiseParallel()
         plan[f"{p}.self_attn.v_proj"] = KVHeadSelect(kv, head_dim) if replicate_kv else ColwiseParallel()

@@ -191,11 +191,18 @@ def check_native_only_keys(cfg: Any) -> None:
     m = cfg.model
     given = [key for key, value in (("model.qk_layernorm", m.qk_layernorm), ("model.moe.layers", m.moe.layers),
                                     ("model.moe.ffn_hidden_size", m.moe.ffn_hidden_size),
-                                    ("model.mlp_bias", m.mlp_bias is not None)) if value]
+                                    ("model.mlp_bias", m.mlp_bias is not None),
+                                    ("model.mla.kv_lora_rank", m.mla.kv_lora_rank is not None)) if value]
     if cfg.model_source == "hf" and given:
         raise ConfigError(f"{', '.join(given)}: the native model's (model_source megatron); with model_source hf "
                           "model.model_config's config.json sets them (Qwen3: q_norm / k_norm, mlp_only_layers, "
-                          "moe_intermediate_size; Llama: mlp_bias)")
+                          "moe_intermediate_size; Llama: mlp_bias; DeepSeek-V3: kv_lora_rank ...)")
+    if m.mla.kv_lora_rank is not None and m.num_kv_heads not in (None, m.num_attention_heads):
+        raise ConfigError(f"model.num_kv_heads ({m.num_kv_heads}): multi-head latent attention (model.mla) gives every "
+                          f"head its own keys and values; leave it null or = model.num_attention_heads "
+                          f"({m.num_attention_heads})")
+    if m.mtp_num_layers:
+        raise ConfigError(f"model.mtp_num_layers={m.mtp_num_layers}: multi-token prediction is not supported yet")
     layers = m.moe.layers
     if layers is None or cfg.model_source != "megatron":
         return

@@ -27,6 +27,9 @@ class MoESpec:
     """Experts each token is routed to."""
     gate_type: str
     """The gate, canonical: mixtral | top_k_balanced_noisy | switch_balanced (LLaMA-MoE's names mapped)."""
+    load_balancing: str = "aux_loss"
+    """aux_loss | loss_free | none; model.moe.load_balancing null resolves to aux_loss (the balance loss as
+    output_router_logits / gate_balance_loss_weight say, as before the key existed)."""
 
     @property
     def enabled(self) -> bool:
@@ -42,7 +45,8 @@ class MoESpec:
 def moe_of(cfg: Any) -> MoESpec:
     """The MoE piece of the run spec of a typed `cfg`."""
     moe = cfg.model.moe
-    return MoESpec(num_experts=int(moe.num_experts), top_k=int(moe.top_k), gate_type=canonical_gate_type(moe.gate_type))
+    return MoESpec(num_experts=int(moe.num_experts), top_k=int(moe.top_k), gate_type=canonical_gate_type(moe.gate_type),
+                   load_balancing=moe.load_balancing or "aux_loss")
 
 
 def check_moe(cfg: Any, piece: MoESpec, hf_json: dict) -> None:
@@ -54,6 +58,10 @@ def check_moe(cfg: Any, piece: MoESpec, hf_json: dict) -> None:
     if gate in LLAMA_MOE_GATES and cfg.model_source != "megatron":  # hf: also when config.json gives the experts
         raise ConfigError(f"model.moe.gate_type {gate}: LLaMA-MoE's gates are built for model_source megatron "
                           f"only (got {cfg.model_source})")
+    hf_type = hf_json.get("model_type", "llama") if cfg.model_source == "hf" else None
+    if piece.load_balancing != "aux_loss" and hf_type not in (None, "mixtral", "deepseek_v3"):
+        raise ConfigError(f"model.moe.load_balancing {piece.load_balancing}: built for nxdt's MoE block (model_source "
+                          f"megatron, or hf with a mixtral / deepseek_v3 config.json), not transformers' {hf_type!r} block")
     if not moe.num_experts:
         return
     if not 1 <= moe.top_k <= moe.num_experts:
@@ -69,10 +77,14 @@ def check_moe(cfg: Any, piece: MoESpec, hf_json: dict) -> None:
     if moe.sinkhorn_iterations < 1:
         raise ConfigError(f"model.moe.sinkhorn_iterations: must be >= 1, got {moe.sinkhorn_iterations}")
     check_gate(cfg, gate)
-    if cfg.model_source == "megatron" and (cfg.model.activation != "swiglu" or cfg.model.has_bias):
-        raise ConfigError("model.moe: experts are SwiGLU without bias; needs model.activation=swiglu and "
-                          "model.has_bias=false")
+    check_routing_extras(cfg, piece)
+    check_experts(cfg)
     if cfg.model_source == "hf":
+        if hf_json.get("model_type") == "deepseek_v3":
+            # nxdt's native DeepSeek-V3 (nxdt.models.deepseek_v3): the config.json routes (sigmoid, groups, shared
+            # experts); model.moe.num_experts / top_k override n_routed_experts / num_experts_per_tok, and
+            # load_balancing / bias_update_rate apply; every layout the native model takes
+            return
         if hf_json and "num_local_experts" not in hf_json:
             raise ConfigError(f"model.moe.num_experts ({moe.num_experts}) with model_source hf needs a Mixtral-style "
                               f"model.model_config (with num_local_experts); {cfg.model.model_config} is model_type "
@@ -85,7 +97,8 @@ def check_moe(cfg: Any, piece: MoESpec, hf_json: dict) -> None:
                                   f"(every layer of transformers' Mixtral is an MoE layer); nxdt's own MoE builds it "
                                   f"under model_source megatron with the architecture in model.*")
             return
-        routing = {"frequency": 1, "routing_algorithm": "top_k", "router_activation": "softmax",
+        routing = {"frequency": 1, "routing_algorithm": "top_k", "router_activation": "softmax", "num_groups": None,
+                   "num_shared_experts": 0, "load_balancing": None,
                    "capacity_factor": None, "normalize_top_k_affinities": True, "moe_calculator_score_scale_factor": 1.0,
                    "gate_type": "mixtral"}
         for key, plain in routing.items():
@@ -98,6 +111,58 @@ def check_moe(cfg: Any, piece: MoESpec, hf_json: dict) -> None:
             if size > 1:
                 raise ConfigError(f"'distributed_strategy.{key}' > 1 with model_source hf and model_type "
                                   f"{hf_json['model_type']!r} is not supported yet (got {size}); Mixtral's MoE takes it")
+
+
+def check_routing_extras(cfg: Any, piece: MoESpec) -> None:
+    """Group-limited routing (num_groups / group_top_k), shared experts and loss-free balancing: the
+    mixtral gate's top-k routing only, with numbers that fit together."""
+    moe = cfg.model.moe
+    if moe.group_top_k is not None and moe.num_groups is None:
+        raise ConfigError("model.moe.group_top_k needs model.moe.num_groups (the groups it picks among)")
+    if moe.num_groups is not None:
+        groups, per = moe.num_groups, moe.num_experts // moe.num_groups
+        if moe.num_experts % groups:
+            raise ConfigError(f"model.moe.num_groups ({groups}) does not divide model.moe.num_experts ({moe.num_experts})")
+        pick = moe.group_top_k or groups
+        if pick > groups or pick * per < moe.top_k or (groups > 1 and per < 2):
+            raise ConfigError(f"model.moe.group_top_k ({pick}) must be <= model.moe.num_groups ({groups}) and its groups "
+                              f"hold the top_k ({moe.top_k}) experts, {per} per group (at least 2: a group scores by "
+                              "its two best)")
+    extras = [k for k, on in (("num_groups", moe.num_groups is not None), ("num_shared_experts", moe.num_shared_experts),
+                              ("load_balancing loss_free", piece.load_balancing == "loss_free")) if on]
+    if extras and (piece.gate_type != "mixtral" or moe.routing_algorithm != "top_k"):
+        raise ConfigError(f"model.moe.{extras[0]}: built for the mixtral gate's top_k routing (got gate_type "
+                          f"{piece.gate_type}, routing_algorithm {moe.routing_algorithm})")
+    if piece.load_balancing == "loss_free" and moe.output_router_logits:
+        raise ConfigError("model.moe.load_balancing loss_free balances without the auxiliary loss: set "
+                          "model.moe.output_router_logits false (or load_balancing aux_loss)")
+
+
+def check_experts(cfg: Any) -> None:
+    """model.moe.expert_activation (null: model.activation): swiglu experts are nxdt's (Mixtral's
+    layout, every parallel layout); two-matrix experts (GPT-NeoX's) are built for model_source
+    megatron and stay whole on each rank (no expert parallelism yet). Experts have no biases: with
+    model.has_bias only attention and dense MLP layers get them (as GPT-NeoX's MoE)."""
+    moe = cfg.model.moe
+    act = moe.expert_activation or cfg.model.activation
+    if cfg.model_source == "hf":
+        if moe.gate_network != "linear":
+            raise ConfigError(f"model.moe.gate_network={moe.gate_network}: built for model_source megatron only "
+                              f"(transformers' MoE blocks bring their own router)")
+        if moe.expert_activation not in (None, "swiglu"):
+            raise ConfigError(f"model.moe.expert_activation={moe.expert_activation}: two-matrix experts are built "
+                              f"for model_source megatron only (transformers' MoE blocks bring their own experts)")
+        return
+    if act not in ("swiglu", "gelu", "gelu_tanh", "silu"):
+        raise ConfigError(f"model.moe.expert_activation: null takes model.activation ({act}), which the experts "
+                          f"do not build; give swiglu, gelu, gelu_tanh or silu")
+    if cfg.model.mlp_bias and (moe.frequency == 1 and moe.layers is None):
+        raise ConfigError("model.mlp_bias=true with every layer an MoE layer: experts have no biases "
+                          "(model.has_bias gives attention its biases; the experts' MLPs have none)")
+    ep = cfg.distributed_strategy.expert_model_parallel_size
+    if act != "swiglu" and ep > 1:
+        raise ConfigError(f"'distributed_strategy.expert_model_parallel_size' > 1 with two-matrix experts "
+                          f"(model.moe.expert_activation {act}) is not supported yet (got {ep})")
 
 
 def check_gate(cfg: Any, gate: str) -> None:

@@ -6,10 +6,13 @@
     nxdt convert nxd-to-nxdt --input NXDT_CKPT --output CKPT --config NXDT_YAML [KEY=VALUE ...]
                              (a checkpoint NxDT wrote, NxD's layout: nxdt.tools.convert_nxd)
 
-Llama, Mixtral, Qwen3 and Qwen3-MoE: both model sources use transformers' parameter names, so the
-tensors are copied as they are (a Qwen3-MoE folder's per-expert weights are stacked into the fused
-layout, nxdt.models.qwen3); a Qwen3 checkpoint gets an `nxdt_model.yaml` too (the native model's
-keys, below). Another model_type is refused in one line (no nxdt model would load its weights). GPT-NeoX / Pythia (config.json model_type gpt_neox): the weights are renamed
+Llama, Mixtral, Qwen3, Qwen3-MoE and DeepSeek-V3: both model sources use transformers' parameter
+names, so the tensors are copied as they are (a Qwen3-MoE or DeepSeek-V3 folder's per-expert weights
+are stacked into the fused layout, nxdt.models.qwen3; DeepSeek-V3's multi-token-prediction layer is
+left out with a notice, its fp8 weights refused: dequantize first); a Qwen3 or DeepSeek-V3 checkpoint
+gets an `nxdt_model.yaml` too (the native model's keys, below); a LLaMA-MoE folder (model_type llama_moe)
+is renamed to nxdt's MoE (nxdt.models.llama_moe), its settings nxdt does not build refused in one line.
+Another model_type is refused in one line (no nxdt model would load its weights). GPT-NeoX / Pythia (config.json model_type gpt_neox): the weights are renamed
 to the native model's and the fused QKV is split (nxdt.models.neox), and the checkpoint gets an
 `nxdt_model.yaml`: the `model_source: megatron` + `model:` keys (block type, layernorm, gelu,
 biases, rotary_percentage, ...) that build that native model; put them in the training YAML.
@@ -33,11 +36,14 @@ import re
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import OmegaConf
 
 from nxdt.checkpoint.checkpointer import load_weights, save_weights
 from nxdt.checkpoint.locate import resolve_checkpoint
 from nxdt.config.errors import ConfigError
+from nxdt.models.deepseek_v3 import DEEPSEEK_V3_MODEL_TYPES, deepseek_v3_model_keys, mtp_notice
+from nxdt.models.llama_moe import llama_moe_model_keys, llama_moe_to_native
 from nxdt.models.lora import is_lora_key
 from nxdt.models.neox import neox_model_keys, neox_to_native
 from nxdt.models.qwen3 import QWEN3_MODEL_TYPES, fuse_experts, qwen3_model_keys
@@ -47,7 +53,7 @@ from nxdt.tools.hf_folder import check_output_free, copy_tokenizer, hf_config_fo
 
 NXDT_MODEL_FILE = "nxdt_model.yaml"
 # config.json model_types whose weights an nxdt model loads (both sources; qwen3*, gpt_neox also native)
-HF_MODEL_TYPES = ("llama", "mistral", "mixtral", "gpt_neox") + QWEN3_MODEL_TYPES
+HF_MODEL_TYPES = ("llama", "mistral", "mixtral", "gpt_neox", "llama_moe") + QWEN3_MODEL_TYPES + DEEPSEEK_V3_MODEL_TYPES
 
 
 def parse_size(text: str) -> int:
@@ -80,12 +86,22 @@ def hf_to_nxdt(input_dir: Path, output: Path) -> dict[str, Any] | None:
     meta: dict[str, Any] = {"hf_config": hf_config, "source": str(input_dir)}
     nxdt_model = None
     model_type = hf_config.get("model_type", "llama")
+    if model_type in DEEPSEEK_V3_MODEL_TYPES:
+        nxdt_model, tensors = _deepseek_v3(input_dir, hf_config, tensors)
+        meta["nxdt_model"] = nxdt_model
     if model_type in QWEN3_MODEL_TYPES:
         try:
             nxdt_model = {"model_source": "megatron", "model": qwen3_model_keys(hf_config)}
             tensors = fuse_experts(tensors)  # published Qwen3-MoE folders keep each expert apart
         except (ValueError, KeyError) as err:
             raise ConfigError(f"{input_dir}: cannot convert this {model_type} model: {err}") from None
+        meta["nxdt_model"] = nxdt_model
+    if model_type == "llama_moe":  # LLaMA-MoE (nxdt.models.llama_moe)
+        try:
+            nxdt_model = {"model_source": "megatron", "model": llama_moe_model_keys(hf_config)}
+            tensors = llama_moe_to_native(tensors, hf_config)
+        except (ValueError, KeyError) as err:
+            raise ConfigError(f"{input_dir}: cannot convert this LLaMA-MoE model: {err}; nothing written") from None
         meta["nxdt_model"] = nxdt_model
     if model_type == "gpt_neox":
         try:
@@ -102,6 +118,27 @@ def hf_to_nxdt(input_dir: Path, output: Path) -> dict[str, Any] | None:
     return nxdt_model
 
 
+def _deepseek_v3(input_dir: Path, hf_config: dict[str, Any], tensors: dict[str, Any]) -> tuple[dict[str, Any], dict]:
+    """The native model's keys of a DeepSeek-V3 folder and its tensors as that model names them: experts
+    stacked (published folders keep each apart), the multi-token-prediction layer(s) left out with a notice."""
+    scaled = sorted(k for k in tensors if k.endswith("_scale_inv"))
+    if scaled:
+        raise ConfigError(f"{input_dir}: fp8 block-quantized weights ({scaled[0]} and {len(scaled) - 1} more): "
+                          "dequantize them to bf16 first (DeepSeek's fp8_cast_bf16.py), then convert")
+    try:
+        keys = deepseek_v3_model_keys(hf_config)
+        layers = int(hf_config["num_hidden_layers"])
+        kept = {k: t for k, t in tensors.items()
+                if not (k.startswith("model.layers.") and int(k.split(".")[2]) >= layers)}
+        tensors = fuse_experts(kept)
+    except (ValueError, KeyError) as err:
+        raise ConfigError(f"{input_dir}: cannot convert this deepseek_v3 model: {err}") from None
+    notice = mtp_notice(hf_config)
+    if notice:
+        print(notice)
+    return {"model_source": "megatron", "model": keys}, tensors
+
+
 # --------------------------------------------------------------------------- nxdt checkpoint
 def nxdt_to_hf(ckpt: Path, output: Path, max_shard_bytes: int, dtype: str | None = None,
                base: Path | None = None, adapter_only: bool = False) -> None:
@@ -113,8 +150,20 @@ def nxdt_to_hf(ckpt: Path, output: Path, max_shard_bytes: int, dtype: str | None
         flag = "--base" if base is not None else "--adapter-only"
         raise ConfigError(f"{flag}: {ckpt} has no LoRA adapters (the flag is for checkpoints of LoRA runs)")
     config = hf_config_for(ckpt, tensors)
+    if config.get("model_type") in DEEPSEEK_V3_MODEL_TYPES:
+        tensors = with_score_bias(tensors)
     check_output_free(output)
     write_hf_model(ckpt, tensors, config, output, max_shard_bytes, dtype)
+
+
+def with_score_bias(tensors: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V3 export: a zero `mlp.gate.e_score_correction_bias` for each router trained without one
+    (load_balancing aux_loss / none select by the scores alone, as a zero bias does)."""
+    out = dict(tensors)
+    for name, t in tensors.items():
+        if name.endswith(".mlp.gate.weight"):
+            out.setdefault(name[:-len("weight")] + "e_score_correction_bias", torch.zeros(t.shape[0], dtype=torch.float32))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

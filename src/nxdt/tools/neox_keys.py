@@ -22,6 +22,7 @@ NEOX_DEFAULTS: dict[str, Any] = {
     "data_impl": "infer", "eod_mask_loss": False, "mmap_warmup": False,
     "checkpoint_activations": False, "checkpoint_num_layers": 1, "checkpoint_scale": "linear",
     "log_interval": 100, "tokenizer_type": "GPT2BPETokenizer",
+    "moe_num_experts": 1, "moe_expert_interval": 1, "moe_top_k": 1, "moe_router_type": "sinkhorn",
 }
 ADAM_DEFAULTS = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8}  # apex / DeepSpeed FusedAdam
 
@@ -149,9 +150,6 @@ ARCHITECTURE_OFF: dict[str, tuple[Any, str]] = {
     "num_unique_layers": (None, "NeoX shares parameters between layers; nxdt builds num-layers distinct layers"),
     "opt_pos_emb_offset": (0, "OPT's offset of the learned positions; nxdt's positions start at 0"),
     "soft_prompt_tuning": (None, "a learned soft prompt; nxdt builds none"),
-    "moe_num_experts": (1, "NeoX's dropless MoE (megablocks) has experts of two matrices with the model's "
-                           "activation (w1, w2, no bias) and a sinkhorn / top-k router; nxdt's experts are "
-                           "SwiGLU (gate, up, down: Mixtral's), so it would train another model (docs/moe.md)"),
 }
 # attention-config layer types that are not global causal attention, and what NeoX builds for them
 NOT_ATTENTION = {"mamba": "Mamba (selective state-space) layers", "rwkv": "RWKV layers", "gmlp": "gMLP blocks",

@@ -10,7 +10,7 @@ NeoX keys it did not map, each with a category:
     unknown       not a GPT-NeoX key this importer knows (a typo, or a newer NeoX key)
 
 The model itself is never approximated: a NeoX setting that would make nxdt build another model
-(Mamba / RWKV / gMLP / sparse layers, NeoX's MoE, a norm, position embedding or activation nxdt
+(Mamba / RWKV / gMLP / sparse layers, a norm, position embedding or activation nxdt
 lacks, biases nxdt cannot place as NeoX does) refuses the import, every such key in one error
 (`refused`), and nothing is written. The NeoX keys the importer knows are NeoX's own argument
 list (megatron/neox_arguments, tests/neox_arguments.json checks every one is classified).
@@ -34,6 +34,7 @@ from nxdt.config.errors import ConfigError, ConfigErrors
 from nxdt.tools.neox_keys import (ARCHITECTURE_OFF, ATTENTION_TYPES_OK, DEEPSPEED_TUNING, GPT2_VOCAB, INERT, NEOX_20B_VOCAB,
                                   NEOX_DEFAULTS, NORMS, NOT_ATTENTION, NOT_MAPPED, NOT_MAPPED_OFF, POS_EMB, SPARSE_ATTENTION,
                                   ZERO_INERT)
+from nxdt.tools.neox_moe import MoEKeys
 from nxdt.tools.neox_training_keys import TrainingKeys
 
 
@@ -74,7 +75,7 @@ def _short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-class NeoxMapper(TrainingKeys):
+class NeoxMapper(TrainingKeys, MoEKeys):
     """Maps a merged NeoX config (`merged`: keys with '_') into `self.out`.
 
     `origin[key]` = (file, the key as spelled there) for messages; `num_gpus` / `num_nodes` /
@@ -507,12 +508,7 @@ class NeoxMapper(TrainingKeys):
                 self.list_key("inert", key, "off (NeoX's default)")
             else:
                 self.refuse(key, why)
-        dense = not self.cfg.get("moe_num_experts") or self.cfg.get("moe_num_experts") == 1
-        for key in [k for k in self.cfg if k.startswith("moe_") and k != "moe_num_experts"]:
-            if dense:
-                self.list_key("inert", key, "a dense model")
-            else:
-                self.used.add(key)  # the MoE itself is refused
+        self.moe()  # nxdt.tools.neox_moe
 
     def leftovers(self) -> None:
         for key in self.cfg:

@@ -38,6 +38,7 @@ from nxdt.observability.step_scalars import step_logger
 from nxdt.training.builder import build_base_model, build_optimizer_and_scheduler
 from nxdt.training.loss import EvalTally, masked_token_loss
 from nxdt.models.moe import pop_router_stats
+from nxdt.models.moe_balance import update_expert_bias
 from nxdt.training.step import (loss_parallel_context, microbatch_forward_backward, microbatch_loss,
                                 pipeline_forward_backward, split_microbatches, train_step)
 
@@ -155,7 +156,11 @@ class NxdtLightningModule(PreferenceSteps, GRPOSteps, pl.LightningModule):
                              reduce_loss=functools.partial(all_reduce_mean, mesh=self.device_mesh, axis="dp_cp"),
                              norm_over_stages=self.pipeline.norm_over_stages if self.pipeline is not None else None)
         self.consumed_samples += self.layout.global_batch_size
+        # loss-free MoE balancing: each layer's selection bias moves by this step's expert loads (all dp ranks')
+        balance = update_expert_bias(self.model, submesh(self.device_mesh, "dp_cp").get_group())
         self._log_step(metrics.loss, metrics.lr, metrics.grad_norm)
+        for key, value in balance.items():  # moe/layer<i>/load_min|max|std: shares of the step's routed tokens
+            self.log_step_scalar(key, value)
         self.log_preference_metrics(forward_backward)  # DPO / ORPO: rewards, accuracies, margins
         if self.alignment.grpo is not None:
             self.log_grpo_metrics(forward_backward)  # rewards, KL, clipping, lengths, entropy, tokens/s
