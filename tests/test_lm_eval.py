@@ -9,15 +9,14 @@ the same accuracies and exact-match, the same generations, log-likelihoods withi
 document's float32 total within 1e-4 + 1e-7 of its size), and the
 results JSON beside the checkpoint holds the command's numbers. Under torchrun (2 ranks, gloo) the
 model split with tensor parallelism gives the one-process generations and accuracies, and its
-log-likelihoods within 1e-4.
+log-likelihoods within 1e-4: tests/test_generate_parallel.py's test_tensor_parallel_scores_as_one_process,
+in that module's 2-rank launch (one launch's imports for both).
 """
 
 from __future__ import annotations
 
 import gzip
 import json
-import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -185,22 +184,6 @@ def _close(ours: dict, theirs: dict) -> None:
             assert abs(x[0] - y[0]) < TOL + 1e-7 * abs(y[0]) and x[1:] == y[1:], (task, x, y)
 
 
-@pytest.mark.slow
-def test_tensor_parallel_scores_as_one_process(tmp_path):
-    from conftest import run_worker
-
-    _, ckpt = _nxdt_checkpoint(tmp_path, "megatron")
-    tasks_dir = tmp_path / "tasks"
-    _write_tasks(tasks_dir, None)
-    assert nxdt(_command(ckpt, tasks_dir)) == 0
-    one = tmp_path / "one_process.json"
-    shutil.move(results_path(ckpt, TASKS), one)
-    (tmp_path / "spec.json").write_text(json.dumps(_command(ckpt, tasks_dir)[1:]))
-    got = run_worker(__file__, 2, tmp_path / "out.json", "NXDT_TEST_OUT", timeout=300)
-    assert got == {"split": True}
-    _close(json.loads(results_path(ckpt, TASKS).read_text()), json.loads(one.read_text()))
-
-
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
     _, ckpt = _nxdt_checkpoint(tmp_path, "megatron")
     cases = {
@@ -218,34 +201,3 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
     monkeypatch.delitem(sys.modules, "nxdt.inference.harness_lm", raising=False)
     assert nxdt(["evaluate", "--checkpoint", str(ckpt), "--tasks", "x"]) == 2
     assert "install nxdt[eval]" in capsys.readouterr().err
-
-
-def _worker() -> None:
-    """Rank r of the tensor-parallel launch: `nxdt evaluate --tasks` (rank 0 writes the results)."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from conftest import exit_worker
-
-    import torch.distributed as dist
-
-    from nxdt.inference import harness
-    from nxdt.inference.load import load_for_inference
-
-    out = Path(os.environ["NXDT_TEST_OUT"])
-    argv = json.loads((out.parent / "spec.json").read_text())
-    for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
-        os.environ[var] = "1"
-    rank, mesh = harness.tensor_parallel_group()
-    q = load_for_inference(Path(argv[1]), tp_mesh=mesh).model.model.layers[0].self_attn.q_proj.weight
-    split = q.to_local().shape[0] * 2 == q.shape[0]
-    assert harness.main(argv) == 0  # the command's own process group: destroyed at its end
-    assert not dist.is_initialized()
-    if rank == 0:
-        out.write_text(json.dumps({"split": split}))
-    exit_worker()
-
-
-if __name__ == "__main__":
-    import torch
-
-    torch.set_num_threads(1)
-    _worker()
