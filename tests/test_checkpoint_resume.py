@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY_OVERRIDES, TRAIN_SCRIPT, read_scalars, run_pool, tensor_bytes
+from conftest import REPO, TINY_OVERRIDES, TRAIN_SCRIPT, read_scalars, run_pool, tensor_bytes, train_in_process
 
 STEPS = 8
 pytestmark = pytest.mark.slow
@@ -119,9 +119,10 @@ def _alive(pids: list[int]) -> list[int]:
 def killed(kjv_prefix, tmp_path_factory):
     """Real 2-rank torchrun launches, each ended mid-run, and what they left on disk:
     - between saves: once the step-4 checkpoint is complete the run is held inside its step-6
-      save (the writer paused after writing); a second launch into the same log dir must exit 2
-      naming the first; then only the launcher gets `kill -9` (its process group, as an OOM killer
-      or `kill -9 -PGID` does), and both ranks must end by themselves within 15 s, leaving the
+      save (the writer paused after writing); a second launch into the same log dir (in this
+      process: conftest.train_in_process) must exit 2 naming the first; then only the launcher
+      gets `kill -9` (its process group, as an OOM killer or `kill -9 -PGID` does), and both
+      ranks must end by themselves within 15 s, leaving the
       complete checkpoints untouched;
     - during an async save: the writer is paused inside the step-4 save (the shards of both ranks
       written, .metadata and COMPLETE not) and torchrun and both ranks are SIGKILLed at once, as a
@@ -135,9 +136,8 @@ def killed(kjv_prefix, tmp_path_factory):
     proc = _popen(_args(kjv_prefix, between), env={"NXDT_TEST_SAVE_HOOK": "6:pause:600"}, log=between / "killed.log")
     tmp6 = _ckpt(between, 6).parent / (".tmp-" + _ckpt(between, 6).name)
     _wait_for(proc, lambda: (_ckpt(between, 4) / "COMPLETE").is_file() and len(list(tmp6.glob("*.distcp"))) == 2)
-    second = subprocess.run([sys.executable, str(TRAIN_SCRIPT), *_args(kjv_prefix, between, devices=1)],
-                            capture_output=True, text=True, cwd=REPO, timeout=300,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+    with contextlib.chdir(REPO):  # the second launch, in this process: it stops at the lock, before any rank starts
+        second = train_in_process(_args(kjv_prefix, between, devices=1))
     workers, before = _descendants(proc.pid), _snapshot(between / "checkpoints")
     os.killpg(proc.pid, signal.SIGKILL)  # torchrun only: its ranks run in sessions of their own
     proc.wait()
@@ -221,10 +221,10 @@ def test_a_second_launch_is_refused_and_ranks_end_with_their_launcher(reference,
     _, expected = reference
     left = killed["left"]["between"]
     second = left["second_launch"]
-    assert second.returncode == 2, second.stderr[-2000:]
-    assert [line for line in second.stderr.splitlines() if line.startswith("error:")] == [
-        line for line in second.stderr.splitlines() if f"log dir {killed['between']} is in use by another run (pid " in line]
-    assert "is in use by another run" in second.stderr
+    assert second.rc == 2, second.err[-2000:]
+    assert [line for line in second.err.splitlines() if line.startswith("error:")] == [
+        line for line in second.err.splitlines() if f"log dir {killed['between']} is in use by another run (pid " in line]
+    assert "is in use by another run" in second.err
     assert left["workers"] >= 2 and not left["still_alive"] and left["workers_alive_after_s"] < 15, left
     assert left["untouched"] and left["complete"] == [_ckpt(killed["between"], s).name for s in (2, 4)], left
     assert not left["step8_exists"]
