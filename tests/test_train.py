@@ -1,8 +1,9 @@
 """End to end: examples/train.py trains, logs, and data parallelism matches one process.
 
 One single-process run and one 2-rank torchrun run of the same config (same init, same global
-batches), both true command-line launches, are shared by several tests; the two runs that follow
-from them share one more launch (conftest.run_pool).
+batches) are shared by several tests. The 2-rank run is a true command-line launch (torchrun
+examples/train.py); the single-process run and the two runs that follow from it share one launch
+(conftest.run_pool, through the entry examples/train.py calls): a launch is mostly imports.
 """
 
 from __future__ import annotations
@@ -33,11 +34,24 @@ def _train_args(prefix: str, log_dir, devices: int, extra: list[str] = ()) -> li
 
 
 @pytest.fixture(scope="module")
-def single_run(kjv_prefix, tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("single")
-    proc = run_cli(_train_args(kjv_prefix, log_dir, devices=1))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc, read_scalars(log_dir), log_dir
+def one_process(kjv_prefix, tmp_path_factory):
+    """One single-process launch (conftest.run_pool), in order: the single run, a rerun from its saved
+    config.yaml and an HF-model run."""
+    root = tmp_path_factory.mktemp("one_process")
+    args = _train_args(kjv_prefix, root / "hf", devices=1, extra=[
+        "model_source=hf", "model.model_config=${nxdt_conf:model_configs/tiny_llama/config.json}",
+    ])
+    argv = {"single": _train_args(kjv_prefix, root / "single", devices=1),
+            "rerun": ["--config-path", str(root / "single"), "--config-name", "config",
+                      f"exp_manager.explicit_log_dir={root / 'rerun'}"],
+            "hf": [a for a in args if not a.startswith("trainer.max_steps")] + ["trainer.max_steps=4"]}
+    procs = run_pool(argv, 1, root / "pool")
+    return {name: (proc, read_scalars(root / name), root / name) for name, proc in procs.items()}
+
+
+@pytest.fixture(scope="module")
+def single_run(one_process):
+    return one_process["single"]
 
 
 @pytest.fixture(scope="module")
@@ -94,18 +108,9 @@ def test_data_parallel_matches_single_process(single_run, dp2_run):
 
 
 @pytest.fixture(scope="module")
-def more_runs(single_run, kjv_prefix, tmp_path_factory):
-    """A rerun from the single run's saved config.yaml and an HF-model run, in one single-process
-    launch (conftest.run_pool) through the entry examples/train.py calls."""
-    root = tmp_path_factory.mktemp("more")
-    args = _train_args(kjv_prefix, root / "hf", devices=1, extra=[
-        "model_source=hf", "model.model_config=${nxdt_conf:model_configs/tiny_llama/config.json}",
-    ])
-    argv = {"rerun": ["--config-path", str(single_run[2]), "--config-name", "config",
-                      f"exp_manager.explicit_log_dir={root / 'rerun'}"],
-            "hf": [a for a in args if not a.startswith("trainer.max_steps")] + ["trainer.max_steps=4"]}
-    procs = run_pool(argv, 1, root / "pool")
-    return {name: (proc, read_scalars(root / name)) for name, proc in procs.items()}
+def more_runs(one_process):
+    """A rerun from the single run's saved config.yaml and an HF-model run (in the single run's launch)."""
+    return {name: one_process[name][:2] for name in ("rerun", "hf")}
 
 
 def test_rerun_from_the_saved_config_reproduces_the_run(single_run, more_runs):
