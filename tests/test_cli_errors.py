@@ -47,6 +47,19 @@ def test_wrong_type_names_key_and_expected_type(data_args):
     _assert_one_line_error(proc, "model.num_layers", "int", "abc")
 
 
+def test_a_value_given_to_a_section_names_the_key_meant():
+    """`precision=bf16` (Lightning's Trainer argument): precision is a section; the line names
+    precision.type, its closest choice and every choice (in this process: no launch needed)."""
+    from nxdt.config.errors import ConfigError
+    from nxdt.spec import load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config(["--config-name", "tiny_llama_cpu", "precision=bf16"], check_paths=False, quiet=True)
+    assert str(err.value) == ("precision: expected a mapping, got 'bf16' (str); precision is a section: did you "
+                              "mean precision.type=bf16SR? precision.type is one of fp32, autocast, mixed_precision, "
+                              "mixed_precisionSR, mixed_precision_SR, bf16SR, manual")
+
+
 def test_malformed_yaml_names_the_file(tmp_path):
     (tmp_path / "broken.yaml").write_text("name: x\nmodel:\n  hidden_size: [1, 2\n")
     proc = run_cli(["--config-path", str(tmp_path), "--config-name", "broken"])

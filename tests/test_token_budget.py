@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import REPO
 
+from nxdt.config.errors import ConfigError
 from nxdt.spec import build_spec, config_from_dict, load_config
 from nxdt.tools.plan import main as plan_main
 from nxdt.observability import callbacks
@@ -52,6 +53,17 @@ def test_max_tokens_notice_names_the_formula_and_the_replaced_max_steps(capsys):
                           "(global batch 4 x seq_length 32 = 128 tokens/step))")
     _load("trainer.max_tokens=2048", "trainer.max_steps=16", quiet=False)  # already equal: nothing replaced
     assert "max_steps 16 = ceil(" in capsys.readouterr().err
+
+
+def test_max_steps_minus_1_goes_with_max_tokens_and_is_refused_without(capsys):
+    """Lightning's `max_steps=-1` (no step limit) beside a token budget: the budget ends the run;
+    alone: one line saying what -1 needs."""
+    cfg = _load("trainer.max_tokens=2000", "trainer.max_steps=-1", quiet=False)
+    assert cfg.trainer.max_steps == 16
+    assert ("notice: trainer.max_tokens=2000: max_steps 16 (max_steps -1: no step limit, the token budget ends "
+            "the run) = ceil(") in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"^trainer.max_steps: must be >= 1, got -1 \(Lightning's 'no step limit'"):
+        _load("trainer.max_steps=-1")
 
 
 # --------------------------------------------------------------------------- the summary and nxdt plan
