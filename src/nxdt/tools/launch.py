@@ -29,6 +29,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 # the options that make `nxdt train` a launcher when they come first (the cheap test: torchrun's
@@ -87,7 +88,6 @@ def launch(argv: list[str], validate) -> int:
     validate(train_argv, world_size(args))
     # torchrun's per-worker failure lines: replaced by the one line below (or by rank 0's own)
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
-    logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.ERROR)
     try:
         with forwarded_stop_signals(args):
             run(args)
@@ -139,7 +139,9 @@ class forwarded_stop_signals:
                                           if n and n not in names)
 
     def __enter__(self):
-        self.before = {sig: signal.signal(sig, self.on_signal) for sig in FORWARDED}
+        # signal handlers belong to the main thread (elsewhere torchrun registers none either)
+        main = threading.current_thread() is threading.main_thread()
+        self.before = {sig: signal.signal(sig, self.on_signal) for sig in FORWARDED} if main else {}
         return self
 
     def __exit__(self, *exc) -> None:
