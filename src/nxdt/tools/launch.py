@@ -128,9 +128,6 @@ class forwarded_stop_signals:
     """While torchrun's launch runs: SIGTERM and SIGINT are passed on to each rank's process group,
     with one line (torchrun, told by its --signals-to-handle, leaves them to this handler)."""
 
-    def __init__(self) -> None:
-        self.received: list[signal.Signals] = []  # the signals passed on so far
-
     def __init__(self, args) -> None:
         """`args`: torchrun's parsed arguments; their --signals-to-handle loses SIGTERM and SIGINT."""
         self.received: list[signal.Signals] = []  # the signals passed on so far
@@ -154,7 +151,7 @@ class forwarded_stop_signals:
         for pid in ranks:
             try:
                 os.killpg(pid, sig)
-            except ProcessLookupError:
+            except OSError:  # ended meanwhile
                 pass
         how = "Ctrl-C" if sig == signal.SIGINT else sig.name
         # the ranks' rule (nxdt.training.fault_tolerance): any stop signal after a Ctrl-C stops at once
