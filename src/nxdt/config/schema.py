@@ -136,7 +136,8 @@ class TrainerConfig:
                               "perplexity on the validation and test splits of the weights of exp_manager."
                               "resume_from_checkpoint, else (resume_if_exists) the newest checkpoint of the run "
                               "(neither: refused); writes <checkpoint>.eval.json (docs/evaluate.md)", ge=0, also=(-1,))
-    max_steps: int = doc(1000, "number of optimizer steps (global batches) to train", ge=1)
+    max_steps: int = doc(1000, "number of optimizer steps (global batches) to train; -1 (no step limit) only "
+                               "beside trainer.max_tokens, whose budget ends the run", ge=1)
     max_tokens: Optional[int] = doc(
         None, "train this many tokens: sets max_steps = ceil(max_tokens / (global_batch_size x seq_length)) "
               "(LLaMA-MoE plans runs in tokens); null = max_steps as given", ge=1)
