@@ -43,7 +43,6 @@ NEOX = {"normalization": "layernorm", "activation": "gelu", "has_bias": True, "t
         "gpt_j_tied": False, "rotary_percentage": 0.25, "num_kv_heads": 4, "rotary_emb_base": 5000.0}
 
 
-
 def per_expert_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A state dict as published Qwen3-MoE / DeepSeek-V3 folders store it: transformers' fused expert
     tensors (`mlp.experts.gate_up_proj` [E, 2F, H], `down_proj` [E, H, F]) split into each expert's
