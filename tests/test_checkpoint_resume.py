@@ -43,10 +43,14 @@ def _args(prefix: str, log_dir, devices: int = 2, extra: list[str] = ()) -> list
     ]
 
 
-def _popen(args: list[str], nproc: int = 2, env: dict | None = None, log: Path | None = None) -> subprocess.Popen:
+def _popen(args: list[str], nproc: int = 2, env: dict | None = None, log: Path | None = None,
+           nxdt_train: bool = False) -> subprocess.Popen:
+    """torchrun's launch of the entry; `nxdt_train`: nxdt's launcher (`nxdt train --nproc-per-node`)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     full_env.pop("NXDT_RUN_VERSION", None)
     cmd = ([sys.executable, str(TRAIN_SCRIPT), *args] if nproc == 1 else
+           [sys.executable, "-m", "nxdt.cli", "train", "--standalone", f"--nproc-per-node={nproc}", *args]
+           if nxdt_train else
            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
             str(TRAIN_SCRIPT), *args])
     out = open(log, "w") if log else subprocess.DEVNULL
@@ -128,10 +132,11 @@ def killed(kjv_prefix, tmp_path_factory):
       written, .metadata and COMPLETE not) and torchrun and both ranks are SIGKILLed at once, as a
       lost node would be, once step 2's checkpoint is complete. This run saves with save_bf16 +
       use_master_weights_in_ckpt;
-    - preempted: rank 0 sends SIGTERM to torchrun's process group after step 3 (`kill -TERM -- -PGID`
-      of a torchrun started with setsid, as `timeout` and many schedulers do); torchrun forwards it to
-      each rank's process group, the rank and its loader worker (data.num_workers=1): the worker
-      ignores it, the ranks finish the step, save, exit 0."""
+    - preempted: rank 0 sends SIGTERM to the process group of `nxdt train --nproc-per-node 2` (its
+      torchrun launch in-process) after step 3 (`kill -TERM -- -PGID` of a launcher started with
+      setsid, as `timeout`, many schedulers and Ctrl-C do); the launcher passes it on to each rank's
+      process group, the rank and its loader worker (data.num_workers=1): the worker ignores it, the
+      ranks finish the step, save, exit 0, and so does the launcher."""
     between, during = tmp_path_factory.mktemp("killed_between_saves"), tmp_path_factory.mktemp("killed_during_save")
     proc = _popen(_args(kjv_prefix, between), env={"NXDT_TEST_SAVE_HOOK": "6:pause:600"}, log=between / "killed.log")
     tmp6 = _ckpt(between, 6).parent / (".tmp-" + _ckpt(between, 6).name)
@@ -161,7 +166,7 @@ def killed(kjv_prefix, tmp_path_factory):
                                                       f"trainer.callbacks=[{{_target_:fault_callbacks.SignalAt,"
                                                       f"step:{PREEMPT_AT},signal:SIGTERM,to:launcher_group}}]"]),
                   env={"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])},
-                  log=preempted / "preempted.log")
+                  log=preempted / "preempted.log", nxdt_train=True)
     proc.wait(timeout=300)
     left["preempted"] = {"log": (preempted / "preempted.log").read_text(), "returncode": proc.returncode}
     return {"between": between, "during": during, "preempted": preempted, "left": left}
@@ -250,12 +255,18 @@ def test_a_write_error_on_one_rank_fails_the_save_on_every_rank(runs):
 
 
 def test_sigterm_to_torchrun_saves_at_the_step_and_the_relaunch_is_bit_exact(reference, killed, runs):
-    """SIGTERM reaches torchrun's process group after step 3; torchrun forwards it to both ranks'
-    groups, their loader workers included, which ignore it; the ranks finish their step, save a
-    complete checkpoint there, say so once and end normally (rank 0 prints the continue command).
-    The relaunch continues from it and every step's loss equals the uninterrupted run's."""
+    """SIGTERM reaches the process group of `nxdt train --nproc-per-node 2` after step 3; the launcher
+    passes it on to both ranks' groups, their loader workers included, which ignore it, and says so
+    in one line; the ranks finish their step, save a complete checkpoint there, say so once and end
+    normally (rank 0 prints the continue command); the launcher exits 0 without torchrun's
+    SignalException traceback. The relaunch continues from it and every step's loss equals the
+    uninterrupted run's."""
     _, expected = reference
     run_dir, left = killed["preempted"], killed["left"]["preempted"]
+    assert left["returncode"] == 0, left["log"][-3000:]
+    assert [line for line in left["log"].splitlines() if line.startswith("nxdt train:")] == [
+        "nxdt train: SIGTERM passed on to the 2 rank(s): they save at the end of the current step and exit"]
+    assert "Traceback" not in left["log"] and "SignalException" not in left["log"], left["log"][-3000:]
     said = [line for line in left["log"].splitlines() if line.startswith("preempted (SIGTERM) at step ")]
     assert len(said) == 1, left["log"][-3000:]
     step = int(said[0].split("at step ")[1].split(":")[0])

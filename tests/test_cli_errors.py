@@ -47,6 +47,19 @@ def test_wrong_type_names_key_and_expected_type(data_args):
     _assert_one_line_error(proc, "model.num_layers", "int", "abc")
 
 
+def test_a_value_given_to_a_section_names_the_key_meant():
+    """`precision=bf16` (Lightning's Trainer argument): precision is a section; the line names
+    precision.type, its closest choice and every choice (in this process: no launch needed)."""
+    from nxdt.config.errors import ConfigError
+    from nxdt.spec import load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config(["--config-name", "tiny_llama_cpu", "precision=bf16"], check_paths=False, quiet=True)
+    assert str(err.value) == ("precision: expected a mapping, got 'bf16' (str); precision is a section: did you "
+                              "mean precision.type=bf16SR? precision.type is one of fp32, autocast, mixed_precision, "
+                              "mixed_precisionSR, mixed_precision_SR, bf16SR, manual")
+
+
 def test_malformed_yaml_names_the_file(tmp_path):
     (tmp_path / "broken.yaml").write_text("name: x\nmodel:\n  hidden_size: [1, 2\n")
     proc = run_cli(["--config-path", str(tmp_path), "--config-name", "broken"])
@@ -215,7 +228,7 @@ def test_a_launched_runs_resume_command_is_the_launcher(monkeypatch, tmp_path, c
         assert f"--prompt {prompt} --stream" in capsys.readouterr().out  # a code corpus is not asked about God
 
 
-@pytest.mark.parametrize("code, line", [(2, ""), (3, ""), (1, "error: rank 1 exited with code 1 (pid 4242); its output "
+@pytest.mark.parametrize("code, line", [(2, ""), (3, ""), (130, ""), (1, "error: rank 1 exited with code 1 (pid 4242); its output "
                                                              "is above"), (-9, "error: rank 1 was killed by SIGKILL")])
 def test_nxdt_train_launcher_reports_a_failed_worker_in_one_line(data_args, capsys, monkeypatch, code, line):
     """torchrun's ChildFailedError becomes the exit code: 2 and 3 silently (rank 0 said why), any other
@@ -229,6 +242,42 @@ def test_nxdt_train_launcher_reports_a_failed_worker_in_one_line(data_args, caps
         raise ChildFailedError("nxdt.cli", {1: ProcessFailure(local_rank=1, pid=4242, exitcode=code, error_file="")})
 
     monkeypatch.setattr(torch.distributed.run, "run", failed)
-    assert main(["train", "--standalone", "--nproc-per-node", "2", *BASE, *data_args]) == (1 if code not in (2, 3) else code)
+    assert main(["train", "--standalone", "--nproc-per-node", "2", *BASE, *data_args]) == (
+        1 if code not in (2, 3, 130) else code)
     err = capsys.readouterr().err.strip()
     assert err.startswith(line) and len(err.splitlines()) <= 1, err
+
+
+def test_nxdt_train_launcher_passes_ctrl_c_on_to_the_ranks_groups_with_one_line(capfd):
+    """While torchrun's launch runs, SIGINT and SIGTERM are the launcher's, not torchrun's (its
+    --signals-to-handle loses them): each is passed on to every rank's process group with one line;
+    a second Ctrl-C says the ranks stop at once. The handlers before it are back afterwards."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from nxdt.tools.launch import forwarded_stop_signals
+
+    # a stand-in rank (its command line names nxdt.cli, as torchrun's workers' do), in a session of its
+    # own as torchrun starts them: it counts the SIGINTs it gets and exits 0 after two
+    code = ("import signal, sys, time  # nxdt.cli\nn = []\nsignal.signal(signal.SIGINT, lambda *a: n.append(1))\n"
+            "print('ready', flush=True)\nwhile len(n) < 2: time.sleep(0.01)\nprint('got', len(n), flush=True)")
+    rank = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert rank.stdout.readline() == "ready\n"
+    args = SimpleNamespace(signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        with forwarded_stop_signals(args):
+            assert args.signals_to_handle == "SIGHUP,SIGQUIT"
+            for _ in range(2):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.2)
+    finally:
+        out, _ = rank.communicate(timeout=20)
+    assert rank.returncode == 0 and out == "got 2\n"
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+    assert capfd.readouterr().err.splitlines() == [
+        "nxdt train: Ctrl-C passed on to the 1 rank(s): they save at the end of the current step and exit",
+        "nxdt train: again: Ctrl-C passed on to the 1 rank(s): they stop at once, without saving"]

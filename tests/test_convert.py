@@ -43,6 +43,23 @@ NEOX = {"normalization": "layernorm", "activation": "gelu", "has_bias": True, "t
         "gpt_j_tied": False, "rotary_percentage": 0.25, "num_kv_heads": 4, "rotary_emb_base": 5000.0}
 
 
+def per_expert_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict as published Qwen3-MoE / DeepSeek-V3 folders store it: transformers' fused expert
+    tensors (`mlp.experts.gate_up_proj` [E, 2F, H], `down_proj` [E, H, F]) split into each expert's
+    gate_proj / up_proj / down_proj weights; the other tensors as they are."""
+    tensors = {}
+    for name, t in state.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            for e, w in enumerate(t):
+                gate, up = w.chunk(2, dim=0)
+                tensors[name.replace("gate_up_proj", f"{e}.gate_proj.weight")] = gate.clone()
+                tensors[name.replace("gate_up_proj", f"{e}.up_proj.weight")] = up.clone()
+        elif name.endswith("mlp.experts.down_proj"):
+            tensors.update({name.replace("down_proj", f"{e}.down_proj.weight"): w.clone() for e, w in enumerate(t)})
+        else:
+            tensors[name] = t.contiguous()
+    return tensors
+
 def _cfg(source: str):
     """megatron, hf, moe: the megatron source with Mixtral-style experts (4, top-2), neox: the
     megatron source with GPT-NeoX's architecture (neox_tanh: with activation gelu_tanh), hf_neox: transformers' GPTNeoX
@@ -306,17 +323,8 @@ def _hf_qwen3_folder(tmp_path, moe: bool):
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.05) if p.dim() > 1 else p.copy_(1 + 0.2 * torch.randn_like(p))
-    tensors = {}
-    for name, t in model.state_dict().items():
-        if name.endswith("mlp.experts.gate_up_proj"):
-            for e, w in enumerate(t):
-                gate, up = w.chunk(2, dim=0)
-                tensors[name.replace("gate_up_proj", f"{e}.gate_proj.weight")] = gate.clone()
-                tensors[name.replace("gate_up_proj", f"{e}.up_proj.weight")] = up.clone()
-        elif name.endswith("mlp.experts.down_proj"):
-            tensors.update({name.replace("down_proj", f"{e}.down_proj.weight"): w.clone() for e, w in enumerate(t)})
-        elif not (name == "lm_head.weight" and config.tie_word_embeddings):
-            tensors[name] = t.contiguous()
+    tensors = per_expert_tensors({name: t for name, t in model.state_dict().items()
+                                  if not (name == "lm_head.weight" and config.tie_word_embeddings)})
     folder = tmp_path / ("qwen3_moe_hf" if moe else "qwen3_hf")
     folder.mkdir()
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TOKENIZER_DIR
+from test_convert import per_expert_tensors
 
 from nxdt.checkpoint.checkpointer import load_weights
 from nxdt.config.errors import ConfigError
@@ -159,17 +160,7 @@ def _published_style_folder(tmp_path, hf):
     """hf's weights as DeepSeek's folders store them: each expert apart, plus an MTP layer (num_hidden_layers)."""
     from safetensors.torch import save_file
 
-    tensors = {}
-    for name, t in hf.state_dict().items():
-        if name.endswith("mlp.experts.gate_up_proj"):
-            for e, w in enumerate(t):
-                gate, up = w.chunk(2, dim=0)
-                tensors[name.replace("gate_up_proj", f"{e}.gate_proj.weight")] = gate.clone()
-                tensors[name.replace("gate_up_proj", f"{e}.up_proj.weight")] = up.clone()
-        elif name.endswith("mlp.experts.down_proj"):
-            tensors.update({name.replace("down_proj", f"{e}.down_proj.weight"): w.clone() for e, w in enumerate(t)})
-        else:
-            tensors[name] = t.contiguous()
+    tensors = per_expert_tensors(hf.state_dict())
     tensors["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)  # the MTP layer's
     folder = tmp_path / "deepseek_hf"
     folder.mkdir()

@@ -99,6 +99,38 @@ def test_csv_has_a_row_per_step_equal_to_tensorboard(run):
     assert [float(row["consumed_samples"]) for row in rows] == [8.0 * (s + 1) for s in range(STEPS)]
 
 
+def test_stdout_in_a_file_gets_one_plain_line_per_logged_step(run):
+    """stdout is not a terminal here (a Slurm .out, `make demo > demo.log`): no bar, but one plain,
+    flushed line per `trainer.log_every_n_steps` step (1 in this run) on rank 0, with step/max, loss,
+    lr, tokens/s, MFU and, from the second step on, the rate and the ETA; never a carriage return."""
+    assert "\r" not in run.out
+    lines = [line for line in run.out.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == [f"{s}/{STEPS}" for s in range(1, STEPS + 1)], run.out[-3000:]
+    tb = run.tb["reduced_train_loss"]
+    for i, line in enumerate(lines):
+        fields = line.split("  ")
+        names = [f.split()[0] for f in fields]
+        assert names[:5] == ["step", "loss", "lr", "tok/s", "MFU"], line
+        assert f"loss {tb[i]:.4f}" in fields, (line, tb[i])
+        assert (fields[-1].startswith("ETA ") and fields[-2].endswith(("s/step", "step/s"))) == (i > 0), line
+
+
+def test_progress_lines_come_every_log_every_n_steps_and_at_the_last_step_on_rank_0_only(capsys):
+    """log_every_n_steps 3 of 7 steps: steps 3, 6 and 7 (the last); nothing on another rank."""
+    from nxdt.observability.progress import ProgressLines
+
+    for rank0, expected in ((True, ["step 3/7", "step 6/7", "step 7/7"]), (False, [])):
+        trainer = SimpleNamespace(log_every_n_steps=3, max_steps=7, is_global_zero=rank0, global_step=0,
+                                  progress_bar_metrics={"reduced_train_loss": 2.5}, callback_metrics={"lr": 1e-3})
+        lines = ProgressLines()
+        for step in range(1, 8):
+            trainer.global_step = step
+            lines.on_train_batch_end(trainer, None, None, None, step - 1)
+        printed = capsys.readouterr().out.splitlines()
+        assert [" ".join(line.split()[:2]) for line in printed] == expected, printed
+        assert all("loss 2.5000  lr 1.00e-03" in line and "ETA " in line for line in printed), printed
+
+
 def _wandb_records(path: Path):
     """The records of a W&B run file: LevelDB's log format (32 KiB blocks of chunks with a 7-byte
     header: crc32, length, type full=1/first=2/middle=3/last=4) after a 7-byte ':W&B' header."""
@@ -269,3 +301,27 @@ def test_cuda_memory_snapshot_spans_the_first_active_window(tmp_path, monkeypatc
                      "dump memory_snapshot_rank0.pickle", "record None", "step 5"]
     assert "memory_snapshot_rank<R>.pickle, in https://pytorch.org/memory_viz" in out.getvalue()
     assert len(list(tmp_path.glob("rank0.*.pt.trace.json"))) == 1
+
+
+def test_the_profilers_kineto_lines_and_cycle_warning_stay_out_of_stderr(tmp_path, capfd):
+    """libkineto's `USDT: ... profiler_start` / `profiler_stop` lines (fd 2) and torch's cycle
+    warning are dropped from the profiler's calls; the trace is written; other stderr is kept."""
+    import sys
+
+    import torch
+
+    from nxdt.observability.profiler import StepProfiler, quiet_profiler
+
+    settings = SimpleNamespace(wait=0, warmup=1, active=1, repeat=2, ranks=[0], record_shapes=False,
+                               profile_memory=False, with_stack=False, cuda_memory_snapshot=False)
+    profiler = StepProfiler(settings, tmp_path, 1, 0)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")), is_global_zero=True)
+    for step in range(5):
+        profiler.on_train_batch_start(trainer, None, None, step)
+        torch.randn(16, 16) @ torch.randn(16, 16)
+    profiler.on_train_end(trainer, None)
+    with quiet_profiler():
+        print("kept line", file=sys.stderr)
+    err = capfd.readouterr().err
+    assert "USDT:" not in err and "clears events" not in err and "kept line" in err, err
+    assert len(list(tmp_path.glob("*.pt.trace.json"))) == 2

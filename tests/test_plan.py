@@ -389,3 +389,34 @@ def test_8b_sft_lora_per_rank(capsys):
     assert mem["params"] == 4 * lora["parameters_per_rank"]
     assert (mem["grads"], mem["optimizer"]) == (4 * adapters_per_rank, 8 * adapters_per_rank)
     assert mem["total"] == 2_147_393_536 < 5_345_337_344  # 2.00 GiB per rank, was 4.98 GiB
+
+
+def test_a_llama31_rope_config_at_its_original_length_builds_without_transformers_warning(tmp_path):
+    """NxDT's Llama 3.1 configs (the 405B's) set max_position_embeddings to rope_scaling's
+    original_max_position_embeddings (8192), which transformers' rope validation warns about on every
+    plan and run: the warning is dropped from nxdt's config build alone; another warning of the
+    same logger still comes through."""
+    import logging
+
+    import torch
+
+    from nxdt.models.hf import build_hf_model, dropped_log_lines
+
+    config = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 8192,
+              "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 8192}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger = logging.getLogger("transformers")  # the rope module's records reach its handlers
+    logger.addHandler(handler)
+    try:
+        with torch.device("meta"):
+            build_hf_model(tmp_path / "config.json")
+        with dropped_log_lines("transformers.modeling_rope_utils", "must be less than"):
+            logging.getLogger("transformers.modeling_rope_utils").warning("another warning")
+    finally:
+        logger.removeHandler(handler)
+    assert seen == ["another warning"], seen

@@ -176,6 +176,16 @@ def test_a_run_started_from_a_checkpoint_counts_its_own_steps_and_loss_plots_sho
     assert report_main([str(started), "--output", str(out)]) == 0
     md = (out / "report.md").read_text()
     assert "| steps trained | 5 (steps 5–9: started from a checkpoint at step 5) |" in md
+    # logged every 10 steps (Lightning's rows 9, 19, 29): 30 steps from scratch (on main: 21), then
+    # 20 more resumed at step 30 (rows 39, 49; on main: 11 and "started ... at step 39")
+    every10 = {"trainer": {**TINY["trainer"], "log_every_n_steps": 10}}
+    for name, steps, said in (("fresh", (9, 19, 29), "| steps trained | 30 |"),
+                              ("resumed", (39, 49), "| steps trained | 20 (steps 39–49: started from a checkpoint at "
+                                                    "step 30) |")):
+        run_dir = _write_run(tmp_path / name, [{s: _scalars(s) for s in steps}])
+        (run_dir / "config.yaml").write_text(to_yaml(config_from_dict({**TINY, **every10})), encoding="utf-8")
+        assert report_main([str(run_dir), "--output", str(tmp_path / f"{name}_out")]) == 0
+        assert said in (tmp_path / f"{name}_out" / "report.md").read_text()
     lines = plot_lines(read_run(runs[1], "a"), "reduced_train_loss")
     assert [(line["label"], line["style"]) for line in lines] == [("reduced_train_loss", "-"), ("val_loss", "--")]
     assert lines[1]["steps"] == [4, 9] and lines[1]["values"] == [2.25, 2.5]

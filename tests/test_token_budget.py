@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import REPO
 
+from nxdt.config.errors import ConfigError
 from nxdt.spec import build_spec, config_from_dict, load_config
 from nxdt.tools.plan import main as plan_main
 from nxdt.observability import callbacks
@@ -54,6 +55,17 @@ def test_max_tokens_notice_names_the_formula_and_the_replaced_max_steps(capsys):
     assert "max_steps 16 = ceil(" in capsys.readouterr().err
 
 
+def test_max_steps_minus_1_goes_with_max_tokens_and_is_refused_without(capsys):
+    """Lightning's `max_steps=-1` (no step limit) beside a token budget: the budget ends the run;
+    alone: one line saying what -1 needs."""
+    cfg = _load("trainer.max_tokens=2000", "trainer.max_steps=-1", quiet=False)
+    assert cfg.trainer.max_steps == 16
+    assert ("notice: trainer.max_tokens=2000: max_steps 16 (max_steps -1: no step limit, the token budget ends "
+            "the run) = ceil(") in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"^trainer.max_steps: must be >= 1, got -1 \(Lightning's 'no step limit'"):
+        _load("trainer.max_steps=-1")
+
+
 # --------------------------------------------------------------------------- the summary and nxdt plan
 
 
@@ -78,6 +90,29 @@ def test_summary_prints_batch_tokens_per_batch_and_max_steps(capsys):
     # without a budget: max_steps as given, no 'from', a total under 1,000 without a short form
     lines = _summary(capsys, _load("trainer.max_steps=7"))
     assert "  steps        max_steps: 7  x 128 tokens/step = 896 tokens" in lines
+
+
+def test_summary_says_how_many_torch_threads_it_uses_why_and_how_to_change_it(capsys, monkeypatch):
+    """CPU: one line with torch's intra-op threads per rank and where the number comes from; on a
+    machine loaded at or above its CPUs, a hint that fewer threads can be faster."""
+    lines = [line for line in _summary(capsys, _load("trainer.max_steps=7")) if line.startswith("  threads")]
+    n = torch.get_num_threads()
+    assert len(lines) == 1 and lines[0].startswith(f"  threads      {n} torch thread"), lines
+    assert lines[0].endswith("; set OMP_NUM_THREADS=N to change it"), lines
+    monkeypatch.setattr(callbacks.torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(callbacks.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(callbacks.os, "getloadavg", lambda: (0.5, 0.5, 0.5))
+    assert callbacks.threads_line({}) == ("  threads      2 torch threads per rank, from torch's default: one per CPU "
+                                          "this process may use (2); set OMP_NUM_THREADS=N to change it")
+    monkeypatch.setattr(callbacks.os, "getloadavg", lambda: (3.4, 3.0, 3.0))
+    assert callbacks.threads_line({"OMP_NUM_THREADS": "2"}).splitlines() == [
+        "  threads      2 torch threads per rank, from OMP_NUM_THREADS=2; set OMP_NUM_THREADS=N to change it",
+        "               the machine is loaded (load average 3.4 on 2 CPUs): fewer threads can be much faster, "
+        "e.g. OMP_NUM_THREADS=1"]
+    monkeypatch.setattr(callbacks.torch, "get_num_threads", lambda: 1)
+    assert callbacks.threads_line({"OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "2"}) == (
+        "  threads      1 torch thread per rank, from OMP_NUM_THREADS=1 (torchrun's 1 per rank unless it is given); "
+        "set OMP_NUM_THREADS=N to change it")
 
 
 def test_plan_prints_the_summarys_lines_and_json_figures(capsys):

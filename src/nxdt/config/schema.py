@@ -39,8 +39,9 @@ from typing import Any, Dict, List, Literal, Optional, Union
 from nxdt.config.errors import ConfigError
 from nxdt.config.ranges import doc  # noqa: F401  (re-exported: the schema's field helper)
 from nxdt.config.ranges import hints, section_class, type_name, type_with_range  # noqa: F401  (re-exported)
-from nxdt.config.schema_finetuning import (  # noqa: F401  (re-exported: sections of NxdtConfig)
-    TRUNCATION_MODES, AlignmentConfig, DataAlignmentConfig, DPOConfig, MLAConfig, ORPOConfig, PeftConfig, SFTConfig)
+from nxdt.config.schema_sections import (  # noqa: F401  (re-exported: sections of NxdtConfig)
+    TRUNCATION_MODES, AlignmentConfig, DataAlignmentConfig, DPOConfig, MLAConfig, MoEConfig, ORPOConfig, PeftConfig,
+    SFTConfig)
 
 
 PRECISION_TYPES = (
@@ -135,7 +136,8 @@ class TrainerConfig:
                               "perplexity on the validation and test splits of the weights of exp_manager."
                               "resume_from_checkpoint, else (resume_if_exists) the newest checkpoint of the run "
                               "(neither: refused); writes <checkpoint>.eval.json (docs/evaluate.md)", ge=0, also=(-1,))
-    max_steps: int = doc(1000, "number of optimizer steps (global batches) to train", ge=1)
+    max_steps: int = doc(1000, "number of optimizer steps (global batches) to train; -1 (no step limit) only "
+                               "beside trainer.max_tokens, whose budget ends the run", ge=1)
     max_tokens: Optional[int] = doc(
         None, "train this many tokens: sets max_steps = ceil(max_tokens / (global_batch_size x seq_length)) "
               "(LLaMA-MoE plans runs in tokens); null = max_steps as given", ge=1)
@@ -382,63 +384,6 @@ class FusionsConfig:
               "logits never exist whole; a plain head computes each chunk's gradients in forward (fused, "
               "no recomputation), a tensor-parallel or LoRA head recomputes the chunk in backward; "
               "null = all at once", ge=1)
-
-
-@dataclass
-class MoEConfig:
-    num_experts: int = doc(0, "experts per MoE layer; 0 = dense model", ge=0)
-    frequency: int = doc(1, "layer i is an MoE layer when i % frequency == 0 (1 = every layer)", ge=1)
-    layers: Optional[List[int]] = doc(
-        None, "the MoE layers by index (0-based), the others keep the dense MLP: Qwen3-MoE's layers "
-              "(i + 1) % decoder_sparse_step == 0 not in mlp_only_layers; null = by frequency")
-    ffn_hidden_size: Optional[int] = doc(
-        None, "each expert's width (Megatron's moe_ffn_hidden_size, transformers' moe_intermediate_size); "
-              "null = model.ffn_hidden_size (Mixtral), which the dense layers keep", ge=1)
-    dropout: float = doc(0.0, "dropout in the MoE layer", ge=0, lt=1)
-    capacity_factor: Optional[float] = doc(None, "expert capacity factor; null = no token dropping (0 with dropless)", ge=0)
-    dropless: bool = doc(False, "dropless (blockwise) expert computation")
-    routing_algorithm: Literal["top_k", "sinkhorn", "neox_sinkhorn"] = doc(
-        "top_k", "router: top_k | sinkhorn (Megatron's, top-1) | neox_sinkhorn (GPT-NeoX's SinkhornRouter: "
-                 "sigmoid scores at top_k 1, softmax above; top-k of the scores outside training)")
-    router_activation: Literal["softmax", "sigmoid"] = doc("softmax", "router score activation")
-    sinkhorn_iterations: int = doc(30, "sinkhorn routing iterations", ge=1)
-    sinkhorn_tol: Optional[float] = doc(None, "sinkhorn tolerance (optional; NxDT writes None)", gt=0)
-    top_k: int = doc(2, "experts per token", ge=1)
-    output_router_logits: bool = doc(False, "return router logits (for the aux loss)")
-    router_aux_loss_coef: float = doc(0.02, "load-balancing aux loss coefficient (Mixtral style)", ge=0)
-    normalize_top_k_affinities: bool = doc(True, "renormalize the top-k router weights to sum to 1")
-    num_selects: Optional[int] = doc(None, "LLaMA-MoE name for top_k (overrides it when set)", ge=1)
-    gate_balance_loss_weight: float = doc(
-        0.0, "LLaMA-MoE gates' balance loss weight w: noisy top-k w*(CV^2(importance)+CV^2(load)), "
-             "switch w*E*sum(mean prob x token share); 0 = statistics only", ge=0)
-    moe_calculator_score_scale_factor: float = doc(1.0, "routed expert outputs x this: LLaMA-MoE's total/selected, "
-                                                 "DeepSeek-V3's routed_scaling_factor (Megatron moe_router_topk_scaling_factor)", gt=0)
-    gate_type: Literal["mixtral", "top_k_balanced_noisy", "switch_balanced", "TopKBalancedNoisyGate",
-                       "SwitchBalancedGate"] = doc(
-        "mixtral", "mixtral (routing_algorithm, router_activation, router_aux_loss_coef) | LLaMA-MoE's "
-                   "top_k_balanced_noisy (noisy top-k, softmax over the k) | switch_balanced (top-1); "
-                   "LLaMA-MoE's class names are accepted")
-    gate_add_noise: bool = doc(True, "LLaMA-MoE gates, training only: learned Gaussian noise (noisy top-k), "
-                                     "Gumbel noise (switch)")
-    gate_noise_epsilon: float = doc(1e-2, "noisy top-k: noise std = softplus(x W_noise) + this", ge=0)
-    num_shared_experts: int = doc(0, "experts every token goes through, one MLP of this x moe.ffn_hidden_size "
-                                     "(transformers' n_shared_experts; Megatron: moe_shared_expert_intermediate_size)", ge=0)
-    num_groups: Optional[int] = doc(None, "group-limited routing: the experts in this many groups, a token picks "
-                                          "within group_top_k of them (n_group; Megatron moe_router_num_groups)", ge=1)
-    group_top_k: Optional[int] = doc(None, "groups a token may pick from (topk_group; Megatron moe_router_group_topk)", ge=1)
-    load_balancing: Optional[Literal["aux_loss", "loss_free", "none"]] = doc(
-        None, "aux_loss (the gate's balance loss, as output_router_logits / gate_balance_loss_weight say) | loss_free "
-              "(DeepSeek-V3: a per-expert selection bias, mlp.gate.e_score_correction_bias, moved after each step "
-              "towards balance; Megatron moe_router_enable_expert_bias) | none; null = aux_loss")
-    bias_update_rate: float = doc(1e-3, "loss_free: each step a bias moves by this x sign(mean load - load) "
-                                        "(Megatron moe_router_bias_update_rate)", gt=0)
-    gate_network: Literal["linear", "mlp"] = doc(
-        "linear", "the router's network: linear (one [E, hidden] weight) | mlp (LLaMA-MoE's gate_network mlp, its "
-                  "default: Linear(hidden, E) -> Tanh -> Linear(E, E), mlp.gate.weight and mlp.gate.weight_out)")
-    expert_activation: Optional[Literal["swiglu", "gelu", "gelu_tanh", "silu"]] = doc(
-        None, "the experts: swiglu (gate, up, down: Mixtral's) | gelu | gelu_tanh | silu (two matrices, up and "
-              "down, with that activation: GPT-NeoX's dropless experts); null = model.activation. Experts have "
-              "no biases")
 
 
 @dataclass

@@ -170,7 +170,8 @@ def _walk(node: DictConfig, cls: type, path: str, free_extra: bool = False, numb
             if value is None and _optional(hint):
                 continue
             if not isinstance(value, DictConfig):
-                raise ConfigError(f"{dotted}: expected a mapping of {sub.__name__} keys, got {value!r} ({_type_of(value)})")
+                raise ConfigError(f"{dotted}: expected a mapping of {sub.__name__} keys, got {value!r} ({_type_of(value)})"
+                                  + section_value_hint(dotted, value, sub))
             _walk(value, sub, dotted, numbers=numbers)
             continue
         new = _check_value(value, hint, dotted)
@@ -330,7 +331,7 @@ def check_schema(cfg: DictConfig) -> list[str]:
     # with a custom data module, extra keys under data are free (known keys are still checked)
     numbers: list = []
     _walk_top(cfg, free_data, numbers)
-    _check_ranges(numbers, interpolated)
+    _check_ranges(no_step_limit(cfg, numbers), interpolated)
     if isinstance(data, DictConfig):
         _eos_alias(data)
     notices: list[str] = []
@@ -367,6 +368,20 @@ def check_schema(cfg: DictConfig) -> list[str]:
     return notices
 
 
+def no_step_limit(cfg: DictConfig, numbers: list) -> list:
+    """trainer.max_steps=-1 (Lightning's "no step limit") beside trainer.max_tokens: the token budget
+    ends the run (steps_from_tokens sets max_steps), so -1 is not checked as a step count; without
+    a budget it is refused, saying what -1 needs. `numbers`: less max_steps where it is -1."""
+    trainer = cfg.get("trainer")
+    if not isinstance(trainer, DictConfig) or trainer.get("max_steps") != -1:
+        return numbers
+    if trainer.get("max_tokens") is None:
+        raise ConfigError("trainer.max_steps: must be >= 1, got -1 (Lightning's 'no step limit': nxdt runs need "
+                          "an end it can plan the lr schedule and the ETA from; give trainer.max_steps=N, or "
+                          "trainer.max_tokens=T with max_steps -1 or left out)")
+    return [n for n in numbers if n[0] != "trainer.max_steps"]
+
+
 def steps_from_tokens(trainer, data, notices: list[str]) -> None:
     """trainer.max_tokens -> trainer.max_steps = ceil(max_tokens / tokens per global batch), with a notice
     (LLaMA-MoE plans in tokens: 10^11 / (block_size x global batch)). The token budget wins over a
@@ -377,7 +392,8 @@ def steps_from_tokens(trainer, data, notices: list[str]) -> None:
         return  # validation runs the schema stage again on the composed config: said once
     per_step = int(data.global_batch_size) * int(data.seq_length)
     steps = -(-int(trainer.max_tokens) // per_step)
-    replaced = f" (instead of {trainer.max_steps})" if trainer.max_steps != steps else ""
+    replaced = (" (max_steps -1: no step limit, the token budget ends the run)" if trainer.max_steps == -1 else
+                f" (instead of {trainer.max_steps})" if trainer.max_steps != steps else "")
     trainer.max_steps = steps
     notices.append(f"trainer.max_tokens={trainer.max_tokens}: max_steps {steps}{replaced} = ceil(max_tokens / "
                    f"(global batch {data.global_batch_size} x seq_length {data.seq_length} = {per_step} tokens/step))")
@@ -403,8 +419,32 @@ def _walk_top(cfg: DictConfig, free_data: bool, numbers: list) -> None:
         if value is None and _optional(hints[key]):
             continue
         if not isinstance(value, DictConfig):
-            raise ConfigError(f"{key}: expected a mapping, got {value!r} ({_type_of(value)})")
+            raise ConfigError(f"{key}: expected a mapping, got {value!r} ({_type_of(value)})"
+                              + section_value_hint(key, value, sub))
         _walk(value, sub, key, free_extra=(key == "data" and free_data), numbers=numbers)
+
+
+def section_value_hint(dotted: str, value: Any, sub: type) -> str:
+    """A value given to a section (`precision=bf16`): the section's key meant, by its choices: its
+    `type` or `name` key (`did you mean precision.type=bf16SR?` and the choices), else a key whose
+    choices hold the value; "" when none fits."""
+    hints = schema.hints(sub)
+    literal = {}
+    for f in dataclasses.fields(sub):
+        hint = hints.get(f.name)
+        if hint is not None and _optional(hint):
+            hint = next(a for a in get_args(hint) if a is not type(None))
+        if not schema.is_internal(f) and get_origin(hint) is Literal:  # Literal[TUPLE] too
+            literal[f.name] = [str(c) for a in get_args(hint) for c in (a if isinstance(a, tuple) else (a,))]
+    for name in ("type", "name"):
+        if name in literal:
+            close = difflib.get_close_matches(str(value), literal[name], n=1, cutoff=0.5)
+            meant = f"did you mean {dotted}.{name}={close[0]}? " if close else ""
+            return f"; {dotted} is a section: {meant}{dotted}.{name} is one of {', '.join(literal[name])}"
+    for name, choices in literal.items():
+        if str(value) in choices:
+            return f"; {dotted} is a section: did you mean {dotted}.{name}={value}?"
+    return ""
 
 
 def _optional(hint: Any) -> bool:

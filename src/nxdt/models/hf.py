@@ -30,6 +30,8 @@ keep their own forward and get nxdt's load-balancing loss and routing statistics
 from __future__ import annotations
 
 import json
+import logging
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -107,6 +109,28 @@ def load_config_dict(path: str | Path, overrides: dict[str, Any] | None = None) 
     return d
 
 
+# transformers' rope validation warns when a Llama 3.1 rope_scaling's original_max_position_embeddings
+# (8192) is not below max_position_embeddings, which NxDT's Llama 3.1 configs set to their 8192-token
+# sequence: the scaled frequencies are the model's own either way
+ROPE_NOTE = "original_max_position_embeddings field must be less than max_position_embeddings"
+
+
+@contextmanager
+def dropped_log_lines(logger_name: str, fragment: str):
+    """Records of the logger `logger_name` holding `fragment` are dropped while the block runs
+    (a filter on that logger alone: its other records, and every other logger, are untouched)."""
+    logger = logging.getLogger(logger_name)
+
+    def keep(record: logging.LogRecord) -> bool:
+        return fragment not in record.getMessage()
+
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
+
+
 def build_hf_model(model_config: str | Path, overrides: dict[str, Any] | None = None,
                    moe: MoEArgs | None = None) -> nn.Module:
     """A randomly initialised transformers model (fp32, SDPA attention, no KV cache).
@@ -121,7 +145,8 @@ def build_hf_model(model_config: str | Path, overrides: dict[str, Any] | None = 
 
     d = load_config_dict(model_config, overrides)
     model_type = d.pop("model_type", "llama")
-    config = AutoConfig.for_model(model_type, **d)
+    with dropped_log_lines("transformers.modeling_rope_utils", ROPE_NOTE):
+        config = AutoConfig.for_model(model_type, **d)
     config.use_cache = False
     prev = torch.get_default_dtype()
     torch.set_default_dtype(torch.float32)

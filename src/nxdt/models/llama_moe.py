@@ -180,6 +180,3 @@ def switch_gate(logits: torch.Tensor, gumbel: torch.Tensor | None = None
     num_tokens, num_experts = logits.shape
     load = torch.bincount(experts.reshape(-1), minlength=num_experts).float() / num_tokens
     return probs.gather(-1, experts), experts, num_experts * torch.sum(probs.mean(0) * load)
-
-
-_aux_loss_scale = 1.0

@@ -345,13 +345,7 @@ def merged_state_dict(state: Mapping[str, torch.Tensor],
     out = {k: v for k, v in state.items() if not is_lora_key(k)}
     _merge_experts(out, expert_pairs(state), scaling)
     for module, (a, b) in pairs.items():
-        if isinstance(scaling, Mapping):
-            s = float(scaling[module])
-        else:
-            rank, alpha = scaling
-            if a.shape[0] != rank:
-                raise ValueError(f"{module}.lora_A.weight has rank {a.shape[0]}, expected {KEY}.lora_rank={rank}")
-            s = float(alpha) / int(rank)
+        s = _scaling_of(scaling, module, a.shape[0], f"{module}.lora_A.weight has")
         key = f"{module}.weight"
         if key not in out:
             raise ValueError(f"{module}: adapters without the base weight {key} (an adapter-only state dict)")
@@ -367,14 +361,7 @@ def _merge_experts(out: dict[str, torch.Tensor], pairs: dict[str, tuple[torch.Te
                    scaling: Mapping[str, float] | tuple[int, float]) -> None:
     """merged_state_dict's fold of the expert adapters ({weight key: (A [E, r, in], B [E, out, r])})."""
     for key, (a, b) in pairs.items():
-        module = key.rpartition(".")[0]
-        if isinstance(scaling, Mapping):
-            s = float(scaling[module])
-        else:
-            rank, alpha = scaling
-            if a.shape[1] != rank:
-                raise ValueError(f"{key}'s expert adapters have rank {a.shape[1]}, expected {KEY}.lora_rank={rank}")
-            s = float(alpha) / int(rank)
+        s = _scaling_of(scaling, key.rpartition(".")[0], a.shape[1], f"{key}'s expert adapters have")
         if key not in out:
             raise ValueError(f"{key}: expert adapters without the base weight (an adapter-only state dict)")
         w = out[key]
@@ -382,6 +369,17 @@ def _merge_experts(out: dict[str, torch.Tensor], pairs: dict[str, tuple[torch.Te
             raise ValueError(f"{key}: expert adapters A {list(a.shape)}, B {list(b.shape)} do not fit the base "
                              f"weight {list(w.shape)}")
         out[key] = (w.float() + expert_delta(a, b, s)).to(w.dtype)
+
+
+def _scaling_of(scaling: Mapping[str, float] | tuple[int, float], module: str, rank_found: int, what: str) -> float:
+    """alpha / rank of one adapted module: from {module path: scaling}, or (rank, alpha) for every module
+    (ValueError when the adapter's own rank differs: `what` names it)."""
+    if isinstance(scaling, Mapping):
+        return float(scaling[module])
+    rank, alpha = scaling
+    if rank_found != rank:
+        raise ValueError(f"{what} rank {rank_found}, expected {KEY}.lora_rank={rank}")
+    return float(alpha) / int(rank)
 
 
 def lora_pairs(state: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

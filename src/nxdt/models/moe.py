@@ -201,6 +201,9 @@ def load_balancing_loss(router_logits: tuple[torch.Tensor, ...] | list[torch.Ten
     return num_experts * torch.sum((counts / rows) * (prob_sum / rows))
 
 
+_aux_loss_scale = 1.0
+
+
 def set_aux_loss_scale(scale: float) -> None:
     """How much one forward's auxiliary losses weigh in the backward: the training step sets it
     to loss_scale / micro-batches, as it scales the main loss of each micro-batch."""

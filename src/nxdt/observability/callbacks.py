@@ -5,6 +5,7 @@ observability/progress.py). The figures they print are `nxdt plan`'s
 
 from __future__ import annotations
 
+import os
 import time
 from functools import partial
 from typing import Any
@@ -235,9 +236,11 @@ def memory_report(p: dict[str, Any], peaks: list[int], cfg, how: str | None) -> 
     return f"{line}  [{how}]"
 
 
-def format_summary(cfg, layout, p: dict[str, Any], log_dir: str | None, peak: Peak | None = None) -> str:
+def format_summary(cfg, layout, p: dict[str, Any], log_dir: str | None, peak: Peak | None = None,
+                   threads: str | None = None) -> str:
     """The start summary: `p` is the plan of this config (nxdt.planner.estimate.plan), so the
-    parameters, memory and FLOPs lines are the figures `nxdt plan` prints."""
+    parameters, memory and FLOPs lines are the figures `nxdt plan` prints; `threads`: the CPU
+    threads line (threads_line), before the peak measured with them."""
     counts = ParameterCount(total=p["parameters"], activated=p["parameters_activated"], **p["parameter_breakdown"])
     n = p["parameters"]
     lines = [
@@ -253,11 +256,33 @@ def format_summary(cfg, layout, p: dict[str, Any], log_dir: str | None, peak: Pe
         *stage_lines(p),
         memory_line(p["memory_per_rank_bytes"], "  (estimate, fullest rank)"),
         flops_line(p),
+        *([threads] if threads else []),
     ]
     lines += peak_lines(p, peak, layout.world_size)
     if log_dir:
         lines.append(f"  log dir      {log_dir}")
     return "\n".join(lines)
+
+
+def threads_line(env=os.environ) -> str:
+    """The start summary's CPU line: how many intra-op threads torch uses per rank and why, and how
+    to change it (OMP_NUM_THREADS, read when torch starts; nxdt has no config key for it). On a
+    machine whose load is at or above its CPUs, a hint: fewer threads can be much faster there
+    (2 threads on a loaded 2-core machine ran 12.5 s/step, 1 thread 0.93 s)."""
+    threads = torch.get_num_threads()
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    omp = env.get("OMP_NUM_THREADS")
+    if omp:
+        launched = int(env.get("LOCAL_WORLD_SIZE", "1") or 1) > 1
+        why = f"OMP_NUM_THREADS={omp}" + (" (torchrun's 1 per rank unless it is given)" if launched else "")
+    else:
+        why = f"torch's default: one per CPU this process may use ({cpus})"
+    line = f"  threads      {threads} torch thread{'s' * (threads != 1)} per rank, from {why}; set OMP_NUM_THREADS=N to change it"
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if threads > 1 and load >= cpus:
+        line += (f"\n               the machine is loaded (load average {load:.1f} on {cpus} CPUs): fewer threads "
+                 "can be much faster, e.g. OMP_NUM_THREADS=1")
+    return line
 
 
 class RunSummary(Callback):
@@ -272,7 +297,8 @@ class RunSummary(Callback):
     @rank_zero_only
     def on_fit_start(self, trainer: pl.Trainer, pl_module) -> None:
         p = run_figures(self.figures, pl_module)
-        text = format_summary(self.cfg, self.layout, p, self.log_dir, self.figures.peak(pl_module.device))
+        threads = threads_line() if pl_module.device.type == "cpu" else None  # CPU: torch's intra-op threads
+        text = format_summary(self.cfg, self.layout, p, self.log_dir, self.figures.peak(pl_module.device), threads)
         lora = getattr(pl_module, "lora_summary", None)  # LoRA: trainable vs total (lora_verbose: per target)
         print(text + (f"\n  lora         {lora}" if lora else ""), flush=True)
         notice = self.figures.precision_notice(pl_module.device)  # e.g. bf16 on a CPU without fast bf16

@@ -12,10 +12,20 @@ trace as `ProfilerStep#N`, not in the step after it.
 `cuda_memory_snapshot` (CUDA only; a notice elsewhere): the caching allocator's history over the
 first active window, written to `<log_dir>/profiler/memory_snapshot_rank<R>.pickle` for
 pytorch.org/memory_viz.
+
+The profiler's own chatter stays out of the run's output: Kineto's `USDT: ... profiler_start` /
+`profiler_stop` lines (written by libkineto to fd 2 at each start and stop of a recording,
+whatever KINETO_LOG_LEVEL says) and torch's "Profiler clears events at the end of each cycle"
+warning are dropped from the profiler's calls (`quiet_profiler`), nothing else.
 """
 
 from __future__ import annotations
 
+import os
+import sys
+import tempfile
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -41,6 +51,27 @@ def check_profiler(settings, world_size: int) -> None:
         raise ConfigError(f"exp_manager.profiler.ranks: {list(settings.ranks)} "
                           + (f"has {outside} outside the world of {world_size} ranks (0..{world_size - 1})"
                              if outside else "is empty: name at least one global rank"))
+
+
+@contextmanager
+def quiet_profiler():
+    """Around one call into torch.profiler: fd 2 goes to a temporary file, whose lines other than
+    Kineto's `USDT:` ones are written back after the call; the profiler's cycle warning is ignored."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*Profiler clears events at the end of each cycle")
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            kept = b"".join(line for line in tmp.read().splitlines(keepends=True) if not line.startswith(b"USDT:"))
+            if kept:
+                os.write(2, kept)
 
 
 class StepProfiler(Callback):
@@ -75,7 +106,8 @@ class StepProfiler(Callback):
         if self._prof is None:
             self._start(trainer)
         else:
-            self._prof.step()  # ends the previous optimizer step, with everything after it
+            with quiet_profiler():
+                self._prof.step()  # ends the previous optimizer step, with everything after it
             self._steps += 1
             if self.settings.repeat and self._steps >= self._window * self.settings.repeat:
                 self._stop()  # every window is written: nothing more to record
@@ -103,7 +135,8 @@ class StepProfiler(Callback):
         self._prof = profile(
             activities=activities, schedule=self._schedule, on_trace_ready=self._trace_ready,
             record_shapes=s.record_shapes, profile_memory=s.profile_memory, with_stack=s.with_stack)
-        self._prof.start()
+        with quiet_profiler():
+            self._prof.start()
 
     def _trace_ready(self, prof: profile) -> None:
         tensorboard_trace_handler(str(self.out_dir), worker_name=f"rank{self.rank}")(prof)
@@ -121,7 +154,8 @@ class StepProfiler(Callback):
         if self._prof is not None:
             prof, self._prof = self._prof, None
             self._steps += 1  # the step in progress ends here
-            prof.stop()  # a window being recorded is written (on_trace_ready)
+            with quiet_profiler():
+                prof.stop()  # a window being recorded is written (on_trace_ready)
         if self._snapshot == "recording":  # the window had not reached the trace: stop recording anyway
             record_memory_history(False)
             self._snapshot = "off"

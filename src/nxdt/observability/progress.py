@@ -7,11 +7,22 @@ position the run's step (`trainer.global_step`), so a run resumed at step 59 of 
 then 60/100. Lightning's own bar counted this launch's batches against the loader's length and
 the restored batch index (`62/59 ... ETA -1:59:56`). The rate is measured over this launch's
 steps only (the steps done before it took no time here), so the ETA is the steps left at the
-rate of this launch. A run bounded by epochs only (max_steps -1) keeps Lightning's count."""
+rate of this launch. A run bounded by epochs only (max_steps -1) keeps Lightning's count.
+
+Where stdout is not a terminal (a Slurm `.out`, `nohup`, CI, `make demo > demo.log`), or with
+`trainer.enable_progress_bar=false`, there is no bar (Rich's bar in a file printed once, at the
+end, wrapped): `ProgressLines` prints one plain line instead every `trainer.log_every_n_steps`
+steps, the steps whose scalars the loggers write, and at the run's last step:
+
+    step 20/300  loss 6.1234  lr 3.00e-04  tok/s 1,234  MFU 12.3%  1.22 s/step  ETA 0:05:42
+"""
 
 from __future__ import annotations
 
-from lightning.pytorch.callbacks import RichProgressBar
+import sys
+import time
+
+from lightning.pytorch.callbacks import Callback, RichProgressBar
 from rich.progress import ProgressColumn, TimeElapsedColumn
 from rich.text import Text
 
@@ -109,3 +120,44 @@ class StepProgressBar(RichProgressBar):
             else:
                 pretty[key] = value
         return pretty
+
+
+def shows_bar(cfg) -> bool:
+    """The Rich bar only where a person watches a terminal; `ProgressLines` elsewhere."""
+    return bool(cfg.trainer.enable_progress_bar) and sys.stdout.isatty()
+
+
+class ProgressLines(Callback):
+    """One plain line on rank 0 every `trainer.log_every_n_steps` optimizer steps (and at the last):
+    step/max_steps, loss, lr, tokens/s, MFU, step time and ETA, flushed at once (`tail -f` sees it).
+    The rate and ETA are this launch's, from its steps after its first (as the bar's)."""
+
+    def __init__(self) -> None:
+        self._first: tuple[int, float] | None = None  # (steps done, clock) when this launch's first step ended
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step, now = bar_position(trainer, batch_idx), time.perf_counter()
+        if self._first is None:
+            self._first = (step, now)
+        every = trainer.log_every_n_steps
+        last = trainer.max_steps is not None and 0 < trainer.max_steps <= step
+        if not trainer.is_global_zero or not (last or (every > 0 and step % every == 0)):
+            return
+        print(self.line(trainer, step, now), flush=True)
+
+    def line(self, trainer, step: int, now: float) -> str:
+        total = bar_total(trainer)
+        metrics = trainer.progress_bar_metrics
+        parts = [f"step {step}/{total}" if total and total != float("inf") else f"step {step}"]
+        for key, label, fmt in (("reduced_train_loss", "loss", "{:.4f}"), ("lr", "lr", "{:.2e}"),
+                                ("throughput", "tok/s", "{:,.0f}"), ("mfu", "MFU", "{:.1f}%")):
+            value = metrics.get(key, trainer.callback_metrics.get(key))
+            if value is not None:
+                parts.append(f"{label} {fmt.format(float(value))}")
+        steps, seconds = step - self._first[0], now - self._first[1]
+        if steps > 0 and seconds > 0:
+            rate = steps / seconds
+            parts.append(f"{rate:.2f} step/s" if rate >= 1 else f"{1 / rate:.2f} s/step")
+            if total and total != float("inf"):
+                parts.append(f"ETA {format_duration(max(total - step, 0) / rate)}")
+        return "  ".join(parts)

@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 from nxdt.config.errors import ConfigError
 from nxdt.config.schema import DPOConfig, ORPOConfig, PeftConfig, SFTConfig
-from nxdt.config.schema_finetuning import GRPOConfig
+from nxdt.config.schema_sections import GRPOConfig
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,26 @@ restarts and signal handling) starts the workers as `python -m nxdt.cli train â€
 stops on bad input (exit 2) or a numerical instability (exit 3) has printed its one line (rank 0):
 the launcher ends with the same exit code and no report of its own; any other failure is one line
 naming the rank and its exit code (the worker's traceback is above it).
+
+Stop signals. SIGTERM and SIGINT (Ctrl-C in the terminal, `kill -TERM -- -PGID`, `timeout`, a
+scheduler) are this launcher's, not torchrun's: torchrun's handler raised its `SignalException`,
+shut the ranks down with the signal, killed them 30 s later (a large model's save may take longer)
+and exited 1 with a traceback after they had saved and exited 0. Here the signal is passed on to
+each rank's process group (the rank and its loader workers, as torchrun does), one line says so,
+torchrun's agent keeps watching the ranks, and the launch ends with their exit code: 0 once they
+have saved (nxdt.training.fault_tolerance). A second Ctrl-C is passed on too: the ranks stop at
+once, rank 0 says that nothing was saved, exit 130. The signals torchrun still handles itself
+(SIGHUP, SIGQUIT) end in one line, not its traceback.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
+import threading
+from pathlib import Path
 
 # the options that make `nxdt train` a launcher when they come first (the cheap test: torchrun's
 # parser, which imports torch, is read only then)
@@ -27,8 +40,10 @@ LAUNCH_OPTIONS = ("--nproc-per-node", "--nproc_per_node", "--nnodes", "--standal
                   "--max_restarts")
 # torchrun options nxdt sets itself: the workers run `python -m nxdt.cli train`
 OWN = ("-m", "--module", "--no-python", "--no_python", "--run-path", "--run_path")
-# worker exit codes whose one line rank 0 has printed already
-ONE_LINE_CODES = (2, 3)
+# worker exit codes whose one line rank 0 has printed already (bad input, an instability, a second Ctrl-C)
+ONE_LINE_CODES = (2, 3, 130)
+# the stop signals this launcher passes on to the ranks instead of torchrun's handler
+FORWARDED = (signal.SIGTERM, signal.SIGINT)
 
 
 def is_launch(argv: list[str]) -> bool:
@@ -65,6 +80,7 @@ def launch(argv: list[str], validate) -> int:
     """Validate the training command line with `validate(train_argv, world_size)` (ConfigError: one
     line, exit 2, nothing started), then torchrun's launch of `nxdt train train_argv` on every rank."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # reason: torch only when launching
+    from torch.distributed.elastic.multiprocessing.api import SignalException  # reason: torch only when launching
     from torch.distributed.run import parse_args, run
 
     options, train_argv = split_argv(argv)
@@ -73,7 +89,12 @@ def launch(argv: list[str], validate) -> int:
     # torchrun's per-worker failure lines: replaced by the one line below (or by rank 0's own)
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     try:
-        run(args)
+        with forwarded_stop_signals(args):
+            run(args)
+    except SignalException as err:  # SIGHUP, SIGQUIT: torchrun's own handling, its ranks stopped with the signal
+        print(f"nxdt train: stopped by {err.sigval.name}; the ranks were stopped with it (their lines are above)",
+              file=sys.stderr, flush=True)
+        return 128 + int(err.sigval)
     except ChildFailedError as err:
         rank, first = err.get_first_failure()
         if first.exitcode in ONE_LINE_CODES:
@@ -83,3 +104,60 @@ def launch(argv: list[str], validate) -> int:
         print(f"error: rank {rank} {how} (pid {first.pid}); its output is above", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def rank_processes() -> list[int]:
+    """This launcher's live worker processes (`python -m nxdt.cli train â€¦`, each the leader of a
+    process group of its own: torchrun starts them with start_new_session), from /proc."""
+    pids = []
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue
+        for pid in children:
+            try:
+                if b"nxdt.cli" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    pids.append(int(pid))
+            except OSError:
+                continue  # ended meanwhile
+    return pids
+
+
+class forwarded_stop_signals:
+    """While torchrun's launch runs: SIGTERM and SIGINT are passed on to each rank's process group,
+    with one line (torchrun, told by its --signals-to-handle, leaves them to this handler)."""
+
+    def __init__(self, args) -> None:
+        """`args`: torchrun's parsed arguments; their --signals-to-handle loses SIGTERM and SIGINT."""
+        self.received: list[signal.Signals] = []  # the signals passed on so far
+        names = {sig.name for sig in FORWARDED}
+        args.signals_to_handle = ",".join(n for n in (n.strip() for n in args.signals_to_handle.split(","))
+                                          if n and n not in names)
+
+    def __enter__(self):
+        # signal handlers belong to the main thread (elsewhere torchrun registers none either)
+        main = threading.current_thread() is threading.main_thread()
+        self.before = {sig: signal.signal(sig, self.on_signal) for sig in FORWARDED} if main else {}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.before.items():
+            signal.signal(sig, handler)
+
+    def on_signal(self, signum, _frame) -> None:
+        sig, ranks = signal.Signals(signum), rank_processes()
+        self.received = [*self.received, sig]
+        for pid in ranks:
+            try:
+                os.killpg(pid, sig)
+            except OSError:  # ended meanwhile
+                pass
+        how = "Ctrl-C" if sig == signal.SIGINT else sig.name
+        # the ranks' rule (nxdt.training.fault_tolerance): any stop signal after a Ctrl-C stops at once
+        then = ("they save at the end of the current step and exit" if len(self.received) == 1 else
+                "they stop at once, without saving" if signal.SIGINT in self.received[:-1] else
+                "their save goes on")
+        # os.write: the handler may interrupt a print of the main thread
+        os.write(2, f"nxdt train: {'again: ' * (len(self.received) > 1)}{how} passed on to the {len(ranks)} "
+                    f"rank(s): {then}\n".encode())

@@ -192,13 +192,32 @@ def run_labels(paths: list[Path]) -> list[str]:
 def steps_trained(run: Run) -> int | None:
     """Optimizer steps done in this log: the last `global_step` value (steps finished when it was
     logged), else the last logged training step + 1 (Lightning's step = steps finished before that
-    one); less the first logged step when the run started from another run's checkpoint (its log
-    begins there: 300 steps from step 300 are 300, not 600)."""
+    one); less the steps done before this log began (`steps_before`: 300 steps from step 300 are
+    300, not 600)."""
     train = run.series.get("reduced_train_loss")
-    start = min(train) if train else 0
+    start = steps_before(run)
     if run.series.get("global_step"):
         return int(list(run.series["global_step"].values())[-1]) - start
     return max(train) + 1 - start if train else None
+
+
+def log_interval(run: Run) -> int:
+    """trainer.log_every_n_steps of the run: its config's, else the smallest gap between the logged
+    training steps, else 1."""
+    if run.cfg is not None:
+        return max(int(run.cfg.trainer.log_every_n_steps), 1)
+    steps = sorted(run.series.get("reduced_train_loss") or {})
+    return min((b - a for a, b in zip(steps, steps[1:])), default=1)
+
+
+def steps_before(run: Run) -> int:
+    """Optimizer steps done before this log began (0 for a run from scratch): Lightning logs a
+    step's scalars when its step number + 1 is a multiple of log_every_n_steps, so the first logged
+    step F of a log that began after S steps (S a multiple of the interval, as saves and resumes
+    are in practice) is S + interval - 1: with 10, a fresh run's first row is step 9 (S = 0, not
+    9), a run resumed at 300 starts at 309 (S = 300)."""
+    train = run.series.get("reduced_train_loss")
+    return max(min(train) + 1 - log_interval(run), 0) if train else 0
 
 
 def _steps_fact(run: Run) -> str:
@@ -206,8 +225,8 @@ def _steps_fact(run: Run) -> str:
     if n is None:
         return ""
     train = run.series.get("reduced_train_loss") or {0: 0.0}
-    first, last = min(train), max(train)
-    return f"{n:,}" + (f" (steps {first:,}–{last:,}: started from a checkpoint at step {first:,})" if first else "")
+    first, last, start = min(train), max(train), steps_before(run)
+    return f"{n:,}" + (f" (steps {first:,}–{last:,}: started from a checkpoint at step {start:,})" if start else "")
 
 
 def _layout_fact(cfg) -> str:

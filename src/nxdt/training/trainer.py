@@ -28,7 +28,7 @@ from nxdt.exp.run_lock import RunLock, check_run_lock
 from nxdt.hardware import local_device_type
 from nxdt.observability.callbacks import CompileTimer, MemoryMonitor, RunFigures, RunSummary, ThroughputMonitor
 from nxdt.observability.profiler import check_profiler
-from nxdt.observability.progress import StepProgressBar
+from nxdt.observability.progress import ProgressLines, StepProgressBar, shows_bar
 from nxdt.observability.samples import SampleGenerator
 from nxdt.observability.user_callbacks import extra_callbacks
 from nxdt.optim.optimizers import resolve_optimizer
@@ -90,7 +90,7 @@ def build_trainer(cfg, layout, loggers, callbacks):
         callbacks=callbacks,
         # checkpoints are nxdt.checkpoint's NxdtCheckpoint callback, never Lightning's ModelCheckpoint
         enable_checkpointing=False,
-        enable_progress_bar=t.enable_progress_bar,
+        enable_progress_bar=shows_bar(cfg),  # no bar in a file: ProgressLines (nxdt.observability.progress)
         enable_model_summary=False,
     )
 
@@ -143,7 +143,7 @@ def train(cfg, record_job: Callable[[Path], None] | None = None) -> TrainOutcome
             ThroughputMonitor(spec.layout.tokens_per_step, figures),
             RunSummary(spec, str(dirs.log_dir), figures),
             *([DynamicDataSelection()] if cfg.data.dynamic_data_selection != "none" else []),  # moves the blend
-            *([StepProgressBar()] if cfg.trainer.enable_progress_bar else []),
+            StepProgressBar() if shows_bar(cfg) else ProgressLines(),  # a bar on a terminal, lines in a file
             *([CompileTimer()] if spec.compile and not use_xla(cfg) else []),  # once, after the first step
             *user_callbacks,  # the user's trainer.callbacks after nxdt's own
             # checkpointing after every callback that logs (Lightning's order for its own checkpoint
