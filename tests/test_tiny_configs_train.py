@@ -4,7 +4,7 @@
 Per config, three runs in one 2-rank launch (conftest.run_pool, in this order): six steps uninterrupted;
 three steps that save at their end; the same command line with six steps in that folder, which resumes
 from the step-3 checkpoint (exp_manager.resume_if_exists). Only the schedule is shortened (warmup 2 of 6
-steps) and validation is off; the model, batches, optimizer and parallel layout are the shipped ones
+steps), validation is off and the data loads in the rank (conftest.TINY_OVERRIDES says why); the model, batches, optimizer and parallel layout are the shipped ones
 (DeepSeek-V3's loss-free balancing included: its selection bias is state the checkpoint must carry).
 """
 
@@ -21,6 +21,7 @@ pytestmark = pytest.mark.slow
 def _args(config: str, prefix: str, log_dir, steps: int) -> list[str]:
     return ["--config-name", config, f"trainer.max_steps={steps}", "trainer.limit_val_batches=0",
             "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false",
+            "data.num_workers=0",  # a worker forked from a rank with gloo's threads can hang: conftest.TINY_OVERRIDES
             f"model.optim.sched.max_steps={STEPS}", "model.optim.sched.warmup_steps=2",
             f"data.data_prefix=[1.0,{prefix}]", f"exp_manager.explicit_log_dir={log_dir}",
             "exp_manager.create_checkpoint_callback=true",
