@@ -103,10 +103,10 @@ class Run:
 
 
 def _assert_continues(reference: Run, run: Run, from_step: int, label: str) -> None:
-    assert sorted(run.losses) == list(range(from_step, STEPS)), (label, run.losses)
+    assert sorted(run.losses) == list(range(from_step + 1, STEPS + 1)), (label, run.losses)
     gap = max(abs(run.losses[s] - reference.losses[s]) for s in run.losses)
     assert gap < TOL, f"{label}: max loss gap {gap:.2e}\n{reference.losses}\n{run.losses}"
-    print(f"{label}: steps {from_step}..{STEPS - 1}, max loss gap {gap:.2e}")
+    print(f"{label}: steps {from_step + 1}..{STEPS}, max loss gap {gap:.2e}")
 
 
 # ----------------------------------------------------------------------------- the runs (chained)
@@ -241,10 +241,10 @@ def test_tp2_to_tp1(reference, runs):
 
 def test_top_k_by_monitored_metric(runs):
     """monitor reduced_train_loss, mode max, save_top_k 1, save_last: the run saved steps 4, 5, 6;
-    checkpoint s is scored with the loss of training step s (TensorBoard step s - 1) and named
+    checkpoint s is scored with the loss of training step s (TensorBoard step s too) and named
     with it; the highest-scoring one survives, and the newest (6) whatever its score."""
     tp1 = runs["tp1"]
-    loss = {s: tp1.losses[s - 1] for s in (4, 5, 6)}
+    loss = {s: tp1.losses[s] for s in (4, 5, 6)}
     best = max(loss, key=lambda s: (loss[s], s))
     keep = sorted({6, best})
     assert best == 4 and keep == [4, 6], loss  # the loss falls: step 5 is neither best nor newest

@@ -209,7 +209,7 @@ def reference(runs):
 
 def test_reference_writes_complete_checkpoints(reference):
     log_dir, losses = reference
-    assert sorted(losses) == list(range(STEPS))
+    assert sorted(losses) == list(range(1, STEPS + 1))
     for step in (2, 4, 6, 8):
         path = _ckpt(log_dir, step)
         assert (path / "COMPLETE").is_file(), path
@@ -363,7 +363,7 @@ def test_seeded_random_kills_resume_bit_for_bit(random_kills, one_process):
     log_dir, kills = random_kills
     assert len(kills) >= 2, kills
     expected = _losses(one_process["dirs"]["uninterrupted"])
-    assert sorted(expected) == list(range(12))
+    assert sorted(expected) == list(range(1, 13))
     assert _losses(log_dir) == expected
 
 
@@ -376,7 +376,7 @@ def test_reshard_dp2_to_dp1_then_bf16_without_masters(reference, one_process):
     dp1, again = one_process["dirs"]["dp1"], one_process["dirs"]["again"]
     proc = one_process["dp1"]
     got = _losses(dp1)
-    assert sorted(got) == [4, 5, 6, 7]
+    assert sorted(got) == [5, 6, 7, 8]
     assert max(abs(got[s] - expected[s]) for s in got) < 1e-5, (got, expected)
     assert [line for line in proc.stdout.splitlines() if line.startswith("note:") and "save_bf16" in line] == [
         "note: exp_manager.save_bf16: checkpoints hold the fp32 weights rounded to bf16 and no fp32 copy "
@@ -387,8 +387,8 @@ def test_reshard_dp2_to_dp1_then_bf16_without_masters(reference, one_process):
     assert len([line for line in proc.stdout.splitlines() if "not an exact resume" in line]) == 1
     got = _losses(again)
     gap = max(abs(got[s] - expected[s]) for s in got)
-    assert sorted(got) == [6, 7] and 1e-5 < gap < 1e-2, (got, expected)
-    print(f"resume from bf16 weights without masters: steps 6..7, max loss gap {gap:.2e}")
+    assert sorted(got) == [7, 8] and 1e-5 < gap < 1e-2, (got, expected)
+    print(f"resume from bf16 weights without masters: steps 7..8, max loss gap {gap:.2e}")
 
 
 def _file_bytes(path: Path, prefix: str) -> int:

@@ -528,9 +528,9 @@ def test_imported_fms_configs_train_on_two_ranks(fms_runs):
     assert "grad_reduce_dtype: bf16" in imported and "sharding_strategy: HSDP" in imported
     assert "datasets: [en/a, en/b]" in imported and "strip_tokens: [5, 6]" in imported
     arrow = read_scalars(logs["arrow"])["reduced_train_loss"]
-    assert sorted(arrow) == [0, 1, 2, 3] and all(np.isfinite(v) and 0 < v < 10 for v in arrow.values())
+    assert sorted(arrow) == [1, 2, 3, 4] and all(np.isfinite(v) and 0 < v < 10 for v in arrow.values())
     text = read_scalars(logs["parquet"])["reduced_train_loss"]
-    assert sorted(text) == [0, 1, 2, 3, 4, 5]  # 4 steps, then 2 more resumed from the step-4 checkpoint
+    assert sorted(text) == [1, 2, 3, 4, 5, 6]  # 4 steps, then 2 more resumed from the step-4 checkpoint
     assert "resuming from " in procs["parquet_resumed"].stdout and "step=4-consumed_samples=16.0 (step 4, " in \
         procs["parquet_resumed"].stdout
     assert "reduce-check: bf16 = bf16 reference, fp32 = fp32 reference" in procs["reduce"].stdout

@@ -239,25 +239,25 @@ def test_the_domain_above_its_reference_gains_weight_as_the_formula_says(runs):
     w = {name: whole[f"data/weight/{name}"] for name in REFERENCE}
     loss = {name: whole[f"data/loss/{name}"] for name in REFERENCE}
     updates = [s for s in range(1, STEPS + 1) if s % INTERVAL == 0 and s < STEPS]
-    assert sorted(loss["noise"]) == [s - 1 for s in updates]  # logged at the update steps (0-based)
-    assert w["noise"][0] == pytest.approx(0.5, abs=1e-7)
+    assert sorted(loss["noise"]) == updates  # logged at the update steps (steps done)
+    assert w["noise"][1] == pytest.approx(0.5, abs=1e-7)
     lookahead = 1 + 2 * 1  # Lightning's prefetch + 2 batches of the one worker
     weights = np.array([0.5, 0.5])
     for step in range(STEPS):  # step = the 0-based step the weights drew
         for s in updates:
             if step == s + lookahead:  # the update measured after s steps draws from here on
-                losses = [loss[name][s - 1] for name in REFERENCE]
+                losses = [loss[name][s] for name in REFERENCE]
                 weights = updated_weights(weights, losses, list(REFERENCE.values()), eta=0.5, smoothing=1e-4)
                 assert losses[0] > 5.0  # the noise domain stays far above 0
-        np.testing.assert_allclose([w["noise"][step], w["pattern"][step]], weights, rtol=2e-7)
-    assert w["noise"][STEPS - 1] > 0.9
+        np.testing.assert_allclose([w["noise"][step + 1], w["pattern"][step + 1]], weights, rtol=2e-7)
+    assert w["noise"][STEPS] > 0.9
 
 
 def test_a_resumed_run_continues_bit_for_bit(runs):
     whole, resumed = runs
     tags = ["reduced_train_loss", "data/weight/noise", "data/weight/pattern", "data/loss/noise"]
     for tag in tags:
-        later = {s: v for s, v in whole[tag].items() if s >= 4}
+        later = {s: v for s, v in whole[tag].items() if s > 4}  # after the checkpoint at step 4
         assert later and resumed[tag] == later, tag
 
 

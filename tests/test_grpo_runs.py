@@ -91,7 +91,7 @@ def test_it_learns_on_one_process_and_dp2(runs):
         scalars = read_scalars(root / name)
         assert curve(scalars, "reward")[0] < 0.2 and _rise(scalars) > 0.2, (name, curve(scalars, "reward"))
         assert curve(scalars, "completions/mean_length")[0] == 8.0  # no EOS sampled: every completion truncated
-    assert "dp=2" in out["kl_zero1"] and "GRPO step 4:" in out["whole"] and "GRPO step 5:" not in out["whole"]
+    assert "dp=2" in out["kl_zero1"] and "GRPO step 5:" in out["whole"] and "GRPO step 6:" not in out["whole"]
     assert "grpo         4 prompts x 4 = 16 completions/step (8 per rank)" in out["kl_zero1"]
     assert "reference: a copy of the starting weights" in out["kl_zero1"]
 
@@ -105,7 +105,7 @@ def test_a_run_logs_what_the_issue_lists(runs):
     tags = ["reward", "reward_std", "rewards/token_fraction/mean", "rewards/token_fraction/std", "kl", "clip_ratio",
             "entropy", "completions/mean_length", "completions/max_length", "completions/clipped_ratio",
             "tokens_per_s/rollout", "tokens_per_s/train"]
-    assert all(sorted(s.get(tag, {})) == [0, 1, 2, 3, 4] for tag in tags), {t: sorted(s.get(t, {})) for t in tags}
+    assert all(sorted(s.get(tag, {})) == [1, 2, 3, 4, 5] for tag in tags), {t: sorted(s.get(t, {})) for t in tags}
     assert curve(s, "rewards/token_fraction/mean") == curve(s, "reward")  # one function, weight 1
     assert all(0 < v < 0.5 for v in curve(s, "reward_std")) and curve(s, "reward_std") == curve(
         s, "rewards/token_fraction/std")
@@ -141,7 +141,7 @@ def test_num_iterations_reuses_the_rollouts(runs):
     reward, clip = curve(mu2, "reward"), curve(mu2, "clip_ratio")
     assert reward[0] == reward[1] and reward[2] == reward[3] and reward[1] != reward[2]  # one batch, two steps
     assert clip[0] == 0 and clip[1] > 0.01  # the second update's ratios moved off 1 (lr 1e-2)
-    assert sorted(mu2["tokens_per_s/rollout"]) == [0, 2, 4]  # sampled on steps 0, 2 and 4 only
+    assert sorted(mu2["tokens_per_s/rollout"]) == [1, 3, 5]  # sampled on steps 1, 3 and 5 only (steps done)
 
 
 def test_mixed_precision_runs(runs):
@@ -157,7 +157,7 @@ def test_a_transformers_model_runs_grpo(runs):
     forward's within 1e-6: tests/test_grpo.py)."""
     root, out = runs
     hf = read_scalars(root / "hf")
-    assert "model_source=hf" in out["hf"] and "GRPO step 0:" in out["hf"]
+    assert "model_source=hf" in out["hf"] and "GRPO step 1:" in out["hf"]
     reward, loss = curve(hf, "reward"), curve(hf, "reduced_train_loss")
     assert len(reward) == 2 and all(0 < r < 1 for r in reward) and all(math.isfinite(v) for v in loss)
     assert curve(hf, "clip_ratio")[0] == 0 and curve(hf, "completions/mean_length")[0] == 8.0
@@ -167,7 +167,7 @@ def test_a_transformers_model_runs_grpo(runs):
 def test_completions_reach_tensorboards_text_tab(runs):
     root, _ = runs
     events = b"".join(p.read_bytes() for p in (root / "whole").rglob("events.out.tfevents.*"))
-    assert events.count(b"grpo/completions") >= 3 and b"prompt: What is" in events  # steps 0, 2, 4 (every 2)
+    assert events.count(b"grpo/completions") >= 3 and b"prompt: What is" in events  # steps 1, 3, 5 (every 2)
 
 
 def test_resume_is_exact(runs):

@@ -1,10 +1,12 @@
 """Loggers (CSV, W&B offline, MLflow's file store), user callbacks (`trainer.callbacks`) and the
 profiler (`exp_manager.profiler`), from one tiny training run in this process (`nxdt train`'s entry):
 - metrics.csv has one row per step, and its losses are the TensorBoard scalars (float32 of them);
+- one step number everywhere: TensorBoard's and the CSV's `step`, `global_step` and the checkpoint
+  names (`step=N`, saved every 2 steps) all count the optimizer steps done;
 - the W&B offline run (its `run-<id>.wandb` record log: offline runs keep history, summary and
   config there, `wandb sync` uploads them) has one history row per step with the same losses, the
   final summary's loss is the last one, the config is the run's, and the run was finished;
-- MLflow's file store has the loss history (5 entries, steps 0..4, same values), the config as
+- MLflow's file store has the loss history (5 entries, steps 1..5, same values), the config as
   parameters (a long value cut with '…'), the run named after the log dir, FINISHED;
 - the user's callback was built with its arguments and saw every step, after nxdt's callbacks
   (the profiler first), before the checkpoint callback;
@@ -72,6 +74,8 @@ def run(kjv_prefix, tmp_path_factory):
     result = train_in_process(_args(log_dir, kjv_prefix,
                           "exp_manager.create_csv_logger=true", "exp_manager.create_wandb_logger=true",
                           "exp_manager.create_mlflow_logger=true", "exp_manager.create_checkpoint_callback=true",
+                          "exp_manager.checkpoint_callback_params.every_n_train_steps=2",
+                          "exp_manager.checkpoint_callback_params.save_top_k=-1",
                           "exp_manager.profiler.enabled=true", "exp_manager.profiler.wait=1",
                           "exp_manager.profiler.warmup=1", "exp_manager.profiler.active=2",
                           f"trainer.callbacks=[{{_target_:test_loggers_profiler.RecordingCallback,"
@@ -90,13 +94,34 @@ def _csv_rows(log_dir: Path) -> list[dict[str, str]]:
 
 def test_csv_has_a_row_per_step_equal_to_tensorboard(run):
     rows = _csv_rows(run.log_dir)
-    assert [int(row["step"]) for row in rows] == list(range(STEPS))  # the step's scalars in one row
+    assert [int(row["step"]) for row in rows] == list(range(1, STEPS + 1))  # the step's scalars in one row
     tb = run.tb["reduced_train_loss"]
-    assert sorted(tb) == list(range(STEPS))
+    assert sorted(tb) == list(range(1, STEPS + 1))
     for row in rows:  # TensorBoard keeps float32
         assert np.float32(float(row["reduced_train_loss"])) == np.float32(tb[int(row["step"])])
         assert np.float32(float(row["lr"])) == np.float32(run.tb["lr"][int(row["step"])])
-    assert [float(row["consumed_samples"]) for row in rows] == [8.0 * (s + 1) for s in range(STEPS)]
+    assert [float(row["consumed_samples"]) for row in rows] == [8.0 * s for s in range(1, STEPS + 1)]
+
+
+def test_tensorboard_csv_and_checkpoint_names_number_a_step_alike(run):
+    """Issue 39 item 8: a step's number is the optimizer steps done in every writer. TensorBoard's
+    step of every scalar, the CSV's `step` and `global_step` columns, the `global_step` scalar and
+    the checkpoint names (`step=N`, saved every 2 steps and at the end) agree."""
+    import re
+
+    rows = _csv_rows(run.log_dir)
+    steps = list(range(1, STEPS + 1))
+    assert [(int(row["step"]), float(row["global_step"])) for row in rows] == [(s, float(s)) for s in steps]
+    assert run.tb["global_step"] == {s: float(s) for s in range(1, STEPS + 1)}
+    for tag in ("reduced_train_loss", "lr", "consumed_samples"):
+        assert sorted(run.tb[tag]) == list(range(1, STEPS + 1)), tag
+    names = [p.name for p in run.log_dir.rglob("*step=*") if p.is_dir()]
+    saved = sorted({int(re.search(r"step=(\d+)", name).group(1)) for name in names})
+    assert saved == [2, 4, STEPS], names
+    by_step = {int(row["step"]): row for row in rows}
+    for step in saved:  # the checkpoint's step is the row's step, its global_step, its consumed samples
+        assert float(by_step[step]["global_step"]) == step == run.tb["global_step"][step]
+        assert any(f"step={step}-consumed_samples={8.0 * step}" in name for name in names), (step, names)
 
 
 def test_stdout_in_a_file_gets_one_plain_line_per_logged_step(run):
@@ -111,7 +136,7 @@ def test_stdout_in_a_file_gets_one_plain_line_per_logged_step(run):
         fields = line.split("  ")
         names = [f.split()[0] for f in fields]
         assert names[:5] == ["step", "loss", "lr", "tok/s", "MFU"], line
-        assert f"loss {tb[i]:.4f}" in fields, (line, tb[i])
+        assert f"loss {tb[i + 1]:.4f}" in fields, (line, tb[i + 1])
         assert (fields[-1].startswith("ETA ") and fields[-2].endswith(("s/step", "step/s"))) == (i > 0), line
 
 
@@ -176,7 +201,7 @@ def test_wandb_offline_run_holds_history_summary_and_config(run):
         elif kind == "run":
             name, project = record.run.display_name, record.run.project
     csv_loss = [float(row["reduced_train_loss"]) for row in _csv_rows(run.log_dir)]
-    assert [row["trainer/global_step"] for row in history] == list(range(STEPS))  # one history row per step
+    assert [row["trainer/global_step"] for row in history] == list(range(1, STEPS + 1))  # one history row per step
     assert [row["reduced_train_loss"] for row in history] == csv_loss
     assert summary["reduced_train_loss"] == csv_loss[-1]
     assert config["trainer"]["max_steps"] == STEPS and config["exp_manager"]["create_wandb_logger"] is True
@@ -195,7 +220,7 @@ def test_mlflow_file_store_holds_the_metric_history_and_params(run, monkeypatch)
     assert mlflow_run.info.run_name == "run" and mlflow_run.info.status == "FINISHED"
     history = client.get_metric_history(mlflow_run.info.run_id, "reduced_train_loss")
     csv_loss = [float(row["reduced_train_loss"]) for row in _csv_rows(run.log_dir)]
-    assert [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)] == list(enumerate(csv_loss))
+    assert [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)] == list(enumerate(csv_loss, start=1))
     params = mlflow_run.data.params
     assert params["trainer.max_steps"] == str(STEPS) and params["exp_manager.profiler.active"] == "2"
     callbacks = params["trainer.callbacks"]

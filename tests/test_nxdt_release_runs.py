@@ -140,5 +140,5 @@ def test_release_config_trains_three_steps_shrunk(runs, name):
     layout = "dp=1  tp=1  pp=1  cp=2" if name in CP else "dp=1  tp=2"
     assert layout in proc.stdout, proc.stdout[-2000:]
     losses = scalars.get("reduced_train_loss", {})
-    assert sorted(losses) == list(range(STEPS)), (name, losses)  # TensorBoard's steps 0, 1, 2
+    assert sorted(losses) == list(range(1, STEPS + 1)), (name, losses)  # TensorBoard's steps 1, 2, 3
     assert all(math.isfinite(v) and v > 0 for v in losses.values()), (name, losses)

@@ -38,13 +38,14 @@ def _scalars(step: int) -> dict[str, float]:
 
 
 def _write_run(path, sessions: list[dict[int, dict[str, float]]]):
-    """One TensorBoardLogger per session, as each (re)start of a run makes."""
+    """One TensorBoardLogger per session, as each (re)start of a run makes. The sessions' keys are
+    0-based step indices; each is logged at index + 1, the optimizer steps done (as nxdt logs)."""
     path.mkdir(parents=True)
     (path / "config.yaml").write_text(to_yaml(config_from_dict(TINY)), encoding="utf-8")
     for steps in sessions:
         logger = TensorBoardLogger(save_dir=str(path), name="", version="", default_hp_metric=False)
         for step, scalars in steps.items():
-            logger.log_metrics(scalars, step)
+            logger.log_metrics(scalars, step + 1)
         logger.finalize("success")
     return path
 
@@ -77,8 +78,8 @@ def test_one_run_summary_and_plots(runs, capsys):
     out = a / "report"
     md = (out / "report.md").read_text()
     assert "| steps trained | 10 |" in md
-    assert "| train loss first / last / min | 3 (step 0) / 2.5 (step 9) / 2 (step 8) |" in md
-    assert "| best val loss | 2.25 (step 4) |" in md
+    assert "| train loss first / last / min | 3 (step 1) / 2.5 (step 10) / 2 (step 9) |" in md
+    assert "| best val loss | 2.25 (step 5) |" in md
     assert "| median tokens/s | 1,045 |" in md and "| median MFU (%) | 44.5 |" in md
     assert "| peak memory (GiB) | 3.75 |" in md
     assert "| layout | world 4: dp 2, tp 2, pp 1, cp 1 |" in md and f"| parameters | {TINY_PARAMETERS} |" in md
@@ -95,21 +96,21 @@ def test_two_runs_max_gap_and_assert_equal(runs, capsys):
     out = root / "ab"
     assert report_main([str(a), str(b), "--output", str(out), "--assert-equal", "0.5"]) == 0
     printed = capsys.readouterr().out
-    assert "reduced_train_loss       0.375 at step 5 (6 shared steps)" in printed  # not 97.5: step 6 was dropped
-    assert "val_loss                 0.0625 at step 4 (1 shared steps)" in printed
+    assert "reduced_train_loss       0.375 at step 6 (6 shared steps)" in printed  # not 97.5: step 7 was dropped
+    assert "val_loss                 0.0625 at step 5 (1 shared steps)" in printed
     assert "equal within 0.5: reduced_train_loss, val_loss" in printed
     md = (out / "report.md").read_text()
     assert "| steps trained | 10 | 6 |" in md
-    assert "| `reduced_train_loss` | 6 | 0.375 | 5 | 2.375 / 2.75 |" in md
+    assert "| `reduced_train_loss` | 6 | 0.375 | 6 | 2.375 / 2.75 |" in md
     assert _png_size(out / "reduced_train_loss.png") == (700, 600)  # with the difference panel
 
     assert report_main([str(a), str(b), "--output", str(out), "--assert-equal", "0.25", "--metrics", "lr"]) == 0
     assert report_main([str(a), str(b), "--output", str(out), "--assert-equal", "0.25",
                         "--metrics", "reduced_train_loss"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["not equal: reduced_train_loss differs by 0.375 at step 5 (tolerance 0.25): a 2.375, b 2.75"]
+    assert err == ["not equal: reduced_train_loss differs by 0.375 at step 6 (tolerance 0.25): a 2.375, b 2.75"]
     assert report_main([str(a), str(b), "--output", str(out), "--assert-equal", "0.05", "--metrics", "val_loss"]) == 1
-    assert "val_loss differs by 0.0625 at step 4" in capsys.readouterr().err
+    assert "val_loss differs by 0.0625 at step 5" in capsys.readouterr().err
 
 
 def test_sessions_merge_last_value_wins_and_restart_drops_the_rest():
@@ -121,19 +122,19 @@ def test_sessions_merge_last_value_wins_and_restart_drops_the_rest():
 
 
 def test_metrics_csv_when_there_are_no_event_files(tmp_path):
-    """Lightning's CSV rows in logging order; a resumed run appends, here restarting at step 1."""
+    """Lightning's CSV rows in logging order; a resumed run appends, here restarting at step 2."""
     logger = CSVLogger(save_dir=str(tmp_path), name="", version="")
-    for step, loss in enumerate((4.0, 3.5, 3.75)):
+    for step, loss in enumerate((4.0, 3.5, 3.75), start=1):
         logger.log_metrics({"reduced_train_loss": loss, "lr": 0.01}, step)
-    logger.log_metrics({"val_loss": 3.25}, 0)
-    logger.log_metrics({"reduced_train_loss": 3.0}, 1)  # the resumed run: the old steps 1-2 are gone
+    logger.log_metrics({"val_loss": 3.25}, 1)
+    logger.log_metrics({"reduced_train_loss": 3.0}, 2)  # the resumed run: the old steps 2-3 are gone
     logger.finalize("success")
     assert (tmp_path / "metrics.csv").is_file()
     assert report_main([str(tmp_path), "--output", str(tmp_path / "r")]) == 0
     md = (tmp_path / "r" / "report.md").read_text()
     assert "| read from | metrics.csv |" in md and "| steps trained | 2 |" in md
-    assert "| train loss first / last / min | 4 (step 0) / 3 (step 1) / 3 (step 1) |" in md
-    assert "| best val loss | 3.25 (step 0) |" in md
+    assert "| train loss first / last / min | 4 (step 1) / 3 (step 2) / 3 (step 2) |" in md
+    assert "| best val loss | 3.25 (step 1) |" in md
     assert "| config | no config.yaml |" in md and "wall time" not in md
 
 
@@ -175,12 +176,12 @@ def test_a_run_started_from_a_checkpoint_counts_its_own_steps_and_loss_plots_sho
     out = tmp_path / "out"
     assert report_main([str(started), "--output", str(out)]) == 0
     md = (out / "report.md").read_text()
-    assert "| steps trained | 5 (steps 5–9: started from a checkpoint at step 5) |" in md
-    # logged every 10 steps (Lightning's rows 9, 19, 29): 30 steps from scratch (on main: 21), then
-    # 20 more resumed at step 30 (rows 39, 49; on main: 11 and "started ... at step 39")
+    assert "| steps trained | 5 (steps 6–10: started from a checkpoint at step 5) |" in md
+    # logged every 10 steps (rows 10, 20, 30): 30 steps from scratch, then 20 more resumed at step 30
+    # (rows 40, 50; not 50 and not "started ... at step 40")
     every10 = {"trainer": {**TINY["trainer"], "log_every_n_steps": 10}}
     for name, steps, said in (("fresh", (9, 19, 29), "| steps trained | 30 |"),
-                              ("resumed", (39, 49), "| steps trained | 20 (steps 39–49: started from a checkpoint at "
+                              ("resumed", (39, 49), "| steps trained | 20 (steps 40–50: started from a checkpoint at "
                                                     "step 30) |")):
         run_dir = _write_run(tmp_path / name, [{s: _scalars(s) for s in steps}])
         (run_dir / "config.yaml").write_text(to_yaml(config_from_dict({**TINY, **every10})), encoding="utf-8")
@@ -188,5 +189,5 @@ def test_a_run_started_from_a_checkpoint_counts_its_own_steps_and_loss_plots_sho
         assert said in (tmp_path / f"{name}_out" / "report.md").read_text()
     lines = plot_lines(read_run(runs[1], "a"), "reduced_train_loss")
     assert [(line["label"], line["style"]) for line in lines] == [("reduced_train_loss", "-"), ("val_loss", "--")]
-    assert lines[1]["steps"] == [4, 9] and lines[1]["values"] == [2.25, 2.5]
+    assert lines[1]["steps"] == [5, 10] and lines[1]["values"] == [2.25, 2.5]
     assert "memory/peak_gib" in FROM_ZERO and "reduced_train_loss" not in FROM_ZERO

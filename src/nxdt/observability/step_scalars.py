@@ -7,8 +7,9 @@ so the step's loss would be missing from the logs for good. Written here, the va
 loggers as soon as they are logged, and `NxdtCheckpoint` flushes the loggers before it saves: every
 step a checkpoint covers is on disk in the logs before the checkpoint is.
 
-Same steps as Lightning (`log_every_n_steps`, step numbers = optimizer steps finished before this
-one), same progress bar and callback metrics (checkpoint monitors read those). On XLA the values are
+Same steps as Lightning's `log_every_n_steps` rule, numbered by the optimizer steps done once the
+step is (1 for the first; as checkpoint names and `global_step`; Lightning's own axis is one below),
+same progress bar and callback metrics (checkpoint monitors read those). On XLA the values are
 read in a step closure instead (`StepClosureLogger`).
 """
 
@@ -22,10 +23,11 @@ from nxdt.device import use_xla, xla_model
 
 
 def logging_step(trainer: Any) -> tuple[int, bool]:
-    """Lightning's logging step (batches finished before this one) and whether it goes to the loggers."""
-    step = trainer.fit_loop.epoch_loop._batches_that_stepped
+    """The step's number (optimizer steps done once it is: the checkpoint's `step=N`, `global_step`)
+    and whether it goes to the loggers (Lightning's rule: every `log_every_n_steps`-th step, the last)."""
+    step = trainer.fit_loop.epoch_loop._batches_that_stepped + 1  # Lightning's own axis is one below
     every = trainer.log_every_n_steps
-    return step, every > 0 and ((step + 1) % every == 0 or trainer.should_stop)  # Lightning's rule
+    return step, every > 0 and (step % every == 0 or trainer.should_stop)
 
 
 class StepScalarWriter:

@@ -212,7 +212,7 @@ class GRPOSteps:
             log("tokens_per_s/train", float(r.lengths.sum()) / float(times[0]))
         every = g.log_completions_every_n_steps
         if every and fb.step % every == 0 and fresh:
-            self._log_completions(r, fb.step)
+            self._log_completions(r, fb.step + 1)  # numbered by the optimizer steps done, as the scalars
 
     def _log_completions(self, r, step: int, rows: int = 3) -> None:
         """A few of this step's prompt / completion / reward rows to stdout and TensorBoard's text tab."""

@@ -190,15 +190,14 @@ def run_labels(paths: list[Path]) -> list[str]:
 
 # --------------------------------------------------------------------------- numbers
 def steps_trained(run: Run) -> int | None:
-    """Optimizer steps done in this log: the last `global_step` value (steps finished when it was
-    logged), else the last logged training step + 1 (Lightning's step = steps finished before that
-    one); less the steps done before this log began (`steps_before`: 300 steps from step 300 are
-    300, not 600)."""
+    """Optimizer steps done in this log: the last `global_step` value, else the last logged training
+    step (a logged step's number is the optimizer steps done, as `global_step`); less the steps done
+    before this log began (`steps_before`: 300 steps from step 300 are 300, not 600)."""
     train = run.series.get("reduced_train_loss")
     start = steps_before(run)
     if run.series.get("global_step"):
         return int(list(run.series["global_step"].values())[-1]) - start
-    return max(train) + 1 - start if train else None
+    return max(train) - start if train else None
 
 
 def log_interval(run: Run) -> int:
@@ -211,13 +210,13 @@ def log_interval(run: Run) -> int:
 
 
 def steps_before(run: Run) -> int:
-    """Optimizer steps done before this log began (0 for a run from scratch): Lightning logs a
-    step's scalars when its step number + 1 is a multiple of log_every_n_steps, so the first logged
-    step F of a log that began after S steps (S a multiple of the interval, as saves and resumes
-    are in practice) is S + interval - 1: with 10, a fresh run's first row is step 9 (S = 0, not
-    9), a run resumed at 300 starts at 309 (S = 300)."""
+    """Optimizer steps done before this log began (0 for a run from scratch): a step's scalars are
+    logged when its number (the optimizer steps done) is a multiple of log_every_n_steps, so the
+    first logged step F of a log that began after S steps (S a multiple of the interval, as saves
+    and resumes are in practice) is S + interval: with 10, a fresh run's first row is step 10
+    (S = 0, not 10), a run resumed at 300 starts at 310 (S = 300)."""
     train = run.series.get("reduced_train_loss")
-    return max(min(train) + 1 - log_interval(run), 0) if train else 0
+    return max(min(train) - log_interval(run), 0) if train else 0
 
 
 def _steps_fact(run: Run) -> str:

@@ -34,7 +34,7 @@ from nxdt.training.preference import PreferenceSteps
 from nxdt.rl.module import GRPOSteps
 from nxdt.precision.precision import Precision
 from nxdt.device import use_xla
-from nxdt.observability.step_scalars import step_logger
+from nxdt.observability.step_scalars import logging_step, step_logger
 from nxdt.training.builder import build_base_model, build_optimizer_and_scheduler
 from nxdt.training.loss import EvalTally, masked_token_loss
 from nxdt.models.moe import pop_router_stats
@@ -185,6 +185,8 @@ class NxdtLightningModule(PreferenceSteps, GRPOSteps, pl.LightningModule):
             self._step_logger.log(self.trainer, name, value, prog_bar)
         else:
             self.log(name, value, prog_bar=prog_bar, rank_zero_only=True)
+            # at the same step as the writers' (optimizer steps done; Lightning's own axis is one below)
+            self.log("step", float(logging_step(self.trainer)[0]), rank_zero_only=True)
 
     def _log_step(self, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor) -> None:
         exp = self.cfg.exp_manager
@@ -206,6 +208,8 @@ class NxdtLightningModule(PreferenceSteps, GRPOSteps, pl.LightningModule):
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         reduced = self._eval_loss(batch)
         self.log("val_loss", reduced, prog_bar=True, rank_zero_only=True, on_epoch=True, batch_size=1)
+        # the loggers' step: optimizer steps done, as the training scalars' (Lightning's axis is one below)
+        self.log("step", float(self.trainer.global_step), rank_zero_only=True, on_epoch=True, batch_size=1)
         return reduced
 
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
