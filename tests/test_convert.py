@@ -43,6 +43,25 @@ NEOX = {"normalization": "layernorm", "activation": "gelu", "has_bias": True, "t
         "gpt_j_tied": False, "rotary_percentage": 0.25, "num_kv_heads": 4, "rotary_emb_base": 5000.0}
 
 
+def assert_converted_logits(keys, folder, ckpt, weights, ids, want, out) -> None:
+    """A converted checkpoint's weights give transformers' logits (`want`, within 1e-5) in the native model
+    its nxdt_model.yaml keys build and under model_source hf with the published config.json; exported
+    back (`out`) they load in transformers with the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    data = {"tokenizer": {"library": "huggingface", "type": str(TOKENIZER_DIR)}}
+    hf_cfg = {"model_source": "hf", "model": {"model_config": str(folder)}}
+    for source, cfg in (("megatron", {**keys, "data": data}), ("hf", hf_cfg)):
+        model = build_model(config_from_dict(cfg), vocab_size=1000).eval()
+        model.load_state_dict(weights, strict=True)
+        with torch.no_grad():
+            assert (logits_of(model(input_ids=ids)) - want).abs().max().item() < 1e-5, source
+    nxdt_to_hf(ckpt, out, max_shard_bytes=10**9)
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        assert (reloaded(input_ids=ids).logits - want).abs().max().item() < 1e-5
+
+
 def per_expert_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A state dict as published Qwen3-MoE / DeepSeek-V3 folders store it: transformers' fused expert
     tensors (`mlp.experts.gate_up_proj` [E, 2F, H], `down_proj` [E, H, F]) split into each expert's
@@ -341,7 +360,6 @@ def _hf_qwen3_folder(tmp_path, moe: bool):
 def test_qwen3_hf_folder_to_nxdt_and_back(tmp_path, capsys, moe):
     """hf-to-nxdt: the written model keys build the native twin (both sources load the weights) with
     transformers' logits; nxdt-to-hf: a folder plain transformers loads, logits unchanged."""
-    from transformers import AutoModelForCausalLM
 
     original, folder = _hf_qwen3_folder(tmp_path, moe)
     ids, want, ckpt, keys = _hf_to_nxdt(original, folder, tmp_path, capsys)
@@ -349,20 +367,9 @@ def test_qwen3_hf_folder_to_nxdt_and_back(tmp_path, capsys, moe):
     assert (m["qk_layernorm"], m["kv_channels"], m["share_embeddings_and_output_weights"]) == (True, 24, not moe)
     if moe:
         assert (m["moe"]["layers"], m["moe"]["ffn_hidden_size"], m["moe"]["num_experts"]) == ([1, 3], 40, 4)
-    data = {"tokenizer": {"library": "huggingface", "type": str(TOKENIZER_DIR)}}
     weights = load_weights(ckpt)
     assert set(weights) == set(original.state_dict())  # per-expert weights fused, the tied head materialised
-    hf_cfg = {"model_source": "hf", "model": {"model_config": str(folder)}}  # the published config.json
-    for source, cfg in (("megatron", {**keys, "data": data}), ("hf", hf_cfg)):
-        model = build_model(config_from_dict(cfg), vocab_size=1000).eval()
-        model.load_state_dict(weights, strict=True)
-        with torch.no_grad():
-            assert (logits_of(model(input_ids=ids)) - want).abs().max().item() < 1e-5, source
-    out = tmp_path / "back"
-    nxdt_to_hf(ckpt, out, max_shard_bytes=10**9)
-    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="sdpa").eval()
-    with torch.no_grad():
-        assert (reloaded(input_ids=ids).logits - want).abs().max().item() < 1e-5
+    assert_converted_logits(keys, folder, ckpt, weights, ids, want, tmp_path / "back")
 
 
 def test_qwen3_native_checkpoint_exports_as_qwen3(tmp_path):

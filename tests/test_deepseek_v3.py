@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TOKENIZER_DIR
-from test_convert import per_expert_tensors
+from test_convert import assert_converted_logits, per_expert_tensors
 
 from nxdt.checkpoint.checkpointer import load_weights
 from nxdt.config.errors import ConfigError
@@ -22,7 +22,7 @@ from nxdt.models.deepseek_v3 import deepseek_v3_model_keys
 from nxdt.models.hf_export import hf_config_dict
 from nxdt.models.param_count import parameter_counts
 from nxdt.spec import config_from_dict, load_config
-from nxdt.tools.convert import hf_to_nxdt, nxdt_to_hf
+from nxdt.tools.convert import hf_to_nxdt
 
 transformers = pytest.importorskip("transformers")
 REPO = Path(__file__).resolve().parents[1]
@@ -174,8 +174,6 @@ def _published_style_folder(tmp_path, hf):
 
 
 def test_convert_both_ways(tmp_path, capsys):
-    from transformers import AutoModelForCausalLM
-
     hf = _random_hf(vocab_size=1000)
     ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -186,17 +184,7 @@ def test_convert_both_ways(tmp_path, capsys):
     assert "num_nextn_predict_layers=1: multi-token prediction is not supported yet" in capsys.readouterr().out
     weights = load_weights(ckpt)
     assert set(weights) == set(hf.state_dict())  # experts fused, the MTP layer left out
-    data = {"tokenizer": {"library": "huggingface", "type": str(TOKENIZER_DIR)}}
-    for source, cfg in (("megatron", {**keys, "data": data}), ("hf", {"model_source": "hf", "model": {"model_config": str(folder)}})):
-        model = build_model(config_from_dict(cfg), vocab_size=1000).eval()
-        model.load_state_dict(weights, strict=True)
-        with torch.no_grad():
-            assert (logits_of(model(input_ids=ids)) - want).abs().max().item() < 1e-5, source
-    out = tmp_path / "back"
-    nxdt_to_hf(ckpt, out, max_shard_bytes=10**9)
-    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="sdpa").eval()
-    with torch.no_grad():
-        assert (reloaded(input_ids=ids).logits - want).abs().max().item() < 1e-5
+    assert_converted_logits(keys, folder, ckpt, weights, ids, want, tmp_path / "back")
 
 
 def test_bad_configs_one_line():
