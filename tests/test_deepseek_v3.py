@@ -263,3 +263,43 @@ def test_bias_update_sums_loads_and_logs_per_layer():
                       "moe/layer0/load_std": pytest.approx(0.3062, abs=1e-4)}
     assert moe.stats.take_load() is None  # taken
     assert "layers.0.mlp.gate.e_score_correction_bias" in block.state_dict()  # a buffer: checkpointed
+
+
+def test_mixtral_export_with_a_loss_free_bias(tmp_path):
+    """A native Mixtral-style checkpoint trained loss-free exports to transformers' Mixtral (a router without a
+    bias) only while its bias is zero (dropped: the same picks, logits within 1e-5); a moved bias is refused in
+    one line, since folding it into the gate is not exact for top-k selection."""
+    from transformers import AutoModelForCausalLM
+
+    from nxdt.checkpoint.checkpointer import save_weights
+    from nxdt.config import to_yaml
+    from nxdt.tools.convert import nxdt_to_hf
+
+    keys = {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 96, "num_attention_heads": 4, "num_kv_heads": 2,
+            "max_position_embeddings": 64, "make_vocab_size_divisible_by": 8,
+            "moe": {"num_experts": 4, "top_k": 2, "load_balancing": "loss_free"}}
+    cfg = config_from_dict({"model_source": "megatron", "model": keys,
+                            "data": {"tokenizer": {"library": "huggingface", "type": str(TOKENIZER_DIR)}}})
+    torch.manual_seed(0)
+    model = init_model_weights(build_model(cfg, vocab_size=8192, device="meta"), device="cpu").eval()
+    ids = torch.arange(24).reshape(2, 12) * 37 % 8192
+    for moved in (False, True):
+        with torch.no_grad():
+            model.model.layers[1].mlp.gate.e_score_correction_bias.copy_(torch.tensor([0.0, 0.0, 0.3, -0.2]) * moved)
+        ckpt, out = tmp_path / f"ckpt{moved}", tmp_path / f"hf{moved}"
+        save_weights(model.state_dict(), ckpt)
+        (ckpt / "config.yaml").write_text(to_yaml(cfg))
+        if moved:
+            with pytest.raises(ConfigError) as info:
+                nxdt_to_hf(ckpt, out, max_shard_bytes=10**9)
+            assert str(info.value) == (
+                f"nxdt-to-hf: {ckpt} was trained with model.moe.load_balancing loss_free and its selection bias "
+                "(model.layers.1.mlp.gate.e_score_correction_bias) is not zero: transformers' mixtral router has no "
+                "bias and folding it into the gate is not exact for top-k selection; nothing written")
+            assert not out.exists()
+            continue
+        nxdt_to_hf(ckpt, out, max_shard_bytes=10**9)
+        reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="sdpa").eval()
+        assert json.loads((out / "config.json").read_text())["model_type"] == "mixtral"
+        with torch.no_grad():
+            assert (reloaded(input_ids=ids).logits - logits_of(model(input_ids=ids))).abs().max().item() < 1e-5

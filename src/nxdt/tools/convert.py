@@ -143,6 +143,8 @@ def _deepseek_v3(input_dir: Path, hf_config: dict[str, Any], tensors: dict[str, 
 def nxdt_to_hf(ckpt: Path, output: Path, max_shard_bytes: int, dtype: str | None = None,
                base: Path | None = None, adapter_only: bool = False) -> None:
     tensors = load_weights(ckpt)
+    if any(k.endswith(SCORE_BIAS) for k in tensors):
+        tensors = without_score_bias(ckpt, tensors, hf_config_for(ckpt, tensors).get("model_type", "llama"))
     if any(is_lora_key(k) for k in tensors):
         lora_to_hf(ckpt, tensors, output, max_shard_bytes, dtype, base=base, adapter_only=adapter_only)
         return
@@ -154,6 +156,24 @@ def nxdt_to_hf(ckpt: Path, output: Path, max_shard_bytes: int, dtype: str | None
         tensors = with_score_bias(tensors)
     check_output_free(output)
     write_hf_model(ckpt, tensors, config, output, max_shard_bytes, dtype)
+
+
+SCORE_BIAS = ".mlp.gate.e_score_correction_bias"
+
+
+def without_score_bias(ckpt: Path, tensors: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """Loss-free balancing's selection bias for a model_type whose router has none (Mixtral, Qwen3-MoE):
+    dropped when zero (selection by the scores alone, as before any update); else refused, since adding it
+    to the gate weights is not exact (a per-expert constant on the scores is not a function of the token's
+    hidden state through a bias-free linear, and top-k selection is not invariant to it)."""
+    if model_type in DEEPSEEK_V3_MODEL_TYPES:
+        return tensors
+    moved = [k for k, t in tensors.items() if k.endswith(SCORE_BIAS) and bool(t.abs().max() > 0)]
+    if moved:
+        raise ConfigError(f"nxdt-to-hf: {ckpt} was trained with model.moe.load_balancing loss_free and its selection "
+                          f"bias ({moved[0]}) is not zero: transformers' {model_type} router has no bias and folding "
+                          f"it into the gate is not exact for top-k selection; nothing written")
+    return {k: t for k, t in tensors.items() if not k.endswith(SCORE_BIAS)}
 
 
 def with_score_bias(tensors: dict[str, Any]) -> dict[str, Any]:
