@@ -303,3 +303,39 @@ def test_mixtral_export_with_a_loss_free_bias(tmp_path):
         assert json.loads((out / "config.json").read_text())["model_type"] == "mixtral"
         with torch.no_grad():
             assert (reloaded(input_ids=ids).logits - logits_of(model(input_ids=ids))).abs().max().item() < 1e-5
+
+
+def test_mla_decoding_caches_the_latent():
+    """Incremental decoding (prefill of 8 tokens, then 4 one at a time, left padding in one row) caches per
+    layer the normed latent and the rotated shared key, kv_lora_rank + qk_rope_head_dim = 24 numbers per
+    token instead of heads x (qk_head_dim + v_head_dim) = 144: its logits equal the whole sequence's forward
+    within 1e-5 (the path that caches nothing), and the greedy continuation of nxdt's generate equals
+    transformers' (whose cache holds full keys and values)."""
+    from nxdt.models.kv_cache import KVCache
+
+    hf = _random_hf()
+    model, _ = _native_twin(hf)
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(5))
+    valid = torch.ones(2, 8, dtype=torch.bool)
+    valid[1, :2] = False  # row 1's prompt is 6 tokens, left-padded
+    cache = KVCache(max_length=12, valid=valid)
+    pos = (valid.long().cumsum(1) - 1).clamp(min=0)  # row 1's tokens from position 0, as nxdt's generate
+    with torch.no_grad():
+        steps = [logits_of(model(input_ids=ids[:, :8], position_ids=pos, kv_cache=cache))]
+        steps += [logits_of(model(input_ids=ids[:, t:t + 1], position_ids=pos[:, -1:] + t - 7, kv_cache=cache))
+                  for t in range(8, 12)]
+        full = logits_of(model(input_ids=ids))
+        row1 = logits_of(model(input_ids=ids[1:, 2:]))  # row 1 unpadded, positions from 0
+    decoded = torch.cat(steps, dim=1)
+    assert (decoded[0] - full[0]).abs().max().item() < 1e-5
+    assert (decoded[1, 2:] - row1[0]).abs().max().item() < 1e-5
+    latent, rot = cache._keys[1], cache._values[1]  # what the cache holds for layer 1
+    assert tuple(latent.shape) == (2, 1, 12, 16) and tuple(rot.shape) == (2, 1, 12, 8)
+    with torch.no_grad():  # greedy decoding, transformers' own cache vs nxdt's latent one
+        want = hf.generate(ids[:1, :8], max_new_tokens=6, do_sample=False, use_cache=True)[0, 8:]
+        got, cache = [], KVCache(max_length=14, batch_size=1)
+        nxt = logits_of(model(input_ids=ids[:1, :8], kv_cache=cache))[:, -1].argmax(-1)
+        for _ in range(6):
+            got.append(int(nxt))
+            nxt = logits_of(model(input_ids=nxt[:, None], kv_cache=cache))[:, -1].argmax(-1)
+    assert got == want.tolist()

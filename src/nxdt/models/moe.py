@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nxdt.models.llama_moe import noisy_top_k_gate, switch_gate
-from nxdt.models.moe_balance import LOAD_BALANCING, select_experts
+from nxdt.models.moe_balance import LOAD_BALANCING, select_experts, sequence_balance_loss
 from nxdt.models.moe_neox import EXPERT_ACTIVATIONS, MLPExperts, neox_sinkhorn_route
 
 
@@ -417,6 +417,7 @@ class MoERouter(nn.Module):
         self.weight_out = nn.Parameter(torch.empty(num_experts, num_experts)) if mlp else None
         # loss-free balancing's per-expert bias on the selection scores (DeepSeek-V3's name): state, no gradient
         self.register_buffer("e_score_correction_bias", torch.zeros(num_experts) if score_bias else None)
+        self.token_group = None  # context parallel sets it: the balance loss over whole sequences (moe_balance)
 
     @torch.no_grad()
     def reset_parameters(self, std: float) -> None:
@@ -456,7 +457,10 @@ class MoERouter(nn.Module):
         else:
             weights, experts = route(logits, args, self.e_score_correction_bias)
         trained = self.training and torch.is_grad_enabled() and args.load_balancing == "aux_loss"
-        aux = load_balancing_loss((logits,), args.num_experts, args.top_k) if trained else None
+        aux = None
+        if trained:  # under context parallel the statistics of whole sequences (token_group)
+            aux = (load_balancing_loss((logits,), args.num_experts, args.top_k) if self.token_group is None
+                   else sequence_balance_loss(logits, args.num_experts, args.top_k, self.token_group))
         return weights, experts, aux
 
 

@@ -191,22 +191,28 @@ def check_gate(cfg: Any, gate: str) -> None:
                               f"(weight: model.moe.gate_balance_loss_weight)")
 
 
-# parallel layouts an MoE model cannot take yet: cp (each cp rank would balance its own part of
-# a sequence); pp and ep are built for nxdt's MoE block (native, and hf Mixtral's), not for another
-# transformers MoE block (checked in check_moe, which knows the config.json's model_type)
-MOE_NOT_SUPPORTED_YET = ("context_parallel_size",)
-HF_MOE_NOT_SUPPORTED_YET = ("pipeline_model_parallel_size", "expert_model_parallel_size")
+# pp, ep and cp are built for nxdt's MoE block (native, and hf Mixtral's), not for another transformers
+# MoE block (checked in check_moe, which knows the config.json's model_type; its balance loss is a hook's)
+HF_MOE_NOT_SUPPORTED_YET = ("pipeline_model_parallel_size", "expert_model_parallel_size", "context_parallel_size")
 
 
 def check_moe_layouts_supported(cfg: Any) -> None:
     """'not supported yet' for the parallel layouts an MoE model cannot take yet (skippable, like
-    every NOT_SUPPORTED_YET check)."""
-    if not cfg.model.moe.num_experts:
+    every NOT_SUPPORTED_YET check): under context parallel a cp rank routes a slice of each sequence,
+    which only per-token routing takes (the balance loss and loads are summed over cp: nxdt.models.moe_balance)."""
+    moe, cp = cfg.model.moe, cfg.distributed_strategy.context_parallel_size
+    if not moe.num_experts or cp <= 1:
         return
-    for key in MOE_NOT_SUPPORTED_YET:
-        size = getattr(cfg.distributed_strategy, key)
-        if size > 1:
-            raise ConfigError(f"'distributed_strategy.{key}' > 1 with model.moe is not supported yet (got {size})")
+    refused = {"model.moe.capacity_factor (an expert's capacity is the whole micro-batch's; set model.moe.dropless)":
+               moe.capacity_factor is not None and not moe.dropless,
+               f"model.moe.routing_algorithm {moe.routing_algorithm} (balances over all the micro-batch's tokens)":
+               moe.routing_algorithm != "top_k",
+               f"model.moe.gate_type {moe.gate_type} (LLaMA-MoE's gate losses)": canonical_gate_type(moe.gate_type)
+               != "mixtral"}
+    for what, bad in refused.items():
+        if bad:
+            raise ConfigError(f"'distributed_strategy.context_parallel_size' > 1 with {what} is not supported yet "
+                              f"(got {cp})")
 
 
 def check_expert_parallel(cfg: Any) -> None:
