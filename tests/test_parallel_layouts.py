@@ -3,7 +3,7 @@ entry, gloo): tp/sp, ZeRO-1, FSDP/HSDP, cp, pp/vpp, ep and their combinations, n
 and GPT-NeoX blocks (tp2+sp, pp2, ZeRO-1, FSDP; the other block types' tp2+sp parity is a unit test
 in tests/test_parallel_units.py).
 
-Six steps (ten for the compiled runs, as issue 19 asks), same init and data; per step the loss,
+Six steps (ten for the compiled runs, as issue 19 asks, and for Qwen3 / DeepSeek-V3), same init and data; per step the loss,
 gradient and parameter norms, learning rate and consumed samples must agree with the model's
 single-process reference within 1e-5, and the validation loss too. Features that cannot change
 the loss ride along on a layout (activation checkpointing, cpu_offload).
