@@ -46,7 +46,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-TITAN_PYTHON = REPO / ".venv-peers-titan" / "bin" / "python"
+# torchtitan's venv (make bench-peers); NXDT_TITAN_VENV points elsewhere
+TITAN_PYTHON = Path(os.environ.get("NXDT_TITAN_VENV", REPO / ".venv-peers-titan")) / "bin" / "python"
 THREADS = 2
 LOSS_STEPS = 10
 GOAL_SPEED = 1.0
@@ -292,14 +293,16 @@ def rows_for(name: str, runs: dict[str, list[dict]], dtype: str) -> list[dict]:
 
 def titan_missing() -> str | None:
     """Why the torchtitan side cannot run here (one line), or None."""
+    venv = TITAN_PYTHON.parent.parent
+    shown = venv.name if venv.parent == REPO else str(venv)
     if not TITAN_PYTHON.exists():
-        return f"torchtitan's venv {TITAN_PYTHON.parent.parent.name} is missing: run make bench-peers"
+        return f"torchtitan's venv {shown} is missing: run make bench-peers"
     probe = subprocess.run([str(TITAN_PYTHON), "-c", "import torchtitan.models.llama3, torchtitan.components.loss"],
                            capture_output=True, text=True, env={k: v for k, v in os.environ.items()
                                                                 if k != "PYTHONPATH"})
     if probe.returncode != 0:
         last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
-        return f"torchtitan does not import in {TITAN_PYTHON.parent.parent.name}: {last}"
+        return f"torchtitan does not import in {shown}: {last}"
     return None
 
 
@@ -352,7 +355,7 @@ def main(argv=None) -> int:
     parser, args = parse(argv)
     if args.worker:
         return worker(args)
-    result = {"job": "pre-training", "peer": "torchtitan 0.3.0 (llama3, SDPA, AdamW; its model + optimizer loop)",
+    result = {"job": "pre-training", "peer": "torchtitan 0.3.0 llama3 (SDPA, AdamW)",
               "rows": [], "skipped": titan_missing()}
     if result["skipped"] is None:
         result = drive(args, result)
