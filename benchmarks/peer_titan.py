@@ -291,6 +291,67 @@ def rows_for(name: str, runs: dict[str, list[dict]], dtype: str) -> list[dict]:
     return rows
 
 
+def titan_own_figure(args) -> int:
+    """torchtitan's own figure for benchmarks/gpu.sh: its llama3 flavor (--titan-flavor, its first
+    --titan-layers layers), SDPA, bf16 autocast, its per-block torch.compile and compiled chunked loss
+    (apply_compile, CompileConfig(enable=True)), default_adamw, random tokens; prints one line with
+    tokens/s, its MFU (its FLOPs/token and its get_peak_flops) and the peak allocated memory."""
+    import types
+
+    import torch
+    import torchtitan.models.llama3 as L
+    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+    from torchtitan.components.optimizer import default_adamw
+    from torchtitan.config import CompileConfig
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.distributed.compile import apply_compile
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.tools.utils import get_peak_flops
+
+    device = torch.device(args.device)
+    cfg = L.llama3_configs[args.titan_flavor](attn_backend="flex")
+    if args.titan_layers:
+        cfg.layers = cfg.layers[:args.titan_layers]
+    for layer in cfg.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    with torch.device("meta"):
+        model = cfg.build()
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    compile_cfg = CompileConfig(enable=args.titan_compile)
+    if args.titan_compile:
+        apply_compile(model, compile_config=compile_cfg, parallel_dims=types.SimpleNamespace(tp_enabled=False))
+    loss_fn = ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=cfg.vocab_size)).build(
+        compile_config=compile_cfg)
+    loss_fn.set_lm_head(model.lm_head)
+    model._skip_lm_head = True
+    optimizers = default_adamw(**OPTIM).build(model_parts=[model])
+    params, stamps = list(model.parameters()), []
+    gen = torch.Generator().manual_seed(0)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(args.warmup + args.steps):
+        tokens = torch.randint(cfg.vocab_size, (args.titan_batch, args.titan_seq + 1), generator=gen).to(device)
+        optimizers.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss, _ = loss_fn(model(tokens[:, :-1]), tokens[:, 1:], torch.tensor(tokens[:, 1:].numel(), device=device))
+        loss.backward()
+        dist_utils.clip_grad_norm_(params, 1.0, foreach=True, pp_mesh=None, ep_enabled=False)
+        optimizers.step()
+        loss.item()
+        stamps.append(time.perf_counter())
+    steady = [b - a for a, b in zip(stamps, stamps[1:])][args.warmup - 1:]
+    tps = args.titan_batch * args.titan_seq * len(steady) / sum(steady)
+    _, flops = cfg.get_nparams_and_flops(model, args.titan_seq)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    print(f"torchtitan {args.titan_flavor} ({len(cfg.layers)} layers, seq {args.titan_seq}, batch {args.titan_batch}, "
+          f"bf16 autocast{', compiled' if args.titan_compile else ''}): {tps:,.0f} tokens/s, "
+          f"MFU {flops * tps / get_peak_flops(name):.1%} (its figure), peak memory {peak:.1f} GiB", flush=True)
+    return 0
+
+
 def titan_missing() -> str | None:
     """Why the torchtitan side cannot run here (one line), or None."""
     venv = TITAN_PYTHON.parent.parent
@@ -331,11 +392,19 @@ def parse(argv):
     p.add_argument("--probe-seconds", type=float, default=1.0, help="seconds per dtype of the matmul peak probe")
     p.add_argument("--no-bf16", action="store_true", help="fp32 only")
     p.add_argument("--keep", action="store_true", help="keep the work dir (logs)")
+    g = p.add_argument_group("torchtitan's own figure (benchmarks/gpu.sh; torchtitan's python, no nxdt)")
+    g.add_argument("--titan-flavor", help="run only torchtitan's llama3 flavor (1B, 8B, debugmodel) on --device")
+    g.add_argument("--titan-layers", type=int, default=0, help="its first N layers (0: all)")
+    g.add_argument("--titan-seq", type=int, default=2048)
+    g.add_argument("--titan-batch", type=int, default=1)
+    g.add_argument("--titan-compile", action="store_true", help="its per-block torch.compile + compiled loss")
+    g.add_argument("--device", default="cuda", help="--titan-flavor's device")
     p.add_argument("--worker", choices=("nxdt", "titan"), help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.worker:
+    if args.worker or args.titan_flavor:
+        args.steps = args.steps or 10
         return p, args
     names = (args.shapes or ("tiny" if args.quick else "debugmodel,reference")).split(",")
     bad = [n for n in names if n not in ("debugmodel", "reference", "tiny")]
@@ -345,7 +414,7 @@ def parse(argv):
     if args.quick:
         args.repeats = 1
     if args.steps is None:
-        args.steps = LOSS_STEPS - args.warmup + (1 if args.quick else 3)
+        args.steps = LOSS_STEPS - args.warmup  # the loss check needs 10 steps; no more
     if args.repeats < 1 or args.warmup < 1 or args.steps < 1 or args.probe_seconds <= 0:
         p.error("--repeats, --warmup and --steps must be >= 1, --probe-seconds > 0")
     return p, args
@@ -355,6 +424,8 @@ def main(argv=None) -> int:
     parser, args = parse(argv)
     if args.worker:
         return worker(args)
+    if args.titan_flavor:
+        return titan_own_figure(args)
     result = {"job": "pre-training", "peer": "torchtitan 0.3.0 llama3 (SDPA, AdamW)",
               "rows": [], "skipped": titan_missing()}
     if result["skipped"] is None:

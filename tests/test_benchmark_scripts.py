@@ -181,3 +181,31 @@ def test_peers_titan_job_says_skipped_without_its_venv(tmp_path, capfd, monkeypa
     rc, out, err = _main(peer_titan.main, ["--shapes", "debugmodel,huge"], capfd)
     assert rc == 2 and err.strip().splitlines()[-1].endswith(
         "error: --shapes: from debugmodel, reference, tiny (got debugmodel,huge)")
+
+
+def test_gpu_script_prints_its_commands_and_refuses_bad_arguments():
+    """benchmarks/gpu.sh --dry-run: the card, nxdt's 1B and 8B-cut runs (bf16, compiled, fused loss) and
+    torchtitan's 1B figure, run nothing; bad arguments: one line, exit 2."""
+    import subprocess  # reason: only this test starts bash
+
+    def gpu(*args):
+        return subprocess.run(["bash", str(REPO / "benchmarks" / "gpu.sh"), *args], capture_output=True, text=True,
+                              timeout=60)
+
+    done = gpu("--dry-run", "--steps", "7", "--python", "PY", "--titan-python", "TPY")
+    assert done.returncode == 0, done.stderr
+    cmds = done.stdout.splitlines()
+    assert [c.split()[1] for c in cmds] == ["nvidia-smi", "env", "env", "TPY"], cmds
+    for cmd, shape in zip(cmds[1:3], ("llama-3.2-1b", "llama-3.1-8b-8l")):
+        assert f"PY benchmarks/throughput.py --device cuda --shape {shape} --ways nxdt-mixed-chunks-compile" in cmd
+        assert "--steps 7" in cmd and shape in throughput_runs.SHAPES
+    assert "--titan-flavor 1B --titan-seq 2048 --titan-batch 4 --titan-compile --device cuda" in cmds[3]
+    only = gpu("--dry-run", "--only", "titan", "--titan-python", "TPY").stdout.splitlines()
+    assert len(only) == 2 and only[1].startswith("+ TPY benchmarks/peer_titan.py")
+    for bad, line in [(["--steps", "0"], "gpu.sh: --steps: a whole number >= 1 (got '0')"),
+                      (["--only", "1b,70b"], "gpu.sh: --only: from 1b,8b,titan (got '1b,70b')"),
+                      (["--python"], "gpu.sh: --python needs a path")]:
+        done = gpu(*bad)
+        assert done.returncode == 2 and done.stderr.splitlines() == [line] and not done.stdout, (bad, done)
+    done = gpu("--bogus")
+    assert done.returncode == 2 and done.stderr.startswith("gpu.sh: unknown argument '--bogus'")
