@@ -450,7 +450,10 @@ def drive(args, result: dict) -> dict:
     from throughput import measure_cpu_peaks, prepare_data
 
     torch.set_num_threads(THREADS)
+    from nxdt.hardware import machine_line
+
     peaks = measure_cpu_peaks(args.probe_seconds)
+    print(machine_line(peaks=peaks) + f" (measured now, {args.probe_seconds:g} s each)", flush=True)
     bf16 = not args.no_bf16 and peaks["bf16"] > peaks["fp32"]
     work = Path(tempfile.mkdtemp(prefix="nxdt-peer-titan-"))
     args.data_prefix = os.path.abspath(args.data_prefix or prepare_data(work / "data"))
