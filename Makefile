@@ -67,9 +67,10 @@ $(XLA_STAMP): pyproject.toml setup.py
 test-xla: $(XLA_STAMP)
 	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -q tests/xla $(ARGS)
 
-# Issue 40: nxdt against the tools a user would pick instead (benchmarks/peers.py). torchtitan 0.3.0
-# pins a torch nightly, so it gets its own venv: torch 2.13.0 as in .venv, torchtitan with --no-deps
-# and the packages it imports (tyro, spmd_types, einops, ...). TRL, peft and transformers run in .venv.
+# Issue 40: nxdt against the tools a user would pick instead (benchmarks/peers.py). torchtitan 0.3.0's
+# requirements (datasets < 4.8, torchdata, wandb, spmd_types==0.2.3, ...) are not nxdt's, so it gets its
+# own venv: torch 2.13.0 as in .venv, torchtitan with --no-deps and what its model and loop import
+# (triton: its model package imports it at the top). TRL, peft and transformers run in .venv.
 TITAN_VENV  := .venv-peers-titan
 TITAN_STAMP := $(TITAN_VENV)/.nxdt-installed
 TITAN_DEPS  := tyro spmd_types==0.2.3 einops triton numpy
