@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """SFT with packing and DPO: nxdt against TRL's `SFTTrainer` and `DPOTrainer` on the same tiny Llama (issue 40).
 
-    .venv/bin/python benchmarks/peer_trl.py --job sft                 # 3 interleaved repeats (~2 min on 2 cores)
-    .venv/bin/python benchmarks/peer_trl.py --job dpo                 # 3 interleaved repeats (~3 min on 2 cores)
+    .venv/bin/python benchmarks/peer_trl.py --job sft                 # 3 interleaved repeats (~70 s on 2 cores)
+    .venv/bin/python benchmarks/peer_trl.py --job dpo                 # 3 interleaved repeats (~100 s on 2 cores)
     .venv/bin/python benchmarks/peer_trl.py --job dpo --quick --peers-json out.json   # smoke run, one repeat
 
 It is not a test: the ratios are printed with PASS / MISS against the goals of issue 40, and
@@ -471,7 +471,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--job", choices=sorted(JOBS), required=True)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--steps", type=int, default=None, help="timed steps per run (default sft 8, dpo 6; --quick 1)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per run (default sft 6, dpo 5; --quick 1)")
     p.add_argument("--warmup-steps", type=int, default=None, help="untimed first steps (default 2; --quick 1)")
     p.add_argument("--quick", action="store_true", help="smoke run: a 2-layer model, 1 timed step, 1 repeat")
     p.add_argument("--peers-json", help="write the rows here (benchmarks/peers.py's format)")
@@ -482,7 +482,7 @@ def main(argv=None) -> int:
         p.add_argument(hidden, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.steps is None:
-        args.steps = 1 if args.quick else 8 if args.job == "sft" else 6
+        args.steps = 1 if args.quick else 6 if args.job == "sft" else 5
     if args.warmup_steps is None:
         args.warmup_steps = 1 if args.quick else 2
     if args.worker:
