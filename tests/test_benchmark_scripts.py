@@ -209,3 +209,32 @@ def test_gpu_script_prints_its_commands_and_refuses_bad_arguments():
         assert done.returncode == 2 and done.stderr.splitlines() == [line] and not done.stdout, (bad, done)
     done = gpu("--bogus")
     assert done.returncode == 2 and done.stderr.startswith("gpu.sh: unknown argument '--bogus'")
+# ---------------------------------------------------------------- issue 40: SFT and DPO against TRL (peer_trl.py)
+@pytest.mark.parametrize("job, ways, rows", [
+    ("sft", "nxdt,trl", ["tokens/s (packed, real tokens)"]),
+    # TRL's default mode is left out here (a third subprocess); its rows are the precomputed mode's
+    ("dpo", "nxdt,trl-precompute", ["training pairs/s vs TRL precompute_ref_log_probs=True",
+                                    "reference pass pairs/s vs TRL precompute_ref_log_probs=True",
+                                    "loss step 1 |diff|", "loss step 2 |diff|"]),
+])
+def test_peer_trl_quick_writes_the_shared_json_rows(job, ways, rows, tmp_path, capfd, monkeypatch):
+    """benchmarks/peer_trl.py --quick (smoke model, one timed step, one repeat): the peers-json file has
+    the job's rows with finite figures, in benchmarks/peers.py's format (the ratios are not judged here)."""
+    import json  # issue 40's block keeps its imports with it (other helpers edit this file's top)
+    import math  # the same reason
+
+    import peer_trl  # the same reason; benchmarks/ is on sys.path (above)
+
+    monkeypatch.chdir(REPO)
+    out_json = tmp_path / f"{job}.json"
+    rc, out, err = _main(peer_trl.main, ["--job", job, "--quick", "--ways", ways, "--peers-json", str(out_json)], capfd)
+    assert rc == 0, out[-3000:] + err[-3000:]
+    body = json.loads(out_json.read_text())
+    assert body["skipped"] is None and body["peer"].startswith("TRL ") and body["job"] in ("sft-packing", "dpo")
+    assert [r["what"] for r in body["rows"]] == rows, body
+    for r in body["rows"]:
+        assert all(math.isfinite(r[k]) for k in ("nxdt", "peer", "ratio")) and isinstance(r["pass"], bool), r
+        assert r["goal"].split()[0] in (">=", "<=") and r["nxdt"] > 0 and r["peer"] > 0, r
+    assert out.startswith("cpu: ") and "trl 1." in out
+    rc, out, err = _main(peer_trl.main, ["--job", job, "--ways", "nxdt,vllm"], capfd)
+    assert rc == 2 and "error: --ways:" in err

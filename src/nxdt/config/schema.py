@@ -382,7 +382,8 @@ class FusionsConfig:
     cross_entropy_chunk_size: Optional[int] = doc(
         None, "run the output layer and the cross entropy this many tokens at a time: the [batch, seq, vocab] "
               "logits never exist whole; a plain head computes each chunk's gradients in forward (fused, "
-              "no recomputation), a tensor-parallel or LoRA head recomputes the chunk in backward; "
+              "no recomputation), a tensor-parallel or LoRA head recomputes the chunk in backward; only the "
+              "tokens the loss scores are projected (prompts and padding skip the output layer; DPO too); "
               "null = all at once", ge=1)
 
 
