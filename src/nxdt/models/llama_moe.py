@@ -1,22 +1,27 @@
-"""LLaMA-MoE checkpoints (config.json `model_type: llama_moe`) as nxdt's native model: the model keys
-from their config.json, their tensors in nxdt's names. What nxdt does not build is refused in one
-line (ValueError) before anything is written.
+"""LLaMA-MoE checkpoints (config.json `model_type: llama_moe`, or its residual variant
+`llama_moe_residual`) as nxdt's native model: the model keys from their config.json, their tensors in
+nxdt's names. What nxdt does not build is refused in one line (ValueError) before anything is written.
 
 From pjlab-sys4nlp/llama-moe at b17aff43: smoe/models/llama_moe/configuration_llama_moe.py
 (LlamaMoEConfig) and modeling_llama_moe.py (LlamaMoEDecoderLayer: transformers' Llama with
-`mlp = LinearGLUMoELayer(bias=False)` in every layer), smoe/modules/moe/moe_layers.py,
-moe_gates.py (get_gate_network, TopKBalancedNoisyGate), moe_calculators.py (UniversalCalculator),
-moe_experts.py (LinearGLUExperts). Their parameter names, per layer i and expert e:
+`mlp = LinearGLUMoELayer(bias=False)` in every layer), smoe/models/llama_moe_residual (the same with
+`mlp = LinearGLUMoEResidualLayer`: `moe_layer` + `residual_block`), smoe/modules/moe/moe_layers.py,
+moe_gates.py (get_gate_network, TopKBalancedNoisyGate, SwitchBalancedGate), moe_calculators.py
+(UniversalCalculator, SwitchDropTokenCalculator), moe_experts.py (LinearGLUExperts). Their parameter
+names, per layer i and expert e (residual variant: under `mlp.moe_layer.`):
 
     mlp.gate.gate_network.weight                 [E, H]   gate_network linear
     mlp.gate.gate_network.0.weight / .2.weight   [E, H] / [E, E]   gate_network mlp (Linear, Tanh, Linear)
     mlp.gate.weight_noise.weight                 [E, H]   gate_add_noise
     mlp.calculator.experts.weight_gate.e / weight_up.e   [size_e, H]
     mlp.calculator.experts.weight_down.e                  [H, size_e]
+    mlp.calculator.mlp_norm.weight               [1] / [H]   add_weight_norm
+    mlp.residual_block.gate.gate_network.weight, mlp.residual_block.calculator.experts.*   residual block
 
-become nxdt's `mlp.gate.weight`, `mlp.gate.weight_out`, `mlp.gate.weight_noise` and the stacked
-`mlp.experts.gate_up_proj` [E, 2F, H] (gate rows, then up rows) and `mlp.experts.down_proj` [E, H, F].
-Attention, norms, embeddings and head keep transformers' Llama names, as nxdt's.
+become nxdt's `mlp.gate.weight`, `mlp.gate.weight_out`, `mlp.gate.weight_noise`, the stacked
+`mlp.experts.gate_up_proj` [E, 2F, H] (gate rows, then up rows) and `mlp.experts.down_proj` [E, H, F]
+(each expert zero-padded to the widest, F), `mlp.weight_norm.weight` and `mlp.residual_block.*`
+(nxdt.models.moe_calculators). Attention, norms, embeddings and head keep transformers' Llama names.
 """
 
 from __future__ import annotations
@@ -102,6 +107,13 @@ def _checks(hf: dict[str, Any]) -> None:
         raise _no(f"gate_type={hf['gate_type']!r} (nxdt builds {' and '.join(_GATES)})")
     if hf.get("calculator_type", "UniversalCalculator") not in CALCULATORS:
         raise _no(f"calculator_type={hf['calculator_type']!r} (nxdt builds {' and '.join(CALCULATORS)})")
+    switch_gate = hf.get("gate_type", "TopKBalancedNoisyGate") == "SwitchBalancedGate"
+    if switch_gate and hf.get("calculator_type", "UniversalCalculator") == "UniversalCalculator":
+        raise _no("SwitchBalancedGate with UniversalCalculator: LLaMA-MoE's forward fails (the calculator reads "
+                  "num_selects from the gate's 1-D expert indices); use SwitchDropTokenCalculator")
+    if hf.get("calculator_type") == "SwitchDropTokenCalculator" and int(hf.get("num_selects", 4)) != 1:
+        raise _no(f"SwitchDropTokenCalculator with num_selects {hf.get('num_selects', 4)}: LLaMA-MoE's forward fails "
+                  f"(one score per token expected)")
     if hf.get("gate_network", "mlp").lower() not in ("linear", "mlp"):
         raise ValueError(f"gate_network={hf['gate_network']!r}: LLaMA-MoE has linear and mlp")
 
