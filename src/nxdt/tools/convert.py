@@ -43,7 +43,7 @@ from nxdt.checkpoint.checkpointer import load_weights, save_weights
 from nxdt.checkpoint.locate import resolve_checkpoint
 from nxdt.config.errors import ConfigError
 from nxdt.models.deepseek_v3 import DEEPSEEK_V3_MODEL_TYPES, deepseek_v3_model_keys, mtp_notice
-from nxdt.models.llama_moe import llama_moe_model_keys, llama_moe_to_native
+from nxdt.models.llama_moe import MODEL_TYPES as LLAMA_MOE_MODEL_TYPES, llama_moe_model_keys, llama_moe_to_native
 from nxdt.models.lora import is_lora_key
 from nxdt.models.neox import neox_model_keys, neox_to_native
 from nxdt.models.qwen3 import QWEN3_MODEL_TYPES, fuse_experts, qwen3_model_keys
@@ -53,7 +53,7 @@ from nxdt.tools.hf_folder import check_output_free, copy_tokenizer, hf_config_fo
 
 NXDT_MODEL_FILE = "nxdt_model.yaml"
 # config.json model_types whose weights an nxdt model loads (both sources; qwen3*, gpt_neox also native)
-HF_MODEL_TYPES = ("llama", "mistral", "mixtral", "gpt_neox", "llama_moe") + QWEN3_MODEL_TYPES + DEEPSEEK_V3_MODEL_TYPES
+HF_MODEL_TYPES = ("llama", "mistral", "mixtral", "gpt_neox") + LLAMA_MOE_MODEL_TYPES + QWEN3_MODEL_TYPES + DEEPSEEK_V3_MODEL_TYPES
 
 
 def parse_size(text: str) -> int:
@@ -96,7 +96,7 @@ def hf_to_nxdt(input_dir: Path, output: Path) -> dict[str, Any] | None:
         except (ValueError, KeyError) as err:
             raise ConfigError(f"{input_dir}: cannot convert this {model_type} model: {err}") from None
         meta["nxdt_model"] = nxdt_model
-    if model_type == "llama_moe":  # LLaMA-MoE (nxdt.models.llama_moe)
+    if model_type in LLAMA_MOE_MODEL_TYPES:  # LLaMA-MoE and its residual variant (nxdt.models.llama_moe)
         try:
             nxdt_model = {"model_source": "megatron", "model": llama_moe_model_keys(hf_config)}
             tensors = llama_moe_to_native(tensors, hf_config)
