@@ -228,8 +228,8 @@ def _moe_cfg(**moe):
     ({"routing_algorithm": "sinkhorn", "top_k": 2}, {}, r"sinkhorn picks one expert per token: model.moe.top_k must be 1"),
     ({"capacity_factor": 0.0}, {}, r"model.moe.capacity_factor: must be > 0"),
     ({"frequency": 0}, {}, r"model.moe.frequency: must be >= 1"),
-    ({}, {"context_parallel_size": 2}, r"'distributed_strategy.context_parallel_size' > 1 with model.moe "
-                                       r"is not supported yet"),
+    ({"capacity_factor": 2.0}, {"context_parallel_size": 2},
+     r"'distributed_strategy.context_parallel_size' > 1 with model.moe.capacity_factor .* is not supported yet"),
     ({"num_experts": 3, "top_k": 1}, {"expert_model_parallel_size": 2},
      r"model.moe.num_experts \(3\) is not divisible by distributed_strategy.expert_model_parallel_size \(2\)"),
     ({"num_experts": 0}, {"expert_model_parallel_size": 2},
