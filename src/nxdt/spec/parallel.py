@@ -121,8 +121,7 @@ def check_accelerator_installed(cfg: Any) -> None:
 
 def check_xla_devices(cfg: Any, layout: Layout) -> None:
     """Several XLA devices run as one SPMD process per host (nxdt.parallel.xla_spmd): dp, FSDP, ZeRO-1,
-    tp (+ sp) and ep have a sharding form; pipeline and context parallel, several hosts and the
-    checkpoint callback do not yet."""
+    tp (+ sp) and ep have a sharding form; pipeline and context parallel and several hosts do not yet."""
     tr = cfg.trainer
     if tr.devices * tr.num_nodes == 1 or backend_of(cfg) != "xla":
         return
@@ -130,8 +129,6 @@ def check_xla_devices(cfg: Any, layout: Layout) -> None:
     unbuilt = [f"{key} = {size}" for key, size in (
         ("distributed_strategy.pipeline_model_parallel_size", layout.pp),
         ("distributed_strategy.context_parallel_size", layout.cp), ("trainer.num_nodes", tr.num_nodes)) if size > 1]
-    if cfg.exp_manager.create_checkpoint_callback:  # the SPMD checkpoint is xla_spmd.save_checkpoint (DCP)
-        unbuilt.append("exp_manager.create_checkpoint_callback = true (the checkpoint callback)")
     if unbuilt:
         raise ConfigError(f"trainer.accelerator {on} with {tr.devices * tr.num_nodes} devices: {unbuilt[0]} is "
                           "not supported yet on XLA (SPMD builds data, fully sharded, ZeRO-1, tensor, sequence "
