@@ -126,6 +126,16 @@ def build_xla_strategy(layout: Any):
         optimizer_state = NxdtStrategy.optimizer_state
         save_checkpoint = NxdtStrategy.save_checkpoint
         load_checkpoint = NxdtStrategy.load_checkpoint
+        # the reader loads the model and optimizer itself (after setup: the model sharded, the
+        # optimizer made), as under ModelParallelStrategy; Lightning restores the rest of the trainer state
+        restore_checkpoint_after_setup = True
+        lightning_restore_optimizer = False
+
+        def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+            pass
+
+        def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+            pass
 
         @staticmethod
         def dcp_planner(kind: str):
