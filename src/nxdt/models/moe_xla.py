@@ -5,8 +5,9 @@ combine their outputs. nxdt.models.moe.LlamaMoE takes this path on an XLA device
 Why: the CPU/CUDA path groups the (token, slot) assignments by expert (nonzero, argsort, bincount,
 per-expert row counts read on the host, index_add). Its shapes depend on the routing, which XLA
 compiles as a new graph per shape or cannot lower at all: with torch-xla 2.9 even a one-device
-tiny MoE aborts (`shape.h:848 Check failed: buffer != nullptr`: the grouped matmuls write into
-views of an uninitialised `new_empty` buffer through `out=`). Here every shape is fixed by
+tiny MoE aborts (`shape.h:848 Check failed: buffer != nullptr`) when nonzero's data-dependent result
+feeds index_select / argsort in the same traced graph (each op alone, with a graph cut after
+nonzero, runs; bisected on XLA:CPU). Here every shape is fixed by
 (tokens, experts, hidden, ffn): three einsums and a one-hot comparison, which XLA compiles once
 and which GSPMD partitions over the expert dimension when the experts are sharded over "ep"
 (nxdt.parallel.xla_spmd) — the expert-parallel layout is a sharding, not an all-to-all.

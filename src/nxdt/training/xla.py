@@ -14,10 +14,10 @@ The order of a run on XLA (interface §1, §7):
    scalars go through `nxdt.observability.step_scalars.StepClosureLogger` (a step closure, run after the graph has executed),
    so logging adds no graph execution (tests/xla/test_xla_logging.py counts them).
 4. Checkpoints go through the usual callback and nxdt.checkpoint's writer and reader (the strategy
-   below borrows NxdtStrategy's checkpoint methods): DCP, under SPMD with torch-xla's SPMD planners
-   (each shard written once, from its device), a plain DCP checkpoint a CPU/CUDA run of any layout
-   loads; with `exp_manager.save_xser` torch_xla's serialization (nxdt.device's `save_xser` /
-   `load_xser`: one file per tensor, loadable without the device that wrote them).
+   below borrows NxdtStrategy's checkpoint methods): DCP, or with `exp_manager.save_xser`
+   torch_xla's serialization (nxdt.device's `save_xser` / `load_xser`: one file per tensor, loadable
+   without the device that wrote them). Under SPMD the writer would take torch-xla's SPMD planners
+   (`dcp_planner`), but the callback is refused there for now (docs/xla.md, "Checkpoints").
 """
 
 from __future__ import annotations
