@@ -66,3 +66,23 @@ $(XLA_STAMP): pyproject.toml setup.py
 .PHONY: test-xla
 test-xla: $(XLA_STAMP)
 	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -q tests/xla $(ARGS)
+
+# Issue 40: nxdt against the tools a user would pick instead (benchmarks/peers.py). torchtitan 0.3.0's
+# requirements (datasets < 4.8, torchdata, wandb, spmd_types==0.2.3, ...) are not nxdt's, so it gets its
+# own venv: torch 2.13.0 as in .venv, torchtitan with --no-deps and what its model and loop import
+# (triton: its model package imports it at the top). TRL, peft and transformers run in .venv.
+TITAN_VENV  := .venv-peers-titan
+TITAN_STAMP := $(TITAN_VENV)/.nxdt-installed
+TITAN_DEPS  := tyro spmd_types==0.2.3 einops triton numpy
+PEERS_ARGS  ?=
+
+$(TITAN_STAMP):
+	test -x $(TITAN_VENV)/bin/python || $(PYTHON) -m venv $(TITAN_VENV)
+	$(TITAN_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(TITAN_VENV)/bin/python -m pip install -q --no-deps torchtitan==0.3.0
+	$(TITAN_VENV)/bin/python -m pip install -q $(TITAN_DEPS)
+	touch $(TITAN_STAMP)
+
+.PHONY: bench-peers
+bench-peers: setup $(TITAN_STAMP)
+	$(BIN)/python benchmarks/peers.py $(PEERS_ARGS)

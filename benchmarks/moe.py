@@ -5,6 +5,7 @@ transformers' Mixtral with each of its experts implementations (issue 13, delive
     .venv/bin/python benchmarks/moe.py              # layer and model, 7 interleaved repeats, medians
     .venv/bin/python benchmarks/moe.py --quick      # smoke run: small shapes, 1 repeat, a few seconds
     .venv/bin/python benchmarks/moe.py --sections layer --repeats 9
+    .venv/bin/python benchmarks/moe.py --sections families   # DeepSeek-V3's and Qwen3-MoE's MoE layers
 
 It is not a test. Goal: nxdt ≥ the fastest of transformers' implementations and ≥ 1.5× `eager`
 at 8 experts, top-2, fp32.
@@ -80,6 +81,92 @@ QUICK = {
               Shape("model, small batch", hidden=128, ffn=352, batch=1, seq=32, layers=2, heads=4, kv_heads=2,
                     vocab=1024)],
 }
+
+
+# DeepSeek-V3's and Qwen3-MoE's MoE layers (issue 36): nxdt's layer as its native model builds it from the
+# transformers config, against transformers' DeepseekV3MoE / Qwen3MoeSparseMoeBlock with the same weights.
+# Proportions of the published models scaled down: many narrow experts (expert width 0.29 x hidden in
+# DeepSeek-V3, 0.375 x in Qwen3-30B-A3B), 16 experts top-4; DeepSeek-V3 also: sigmoid scores in 4 groups,
+# a token's experts within its 2 best groups, a score bias (loss-free balancing's, random), x 2.5, one shared expert.
+FAMILY_EXPERTS, FAMILY_TOP_K = 16, 4
+
+
+@dataclass
+class FamilyShape(Shape):
+    family: str = "deepseek_v3"
+
+    def describe(self) -> str:
+        extra = ", 4 groups top-2, 1 shared expert, sigmoid x 2.5" if self.family == "deepseek_v3" else ", softmax"
+        return (f"{self.family} layer: hidden {self.hidden}, expert ffn {self.ffn}, {FAMILY_EXPERTS} experts "
+                f"top-{FAMILY_TOP_K}{extra}, batch {self.batch} x seq {self.seq} = {self.tokens} tokens")
+
+
+FAMILIES = {
+    "full": [FamilyShape("DeepSeek-V3 layer", hidden=512, ffn=160, batch=2, seq=512, family="deepseek_v3"),
+             FamilyShape("DeepSeek-V3 layer, small batch", hidden=512, ffn=160, batch=1, seq=64, family="deepseek_v3"),
+             FamilyShape("Qwen3-MoE layer", hidden=512, ffn=192, batch=2, seq=512, family="qwen3_moe"),
+             FamilyShape("Qwen3-MoE layer, small batch", hidden=512, ffn=192, batch=1, seq=64, family="qwen3_moe")],
+    "quick": [FamilyShape("DeepSeek-V3 layer", hidden=128, ffn=48, batch=2, seq=128, family="deepseek_v3"),
+              FamilyShape("Qwen3-MoE layer", hidden=128, ffn=48, batch=2, seq=128, family="qwen3_moe")],
+}
+
+
+def _family_config(s: FamilyShape, impl: str):
+    import transformers
+
+    common = dict(vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=4 * s.hidden, moe_intermediate_size=s.ffn,
+                  num_attention_heads=s.heads, num_key_value_heads=s.heads, num_experts_per_tok=FAMILY_TOP_K,
+                  norm_topk_prob=True, max_position_embeddings=max(s.seq, 64), experts_implementation=impl)
+    if s.family == "deepseek_v3":
+        return transformers.DeepseekV3Config(
+            **common, num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=FAMILY_EXPERTS, n_group=4,
+            topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=48,
+            qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, rope_scaling=None)
+    return transformers.Qwen3MoeConfig(**common, num_hidden_layers=1, num_experts=FAMILY_EXPERTS, head_dim=64,
+                                       decoder_sparse_step=1, mlp_only_layers=[])
+
+
+def _family_layers(s: FamilyShape, impls: list[str]) -> list["Way"]:
+    """nxdt's MoE layer (its native model's, built from the transformers config) and transformers' block
+    per experts implementation, the same state dict in each."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    from nxdt.models import build_model
+    from nxdt.models.deepseek_v3 import deepseek_v3_model_keys
+    from nxdt.models.qwen3 import qwen3_model_keys
+    from nxdt.spec import config_from_dict
+
+    torch.manual_seed(0)
+    hf_dict = _family_config(s, "eager").to_dict()
+    keys = deepseek_v3_model_keys(hf_dict) if s.family == "deepseek_v3" else qwen3_model_keys(hf_dict)
+    model = build_model(config_from_dict({"model_source": "megatron", "model": keys}), s.vocab)
+    layer = model.model.layers[len(model.model.layers) - 1].mlp.train()
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            torch.nn.init.normal_(p, std=0.02)
+        bias = getattr(layer.gate, "e_score_correction_bias", None)
+        if bias is not None:
+            bias.normal_(std=0.01, generator=torch.Generator().manual_seed(3))
+    ways = [Way("nxdt", layer)]
+    cls = DeepseekV3MoE if s.family == "deepseek_v3" else Qwen3MoeSparseMoeBlock
+    for impl in impls:
+        block = cls(_family_config(s, impl)).train()
+        block.load_state_dict(layer.state_dict(), strict=True)
+        ways.append(Way(f"hf-{impl}", block))
+    return ways
+
+
+def run_family(s: FamilyShape, args) -> dict:
+    impls = args.impls.split(",")
+    big = "batched_mm" in impls and _batched_mm_gib(s) > args.max_gib
+    skipped = [f"hf-batched_mm: skipped, it would hold ~{_batched_mm_gib(s):.1f} GiB of per-(token, slot) weight "
+               f"copies (> --max-gib {args.max_gib:g})"] if big else []
+    ways = _family_layers(s, [i for i in impls if i != "batched_mm" or not big])
+    batch = make_batch(s)
+    diffs = agreement(ways, batch)
+    tok_s = measure(ways, batch, s.tokens, args.target_s, args.repeats)
+    return report(s, tok_s, diffs, skipped, goal_eager=1.0)
 
 
 # --------------------------------------------------------------------------- building the ways
@@ -286,7 +373,8 @@ def expert_parallel(args) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small shapes, 1 repeat (a smoke run)")
-    p.add_argument("--sections", default="layer,model", help="comma list from layer, model, ep")
+    p.add_argument("--sections", default="layer,model,families",
+                   help="comma list from layer, model, families (DeepSeek-V3's and Qwen3-MoE's layers), ep")
     p.add_argument("--impls", default=",".join(IMPLEMENTATIONS), help="transformers' experts implementations")
     p.add_argument("--target-s", type=float, default=None,
                    help="seconds of timed steps per way per repeat (default 0.5; quick 0.05)")
@@ -308,6 +396,10 @@ def main(argv=None) -> None:
     for section in args.sections.split(","):
         if section == "ep":
             expert_parallel(args)
+            continue
+        if section == "families":
+            for s in FAMILIES["quick" if args.quick else "full"]:
+                run_family(s, args)
             continue
         for s in shapes[section]:
             run_shape(s, args)

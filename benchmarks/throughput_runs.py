@@ -70,6 +70,10 @@ SHAPES = {
                           vocab=128256, tied=True, rope_theta=500000.0, about="Llama-3.2-1B"),
     "llama-3.1-8b": Shape(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, seq=8192, micro_batch=1,
                           vocab=128256, rope_theta=500000.0, activation_checkpointing=True, about="Llama-3.1-8B"),
+    # its first 8 layers: what one 80 GB card holds with fp32 weights and AdamW (benchmarks/gpu.sh)
+    "llama-3.1-8b-8l": Shape(hidden=4096, layers=8, heads=32, kv_heads=8, ffn=14336, seq=8192, micro_batch=1,
+                             vocab=128256, rope_theta=500000.0, activation_checkpointing=True,
+                             about="Llama-3.1-8B, first 8 layers"),
 }
 
 

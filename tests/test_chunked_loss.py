@@ -1,7 +1,8 @@
 """The chunked output layer + cross entropy (issue 19, `model.fusions.cross_entropy_chunk_size`):
 equal to `F.cross_entropy` on the full logits (values and gradients within 1e-6) both fused (the
 gradients computed in forward, backward running no matmul under the training loss's mean) and
-recomputed (any other weighting, or a head it cannot fuse); bf16 under autocast and with bf16
+recomputed (any other weighting, or a head it cannot fuse); rows whose label is ignored (prompt,
+padding) skipping the output layer; bf16 under autocast and with bf16
 weights; never saving the whole logits for backward; the same training curve as the full loss, and
 its bad input. The FSDP + activation-checkpointing layout with it is in tests/test_parallel_layouts.py
 (`fsdp_dp2_ac_chunk2`; with tensor parallelism `tp2_dp2_zero1`, and with sequence parallel
@@ -74,6 +75,45 @@ def test_equal_to_cross_entropy_on_the_full_logits_values_and_gradients(chunk, w
     torch.testing.assert_close(head.weight.grad, want[1], rtol=1e-6, atol=1e-6)
     chunks = -(-labels.numel() // chunk)
     assert backward_matmuls == (0 if weighting == "mean" else 3 * chunks), backward_matmuls
+
+
+def _logit_rows_in(fn, vocab: int) -> int:
+    """How many rows of logits ([n, vocab] matmul outputs) `fn` computes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Rows(TorchDispatchMode):
+        rows = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm) and out.shape[-1] == vocab:
+                Rows.rows += out.shape[0]
+            return out
+
+    with Rows():
+        fn()
+    return Rows.rows
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_rows_whose_label_is_ignored_skip_the_output_layer(fuse):
+    """Prompt and padding rows (label -100) are not projected: the forward computes logits for the
+    scored rows only (27 of 74 here), and the losses (0 on the others) and gradients are the full path's."""
+    h, head, labels = _problem()
+    labels[0, :30] = -100
+    labels[1, 20:] = -100
+    scored = int((labels != -100).sum())
+    full = F.cross_entropy(head(h).float().flatten(0, 1), labels.flatten(), reduction="none").view(labels.shape)
+    full.sum().backward()
+    want = h.grad.clone(), head.weight.grad.clone()
+    h.grad, head.weight.grad = None, None
+    out = {}
+    assert _logit_rows_in(lambda: out.update(got=chunked_cross_entropy(h, head, labels, 16, fuse=fuse)), 1000) == scored
+    out["got"].sum().backward()
+    torch.testing.assert_close(out["got"], full, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(h.grad, want[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(head.weight.grad, want[1], rtol=1e-6, atol=1e-6)
+    assert float(h.grad[0, :30].abs().sum()) == 0.0
 
 
 @pytest.mark.parametrize("preset", ["autocast", "bf16 weights"])
@@ -156,6 +196,10 @@ def test_a_run_with_it_logs_the_full_losses_curve(kjv_prefix, tmp_path):
     (["model.fusions.cross_entropy_chunk_size=-4"], "model.fusions.cross_entropy_chunk_size"),
     (["model.fusions.cross_entropy_chunk_size=512", "distributed_strategy.pipeline_model_parallel_size=2",
       "trainer.devices=2"], "model.fusions.cross_entropy_chunk_size with distributed_strategy.pipeline_model_parallel_size"),
+    (["model.fusions.cross_entropy_chunk_size=512", "+model_alignment_strategy.orpo.beta=0.1"],
+     "model.fusions.cross_entropy_chunk_size with ORPO"),
+    (["model.fusions.cross_entropy_chunk_size=512", "+model_alignment_strategy.dpo.kl_beta=0.1",
+      "distributed_strategy.tensor_model_parallel_size=2"], "model.fusions.cross_entropy_chunk_size with DPO and"),
 ])
 def test_bad_chunk_sizes_and_layouts_are_one_line(overrides, says):
     with pytest.raises(ConfigError) as err:

@@ -94,7 +94,7 @@ def test_tiny_config_full_validation(tmp_path, monkeypatch):
 
 def test_not_supported_check_is_skippable():
     # a combination validation refuses as not built ('not supported yet'), skippable for tools such as plan
-    moe_cp = ["model.moe.num_experts=4", "distributed_strategy.context_parallel_size=2"]
+    moe_cp = ["model.moe.num_experts=4", "model.moe.capacity_factor=1.25", "distributed_strategy.context_parallel_size=2"]
     assert "is not supported yet" in error(*moe_cp, name="megatron_llama_7B_config", world_size=None)
     cfg = load(*moe_cp, name="megatron_llama_7B_config", world_size=None, check_supported=False)
     assert cfg.distributed_strategy.context_parallel_size == 2

@@ -263,3 +263,79 @@ def test_bias_update_sums_loads_and_logs_per_layer():
                       "moe/layer0/load_std": pytest.approx(0.3062, abs=1e-4)}
     assert moe.stats.take_load() is None  # taken
     assert "layers.0.mlp.gate.e_score_correction_bias" in block.state_dict()  # a buffer: checkpointed
+
+
+def test_mixtral_export_with_a_loss_free_bias(tmp_path):
+    """A native Mixtral-style checkpoint trained loss-free exports to transformers' Mixtral (a router without a
+    bias) only while its bias is zero (dropped: the same picks, logits within 1e-5); a moved bias is refused in
+    one line, since folding it into the gate is not exact for top-k selection."""
+    from transformers import AutoModelForCausalLM
+
+    from nxdt.checkpoint.checkpointer import save_weights
+    from nxdt.config import to_yaml
+    from nxdt.tools.convert import nxdt_to_hf
+
+    keys = {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 96, "num_attention_heads": 4, "num_kv_heads": 2,
+            "max_position_embeddings": 64, "make_vocab_size_divisible_by": 8,
+            "moe": {"num_experts": 4, "top_k": 2, "load_balancing": "loss_free"}}
+    cfg = config_from_dict({"model_source": "megatron", "model": keys,
+                            "data": {"tokenizer": {"library": "huggingface", "type": str(TOKENIZER_DIR)}}})
+    torch.manual_seed(0)
+    model = init_model_weights(build_model(cfg, vocab_size=8192, device="meta"), device="cpu").eval()
+    ids = torch.arange(24).reshape(2, 12) * 37 % 8192
+    for moved in (False, True):
+        with torch.no_grad():
+            model.model.layers[1].mlp.gate.e_score_correction_bias.copy_(torch.tensor([0.0, 0.0, 0.3, -0.2]) * moved)
+        ckpt, out = tmp_path / f"ckpt{moved}", tmp_path / f"hf{moved}"
+        save_weights(model.state_dict(), ckpt)
+        (ckpt / "config.yaml").write_text(to_yaml(cfg))
+        if moved:
+            with pytest.raises(ConfigError) as info:
+                nxdt_to_hf(ckpt, out, max_shard_bytes=10**9)
+            assert str(info.value) == (
+                f"nxdt-to-hf: {ckpt} was trained with model.moe.load_balancing loss_free and its selection bias "
+                "(model.layers.1.mlp.gate.e_score_correction_bias) is not zero: transformers' mixtral router has no "
+                "bias and folding it into the gate is not exact for top-k selection; nothing written")
+            assert not out.exists()
+            continue
+        nxdt_to_hf(ckpt, out, max_shard_bytes=10**9)
+        reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="sdpa").eval()
+        assert json.loads((out / "config.json").read_text())["model_type"] == "mixtral"
+        with torch.no_grad():
+            assert (reloaded(input_ids=ids).logits - logits_of(model(input_ids=ids))).abs().max().item() < 1e-5
+
+
+def test_mla_decoding_caches_the_latent():
+    """Incremental decoding (prefill of 8 tokens, then 4 one at a time, left padding in one row) caches per
+    layer the normed latent and the rotated shared key, kv_lora_rank + qk_rope_head_dim = 24 numbers per
+    token instead of heads x (qk_head_dim + v_head_dim) = 144: its logits equal the whole sequence's forward
+    within 1e-5 (the path that caches nothing), and the greedy continuation of nxdt's generate equals
+    transformers' (whose cache holds full keys and values)."""
+    from nxdt.models.kv_cache import KVCache
+
+    hf = _random_hf()
+    model, _ = _native_twin(hf)
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(5))
+    valid = torch.ones(2, 8, dtype=torch.bool)
+    valid[1, :2] = False  # row 1's prompt is 6 tokens, left-padded
+    cache = KVCache(max_length=12, valid=valid)
+    pos = (valid.long().cumsum(1) - 1).clamp(min=0)  # row 1's tokens from position 0, as nxdt's generate
+    with torch.no_grad():
+        steps = [logits_of(model(input_ids=ids[:, :8], position_ids=pos, kv_cache=cache))]
+        steps += [logits_of(model(input_ids=ids[:, t:t + 1], position_ids=pos[:, -1:] + t - 7, kv_cache=cache))
+                  for t in range(8, 12)]
+        full = logits_of(model(input_ids=ids))
+        row1 = logits_of(model(input_ids=ids[1:, 2:]))  # row 1 unpadded, positions from 0
+    decoded = torch.cat(steps, dim=1)
+    assert (decoded[0] - full[0]).abs().max().item() < 1e-5
+    assert (decoded[1, 2:] - row1[0]).abs().max().item() < 1e-5
+    latent, rot = cache._keys[1], cache._values[1]  # what the cache holds for layer 1
+    assert tuple(latent.shape) == (2, 1, 12, 16) and tuple(rot.shape) == (2, 1, 12, 8)
+    with torch.no_grad():  # greedy decoding, transformers' own cache vs nxdt's latent one
+        want = hf.generate(ids[:1, :8], max_new_tokens=6, do_sample=False, use_cache=True)[0, 8:]
+        got, cache = [], KVCache(max_length=14, batch_size=1)
+        nxt = logits_of(model(input_ids=ids[:1, :8], kv_cache=cache))[:, -1].argmax(-1)
+        for _ in range(6):
+            got.append(int(nxt))
+            nxt = logits_of(model(input_ids=nxt[:, None], kv_cache=cache))[:, -1].argmax(-1)
+    assert got == want.tolist()

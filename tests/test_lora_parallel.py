@@ -16,8 +16,9 @@ after 3 AdamW steps equal one process's with the same weights and batch:
                  adapters updated (one process's dropout masks are not reproduced, nor meant to be)
     moe_ep2      a native Mixtral-style model with adapters on its experts (peft's target_parameters:
     moe_fsdp     gate_up_proj and down_proj, per expert) and on qkv_proj, under ep2 (the expert adapters
-                 sharded with their experts) and FSDP dp2: the losses of 6 AdamW steps and the first
-                 gradients equal one process's
+    moe_tp2      sharded with their experts), FSDP dp2 and tp2 (each expert's F split: gate_up_proj's B by
+                 rows, down_proj's A by columns, the other factors whole, their gradients summed over tp):
+                 the losses of 6 AdamW steps and the first gradients equal one process's
 
 The config-level layouts (10 training steps through the run, pipeline included) are the run's tests.
 """
@@ -39,7 +40,7 @@ from conftest import exit_worker, run_worker  # noqa: E402
 V = 512
 TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 LAYOUTS = ["tp2", "tp2_sp", "tp2_kv1", "fsdp", "zero1", "hf_tp2", "pp2"]
-MOE_LAYOUTS = ["moe_ep2", "moe_fsdp"]
+MOE_LAYOUTS = ["moe_ep2", "moe_fsdp", "moe_tp2"]
 EXPERT_TARGETS = ["experts.gate_up_proj", "experts.down_proj"]
 
 
@@ -106,6 +107,10 @@ def test_lora_on_experts_layout_matches_one_process(results, layout):
         from torch.distributed.tensor import Shard
 
         assert r["placements"] == [str(Shard(0))] * 4 and r["local_experts"] == 2, r
+    if layout == "moe_tp2":  # lora_A.gate_up_proj, lora_A.down_proj, lora_B.gate_up_proj, lora_B.down_proj
+        from torch.distributed.tensor import Replicate, Shard
+
+        assert r["placements"] == [str(p) for p in (Replicate(), Shard(2), Shard(1), Replicate())], r
 
 
 # ----------------------------------------------------------------------------- the worker
@@ -301,13 +306,13 @@ def _moe_case(layout: str, rank: int) -> dict:  # pragma: no cover - under torch
     from nxdt.spec import config_from_dict
     from nxdt.spec.layout import Layout
 
-    ep = layout == "moe_ep2"
+    ep, tp = layout == "moe_ep2", layout == "moe_tp2"
     cfg = config_from_dict({
         "model_source": "megatron", "precision": {"type": "fp32"},
         "model": {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 96, "num_attention_heads": 4,
                   "num_kv_heads": 2, "make_vocab_size_divisible_by": 8, "moe": {"num_experts": 4, "top_k": 2}},
-        "distributed_strategy": {"expert_model_parallel_size": 2 if ep else 1,
-                                 "sharding_strategy": None if ep else "FSDP"}})
+        "distributed_strategy": {"expert_model_parallel_size": 2 if ep else 1, "tensor_model_parallel_size": 2 if tp else 1,
+                                 "sharding_strategy": None if ep or tp else "FSDP"}})
 
     def lora_model():
         torch.manual_seed(0)
@@ -321,10 +326,10 @@ def _moe_case(layout: str, rank: int) -> dict:  # pragma: no cover - under torch
         return model
 
     ref = lora_model()
-    mesh = build_mesh(Layout(dp_replicate=2, ep=2) if ep else Layout(dp_shard=2), "cpu")
+    mesh = build_mesh(Layout(dp_replicate=2, ep=2) if ep else Layout(tp=2) if tp else Layout(dp_shard=2), "cpu")
     model = parallelize_llama(lora_model(), mesh, cfg)
     ids = torch.randint(0, V, (4, 16), generator=torch.Generator().manual_seed(1))
-    mine = ids[2 * rank:2 * rank + 2]
+    mine = ids if tp else ids[2 * rank:2 * rank + 2]  # tp: every rank the whole batch
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     before = {n: _full(p).detach().clone() for n, p in model.named_parameters()}
@@ -352,6 +357,9 @@ def _moe_case(layout: str, rank: int) -> dict:  # pragma: no cover - under torch
         experts = next(iter(lora_experts(model).values()))
         out["placements"] = [str(p.placements[0]) for n, p in experts.named_parameters() if ".lora_" in f".{n}"]
         out["local_experts"] = experts.lora_A.gate_up_proj.to_local().shape[0]
+    if tp:
+        experts = next(iter(lora_experts(model).values()))
+        out["placements"] = [str(p.placements[0]) for n, p in experts.named_parameters() if ".lora_" in f".{n}"]
     return out
 
 

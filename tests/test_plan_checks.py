@@ -104,9 +104,12 @@ def test_missing_model_config_names_its_path_once(capsys, tmp_path):
 
 
 REFUSED = {
-    "MoE with cp > 1": ("hf_mixtral_8x7b_config", ["distributed_strategy.context_parallel_size=2"],
-                        "error: 'distributed_strategy.context_parallel_size' > 1 with model.moe is not supported yet "
-                        "(got 2)"),
+    "MoE dropping tokens with cp > 1": ("hf_mixtral_8x7b_config", ["distributed_strategy.context_parallel_size=2",
+                                                                    "model.moe.dropless=false",
+                                                                    "model.moe.capacity_factor=1.25"],
+                                       "error: 'distributed_strategy.context_parallel_size' > 1 with "
+                                       "model.moe.capacity_factor (an expert's capacity is the whole micro-batch's; "
+                                       "set model.moe.dropless) is not supported yet (got 2)"),
     "weight_init_only without weights": ("tiny_llama_cpu", ["model.weight_init_only=true"],
                                          "error: model.weight_init_only: needs exp_manager.resume_from_checkpoint "
                                          "(the weights to load)"),

@@ -300,15 +300,21 @@ def test_forward_backward_equals_one_direct_forward_and_micro_batches_agree(tmp_
     expected = _grads(model)
 
     results = {}
-    for n in (1, 2, 4):  # 1 micro-batch of 4 prompts, 2 of 2, 4 of 1: the mean convention
+    # 1 micro-batch of 4 prompts, 2 of 2, 4 of 1: the mean convention; chunk 16: the model scores the
+    # response tokens itself, 16 at a time, the prompt and padding skipping the output layer
+    for n, chunk in ((1, None), (2, None), (4, None), (2, 16)):
         _zero(model)
         fb = preference_forward_backward(model, fp32, n, kind="dpo", beta=beta, reference=reference_from_table(table),
-                                         batch_size=4)
+                                         batch_size=4, loss_chunk_size=chunk)
         loss = fb(batch)
         torch.testing.assert_close(loss, direct.detach(), rtol=1e-5, atol=1e-6)
         for name, grad in _grads(model).items():
             torch.testing.assert_close(grad, expected[name], rtol=1e-4, atol=1e-6, msg=f"{n} micro-batches: {name}")
         results[n] = fb.metrics
+    with torch.no_grad():
+        want = batch_reference_logps(model, batch, fp32)
+    for got, ref in zip(batch_reference_logps(model, batch, fp32, loss_chunk_size=16), want):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     assert set(results[1]) == {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                                "logps/chosen", "logps/rejected"}
     for name in results[1]:

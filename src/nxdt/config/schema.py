@@ -55,18 +55,21 @@ GATE_ALIASES = {"TopKBalancedNoisyGate": "top_k_balanced_noisy", "SwitchBalanced
 
 
 LLAMA_MOE_NOT_BUILT = {
-    "calculator_type": "nxdt computes UniversalCalculator's rule (every routed token; capacity_factor drops "
-                       "deterministically, not SwitchDropTokenCalculator's random drops)",
-    "drop_tokens": "SwitchDropTokenCalculator is not built", "dropped_padding": "SwitchDropTokenCalculator is not built",
-    "size_experts": "nxdt's experts are equal (model.moe.ffn_hidden_size each)",
-    "gate_use_softmax": "the gates weigh by the softmax (gate_use_softmax true)",
-    "gate_use_balance": "the balance loss is on; model.moe.gate_balance_loss_weight=0 leaves it out",
-    "multiply_gate_scores": "expert outputs are weighted by the gate's scores (multiply_gate_scores true)",
-    "add_weight_norm": "no WeightNorm on the experts' output",
     "score_scale_factor": "nxdt's name is model.moe.moe_calculator_score_scale_factor",
+    "use_weighting": "LLaMA-MoE's own residual layer fails with it (it multiplies the residual block's output "
+                     "object by a tensor); nxdt adds the residual block's output (use_weighting false)",
+    "size_experts_residual": "the residual experts are equal (model.moe.residual_ffn_hidden_size each)",
 }
 """LLaMA-MoE's `model.moe`-level names nxdt does not build: refused as "not supported yet" with the reason,
 not as unknown keys."""
+
+
+PEFT_NOT_BUILT = {
+    "modules_to_save": "nxdt's LoRA trains the adapters (and lora_bias's biases) only; whole modules trained beside "
+                       "them (peft's modules_to_save, e.g. LLaMA-MoE's lora.sh embed_tokens,lm_head) would have to be "
+                       "saved in the adapter checkpoint and PEFT's adapter file, which is not built",
+}
+"""peft's LoraConfig names nxdt does not build: refused as "not supported yet" with the reason."""
 
 
 def canonical_gate_type(name: str) -> str:
@@ -382,7 +385,8 @@ class FusionsConfig:
     cross_entropy_chunk_size: Optional[int] = doc(
         None, "run the output layer and the cross entropy this many tokens at a time: the [batch, seq, vocab] "
               "logits never exist whole; a plain head computes each chunk's gradients in forward (fused, "
-              "no recomputation), a tensor-parallel or LoRA head recomputes the chunk in backward; "
+              "no recomputation), a tensor-parallel or LoRA head recomputes the chunk in backward; only the "
+              "tokens the loss scores are projected (prompts and padding skip the output layer; DPO too); "
               "null = all at once", ge=1)
 
 

@@ -66,6 +66,36 @@ class MoEConfig:
         None, "the experts: swiglu (gate, up, down: Mixtral's) | gelu | gelu_tanh | silu (two matrices, up and "
               "down, with that activation: GPT-NeoX's dropless experts); null = model.activation. Experts have "
               "no biases")
+    # LLaMA-MoE's layer beyond its gates (its config.json names; nxdt.models.moe_calculators), model_source megatron
+    calculator_type: Literal["UniversalCalculator", "SwitchDropTokenCalculator"] = doc(
+        "UniversalCalculator", "LLaMA-MoE's calculator: UniversalCalculator (every routed token; capacity_factor as "
+                               "nxdt's) | SwitchDropTokenCalculator (top-1; capacity int(capacity_factor x tokens / "
+                               "num_experts), the excess dropped at random by torch.randperm, in evaluation too)")
+    drop_tokens: bool = doc(True, "SwitchDropTokenCalculator: drop the tokens over an expert's capacity")
+    dropped_padding: Literal["zero", "input"] = doc(
+        "zero", "SwitchDropTokenCalculator: a dropped token's output before weighting: zero | input (the token itself)")
+    gate_use_softmax: bool = doc(True, "LLaMA-MoE gates: false = the weights (and the balance loss's scores) are the "
+                                       "raw, noisy logits instead of their softmax")
+    gate_use_balance: bool = doc(True, "LLaMA-MoE: false = no balance loss from the noisy top-k gate (the switch gate "
+                                       "keeps its loss, as LLaMA-MoE's ignores the key)")
+    multiply_gate_scores: bool = doc(True, "LLaMA-MoE: false = the selected experts' outputs are summed unweighted "
+                                           "(no score, no score scale factor)")
+    add_weight_norm: bool = doc(False, "LLaMA-MoE: a learned scale on the weighted output, started at "
+                                       "moe_calculator_score_scale_factor (one scalar for UniversalCalculator, in place "
+                                       "of the factor; one per hidden unit after it for SwitchDropTokenCalculator)")
+    switch_gate_weight: Literal["probability", "logit"] = doc(
+        "probability", "switch gate's expert weight: probability (Switch Transformer) | logit (LLaMA-MoE's "
+                       "SwitchBalancedGate: the chosen noisy logit, Gumbel noise in evaluation too)")
+    size_experts: Optional[List[List[int]]] = doc(
+        None, "LLaMA-MoE's unequal experts: per layer, each expert's width (stored moe.ffn_hidden_size wide, the "
+              "rest zero and kept zero); null = all moe.ffn_hidden_size wide")
+    num_experts_residual: int = doc(0, "LLaMA-MoE's residual MoE: experts every token goes through beside the routed "
+                                       "ones, weighted by a linear gate (mlp.residual_block); 0 = none", ge=0)
+    residual_ffn_hidden_size: Optional[int] = doc(None, "each residual expert's width; null = moe.ffn_hidden_size",
+                                                  ge=1)
+    gate_use_softmax_residual: bool = doc(True, "residual block: weights softmax(x W^T) (false: the logits)")
+    multiply_gate_scores_residual: bool = doc(True, "residual block: false = its experts' outputs summed unweighted")
+    score_scale_factor_residual: float = doc(1.0, "residual block: its weighted outputs x this", gt=0)
 
 
 @dataclass

@@ -25,6 +25,7 @@ from nxdt.models.llama import LlamaArgs, NxdtLlamaForCausalLM
 from nxdt.models.lora import adapters_detached, reset_lora_parameters
 from nxdt.models.mla import MLAArgs
 from nxdt.models.moe import MoEArgs
+from nxdt.models.moe_calculators import with_llama_moe
 from nxdt.spec import config_from_dict
 
 
@@ -132,7 +133,7 @@ def moe_args_from_cfg(moe: Any, activation: str = "swiglu") -> MoEArgs | None:
         coef = moe.router_aux_loss_coef if moe.output_router_logits else 0.0
     else:
         coef = moe.gate_balance_loss_weight
-    return MoEArgs(
+    return with_llama_moe(MoEArgs(
         num_experts=moe.num_experts, top_k=moe.top_k, frequency=moe.frequency,
         routing_algorithm=moe.routing_algorithm, router_activation=moe.router_activation,
         normalize_top_k_affinities=moe.normalize_top_k_affinities, capacity_factor=moe.capacity_factor,
@@ -144,7 +145,7 @@ def moe_args_from_cfg(moe: Any, activation: str = "swiglu") -> MoEArgs | None:
         bias_update_rate=moe.bias_update_rate, num_shared_experts=moe.num_shared_experts,
         expert_activation=getattr(moe, "expert_activation", None) or activation,
         gate_network=getattr(moe, "gate_network", "linear"),
-    )
+    ), moe)
 
 
 def native_twin_args(cfg: Any, model_config: str, overrides: dict[str, Any]) -> LlamaArgs | None:

@@ -17,6 +17,11 @@ hidden states hold 1/k of every sequence ([B, S/k, H] against labels [B, S]) and
 gathers the k slices in order: chunks then run along the sequence, and each chunk's labels are the
 same positions of each of the k slices.
 
+Rows whose label is -100 (a prompt, padding, any token the loss mask leaves out) score 0 with no
+gradient, so they skip the output layer: only the scored rows are projected (on plain tensors; a
+sharded head projects every row), which on fine-tuning data (SFT, DPO: prompts are often half the
+tokens) removes that share of the head's matmuls and of the softmax over the vocabulary.
+
 A plain `nn.Linear` head without bias (one process, data parallel, FSDP, context parallel) takes a
 faster way, Liger-Kernel's fused linear cross entropy: each chunk's gradients are computed in the
 forward, while its logits are at hand (softmax minus the one-hot target, times the head's weight
@@ -59,6 +64,12 @@ def chunked_cross_entropy(hidden: torch.Tensor, output_layer: nn.Module, labels:
     if hidden.dim() == 3 and hidden.shape[1] != labels.shape[1]:
         return _sequence_shard_chunks(hidden, output_layer, labels, chunk_size)
     flat_hidden, flat_labels = hidden.flatten(0, -2), labels.flatten()
+    scored = _scored_rows(output_layer, flat_hidden, flat_labels)
+    if scored is not None:  # only the rows whose label counts go through the output layer; the others score 0
+        part = chunked_cross_entropy(flat_hidden.index_select(0, scored), output_layer,
+                                     flat_labels.index_select(0, scored), chunk_size, fuse)
+        losses = torch.zeros(flat_labels.numel(), dtype=part.dtype, device=part.device)
+        return losses.index_copy(0, scored, part).view(labels.shape)
     if fuse and _fusable(output_layer, flat_hidden):
         if not torch.is_grad_enabled():  # evaluation: the losses alone
             return _chunked_grads(flat_hidden, output_layer.weight, flat_labels, chunk_size, False, False)[0].view(
@@ -93,6 +104,19 @@ def _sequence_shard_chunks(hidden: torch.Tensor, output_layer: nn.Module, labels
 
 
 IGNORE_INDEX = -100  # F.cross_entropy's: a label that scores nothing
+
+
+def _scored_rows(output_layer: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+    """The indices of the rows whose label is not IGNORE_INDEX, when some are (a prompt, padding, a
+    masked token) and some are not, and the head and hidden states are plain tensors (a sharded head
+    keeps every row); else None. Their losses are 0 and their gradients 0 either way: leaving them out
+    of the output layer saves its matmuls and the softmax over the vocabulary on them."""
+    if type(hidden) is not torch.Tensor or any(type(p) not in (torch.Tensor, nn.Parameter)
+                                               for p in output_layer.parameters()):
+        return None
+    valid = labels != IGNORE_INDEX
+    count = int(valid.sum())
+    return valid.nonzero().squeeze(-1) if 0 < count < labels.numel() else None
 
 
 def _fusable(output_layer: nn.Module, hidden: torch.Tensor) -> bool:

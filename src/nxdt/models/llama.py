@@ -35,6 +35,7 @@ from nxdt.models.chunked_loss import chunked_cross_entropy
 from nxdt.models.hf_export import hf_config_dict
 from nxdt.models.kv_cache import KVCache
 from nxdt.models.moe import LlamaMoE, MoEArgs, MoEExperts, MoERouter
+from nxdt.models.moe_calculators import moe_for_layer, reset_llama_moe_parts
 from nxdt.models.moe_neox import MLPExperts
 from nxdt.models.rope import LlamaRotaryEmbedding, apply_rotary, rope_inv_freq, rotate_half  # noqa: F401 - re-exported
 
@@ -403,7 +404,7 @@ class LlamaDecoderLayer(nn.Module):
         if args.is_moe_layer(layer_idx):
             shared = args.moe.num_shared_experts  # DeepSeek-V3: one MLP of n x the experts' width for every token
             shared = LlamaMLP(replace(args, ffn_hidden_size=expert_width * shared)) if shared else None
-            self.mlp = LlamaMoE(args.hidden_size, expert_width, args.moe, shared_experts=shared)
+            self.mlp = LlamaMoE(args.hidden_size, expert_width, moe_for_layer(args.moe, layer_idx), shared_experts=shared)
         else:
             self.mlp = LlamaMLP(args)
         if kind != "post_ln":
@@ -559,3 +560,4 @@ class NxdtLlamaForCausalLM(nn.Module):
             elif isinstance(module, nn.LayerNorm):
                 nn.init.ones_(module.weight)
                 nn.init.zeros_(module.bias)
+        reset_llama_moe_parts(self, std, out_std)  # LLaMA-MoE's residual blocks, weight norms, unequal experts

@@ -15,7 +15,9 @@ core (nxdt.models.llama.CoreAttention: SDPA, whose scale is 1/sqrt(q's last dim)
 factor on q. The latent norms have eps 1e-6 (transformers' DeepseekV3RMSNorm default), whatever
 rms_norm_eps says. Under tensor parallelism q_proj / q_b_proj / kv_b_proj are split by heads
 (column-wise), o_proj row-wise, the latent projections and norms replicated: the reference
-implementations' plan (nxdt.parallel.tensor_parallel).
+implementations' plan (nxdt.parallel.tensor_parallel). Decoding caches the latent (nxdt.models.kv_cache
+holds [B, 1, L, kv_lora_rank] and the rotated [B, 1, L, qk_rope_head_dim] per layer), not the heads'
+keys and values.
 """
 
 from __future__ import annotations
@@ -121,18 +123,23 @@ class MLAttention(nn.Module):
         q = q.view(b, s, -1, m.qk_head_dim).transpose(1, 2)
         q_pass, q_rot = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(b, s, -1, m.qk_nope_head_dim + m.v_head_dim)
-        k_pass, v = kv.transpose(1, 2).split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
-        k_rot = k_rot.view(b, 1, s, m.qk_rope_head_dim)
+        latent, k_rot = self.kv_a_layernorm(latent), k_rot.view(b, 1, s, m.qk_rope_head_dim)
         if m.rope_interleave:
             q_rot, k_rot = deinterleave(q_rot), deinterleave(k_rot)
         cos, sin = rope
         q_rot, k_rot = apply_rotary(q_rot, cos, sin), apply_rotary(k_rot, cos, sin)
+        if kv_cache is not None:
+            # decoding: the cache holds the normed latent and the rotated shared key, kv_lora_rank +
+            # qk_rope_head_dim numbers per token and layer (DeepSeek's latent cache; full keys and values
+            # would be heads x (qk_head_dim + v_head_dim)); the heads' keys and values are recomputed
+            # from it (kv_b_proj over the cached tokens) at each step
+            cached, k_rot = kv_cache.update(self.layer_idx, latent.unsqueeze(1), k_rot)
+            latent = cached.squeeze(1)
+        kv = self.kv_b_proj(latent).view(b, latent.shape[1], -1, m.qk_nope_head_dim + m.v_head_dim)
+        k_pass, v = kv.transpose(1, 2).split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
         q = torch.cat((q_pass, q_rot), dim=-1)
         if self.q_scale != 1.0:
             q = q * self.q_scale
         k = torch.cat((k_pass, self.rope_key(k_rot, k_pass.shape[1])), dim=-1)
-        if kv_cache is not None:  # decoding: the heads' keys and values are cached (not the latent: simple, bigger)
-            k, v = kv_cache.update(self.layer_idx, k, v)
         out = self.core_attention(q, k, v, mask)  # [B, H, S, v_head_dim]
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))

@@ -27,8 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nxdt.models.llama_moe import noisy_top_k_gate, switch_gate
-from nxdt.models.moe_balance import LOAD_BALANCING, select_experts
+from nxdt.models import moe_calculators as llama_calc
+from nxdt.models.llama_moe import noisy_top_k_gate, switch_route
+from nxdt.models.moe_balance import LOAD_BALANCING, select_experts, sequence_balance_loss
 from nxdt.models.moe_neox import EXPERT_ACTIVATIONS, MLPExperts, neox_sinkhorn_route
 from nxdt.models.moe_xla import dense_experts
 
@@ -89,6 +90,8 @@ class MoEArgs:
     """The router: 'linear' (one [E, H] weight) or LLaMA-MoE's 'mlp' (Linear -> Tanh -> Linear [E, E])."""
     expert_activation: str = "swiglu"
     """'swiglu' (MoEExperts) or a two-matrix expert's activation (MLPExperts: gelu, gelu_tanh, silu)."""
+    llama_moe: llama_calc.LlamaMoEOptions | None = None
+    """LLaMA-MoE's calculators, gate switches, unequal experts, residual block (nxdt.models.moe_calculators)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
@@ -418,6 +421,7 @@ class MoERouter(nn.Module):
         self.weight_out = nn.Parameter(torch.empty(num_experts, num_experts)) if mlp else None
         # loss-free balancing's per-expert bias on the selection scores (DeepSeek-V3's name): state, no gradient
         self.register_buffer("e_score_correction_bias", torch.zeros(num_experts) if score_bias else None)
+        self.token_group = None  # context parallel sets it: the balance loss over whole sequences (moe_balance)
 
     @torch.no_grad()
     def reset_parameters(self, std: float) -> None:
@@ -445,19 +449,20 @@ class MoERouter(nn.Module):
             if self.training and self.weight_noise is not None:
                 std = F.softplus(F.linear(x, self.weight_noise).float()) + args.gate_noise_epsilon
                 z = torch.randn_like(std)
-            return noisy_top_k_gate(logits, args.top_k, std, z)
+            softmax = args.llama_moe is None or args.llama_moe.gate_use_softmax
+            return noisy_top_k_gate(logits, args.top_k, std, z, softmax)
         if args.gate_type == "switch_balanced":
-            gumbel = None
-            if self.training and args.gate_add_noise:  # -log(Exp(1)) ~ Gumbel(0, 1)
-                gumbel = -torch.empty_like(logits, dtype=torch.float32).exponential_().log()
-            return switch_gate(logits, gumbel)
+            return switch_route(logits, args, self.training)
         if args.routing_algorithm == "neox_sinkhorn":
             weights, experts = neox_sinkhorn_route(logits, args.top_k, self.training, args.sinkhorn_iterations,
                                                    args.sinkhorn_tol)
         else:
             weights, experts = route(logits, args, self.e_score_correction_bias)
         trained = self.training and torch.is_grad_enabled() and args.load_balancing == "aux_loss"
-        aux = load_balancing_loss((logits,), args.num_experts, args.top_k) if trained else None
+        aux = None
+        if trained:  # under context parallel the statistics of whole sequences (token_group)
+            aux = (load_balancing_loss((logits,), args.num_experts, args.top_k) if self.token_group is None
+                   else sequence_balance_loss(logits, args.num_experts, args.top_k, self.token_group))
         return weights, experts, aux
 
 
@@ -481,17 +486,19 @@ class LlamaMoE(nn.Module):
             self.shared_experts = shared_experts
         self.dropout = nn.Dropout(args.dropout)
         self.stats = RouterStats()
+        if args.llama_moe is not None:
+            llama_calc.build_parts(self, hidden_size, ffn_hidden_size, args)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a = self.args
+        a, lm = self.args, self.args.llama_moe
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, experts, aux = self.gate.route(x, a)
         if a.drops_tokens:
             keep = keep_within_capacity(experts, capacity(x.shape[0], a), a.num_experts)
-        else:
+        elif lm is None or (keep := llama_calc.keep_of(experts, a)) is None:
             keep = torch.ones_like(experts, dtype=torch.bool)
-        if x.device.type == "xla":  # static shapes for XLA's compiler: every expert over every token
+        if x.device.type == "xla" and lm is None:  # static shapes for XLA's compiler: every expert over every token
             out, counts = dense_experts(x, weights, experts, keep, self.experts, a.score_scale)
         else:
             # the kept (token, slot) assignments, grouped by expert (stable: token order within one)
@@ -501,8 +508,11 @@ class LlamaMoE(nn.Module):
             kept = kept.index_select(0, torch.argsort(expert_idx, stable=True))
             token_idx, slot_weight = kept // experts.shape[1], weights.reshape(-1).index_select(0, kept)
             counts = torch.bincount(expert_idx, minlength=a.num_experts)
-            routed = self.experts(x.index_select(0, token_idx), counts, slot_weight[:, None] * a.score_scale)
+            scale = slot_weight[:, None] * a.score_scale if lm is None else llama_calc.slot_weights(slot_weight, a)
+            routed = self.experts(x.index_select(0, token_idx), counts, scale)
             out = torch.zeros_like(x).index_add_(0, token_idx, routed.to(x.dtype))
+            if lm is not None:
+                out = llama_calc.finish(self, out, x, weights, keep)
         if a.num_shared_experts:
             out = out + self.shared_experts(x)
         out = self.dropout(out).reshape(shape)

@@ -12,7 +12,14 @@ Loss-free balancing (`update_expert_bias`): after each optimizer step every MoE 
 the gradient, by `bias_update_rate` x sign(mean load - load_e), the loads being the tokens routed to
 each expert during that step, summed over the data-parallel ranks (the caller's process group): an
 overloaded expert becomes less attractive, an idle one more. The bias is a buffer: checkpointed and
-restored with the weights. No distributed code beyond that one all_reduce, on the group handed in.
+restored with the weights.
+
+Context parallel (`sequence_balance_loss`): a cp rank holds a slice of every sequence, so the Switch/Mixtral
+balance loss of its slice is not the micro-batch's. Its statistics (tokens per expert, summed probabilities,
+rows) are summed over the cp group, and each rank's loss carries cp x its own probabilities' share, so that
+the mean over the group (what the dp x cp gradient reduction takes) has the whole micro-batch's gradient,
+and its value is the whole loss. The loss-free loads are summed over dp x cp by the caller.
+No distributed code beyond those all_reduces, on the groups handed in.
 """
 
 from __future__ import annotations
@@ -76,3 +83,20 @@ def update_expert_bias(model: nn.Module, group: Any = None) -> dict[str, float]:
         layer = name.split("layers.")[-1].split(".")[0] if "layers." in name else name
         out.update({f"moe/layer{layer}/{k}": v for k, v in load_figures(load).items()})
     return out
+
+
+def sequence_balance_loss(logits: torch.Tensor, num_experts: int, top_k: int, group: Any) -> torch.Tensor:
+    """nxdt.models.moe.load_balancing_loss of one layer's router logits [T, E] when the micro-batch's sequences
+    are split over `group` (context parallel, see the module docstring): the value is the whole micro-batch's
+    E x sum_e f_e P_e, the gradient cp x this slice's part of it (the group's mean is the whole gradient)."""
+    probs = torch.softmax(logits.float(), -1)
+    selected = torch.topk(probs, top_k, dim=-1).indices
+    prob_sum = probs.sum(0)
+    counts = torch.bincount(selected.reshape(-1), minlength=num_experts).float()
+    total = torch.cat([counts, prob_sum.detach(), prob_sum.new_full((1,), float(logits.shape[0]))])
+    torch.distributed.all_reduce(total, group=group)
+    counts, whole_sum, rows = total[:num_experts], total[num_experts:-1], total[-1]
+    f = counts / rows
+    whole = num_experts * torch.sum(f * (whole_sum / rows))
+    share = num_experts * torch.sum(f * (prob_sum / rows)) * torch.distributed.get_world_size(group)
+    return share + (whole - share).detach()

@@ -19,6 +19,13 @@ Gradients: every cp rank computes its slice's share of the loss (`masked_token_l
 `cp_group`), and the parameter gradients are reduced over dp × cp together (see
 `nxdt.parallel.data_parallel`): to the optimizer a cp rank is one more data-parallel rank.
 
+MoE layers: routing is per token, but the Switch/Mixtral balance loss is a statistic of the micro-batch,
+so every router gets the cp group (`token_group`) and sums its statistics over it
+(nxdt.models.moe_balance.sequence_balance_loss); loss-free balancing's expert loads are summed over
+dp × cp after the step. Routings whose result depends on the other tokens (capacity drops, sinkhorn,
+LLaMA-MoE's gates) are refused by the config validation. MLA's values, narrower than its queries and
+keys, are padded to their head size for the kernel.
+
 The model's adapter (nxdt.models.adapter `set_attention`) routes its attention through the ring:
 the native Llama through `CoreAttention.sdpa`, transformers' Llama through its attention-function
 registry (`AttentionInterface`, name "nxdt_ring").
@@ -32,10 +39,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from nxdt.config.errors import ConfigError
 from nxdt.models.adapter import adapter_of
+from nxdt.models.moe import MoERouter
 
 aten = torch.ops.aten
 
@@ -95,6 +104,16 @@ class RingSDPA:
             # fp32 hidden states) beside a low-precision v
             dtype = torch.get_autocast_dtype(q.device.type)
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        dv, dqk = v.shape[-1], q.shape[-1]
+        if dv == dqk:
+            return _RingAttention.apply(q, k, v, self.group, scale)
+        # MLA: values narrower than queries and keys (or wider); the CPU kernel takes one head size, so the
+        # narrower side is padded with zeros (dot products and the values' columns unchanged), as transformers
+        # pads MLA's values for flash attention
+        scale = dqk ** -0.5 if scale is None else scale
+        if dv < dqk:
+            return _RingAttention.apply(q, k, F.pad(v, (0, dqk - dv)), self.group, scale)[..., :dv]
+        q, k = F.pad(q, (0, dv - dqk)), F.pad(k, (0, dv - dqk))
         return _RingAttention.apply(q, k, v, self.group, scale)
 
 
@@ -109,6 +128,8 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:
                           f"not supported yet (ring-attention kernels are wired for: {', '.join(_KERNELS)})")
     if not adapter_of(model).set_attention(model, RingSDPA(cp_mesh.get_group())):
         raise RuntimeError(f"context parallel: no Llama attention found in {type(model).__name__}")
+    for router in (m for m in model.modules() if isinstance(m, MoERouter)):
+        router.token_group = cp_mesh.get_group()  # its balance loss over whole sequences (nxdt.models.moe_balance)
 
 
 def shard_sequence(batch: dict[str, torch.Tensor], cp_mesh: DeviceMesh) -> dict[str, torch.Tensor]:

@@ -40,6 +40,9 @@ and so are the routing weights the outputs are multiplied by; the layer then add
 rows into its [tokens, H] output still as partial sums, which the plan's output style on the MoE
 layer reduces once: all-reduce, or with sequence parallel reduce-scatter to the sequence shard
 (NxD's MoE layer). So the router and the residual get one process's gradients on every tp rank.
+LoRA on the experts (nxdt.models.lora_experts) splits with its weight: gate_up_proj's B by rows
+(Shard(1)), its A whole; down_proj's A by columns (Shard(2)), its B whole; the whole factors feed this
+rank's partial sums, so their gradients are summed over tp (`_tp_local`).
 With `model.moe.dropout` > 0 the dropout needs the whole output: the experts all-reduce their
 rows themselves (`reduce_output`) and the layer's output is whole. (A weight placed
 _StridedShard directly would save the exchange, but torch's DCP cannot write a non-contiguous
@@ -62,6 +65,10 @@ from nxdt.models.moe import MoEExperts, swiglu_experts
 
 # each expert weight's tensor-parallel dimension (the intermediate F): gate_up rows, down_proj columns
 TP_DIMS = {"gate_up_proj": 1, "down_proj": 2}
+# LoRA on the experts (W_e + B_e A_e) split the way its weight is: gate_up_proj's rows are B's rows (A [E, r, H]
+# whole), down_proj's columns are A's columns (B [E, H, r] whole); a whole factor's gradient is summed over tp
+ADAPTER_TP_PLACEMENTS = {("lora_A", "gate_up_proj"): Replicate(), ("lora_B", "gate_up_proj"): Shard(1),
+                         ("lora_A", "down_proj"): Shard(2), ("lora_B", "down_proj"): Replicate()}
 
 
 def expert_modules(model: nn.Module) -> list[MoEExperts]:
@@ -89,10 +96,10 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh | None) -> None:
             if tp_mesh is None:
                 # a meta-device model keeps meta shards (materialised later, drawing the full tensor)
                 sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None if param.is_meta else 0)
-            else:  # this rank's experts of its tp shard: a view, no communication
+            else:  # this rank's experts of its tp shard (or of a whole adapter factor): a view, no communication
                 mesh = ep_mesh._get_root_mesh()["ep", "tp"]
                 local = param.data.to_local().chunk(ep)[ep_mesh.get_local_rank()]
-                sharded = DTensor.from_local(local, mesh, [Shard(0), Shard(TP_DIMS[name])], run_check=False)
+                sharded = DTensor.from_local(local, mesh, [Shard(0), param.data.placements[0]], run_check=False)
             owner = experts.get_submodule(owner_path) if owner_path else experts
             owner.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         experts.ep_mesh = ep_mesh
@@ -112,21 +119,36 @@ class ExpertsTensorParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, MoEExperts):
             raise ValueError(f"ExpertsTensorParallel applies to nxdt's MoEExperts, got {type(module).__name__}")
-        if any("." in name for name, _ in module.named_parameters()):
-            raise ValueError("LoRA on the MoE experts (model_alignment_strategy.peft.target_parameters) with "
-                             "tensor_model_parallel_size > 1 is not supported yet")
         tp = device_mesh.size()
         ffn = module.down_proj.shape[2]
         if ffn % tp:
             raise ValueError(f"the experts' intermediate size ({ffn}) is not divisible by tensor_model_parallel_size "
                              f"({tp})")
-        for name, param in list(module.named_parameters(recurse=False)):
+        # the weights, and LoRA adapters on them (nxdt.models.lora_experts: `lora_A.<weight>`, `lora_B.<weight>`)
+        for path, param in list(module.named_parameters()):
+            owner_path, _, name = path.rpartition(".")
             src = None if param.is_meta else 0
-            sharded = distribute_tensor(param.data, device_mesh, [Shard(TP_DIMS[name])], src_data_rank=src)
-            module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+            placement = ADAPTER_TP_PLACEMENTS[(owner_path, name)] if owner_path else Shard(TP_DIMS[name])
+            sharded = distribute_tensor(param.data, device_mesh, [placement], src_data_rank=src)
+            owner = module.get_submodule(owner_path) if owner_path else module
+            owner.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         module.tp_mesh, module.tp_reduce_output = device_mesh, self.reduce_output
         module.__class__ = _tensor_parallel_class(type(module))
         return module
+
+
+def distribute_expert_adapters(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """LoRA on tensor-parallel experts: each adapter factor a DTensor on `tp_mesh` placed as
+    ADAPTER_TP_PLACEMENTS (after the plan, whose styles run with the adapters detached)."""
+    for experts in expert_modules(model):
+        if getattr(experts, "tp_mesh", None) is None or "lora_A" not in experts._modules:
+            continue
+        for holder_name in ("lora_A", "lora_B"):
+            holder = experts.get_submodule(holder_name)
+            for name, p in list(holder.named_parameters(recurse=False)):
+                placement = ADAPTER_TP_PLACEMENTS[(holder_name, name)]
+                sharded = distribute_tensor(p.data, tp_mesh, [placement], src_data_rank=None if p.is_meta else 0)
+                holder.register_parameter(name, nn.Parameter(sharded, requires_grad=p.requires_grad))
 
 
 @torch.compiler.disable  # data-dependent row counts, as swiglu_experts
@@ -182,8 +204,17 @@ class TensorParallelExperts(MoEExperts):
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, weights: torch.Tensor | None = None
                 ) -> torch.Tensor:
-        gate_up, down = (w.to_local() for w in (self.gate_up_proj, self.down_proj))
+        gate_up, down = self.expert_weights(lambda w: _tp_local(w, self.tp_mesh))
         return _weigh(self, tp_swiglu_experts(x, tokens_per_expert, gate_up, down, self.tp_mesh), weights)
+
+
+def _tp_local(weight: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
+    """This tp rank's part of an expert weight (or LoRA factor); a factor whole on every tp rank (its last
+    placement Replicate) feeds this rank's partial sums, so its gradient is summed over tp."""
+    if not isinstance(weight, DTensor):
+        return weight
+    local = weight.to_local()
+    return _replicate_in(local, tp_mesh) if isinstance(weight.placements[-1], Replicate) else local
 
 
 _TP_CLASSES: dict[type, type] = {}
@@ -223,7 +254,8 @@ class ExpertParallelExperts(MoEExperts):
         rows = _all_to_all(x, recv_splits, send_splits, group)
         local_expert = torch.arange(num_local, device=x.device).repeat(ep).repeat_interleave(received)
         order = torch.argsort(local_expert, stable=True)
-        gate_up, down = self.expert_weights(lambda w: _local_weight(w, x.dtype, ep))
+        tp_mesh = getattr(self, "tp_mesh", None)
+        gate_up, down = self.expert_weights(lambda w: _local_weight(w, x.dtype, ep, tp_mesh))
         out = _run_experts(self, rows[order], received.view(ep, num_local).sum(0), gate_up, down)
         # 3. undo the grouping, combine back to the tokens' ranks
         out = torch.empty_like(out).index_copy_(0, order, out)
@@ -234,10 +266,11 @@ def _all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[in
     return wait_tensor(all_to_all_single_autograd(x, output_splits, input_splits, group))
 
 
-def _local_weight(weight: torch.Tensor, dtype: torch.dtype, ep: int) -> torch.Tensor:
+def _local_weight(weight: torch.Tensor, dtype: torch.dtype, ep: int, tp_mesh: DeviceMesh | None = None) -> torch.Tensor:
     """This rank's experts as a plain tensor in the compute dtype (FSDP's mixed precision leaves
-    ignored parameters in fp32), its gradient scaled by 1/ep (see the module docstring)."""
-    local = weight.to_local() if isinstance(weight, DTensor) else weight
+    ignored parameters in fp32), its gradient scaled by 1/ep (see the module docstring); under tp a
+    LoRA factor whole on every tp rank has its gradient summed over tp (`_tp_local`)."""
+    local = weight.to_local() if tp_mesh is None or not isinstance(weight, DTensor) else _tp_local(weight, tp_mesh)
     return _ScaleGrad.apply(local, 1.0 / ep).to(dtype)
 
 

@@ -107,7 +107,7 @@ class ParallelPlan:
         styles = self.stages[self.stage_of(name)].tensor_parallel
         linear, _, leaf = module.rpartition(".")
         if leaf in ("lora_A", "lora_B"):  # a LoRA adapter: placed after its linear's style
-            return lora_local_numel(styles.get(linear), leaf, numel, self.layout.tp)
+            return lora_local_numel(styles.get(linear), leaf, numel, self.layout.tp, param)
         return tp_local_numel(styles.get(module), param, numel, self.layout.tp)
 
 

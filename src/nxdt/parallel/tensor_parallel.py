@@ -80,7 +80,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from nxdt.models.adapter import adapter_of
 from nxdt.models.lora import adapters_detached, lora_modules
 from nxdt.models.moe import MoEExperts
-from nxdt.parallel.expert_parallel import ExpertsTensorParallel
+from nxdt.parallel.expert_parallel import ADAPTER_TP_PLACEMENTS, ExpertsTensorParallel, distribute_expert_adapters
 
 __all__ = ["KVHeadSelect", "apply_tensor_parallel", "block_norms", "distribute_lora_adapters", "loss_parallel",
            "llama_tp_plan", "tp_local_numel"]
@@ -301,12 +301,15 @@ def tp_local_numel(style: ParallelStyle | None, param: str, numel: int, tp: int)
     return numel
 
 
-def lora_local_numel(base_style: ParallelStyle | None, adapter: str, numel: int, tp: int) -> int:
+def lora_local_numel(base_style: ParallelStyle | None, adapter: str, numel: int, tp: int, weight: str = "weight") -> int:
     """Elements of a LoRA adapter's weight (`adapter`: lora_A or lora_B) one tensor-parallel rank
-    holds, its linear placed by `base_style`: split where `lora_adapter_placements` shards it."""
+    holds, its linear placed by `base_style`: split where `lora_adapter_placements` shards it (an
+    expert weight's, `weight` gate_up_proj / down_proj: where ADAPTER_TP_PLACEMENTS does)."""
     base = (Shard(0) if isinstance(base_style, ColwiseParallel) else Shard(1) if isinstance(base_style, RowwiseParallel)
             else Replicate())
     placement = lora_adapter_placements(base)[adapter == "lora_B"]
+    if isinstance(base_style, ExpertsTensorParallel):
+        placement = ADAPTER_TP_PLACEMENTS[(adapter, weight)]
     return math.ceil(numel / tp) if isinstance(placement, Shard) else numel
 
 
@@ -331,6 +334,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     with adapters_detached(model):  # the styles distribute a module's parameters recursively
         parallelize_module(model, tp_mesh, plan)
     distribute_lora_adapters(model, tp_mesh)
+    distribute_expert_adapters(model, tp_mesh)
     if tied:  # embedding (rows) and lm_head (colwise = rows of its weight) share Shard(0)
         model.lm_head.weight = model.model.embed_tokens.weight
     for name, p in model.named_parameters():

@@ -277,7 +277,8 @@ def check_loss_chunking(cfg: Any, layout: Layout, alignment: Alignment) -> None:
     why = ("model_source=hf (transformers' models compute their own logits)" if cfg.model_source == "hf" else
            "distributed_strategy.pipeline_model_parallel_size > 1 (the last stage's loss runs inside the "
            "pipeline schedule)" if layout.pp > 1 else
-           "DPO / ORPO (their losses take per-sequence log-probs from the logits)" if alignment.preference is not None
-           else None)
+           "ORPO (its NLL also scores the prompt tokens)" if alignment.preference == "orpo" else
+           "DPO and distributed_strategy.tensor_model_parallel_size > 1 (DPO scores its response tokens in the "
+           "model on one tensor-parallel rank only)" if alignment.preference == "dpo" and layout.tp > 1 else None)
     if why is not None:
         raise ConfigError(f"{CHUNK_KEY} with {why} is not supported yet; leave it null there")

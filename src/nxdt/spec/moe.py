@@ -77,6 +77,7 @@ def check_moe(cfg: Any, piece: MoESpec, hf_json: dict) -> None:
     if moe.sinkhorn_iterations < 1:
         raise ConfigError(f"model.moe.sinkhorn_iterations: must be >= 1, got {moe.sinkhorn_iterations}")
     check_gate(cfg, gate)
+    check_llama_moe_layer(cfg, gate)
     check_routing_extras(cfg, piece)
     check_experts(cfg)
     if cfg.model_source == "hf":
@@ -165,6 +166,66 @@ def check_experts(cfg: Any) -> None:
                           f"(model.moe.expert_activation {act}) is not supported yet (got {ep})")
 
 
+LLAMA_MOE_LAYER_DEFAULTS = {
+    "calculator_type": "UniversalCalculator", "drop_tokens": True, "dropped_padding": "zero", "gate_use_softmax": True,
+    "gate_use_balance": True, "multiply_gate_scores": True, "add_weight_norm": False, "switch_gate_weight": "probability",
+    "size_experts": None, "num_experts_residual": 0, "residual_ffn_hidden_size": None, "gate_use_softmax_residual": True,
+    "multiply_gate_scores_residual": True, "score_scale_factor_residual": 1.0}
+"""LLaMA-MoE's layer keys beyond its gates (nxdt.models.moe_calculators) at the values that build nothing new."""
+
+
+def check_llama_moe_layer(cfg: Any, gate: str) -> None:
+    """LLaMA-MoE's calculators, gate switches, unequal experts and residual block: model_source megatron,
+    numbers that fit the model, one process per expert bank (no tp / ep yet)."""
+    moe = cfg.model.moe
+    changed = [k for k, plain in LLAMA_MOE_LAYER_DEFAULTS.items() if getattr(moe, k) != plain]
+    if not changed:
+        return
+    key = f"model.moe.{changed[0]}"
+    if cfg.model_source != "megatron":
+        raise ConfigError(f"{key}={getattr(moe, changed[0])}: LLaMA-MoE's layer options are built for model_source "
+                          f"megatron only (got {cfg.model_source})")
+    for size in ("tensor_model_parallel_size", "expert_model_parallel_size"):
+        if getattr(cfg.distributed_strategy, size) > 1:
+            raise ConfigError(f"'distributed_strategy.{size}' > 1 with {key} (LLaMA-MoE's layer options) is not "
+                              f"supported yet (got {getattr(cfg.distributed_strategy, size)})")
+    if moe.calculator_type == "SwitchDropTokenCalculator" and moe.top_k != 1:
+        raise ConfigError(f"model.moe.calculator_type SwitchDropTokenCalculator computes one expert per token: "
+                          f"model.moe.top_k (num_selects) must be 1, got {moe.top_k}")
+    if moe.calculator_type == "SwitchDropTokenCalculator" and moe.dropless:
+        raise ConfigError("model.moe.dropless=true with calculator_type SwitchDropTokenCalculator: set "
+                          "model.moe.drop_tokens false instead (LLaMA-MoE's name)")
+    if moe.switch_gate_weight != "probability" and gate != "switch_balanced":
+        raise ConfigError(f"model.moe.switch_gate_weight={moe.switch_gate_weight}: needs model.moe.gate_type "
+                          f"switch_balanced (SwitchBalancedGate), got {gate}")
+    if not moe.gate_use_softmax and gate not in LLAMA_MOE_GATES:
+        raise ConfigError("model.moe.gate_use_softmax=false: LLaMA-MoE's gates' switch; needs model.moe.gate_type "
+                          f"top_k_balanced_noisy or switch_balanced, got {gate}")
+    width = moe.ffn_hidden_size or cfg.model.ffn_hidden_size
+    if moe.size_experts is not None:
+        rows = moe.size_experts
+        if (moe.expert_activation or cfg.model.activation) != "swiglu":
+            raise ConfigError("model.moe.size_experts: built for swiglu experts")
+        if peft_targets_experts(cfg):
+            raise ConfigError("model.moe.size_experts with model_alignment_strategy.peft.target_parameters: LoRA on "
+                              "unequal experts is not supported yet (the adapters would fill their zero padding)")
+        if len(rows) != cfg.model.num_layers:
+            raise ConfigError(f"model.moe.size_experts: one list per layer ({cfg.model.num_layers}), got {len(rows)}")
+        for i, row in enumerate(rows):
+            if len(row) != moe.num_experts or not all(1 <= int(s) <= width for s in row):
+                raise ConfigError(f"model.moe.size_experts[{i}] = {list(row)}: needs {moe.num_experts} widths in "
+                                  f"[1, {width}] (model.moe.ffn_hidden_size, the stored width)")
+    if moe.num_experts_residual and not (moe.residual_ffn_hidden_size or moe.ffn_hidden_size):
+        raise ConfigError("model.moe.num_experts_residual: give model.moe.residual_ffn_hidden_size (each residual "
+                          "expert's width)")
+
+
+def peft_targets_experts(cfg: Any) -> bool:
+    """LoRA adapters on the expert weights (model_alignment_strategy.peft.target_parameters)."""
+    peft = getattr(getattr(cfg, "model_alignment_strategy", None), "peft", None)
+    return bool(getattr(peft, "target_parameters", None))
+
+
 def check_gate(cfg: Any, gate: str) -> None:
     """The gate (`gate`: canonical) and its balance loss: LLaMA-MoE's gates bring their own routing
     and loss, so the mixtral gate's keys must stay at their defaults with them (they would be
@@ -191,22 +252,28 @@ def check_gate(cfg: Any, gate: str) -> None:
                               f"(weight: model.moe.gate_balance_loss_weight)")
 
 
-# parallel layouts an MoE model cannot take yet: cp (each cp rank would balance its own part of
-# a sequence); pp and ep are built for nxdt's MoE block (native, and hf Mixtral's), not for another
-# transformers MoE block (checked in check_moe, which knows the config.json's model_type)
-MOE_NOT_SUPPORTED_YET = ("context_parallel_size",)
-HF_MOE_NOT_SUPPORTED_YET = ("pipeline_model_parallel_size", "expert_model_parallel_size")
+# pp, ep and cp are built for nxdt's MoE block (native, and hf Mixtral's), not for another transformers
+# MoE block (checked in check_moe, which knows the config.json's model_type; its balance loss is a hook's)
+HF_MOE_NOT_SUPPORTED_YET = ("pipeline_model_parallel_size", "expert_model_parallel_size", "context_parallel_size")
 
 
 def check_moe_layouts_supported(cfg: Any) -> None:
     """'not supported yet' for the parallel layouts an MoE model cannot take yet (skippable, like
-    every NOT_SUPPORTED_YET check)."""
-    if not cfg.model.moe.num_experts:
+    every NOT_SUPPORTED_YET check): under context parallel a cp rank routes a slice of each sequence,
+    which only per-token routing takes (the balance loss and loads are summed over cp: nxdt.models.moe_balance)."""
+    moe, cp = cfg.model.moe, cfg.distributed_strategy.context_parallel_size
+    if not moe.num_experts or cp <= 1:
         return
-    for key in MOE_NOT_SUPPORTED_YET:
-        size = getattr(cfg.distributed_strategy, key)
-        if size > 1:
-            raise ConfigError(f"'distributed_strategy.{key}' > 1 with model.moe is not supported yet (got {size})")
+    refused = {"model.moe.capacity_factor (an expert's capacity is the whole micro-batch's; set model.moe.dropless)":
+               moe.capacity_factor is not None and not moe.dropless,
+               f"model.moe.routing_algorithm {moe.routing_algorithm} (balances over all the micro-batch's tokens)":
+               moe.routing_algorithm != "top_k",
+               f"model.moe.gate_type {moe.gate_type} (LLaMA-MoE's gate losses)": canonical_gate_type(moe.gate_type)
+               != "mixtral"}
+    for what, bad in refused.items():
+        if bad:
+            raise ConfigError(f"'distributed_strategy.context_parallel_size' > 1 with {what} is not supported yet "
+                              f"(got {cp})")
 
 
 def check_expert_parallel(cfg: Any) -> None:

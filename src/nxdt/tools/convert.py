@@ -43,7 +43,7 @@ from nxdt.checkpoint.checkpointer import load_weights, save_weights
 from nxdt.checkpoint.locate import resolve_checkpoint
 from nxdt.config.errors import ConfigError
 from nxdt.models.deepseek_v3 import DEEPSEEK_V3_MODEL_TYPES, deepseek_v3_model_keys, mtp_notice
-from nxdt.models.llama_moe import llama_moe_model_keys, llama_moe_to_native
+from nxdt.models.llama_moe import MODEL_TYPES as LLAMA_MOE_MODEL_TYPES, llama_moe_model_keys, llama_moe_to_native
 from nxdt.models.lora import is_lora_key
 from nxdt.models.neox import neox_model_keys, neox_to_native
 from nxdt.models.qwen3 import QWEN3_MODEL_TYPES, fuse_experts, qwen3_model_keys
@@ -53,7 +53,7 @@ from nxdt.tools.hf_folder import check_output_free, copy_tokenizer, hf_config_fo
 
 NXDT_MODEL_FILE = "nxdt_model.yaml"
 # config.json model_types whose weights an nxdt model loads (both sources; qwen3*, gpt_neox also native)
-HF_MODEL_TYPES = ("llama", "mistral", "mixtral", "gpt_neox", "llama_moe") + QWEN3_MODEL_TYPES + DEEPSEEK_V3_MODEL_TYPES
+HF_MODEL_TYPES = ("llama", "mistral", "mixtral", "gpt_neox") + LLAMA_MOE_MODEL_TYPES + QWEN3_MODEL_TYPES + DEEPSEEK_V3_MODEL_TYPES
 
 
 def parse_size(text: str) -> int:
@@ -96,7 +96,7 @@ def hf_to_nxdt(input_dir: Path, output: Path) -> dict[str, Any] | None:
         except (ValueError, KeyError) as err:
             raise ConfigError(f"{input_dir}: cannot convert this {model_type} model: {err}") from None
         meta["nxdt_model"] = nxdt_model
-    if model_type == "llama_moe":  # LLaMA-MoE (nxdt.models.llama_moe)
+    if model_type in LLAMA_MOE_MODEL_TYPES:  # LLaMA-MoE and its residual variant (nxdt.models.llama_moe)
         try:
             nxdt_model = {"model_source": "megatron", "model": llama_moe_model_keys(hf_config)}
             tensors = llama_moe_to_native(tensors, hf_config)
@@ -143,6 +143,8 @@ def _deepseek_v3(input_dir: Path, hf_config: dict[str, Any], tensors: dict[str, 
 def nxdt_to_hf(ckpt: Path, output: Path, max_shard_bytes: int, dtype: str | None = None,
                base: Path | None = None, adapter_only: bool = False) -> None:
     tensors = load_weights(ckpt)
+    if any(k.endswith(SCORE_BIAS) for k in tensors):
+        tensors = without_score_bias(ckpt, tensors, hf_config_for(ckpt, tensors).get("model_type", "llama"))
     if any(is_lora_key(k) for k in tensors):
         lora_to_hf(ckpt, tensors, output, max_shard_bytes, dtype, base=base, adapter_only=adapter_only)
         return
@@ -154,6 +156,24 @@ def nxdt_to_hf(ckpt: Path, output: Path, max_shard_bytes: int, dtype: str | None
         tensors = with_score_bias(tensors)
     check_output_free(output)
     write_hf_model(ckpt, tensors, config, output, max_shard_bytes, dtype)
+
+
+SCORE_BIAS = ".mlp.gate.e_score_correction_bias"
+
+
+def without_score_bias(ckpt: Path, tensors: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """Loss-free balancing's selection bias for a model_type whose router has none (Mixtral, Qwen3-MoE):
+    dropped when zero (selection by the scores alone, as before any update); else refused, since adding it
+    to the gate weights is not exact (a per-expert constant on the scores is not a function of the token's
+    hidden state through a bias-free linear, and top-k selection is not invariant to it)."""
+    if model_type in DEEPSEEK_V3_MODEL_TYPES:
+        return tensors
+    moved = [k for k, t in tensors.items() if k.endswith(SCORE_BIAS) and bool(t.abs().max() > 0)]
+    if moved:
+        raise ConfigError(f"nxdt-to-hf: {ckpt} was trained with model.moe.load_balancing loss_free and its selection "
+                          f"bias ({moved[0]}) is not zero: transformers' {model_type} router has no bias and folding "
+                          f"it into the gate is not exact for top-k selection; nothing written")
+    return {k: t for k, t in tensors.items() if not k.endswith(SCORE_BIAS)}
 
 
 def with_score_bias(tensors: dict[str, Any]) -> dict[str, Any]:

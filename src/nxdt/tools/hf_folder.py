@@ -43,7 +43,7 @@ def copy_tokenizer(src: Path | None, dst: Path) -> list[str]:
 
 def hf_config_for(ckpt: Path, tensors: dict[str, Any]) -> dict[str, Any]:
     meta = read_json(ckpt / META)
-    if (meta.get("hf_config") or {}).get("model_type") == "llama_moe":  # converted to nxdt's names by hf-to-nxdt
+    if (meta.get("hf_config") or {}).get("model_type") in ("llama_moe", "llama_moe_residual"):  # converted to nxdt's names by hf-to-nxdt
         raise ConfigError(f"{ckpt}: a LLaMA-MoE checkpoint; nxdt-to-hf back to LLaMA-MoE's names is not supported yet")
     if meta.get("hf_config"):
         return dict(meta["hf_config"])

@@ -36,10 +36,6 @@ def check_lora_targets(spec, vocab_size: int | None) -> None:
     cfg, peft = spec.cfg, spec.alignment.peft
     if peft is None:
         return
-    if peft.target_parameters and spec.layout.tp > 1:
-        raise ConfigError("model_alignment_strategy.peft.target_parameters (LoRA on the MoE experts) with "
-                          "distributed_strategy.tensor_model_parallel_size > 1 is not supported yet (ep, FSDP, "
-                          "ZeRO-1 and pp are)")
     try:
         add_lora(build_model(cfg, vocab_size, device="meta"), peft)
     except ValueError as err:

@@ -55,6 +55,7 @@ from torch import nn
 
 from nxdt.config.errors import ConfigError
 from nxdt.models import logits_of
+from nxdt.models.chunked_loss import IGNORE_INDEX
 from nxdt.models.lora import adapters_disabled
 from nxdt.models.moe import set_aux_loss_scale
 from nxdt.parallel.data_parallel import set_gradient_sync
@@ -82,32 +83,44 @@ def concatenated(mb: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return tuple(torch.cat([mb[f"chosen_{k}"], mb[f"rejected_{k}"]]) for k in ("input_ids", "labels", "loss_mask"))
 
 
-def pair_token_logps(model: nn.Module, mb: Batch, precision: Precision, *,
-                     device_type: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def pair_token_logps(model: nn.Module, mb: Batch, precision: Precision, *, device_type: str = "cpu",
+                     loss_chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One forward of [chosen; rejected]: (per-token fp32 log p(label) [2B, S], loss_mask [2B, S]).
-    Under tensor parallelism call it inside `loss_parallel_context(tp)`."""
+    Under tensor parallelism call it inside `loss_parallel_context(tp)`. `loss_chunk_size`
+    (model.fusions.cross_entropy_chunk_size, one tensor-parallel rank): the model scores the
+    labels itself, a chunk at a time and only on the response tokens (nxdt.models.chunked_loss):
+    the prompt's and the padding's logits are never computed; 0 there, as the mask leaves them out."""
     input_ids, labels, loss_mask = concatenated(mb)
+    if loss_chunk_size:
+        scored = labels.masked_fill(loss_mask == 0, IGNORE_INDEX)
+        with precision.autocast(device_type):
+            losses = model(input_ids=input_ids, position_ids=None, labels=scored, loss_chunk_size=loss_chunk_size)
+        return -losses, loss_mask
     with precision.autocast(device_type):
         logits = logits_of(model(input_ids=input_ids, position_ids=None))
     return token_logps(logits, labels), loss_mask
 
 
 def batch_reference_logps(model: nn.Module, mb: Batch, precision: Precision, *, device_type: str = "cpu",
-                          tp: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                          tp: int = 1, loss_chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen, rejected) summed response log-probs [B] of `model`, without gradients: the reference
     of a micro-batch (the caller sets eval mode, or disables LoRA adapters, around it)."""
     with torch.no_grad(), loss_parallel_context(tp):
-        per_token, loss_mask = pair_token_logps(model, mb, precision, device_type=device_type)
+        per_token, loss_mask = pair_token_logps(model, mb, precision, device_type=device_type,
+                                                loss_chunk_size=loss_chunk_size if tp == 1 else None)
         sums, _ = masked_sums(per_token, loss_mask)
     return sums.chunk(2)
 
 
 def preference_microbatch_loss(model: nn.Module, mb: Batch, precision: Precision, *, kind: str, beta: float,
                                loss_type: str = "sigmoid", reference: Reference | None = None,
-                               device_type: str = "cpu") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                               device_type: str = "cpu", loss_chunk_size: int | None = None
+                               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One micro-batch's forward, its DPO / ORPO loss (a scalar with grad) and its metrics (detached).
-    Also the validation loss (under torch.no_grad). Tensor parallel: inside `loss_parallel_context(tp)`."""
-    per_token, loss_mask = pair_token_logps(model, mb, precision, device_type=device_type)
+    Also the validation loss (under torch.no_grad). Tensor parallel: inside `loss_parallel_context(tp)`.
+    `loss_chunk_size` (DPO, one tensor-parallel rank): see pair_token_logps."""
+    chunk = loss_chunk_size if kind == "dpo" else None  # ORPO's NLL also scores the prompt: whole logits
+    per_token, loss_mask = pair_token_logps(model, mb, precision, device_type=device_type, loss_chunk_size=chunk)
     sums, counts = masked_sums(per_token, loss_mask)
     chosen_logps, rejected_logps = sums.chunk(2)
     chosen_counts, rejected_counts = counts.chunk(2)
@@ -143,7 +156,7 @@ class PreferenceForwardBackward:
 
     def __init__(self, model: nn.Module, precision: Precision, num_microbatches: int, *, kind: str, beta: float,
                  loss_type: str, reference: Reference | None, backward: Callable[[torch.Tensor], None] | None,
-                 device_type: str, tp: int, batch_size: int | None):
+                 device_type: str, tp: int, batch_size: int | None, loss_chunk_size: int | None = None):
         if kind not in KINDS:
             raise ValueError(f"preference loss: unknown kind {kind!r} (one of {list(KINDS)})")
         if kind == "dpo" and reference is None:
@@ -152,6 +165,7 @@ class PreferenceForwardBackward:
         self.kind, self.beta, self.loss_type, self.reference = kind, float(beta), loss_type, reference
         self.run_backward = backward if backward is not None else torch.Tensor.backward
         self.device_type, self.tp, self.batch_size = device_type, tp, batch_size
+        self.loss_chunk_size = loss_chunk_size if tp == 1 else None
         self.metrics: dict[str, torch.Tensor] = {}
 
     def __call__(self, batch: Batch) -> torch.Tensor:
@@ -164,7 +178,7 @@ class PreferenceForwardBackward:
             with loss_parallel_context(self.tp):
                 loss, metrics = preference_microbatch_loss(
                     self.model, mb, self.precision, kind=self.kind, beta=self.beta, loss_type=self.loss_type,
-                    reference=self.reference, device_type=self.device_type)
+                    reference=self.reference, device_type=self.device_type, loss_chunk_size=self.loss_chunk_size)
                 loss = loss / n
                 self.run_backward(self.precision.scale_loss(loss))
             total = loss.detach() if total is None else total + loss.detach()
@@ -177,13 +191,15 @@ class PreferenceForwardBackward:
 def preference_forward_backward(model: nn.Module, precision: Precision, num_microbatches: int, *, kind: str,
                                 beta: float, loss_type: str = "sigmoid", reference: Reference | None = None,
                                 backward: Callable[[torch.Tensor], None] | None = None, device_type: str = "cpu",
-                                tp: int = 1, batch_size: int | None = None) -> PreferenceForwardBackward:
+                                tp: int = 1, batch_size: int | None = None,
+                                loss_chunk_size: int | None = None) -> PreferenceForwardBackward:
     """`forward_backward` for DPO (`kind='dpo'`, `reference` required) or ORPO (`kind='orpo'`,
     `beta` is ORPO's lambda, no reference); see the module docstring. `backward(loss)` defaults to
-    `loss.backward()` (Lightning: `manual_backward`); `batch_size` (prompts), when given, is checked."""
+    `loss.backward()` (Lightning: `manual_backward`); `batch_size` (prompts), when given, is checked;
+    `loss_chunk_size`: see pair_token_logps."""
     return PreferenceForwardBackward(model, precision, num_microbatches, kind=kind, beta=beta, loss_type=loss_type,
                                      reference=reference, backward=backward, device_type=device_type, tp=tp,
-                                     batch_size=batch_size)
+                                     batch_size=batch_size, loss_chunk_size=loss_chunk_size)
 
 
 # ---- the reference table ---------------------------------------------------------------------
@@ -214,7 +230,8 @@ def _collate(items: list[Batch], device: torch.device) -> Batch:
 def compute_reference_logps(model: nn.Module, dataset, batch_size: int, precision: Precision, *,
                             device_type: str = "cpu", tp: int = 1, dp_rank: int = 0, dp_size: int = 1,
                             all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                            progress: bool = True, label: str = "train") -> torch.Tensor:
+                            progress: bool = True, label: str = "train",
+                            loss_chunk_size: int | None = None) -> torch.Tensor:
     """(chosen, rejected) summed response log-probs of every row of `dataset`: float32 [rows, 2] on
     the CPU, the same on every rank.
 
@@ -240,7 +257,8 @@ def compute_reference_logps(model: nn.Module, dataset, batch_size: int, precisio
     try:
         for b, start in enumerate(range(0, per_rank, batch_size)):
             mb = _collate([dataset[i] for i in mine[start:start + batch_size]], device)
-            chosen, rejected = batch_reference_logps(model, mb, precision, device_type=device_type, tp=tp)
+            chosen, rejected = batch_reference_logps(model, mb, precision, device_type=device_type, tp=tp,
+                                                     loss_chunk_size=loss_chunk_size)
             local[start:start + len(chosen)] = torch.stack([chosen, rejected], dim=1)
             done = (b + 1) / batches
             if progress and (done >= next_report or b + 1 == batches):
@@ -283,7 +301,7 @@ class PreferenceSteps:
         def from_base(mb):  # LoRA without a table: the base, adapters off, no gradients
             with self._base_context():
                 return batch_reference_logps(self.model, mb, self.precision, device_type=self.device.type,
-                                             tp=self.layout.tp)
+                                             tp=self.layout.tp, loss_chunk_size=self.spec.loss_chunk_size)
 
         return from_base
 
@@ -292,7 +310,7 @@ class PreferenceSteps:
         return preference_forward_backward(
             self.model, self.precision, self.layout.num_microbatches, kind=kind, beta=beta, loss_type=loss_type,
             reference=self._reference("train"), backward=self.manual_backward, device_type=self.device.type,
-            tp=self.layout.tp, batch_size=self.layout.local_batch_size)
+            tp=self.layout.tp, batch_size=self.layout.local_batch_size, loss_chunk_size=self.spec.loss_chunk_size)
 
     def log_preference_metrics(self, forward_backward) -> None:
         for key, value in getattr(forward_backward, "metrics", {}).items():
@@ -305,7 +323,9 @@ class PreferenceSteps:
         with loss_parallel_context(self.layout.tp):
             losses = [preference_microbatch_loss(self.model, mb, self.precision, kind=kind, beta=beta,
                                                  loss_type=loss_type, reference=reference,
-                                                 device_type=self.device.type)[0] for mb in microbatches]
+                                                 device_type=self.device.type,
+                                                 loss_chunk_size=self.spec.loss_chunk_size if self.layout.tp == 1
+                                                 else None)[0] for mb in microbatches]
         return sum(losses) / len(losses)
 
     def precompute_reference_logps(self) -> None:
@@ -329,5 +349,5 @@ class PreferenceSteps:
                     self.model, dataset, self.layout.micro_batch_size, self.precision, device_type=self.device.type,
                     tp=self.layout.tp, dp_rank=dp.get_local_rank(), dp_size=dp.size(),
                     all_gather=all_gather_over(dp.get_group()) if dp.size() > 1 else None,
-                    progress=self.global_rank == 0, label=split)
+                    progress=self.global_rank == 0, label=split, loss_chunk_size=self.spec.loss_chunk_size)
             dm.set_reference_logps(split, table)
