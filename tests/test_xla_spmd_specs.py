@@ -1,11 +1,15 @@
 """nxdt.parallel.xla_spmd's partition specs, read from the parallel plan (no torch-xla needed: the
-specs are data; tests/xla/test_xla_spmd.py runs them on four XLA:CPU devices)."""
+specs are data; tests/xla/test_xla_spmd.py runs them on four XLA:CPU devices), and the XLA MoE
+dispatch (nxdt.models.moe_xla) against the CPU path."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from nxdt.models import build_model
+from nxdt.models.moe import LlamaMoE, MoEArgs, capacity, keep_within_capacity
+from nxdt.models.moe_xla import dense_experts
 from nxdt.parallel.plan import make_plan
 from nxdt.parallel.xla_spmd import mesh_shape, process_layout, spmd_shardings
 from nxdt.spec import build_spec, load_config
@@ -56,3 +60,31 @@ def test_process_layout_holds_every_dp_share(tp):
     one = process_layout(spec.layout)
     assert one.world_size == 1 and one.local_batch_size == spec.layout.local_batch_size * spec.layout.dp
     assert one.num_microbatches == spec.layout.num_microbatches
+
+
+@pytest.mark.parametrize("options", [{}, {"capacity_factor": 1.0}, {"expert_activation": "gelu"},
+                                     {"top_k": 3, "score_scale": 1.5}])
+def test_xla_dense_experts_equal_the_sorted_path(options):
+    """nxdt.models.moe_xla (every expert over every token, static shapes: the XLA path) gives the CPU
+    path's output and gradients (tokens sorted by expert; capacity drops; two-matrix experts)."""
+    torch.manual_seed(0)
+    args = MoEArgs(num_experts=4, **{"top_k": 2, **options})
+    layer = LlamaMoE(16, 32, args)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x = torch.randn(2, 10, 16, requires_grad=True)
+    layer(x).sum().backward()
+    sorted_grads = [p.grad.clone() for p in (x, *layer.parameters())]
+    sorted_out = layer(x).detach().reshape(-1, 16)
+    x.grad = None
+    layer.zero_grad()
+    flat = x.reshape(-1, 16)
+    weights, experts, _ = layer.gate.route(flat, args)
+    keep = (keep_within_capacity(experts, capacity(20, args), 4) if args.drops_tokens
+            else torch.ones_like(experts, dtype=torch.bool))
+    out, counts = dense_experts(flat, weights, experts, keep, layer.experts, args.score_scale)
+    out.sum().backward()
+    assert (out - sorted_out).abs().max() < 1e-5
+    assert int(counts.sum()) == int(keep.sum()) and (int(keep.sum()) < 20 * args.top_k) == args.drops_tokens
+    for a, p in zip(sorted_grads, (x, *layer.parameters())):
+        assert (a - p.grad).abs().max() < 1e-5

@@ -31,6 +31,10 @@ LAYOUTS = {  # name -> (devices, overrides)
                          "distributed_strategy.sharding_strategy=fsdp"]),
 }
 
+MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.router_aux_loss_coef=0.1",
+       "model.moe.capacity_factor=1.5"]  # a tiny MoE Llama (nxdt.models.moe_xla on XLA), tokens dropped
+LAYOUTS["moe_ep2"] = (4, [*MOE, "distributed_strategy.expert_model_parallel_size=2"])
+
 VOCAB = 256
 
 
@@ -84,10 +88,12 @@ def reference() -> dict:
 
     from nxdt import device as dev
 
-    cfg = config(1, [])
-    xla = train(cfg, dev.xla_device())["losses"]
-    cpu = train(cfg, torch.device("cpu"))["losses"]
-    return {"xla": xla, "cpu": cpu}
+    out = {}
+    for name, overrides in (("", []), ("moe_", MOE)):
+        cfg = config(1, overrides)
+        out[name + "xla"] = train(cfg, dev.xla_device())["losses"]
+        out[name + "cpu"] = train(cfg, torch.device("cpu"))["losses"]
+    return out
 
 
 def spmd(names: list[str], ptype: str = "fp32") -> dict:
@@ -121,6 +127,7 @@ def spmd(names: list[str], ptype: str = "fp32") -> dict:
                      "state_bytes": xla_spmd.optimizer_state_bytes(h.optimizer),
                      "plan_params_per_device": estimate.plan(spec, vocab_size=VOCAB)["parameters_per_rank"],
                      "by_param": {n: xla_spmd.device_bytes([p]) for n, p in h.model.named_parameters()},
+                     "whole": {n: p.numel() * p.element_size() for n, p in h.model.named_parameters()},
                      "param_shardings": {n: xla_spmd.sharding_of(p) for n, p in h.model.named_parameters()}}
     return out
 
@@ -173,8 +180,16 @@ def checkpoint(path: str) -> dict:
     cpu_state = {"model": cpu_model.state_dict()}
     dcp.load(cpu_state, checkpoint_id=path)  # the default planner: a CPU run of another layout
     cpu_gap = max(float((cpu_state["model"][k] - saved[k]).abs().max()) for k in saved)
+    # and back: the CPU run (one process, another layout) saves its weights; the fsdp4 model loads them
+    dcp.save({"model": cpu_model.state_dict()}, checkpoint_id=path + "-cpu", no_dist=True)
+    back = train(cfg, dev.xla_device(), parallelize, shard, after_build, steps=0)["harness"]
+    xla_spmd.load_checkpoint(back.model, None, path + "-cpu")
+    dev.mark_step()
+    back_gap = max(float((v.cpu() - saved[k]).abs().max()) for k, v in back.model.state_dict().items())
+    back_kept = {n: xla_spmd.sharding_of(p) for n, p in back.model.named_parameters()} == shardings_saved
     return {"first": first["losses"], "continued": cont, "resumed": resumed, "loaded_equal": loaded_equal,
-            "shardings_kept": shardings_saved == shardings_loaded, "cpu_gap": cpu_gap,
+            "shardings_kept": shardings_saved == shardings_loaded, "cpu_gap": cpu_gap, "back_gap": back_gap,
+            "back_shardings_kept": back_kept,
             "state_bytes": xla_spmd.optimizer_state_bytes(fresh.optimizer)}
 
 

@@ -92,16 +92,24 @@ def test_examples_train_runs_on_xla(tmp_path):
     assert len(losses) == 4 and all(math.isfinite(v) for v in losses.values())
 
 
-@pytest.mark.parametrize("accelerator, key", [("xla", "pipeline_model_parallel_size"), ("auto", "context_parallel_size")])
-def test_pipeline_or_context_parallel_over_xla_devices_refused_in_one_line(accelerator, key):
+@pytest.mark.parametrize("accelerator, key", [("xla", "distributed_strategy.pipeline_model_parallel_size"),
+                                              ("auto", "distributed_strategy.context_parallel_size"),
+                                              ("xla", "trainer.num_nodes"), ("xla", "WORLD_SIZE")])
+def test_pipeline_context_parallel_or_hosts_over_xla_devices_refused_in_one_line(accelerator, key):
     """Several XLA devices are SPMD (tests/xla/test_xla_spmd.py); pipeline and context parallel have no
-    SPMD form yet: one line, exit 2, before any work. With torch-xla installed and PJRT_DEVICE set,
-    `auto` is XLA too and is refused the same way."""
+    SPMD form yet, and several hosts (torch-xla's multi-host SPMD) are not built: one line, exit 2,
+    before any work. With torch-xla installed and PJRT_DEVICE set, `auto` is XLA too and is refused
+    the same way."""
     env = {**os.environ, "PJRT_DEVICE": "CPU"}
+    if key == "WORLD_SIZE":  # as torchrun sets it for each of its processes (one per host, as multi-host SPMD runs)
+        env.update(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+        key = "torchrun's WORLD_SIZE"
+    override = [f"{key}=2"] if "." in key else []
     proc = subprocess.run([sys.executable, str(REPO / "examples" / "train.py"), "--config-name", "tiny_llama_cpu",
-                           f"trainer.accelerator={accelerator}", "trainer.devices=2", f"distributed_strategy.{key}=2"],
+                           f"trainer.accelerator={accelerator}", "trainer.devices=2", *override],
                           capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: trainer.accelerator {accelerator}"), lines
-    assert f"with 2 devices: distributed_strategy.{key} = 2 is not supported yet on XLA" in lines[0], lines[0]
+    devices = 4 if key == "trainer.num_nodes" else 2
+    assert f"with {devices} devices: {key} = 2" in lines[0] and "is not supported yet on XLA" in lines[0], lines[0]

@@ -19,7 +19,7 @@ pytest.importorskip("torch_xla", reason="torch-xla is only in .venv-xla (make te
 
 WORKER = Path(__file__).with_name("spmd_worker.py")
 REPO = Path(__file__).resolve().parents[2]
-LAYOUTS = ["dp4", "fsdp4", "zero1_dp4", "tp2_dp2", "tp2_sp_fsdp2"]
+LAYOUTS = ["dp4", "fsdp4", "zero1_dp4", "tp2_dp2", "tp2_sp_fsdp2", "moe_ep2"]
 TOL = 1e-5
 
 
@@ -46,10 +46,14 @@ def spmd():
     return run_worker("spmd", *LAYOUTS, devices=4)
 
 
-def test_references_agree(ref):
-    """The one-device XLA run and the CPU run: the baseline every layout is held to."""
-    assert len(ref["xla"]) == 10 and ref["xla"][-1] < ref["xla"][0] - 0.5
-    assert max(abs(a - b) for a, b in zip(ref["xla"], ref["cpu"])) < TOL
+@pytest.mark.parametrize("model", ["", "moe_"])
+def test_references_agree(model, ref):
+    """The one-device XLA run and the CPU run: the baseline every layout is held to. The MoE Llama
+    runs its experts densely on XLA (nxdt.models.moe_xla: static shapes) and sorted by expert on the
+    CPU (nxdt.models.moe): the same arithmetic."""
+    xla, cpu = ref[model + "xla"], ref[model + "cpu"]
+    assert len(xla) == 10 and xla[-1] < xla[0] - 0.5
+    assert max(abs(a - b) for a, b in zip(xla, cpu)) < TOL
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -58,15 +62,16 @@ def test_layout_losses_equal_one_device(layout, ref, spmd):
     print(f"\n{layout} mesh (dp, ep, tp) {out['mesh']}: losses {[round(v, 6) for v in out['losses']]}")
     assert spmd["devices"] == 4 and out["mesh"][0] * out["mesh"][1] * out["mesh"][2] == 4
     assert len(out["losses"]) == len(ref["xla"])
+    model = "moe_" if layout.startswith("moe") else ""
     for name in ("xla", "cpu"):
-        gap = max(abs(a - b) for a, b in zip(out["losses"], ref[name]))
+        gap = max(abs(a - b) for a, b in zip(out["losses"], ref[model + name]))
         assert gap < TOL, (layout, name, gap)
 
 
 def test_sharded_bytes_per_device_are_the_plans_share(spmd):
     """FSDP: parameters and optimizer state 1/dp of the replicated run's; ZeRO-1: state 1/dp,
     parameters whole; tp2: every tp-split weight half; tp2 + FSDP2: the state another half."""
-    dp4, fsdp4, zero1, tp2, tp2_fsdp2 = (spmd[k] for k in LAYOUTS)
+    dp4, fsdp4, zero1, tp2, tp2_fsdp2, ep2 = (spmd[k] for k in LAYOUTS)
     assert fsdp4["param_bytes"] * 4 == dp4["param_bytes"]
     assert fsdp4["state_bytes"] * 4 == dp4["state_bytes"]
     assert zero1["state_bytes"] * 4 == dp4["state_bytes"]
@@ -81,6 +86,10 @@ def test_sharded_bytes_per_device_are_the_plans_share(spmd):
                                                "embed_tokens.weight", "lm_head.weight"))
         assert half[name] * (2 if split else 1) == size, (name, half[name], size)
     assert fsdp4["by_param"]["model.norm.weight"] * 4 == whole["model.norm.weight"]
+    experts = [n for n in ep2["whole"] if ".mlp.experts." in n]  # ep2: each device holds 2 of the 4 experts
+    assert len(experts) == 4
+    for name, size in ep2["whole"].items():
+        assert ep2["by_param"][name] * (2 if name in experts else 1) == size, (name, ep2["by_param"][name], size)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -122,17 +131,36 @@ def _train(log_dir: Path, devices: int, *overrides: str) -> dict[int, float]:
     return read_scalars(log_dir)
 
 
-def test_nxdt_train_on_four_devices_equals_one(tmp_path):
+CKPT = ["exp_manager.create_checkpoint_callback=true", "exp_manager.checkpoint_callback_params.every_n_train_steps=2",
+        "exp_manager.checkpoint_callback_params.save_top_k=-1"]
+TP_SP_FSDP = ["distributed_strategy.tensor_model_parallel_size=2", "distributed_strategy.sequence_parallel=true",
+              "distributed_strategy.sharding_strategy=fsdp"]
+
+
+def _ckpt(log_dir: Path, step: int) -> Path:
+    return log_dir / "checkpoints" / f"tiny_llama--step={step}-consumed_samples={8.0 * step}"
+
+
+def test_nxdt_train_on_four_devices_equals_one_and_resumes_bitwise(tmp_path):
     """The product path: examples/train.py with trainer.devices=4 (tp2 + sp x FSDP2 as shardings of one
-    SPMD process under Lightning) gives the one-device run's training and validation losses."""
-    one = _train(tmp_path / "one", 1)
-    four = _train(tmp_path / "four", 4, "distributed_strategy.tensor_model_parallel_size=2",
-                  "distributed_strategy.sequence_parallel=true", "distributed_strategy.sharding_strategy=fsdp")
+    SPMD process under Lightning) gives the one-device run's training and validation losses. The
+    one-device run saves through the usual checkpoint callback (xser, as configured), and a run resumed
+    from its step-2 checkpoint continues bit for bit."""
+    one = _train(tmp_path / "one", 1, *CKPT, "exp_manager.save_xser=true")
+    four = _train(tmp_path / "four", 4, *TP_SP_FSDP)
     assert len(one["reduced_train_loss"]) == 4
     for tag in ("reduced_train_loss", "val_loss"):
         assert one[tag].keys() == four[tag].keys()
         gap = max(abs(one[tag][k] - four[tag][k]) for k in one[tag])
         assert gap < TOL, (tag, one[tag], four[tag])
+    for step in (2, 4):
+        files = sorted(p.name for p in _ckpt(tmp_path / "one", step).glob("xser_rank_*"))
+        assert files == ["xser_rank_00000.pt", "xser_rank_00000.pt.tensors"], files
+    resumed = _train(tmp_path / "resumed", 1, *CKPT, "exp_manager.save_xser=true",
+                     f"exp_manager.resume_from_checkpoint='{_ckpt(tmp_path / 'one', 2)}'")
+    assert sorted(resumed["reduced_train_loss"]) == [3, 4], resumed["reduced_train_loss"]
+    for tag in ("reduced_train_loss", "val_loss"):
+        assert all(resumed[tag][k] == one[tag][k] for k in resumed[tag]), (tag, resumed[tag], one[tag])
 
 
 @pytest.mark.parametrize("ptype", ["bf16SR", "mixed_precision"])
@@ -149,9 +177,11 @@ def test_precision_presets_under_fsdp4(ptype, ref):
 def test_fsdp4_checkpoint_resumes_bitwise_and_loads_on_cpu(tmp_path):
     """DCP with torch-xla's SPMD planners under fsdp4: a fresh model and optimizer (other weights) load
     the checkpoint with the shardings kept and continue bit for bit; a plain CPU model loads the same
-    checkpoint (DCP's default planner) to the saved weights."""
+    checkpoint (DCP's default planner) to the saved weights, saves them as a one-process CPU run, and
+    a fresh fsdp4 model loads that back (weights equal, shardings kept)."""
     out = run_worker("ckpt", str(tmp_path / "ckpt"), devices=4)
     assert out["loaded_equal"] and out["shardings_kept"], out
     assert out["resumed"] == out["continued"], (out["resumed"], out["continued"])
     assert out["cpu_gap"] <= 1e-6, out["cpu_gap"]
+    assert out["back_gap"] <= 1e-6 and out["back_shardings_kept"], out  # the CPU run's save, loaded back on XLA
     assert out["first"][-1] > out["continued"][-1]

@@ -164,11 +164,12 @@ class Checkpointer:
             return
         writer = writer_class(int(checkpoint.get("global_step", -1)), rank)(str(tmp), sync_files=True)
         if self.async_save:
-            future = dcp.async_save(tensors, storage_writer=writer, process_group=group)
+            future = dcp.async_save(tensors, storage_writer=writer, process_group=group,
+                                    planner=_planner(strategy, "save"))
             self._pending, self._to_agree = (future, tmp, path, rank), path
             return
         try:
-            dcp.save(tensors, storage_writer=writer, process_group=group)
+            dcp.save(tensors, storage_writer=writer, process_group=group, planner=_planner(strategy, "save"))
         except CheckpointException as err:  # DCP raised it on every rank
             _remove_tmp(tmp, rank)
             raise CheckpointSaveError(path, describe(err)) from None
@@ -275,6 +276,12 @@ def _fsync_dir(path: Path) -> None:
 
 
 # --------------------------------------------------------------------------- torch-xla (save_xser)
+def _planner(strategy, kind: str):
+    """DCP's planner for a save or load: the strategy's where it has one (XLA SPMD: torch-xla's), else DCP's default."""
+    own = getattr(strategy, "dcp_planner", None)
+    return own(kind) if own is not None else None
+
+
 def use_xser(flag: bool, device_type: str) -> bool:
     """torch-xla serialization only when asked for and on an XLA device; DCP everywhere else."""
     return bool(flag) and device_type == "xla"
@@ -411,7 +418,7 @@ def load_checkpoint(strategy, path: Path, cfg=None, weights_only: bool = False,
             check_converted_request(tensors, saved, path)
         request, notes = weights_for_load(tensors, saved)
         try:
-            dcp.load(request, storage_reader=SafeReader(str(path)))
+            dcp.load(request, storage_reader=SafeReader(str(path)), planner=_planner(strategy, "load"))
         except Exception as err:
             raise ConfigError(f"checkpoint {path}: reading the tensors failed: {_one_line(err)}") from None
     for note in notes if rank == 0 else ():

@@ -31,6 +31,7 @@ from nxdt.models import moe_calculators as llama_calc
 from nxdt.models.llama_moe import noisy_top_k_gate, switch_route
 from nxdt.models.moe_balance import LOAD_BALANCING, select_experts, sequence_balance_loss
 from nxdt.models.moe_neox import EXPERT_ACTIVATIONS, MLPExperts, neox_sinkhorn_route
+from nxdt.models.moe_xla import dense_experts
 
 
 GATE_TYPES = ("mixtral", "top_k_balanced_noisy", "switch_balanced")
@@ -497,18 +498,21 @@ class LlamaMoE(nn.Module):
             keep = keep_within_capacity(experts, capacity(x.shape[0], a), a.num_experts)
         elif lm is None or (keep := llama_calc.keep_of(experts, a)) is None:
             keep = torch.ones_like(experts, dtype=torch.bool)
-        # the kept (token, slot) assignments, grouped by expert (stable: token order within one)
-        # as flat indices token * k + slot (one nonzero; index_select is 2-3x x[idx] on CPU)
-        kept = keep.reshape(-1).nonzero().squeeze(1)
-        expert_idx = experts.reshape(-1).index_select(0, kept)
-        kept = kept.index_select(0, torch.argsort(expert_idx, stable=True))
-        token_idx, slot_weight = kept // experts.shape[1], weights.reshape(-1).index_select(0, kept)
-        counts = torch.bincount(expert_idx, minlength=a.num_experts)
-        scale = slot_weight[:, None] * a.score_scale if lm is None else llama_calc.slot_weights(slot_weight, a)
-        routed = self.experts(x.index_select(0, token_idx), counts, scale)
-        out = torch.zeros_like(x).index_add_(0, token_idx, routed.to(x.dtype))
-        if lm is not None:
-            out = llama_calc.finish(self, out, x, weights, keep)
+        if x.device.type == "xla" and lm is None:  # static shapes for XLA's compiler: every expert over every token
+            out, counts = dense_experts(x, weights, experts, keep, self.experts, a.score_scale)
+        else:
+            # the kept (token, slot) assignments, grouped by expert (stable: token order within one)
+            # as flat indices token * k + slot (one nonzero; index_select is 2-3x x[idx] on CPU)
+            kept = keep.reshape(-1).nonzero().squeeze(1)
+            expert_idx = experts.reshape(-1).index_select(0, kept)
+            kept = kept.index_select(0, torch.argsort(expert_idx, stable=True))
+            token_idx, slot_weight = kept // experts.shape[1], weights.reshape(-1).index_select(0, kept)
+            counts = torch.bincount(expert_idx, minlength=a.num_experts)
+            scale = slot_weight[:, None] * a.score_scale if lm is None else llama_calc.slot_weights(slot_weight, a)
+            routed = self.experts(x.index_select(0, token_idx), counts, scale)
+            out = torch.zeros_like(x).index_add_(0, token_idx, routed.to(x.dtype))
+            if lm is not None:
+                out = llama_calc.finish(self, out, x, weights, keep)
         if a.num_shared_experts:
             out = out + self.shared_experts(x)
         out = self.dropout(out).reshape(shape)

@@ -279,6 +279,15 @@ def check_device_count(layout: Layout) -> None:
 
 
 # --------------------------------------------------------------------------- checkpoints (DCP)
+def dcp_planner(kind: str):
+    """torch-xla's SPMD planner for a DCP save ('save') or load ('load') of sharded XLA tensors:
+    each device's shards written once / read into place. nxdt.checkpoint's writer and reader take it
+    from the XLA strategy (nxdt.training.xla)."""
+    from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, SPMDSavePlanner  # torch-xla is optional
+
+    return SPMDSavePlanner() if kind == "save" else SPMDLoadPlanner()
+
+
 def save_checkpoint(state: dict[str, Any], path: Any) -> None:
     """Save a state dict of sharded XLA tensors with torch.distributed.checkpoint and torch-xla's
     SPMD planner: each shard is written once, from the device that holds it; no process group needed.

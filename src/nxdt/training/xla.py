@@ -13,9 +13,11 @@ The order of a run on XLA (interface §1, §7):
 3. Each optimizer step ends with `mark_step()` (one graph per step); the module's per-step
    scalars go through `nxdt.observability.step_scalars.StepClosureLogger` (a step closure, run after the graph has executed),
    so logging adds no graph execution (tests/xla/test_xla_logging.py counts them).
-4. Checkpoints with `exp_manager.save_xser` / `load_xser` use torch_xla's serialization
-   (`save_xser` / `load_xser` below: one file per tensor, loadable without the device that
-   wrote them); the checkpoint I/O module calls them.
+4. Checkpoints go through the usual callback and nxdt.checkpoint's writer and reader (the strategy
+   below borrows NxdtStrategy's checkpoint methods): DCP, or with `exp_manager.save_xser`
+   torch_xla's serialization (nxdt.device's `save_xser` / `load_xser`: one file per tensor, loadable
+   without the device that wrote them). Under SPMD the writer would take torch-xla's SPMD planners
+   (`dcp_planner`), but the callback is refused there for now (docs/xla.md, "Checkpoints").
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ import torch.distributed as dist
 from lightning.pytorch.accelerators import XLAAccelerator
 from lightning.pytorch.strategies import SingleDeviceXLAStrategy
 
+from nxdt.checkpoint.checkpointer import ResumedLoader
 from nxdt.device import mark_step
 from nxdt.parallel.mesh import build_mesh
-from nxdt.parallel.xla_spmd import check_device_count, is_spmd, process_layout, use_spmd
+from nxdt.parallel.xla_spmd import check_device_count, dcp_planner, is_spmd, process_layout, use_spmd
+from nxdt.training.strategy import NxdtStrategy
 
 
 def lightning_accelerator(cfg: Any):
@@ -114,5 +118,38 @@ def build_xla_strategy(layout: Any):
         @property
         def distributed_sampler_kwargs(self) -> dict[str, Any]:
             return {"num_replicas": 1, "rank": 0}
+
+        # ---- checkpoints: nxdt.checkpoint's writer and reader, as on CPU/CUDA (NxdtStrategy's methods);
+        # one process writes (Lightning's XLACheckpointIO is not used: nxdt.checkpoint writes the files)
+        checkpointer = NxdtStrategy.checkpointer
+        lightning_module_state_dict = NxdtStrategy.lightning_module_state_dict
+        optimizer_state = NxdtStrategy.optimizer_state
+        save_checkpoint = NxdtStrategy.save_checkpoint
+        load_checkpoint = NxdtStrategy.load_checkpoint
+        # the reader loads the model and optimizer itself (after setup: the model sharded, the
+        # optimizer made), as under ModelParallelStrategy; Lightning restores the rest of the trainer state
+        restore_checkpoint_after_setup = True
+        lightning_restore_optimizer = False
+
+        def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+            pass
+
+        def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+            pass
+
+        @staticmethod
+        def dcp_planner(kind: str):
+            """DCP's planner for a save or load ('save' / 'load'): torch-xla's SPMD planners under SPMD
+            (the tensors are sharded XLA tensors), DCP's default on one device."""
+            return dcp_planner(kind) if spmd else None
+
+        def process_dataloader(self, dataloader: object) -> object:
+            # torch-xla's MpDeviceLoader (Lightning's), and after a resume NxdtStrategy's ResumedLoader around it
+            loader = super().process_dataloader(dataloader)
+            skip = getattr(self, "_resume_skip", 0)
+            if skip and not self.lightning_module.trainer.sanity_checking:
+                self._resume_skip = 0
+                return ResumedLoader(loader, skip)
+            return loader
 
     return NxdtXLAStrategy()
