@@ -559,6 +559,7 @@ GATE_UP, DOWN = "mlp.moe.expert_mlps.mlp_op.gate_up_proj.weight", "mlp.moe.exper
 
 def _moe_yaml(root, source: str, tp: int, pp: int, ep: int, model: dict):
     path = root / f"{source}_tp{tp}_pp{pp}_ep{ep}.yaml"
+    root.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump({
         "name": f"{source}_moe", "model_source": source, "trainer": {"devices": tp * pp, "num_nodes": 1, "max_steps": 1},
         "distributed_strategy": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
@@ -566,6 +567,10 @@ def _moe_yaml(root, source: str, tp: int, pp: int, ep: int, model: dict):
         "data": {"micro_batch_size": 1, "global_batch_size": 1, "seq_length": 32},
         "model": {"encoder_seq_length": 32, **model}}))
     return path
+
+
+def cfg_model(config) -> dict:
+    return yaml.safe_load(config.read_text())["model"]
 
 
 def _moe_shard(sd: dict, shards: dict, tp: int, pp: int, ep: int, layers: int, prefix) -> dict:
@@ -661,9 +666,11 @@ def test_megatron_and_moe_checkpoints_give_nxdt_logits(tmp_path, capsys, source,
         prefix = "model.layers.{}.".format
     shards = _moe_shard(sd, shards, tp, pp, ep, 2, prefix)
     tag = tmp_path / "ckpt" / f"{source}--step=3-consumed_samples=24.0.ckpt"
-    write_nxd(tag, shards, xser)
+    optim = {rank: [{"state": {}, "param_groups": []}] for rank in shards} if ep == 1 else None  # not read
+    write_nxd(tag, shards, xser, optim)
     lines = nxd_to_nxdt(tag.parent, tmp_path / "conv", config)
     assert f"tp {tp} x pp {pp}" + (f" x ep {ep}" if ep > 1 else "") in lines[0], lines
+    assert any(("optimizer files" in line and "not carried over" in line) == (ep == 1) for line in lines), lines
     assert ("2 MoE layers" in lines[0]) == moe and ("megatron-style" in lines[0]) == (source == "megatron"), lines
     weights = load_weights(tmp_path / "conv")
     assert set(weights) == set(sd), set(weights) ^ set(sd)
@@ -674,6 +681,25 @@ def test_megatron_and_moe_checkpoints_give_nxdt_logits(tmp_path, capsys, source,
         expect, got = (logits_of(m(ids)) for m in (model, fresh))
     assert (got - expect).abs().max().item() <= 1e-6
     assert expect.abs().max().item() > 0.05
+    if ep > 1:  # another layout's or another source's YAML, a megatron GPT: one line each
+        other = {"megatron": {**MEGATRON, "vocab_size": 1000, "num_kv_heads": kv, "moe": MOE}}
+        cases = {"written with tp 2 x pp 2 x ep 2, the config says tp 2 x pp 2 x ep 1":
+                 _moe_yaml(tmp_path / "bad0", source, tp, pp, 1, cfg_model(config)),
+                 ("a megatron-style checkpoint, the config says model_source hf" if source == "megatron" else
+                  "an HF-style checkpoint, the config says model_source megatron"):
+                 _moe_yaml(tmp_path / "bad1", "hf" if source == "megatron" else "megatron", tp, pp, ep,
+                           {"model_config": str(tmp_path / "mixtral"), "moe": MOE} if source == "megatron"
+                           else other["megatron"]),
+                 "model.normalization 'layernorm', model.activation 'gelu'":
+                 _moe_yaml(tmp_path / "bad2", "megatron", tp, pp, ep, {**other["megatron"], "normalization": "layernorm",
+                                                             "activation": "gelu"})}
+        if source == "megatron":
+            (tmp_path / "mixtral").mkdir()
+            (tmp_path / "mixtral" / "config.json").write_text(json.dumps(MIXTRAL))
+        for i, (says, yaml_file) in enumerate(cases.items()):
+            with pytest.raises(ConfigError) as err:
+                nxd_to_nxdt(tag, tmp_path / f"out{i}", yaml_file)
+            assert says in str(err.value) and "\n" not in str(err.value), (says, str(err.value))
     if source == "megatron" and kv == 8:  # the MHA rank files, read as NxDT's forward reads them
         hd, a = 8, "language_model.encoder.layers.0.self_attention."
         ranks = [(*shards[(t, 0)][a + "query_key_value.weight"].view(4, 3, hd, 64).unbind(1),

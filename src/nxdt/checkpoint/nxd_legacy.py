@@ -134,8 +134,8 @@ def find_tag(path: Path) -> Path:
 
 
 def scan(path: Path) -> NxdCheckpoint:
-    """The model files of the checkpoint at `path`, every tp x pp rank present (ConfigError naming
-    the first missing one)."""
+    """The model files of the checkpoint at `path`, every (ep x) tp x pp rank present (ConfigError
+    naming the first missing one)."""
     tag = find_tag(path)
     found: dict[tuple[int, int, int], Path] = {}
     with_ep = set()
@@ -356,7 +356,7 @@ def merge_ranks(ranks: list[dict[str, torch.Tensor]], lay: NxdLayout, tag: Path,
     Adam's moments). Consumes `ranks`."""
     megatron = any(key.startswith("language_model.") for key in ranks[0])
     if megatron != (lay.style == "megatron"):
-        raise ConfigError(f"{tag}: a {'megatron-style' if megatron else 'HF-style'} checkpoint, the config says "
+        raise ConfigError(f"{tag}: {'a megatron-style' if megatron else 'an HF-style'} checkpoint, the config says "
                           f"model_source {'megatron' if lay.style == 'megatron' else 'hf'}")
     if megatron:
         ranks[:] = [megatron_to_hf_names(r, lay.num_heads // lay.tp, lay.num_kv_heads // lay.tp, lay.head_dim,

@@ -6,11 +6,15 @@
 NXDT_CKPT: the tag folder (`...--step=5-consumed_samples=160.0.ckpt`), its `model/` folder, or the
 checkpoint dir (its newest completed tag). NXDT_YAML: the YAML the run trained with, composed and
 schema-checked by nxdt's own config loading: it gives the architecture (model.model_config's config.json with the
-YAML's overrides), tp and pp, and `distributed_strategy.kv_replicator`; KEY=VALUE overrides it as on
-the training command line (NxDT's YAMLs name `model.model_config: /home/ubuntu/config.json`). NxDT's HF-style Llama
-(model_source hf) is read, both formats (torch.save and xser) (nxdt.checkpoint.nxd_legacy).
+YAML's overrides; with model_source megatron the YAML's model keys), tp, pp, ep and
+`distributed_strategy.kv_replicator`; KEY=VALUE overrides it as on the training command line (NxDT's YAMLs
+name `model.model_config: /home/ubuntu/config.json`). Read, both formats (torch.save and xser): NxDT's
+HF-style Llama and Mixtral (nxdt.checkpoint.nxd_legacy) and its megatron-style Llama / Mistral / Mixtral,
+NxD's MoE layer with its per-ep-rank files (nxdt.checkpoint.nxd_legacy_megatron); their shapes are
+checked against nxdt's model of the YAML, built on the meta device.
 
-The output is an nxdt checkpoint under transformers' names. Where NxDT saved Adam's state
+The output is an nxdt checkpoint under transformers' names (megatron-style: the native model's, the
+same, with NxDT's padded vocabulary). Where NxDT saved Adam's state of its HF-style dense Llama
 (`optim/`: ZeRO-1 shards per dp rank, or a plain optimizer per tp/pp rank; nxdt.checkpoint.nxd_legacy_optim),
 it carries exp_avg, exp_avg_sq and the step, merged like the weights, and NxDT's step and
 consumed_samples (from the tag's name): `exp_manager.resume_from_checkpoint=CKPT` continues the
@@ -99,6 +103,10 @@ def megatron_layout_of(cfg) -> NxdLayout:
         args = llama_args_from_cfg(cfg, vocab_size=1)  # the architecture; the vocabulary is the checkpoint's
     except ValueError as err:
         raise ConfigError(f"model: {err}") from None
+    kv, tp = args.num_kv_heads or args.num_attention_heads, ds.tensor_model_parallel_size
+    if args.num_attention_heads % tp or kv % tp:
+        raise ConfigError(f"model: {args.num_attention_heads} heads, {kv} K/V heads do not split over tp {tp} "
+                          "(NxDT's megatron model splits both)")
     return NxdLayout(num_layers=args.num_layers, hidden_size=args.hidden_size, intermediate_size=args.ffn_hidden_size,
                      num_heads=args.num_attention_heads, num_kv_heads=args.num_kv_heads or args.num_attention_heads,
                      head_dim=args.head_dim, vocab_size=0, tp=ds.tensor_model_parallel_size,
@@ -156,14 +164,14 @@ def nxd_to_nxdt(input_path: Path, output: Path, config: Path | None, overrides: 
     ckpt = scan(input_path)
     tensors, kv_order = merge(ckpt, lay, model_shapes(cfg, hf))
     progress = progress_of(ckpt.tag.name)
-    files = optim_files(ckpt)
     optimizer, resume = None, {}
     moe = any(".mlp.experts." in k for k in tensors)
     lines = []
-    if files is not None and (lay.style == "megatron" or moe):
+    files = optim_files(ckpt) if lay.style == "hf" and not moe else None
+    if files is None and (ckpt.tag / "optim").is_dir() and any((ckpt.tag / "optim").iterdir()) and \
+            (lay.style == "megatron" or moe):
         lines.append(f"notice: the optimizer files in {ckpt.tag / 'optim'} are not carried over: Adam's state is read "
                      "for NxDT's HF-style dense Llama only (its parameter order); the output is weights-only")
-        files = None
     if files is not None:
         optimizer = merge_optimizer(ckpt, files, lay, bool(cfg.model.do_layer_norm_weight_decay),
                                     None if "/" in kv_order else kv_order)
@@ -190,8 +198,9 @@ def nxd_to_nxdt(input_path: Path, output: Path, config: Path | None, overrides: 
     if not ckpt.complete:
         lines.append(f"notice: {ckpt.tag} has no `done` marker (NxD writes it last): the save may not have finished")
     if files is None:
-        lines.append(f"notice: no optimizer files in {ckpt.tag / 'optim'}: the output is weights-only (Adam's "
-                     "moments start fresh)")
+        if not any("not carried over" in line for line in lines):
+            lines.append(f"notice: no optimizer files in {ckpt.tag / 'optim'}: the output is weights-only (Adam's "
+                         "moments start fresh)")
         lines.append(f"start training from it: exp_manager.resume_from_checkpoint={output} model.weight_init_only=true")
         return lines
     lines.append(f"optimizer: Adam's exp_avg and exp_avg_sq of {len(optimizer.state) // 3} parameters, step "
