@@ -26,6 +26,10 @@ for the next; these runs cover these changes:
     ├─ @2 → ep1             the experts whole on both ranks, then
     │   └─ @4 → ep2         sharded again
     └─ @2 → dense config    refused: one line naming a key, exit 2
+    nxd        a checkpoint NxDT wrote (NxD's layout: HF-style Llama, tp 2 x pp 2, ZeRO-1 Adam shards over
+    │          dp 2; tests/test_convert_nxd.py), converted by `nxdt convert nxd-to-nxdt` at step 2
+    ├─ @2 → zero1 dp2       2 ranks, then
+    └─ @2 → one process     the same steps 3 and 4 within 1e-5 (not the reference's: another model)
 
 Runs of one world size share one launch (conftest.run_pool: imports paid once), so the
 runs take three launches: the 2-rank runs, then the 4-rank runs, then the single-process ones.
@@ -40,8 +44,13 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import TINY_OVERRIDES, read_scalars, run_pool, tensor_bytes
+from test_convert_nxd import HF, _nxd_with_optimizer, _yaml
 from test_parallel_layouts import NEOX
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from nxdt.tools.convert_nxd import nxd_to_nxdt
 
 STEPS = 6
 TOL = 1e-5
@@ -54,6 +63,7 @@ TP2 = ["distributed_strategy.tensor_model_parallel_size=2"]
 MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.output_router_logits=true",
        "model.moe.router_aux_loss_coef=0.1", "model.moe.capacity_factor=1.5"]
 EP2 = ["distributed_strategy.expert_model_parallel_size=2"]
+NXD = ["model_source=hf", "model.model_config=NXD_CONFIG", "model.num_layers=2", "trainer.max_steps=4"]
 NEOX2 = [*NEOX, "model.num_layers=2"]  # multi-head attention (num_kv_heads = heads), two layers
 # keeps the checkpoint with the highest loss (mode max, so that an older checkpoint outranks newer
 # ones) and the newest
@@ -134,6 +144,9 @@ RUNS = {
     "neox_pp1": (1, NEOX2, ("neox_pp2", 4)),
     # bad input: an MoE checkpoint into the dense config, one line and exit 2
     "dense_from_moe": (1, [], ("moe_ep2", 2)),
+    # NxDT's checkpoint, converted (`_nxd_converted`): resumed on 2 ranks and in one process
+    "nxd_zero1_dp2": (2, [*NXD, "distributed_strategy.zero1=true"], ("nxd", 2)),
+    "nxd_one_process": (1, NXD, ("nxd", 2)),
 }
 EXPECTED_RC = {"dense_from_moe": 2}
 
@@ -141,21 +154,43 @@ EXPECTED_RC = {"dense_from_moe": 2}
 @pytest.fixture(scope="module")
 def runs(kjv_prefix, tmp_path_factory) -> dict[str, Run]:
     root = tmp_path_factory.mktemp("reshard")
+    nxd = _nxd_converted(root / "nxd")
+
+    def source(resume):
+        return nxd if resume[0] == "nxd" else _ckpt(root / resume[0], resume[1])
     out: dict[str, Run] = {}
     for nproc in (2, 4, 1):
         argvs = {}
         for name, (ranks, extra, resume) in RUNS.items():
             if ranks == nproc:
+                extra = [e.replace("NXD_CONFIG", str(root / "nxd" / "hf" / "config.json")) for e in extra]
                 if resume is not None:
                     # quoted: the checkpoint's name contains '=' (step=..., consumed_samples=...)
-                    extra = [*extra, f"exp_manager.resume_from_checkpoint='{_ckpt(root / resume[0], resume[1])}'"]
+                    extra = [*extra, f"exp_manager.resume_from_checkpoint='{source(resume)}'"]
                 argvs[name] = _args(kjv_prefix, root / name, nproc, extra)
         for name, proc in run_pool(argvs, nproc, root / f"pool{nproc}", EXPECTED_RC).items():
             out[name] = Run(root / name, proc)
-            if RUNS[name][2] is not None and name not in EXPECTED_RC:
-                source, step = RUNS[name][2]
-                assert f"resuming from {_ckpt(root / source, step)} (step {step}" in proc.stdout, name
+            if RUNS[name][2] is not None and name not in EXPECTED_RC and RUNS[name][2][0] != "nxd":
+                assert f"resuming from {source(RUNS[name][2])} (step {RUNS[name][2][1]}" in proc.stdout, name
     return out
+
+
+def _nxd_converted(root: Path) -> Path:
+    """A random tiny Llama with random Adam moments at step 2, written as NxDT writes it (NxD's
+    layout: tp 2 x pp 2, ZeRO-1 shards over dp 2; tests/test_convert_nxd.py) and converted in-process."""
+    torch.manual_seed(5)
+    weights = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in HF.items() if k != "architectures"})).state_dict()
+    optim = {f"state.{n}.{k}": torch.randn_like(t).abs() * 1e-4 for n, t in weights.items()
+             for k in ("exp_avg", "exp_avg_sq")}
+    optim.update({f"state.{n}.step": torch.tensor(2.0) for n in weights})
+    (root / "hf").mkdir(parents=True)
+    (root / "hf" / "config.json").write_text(json.dumps(HF))
+    tag = root / "hf_llama--step=2-consumed_samples=16.0.ckpt"
+    _nxd_with_optimizer(tag, weights, optim, dp=2, xser=False)
+    config = _yaml(root, 2, 2, None)
+    config.write_text(config.read_text().replace("qkv_linear: true", "qkv_linear: true\n  do_layer_norm_weight_decay: true"))
+    nxd_to_nxdt(tag, root / "converted", config)
+    return root / "converted"
 
 
 @pytest.fixture(scope="module")
@@ -303,6 +338,18 @@ def test_neox_tp2_sp_to_pp2_to_one_process(runs):
         assert block["mlp.up_proj.bias"] == [176] and block["self_attn.k_proj.weight"] == [64, 64], block
         assert block["input_layernorm.bias"] == block["post_attention_layernorm.weight"] == [64], block
         assert len(block) == 16 and "mlp.gate_proj.weight" not in block, sorted(block)  # 6 linears + 2 norms
+
+
+def test_converted_nxd_checkpoint_resumes_on_two_ranks(runs):
+    """NxDT's checkpoint converted by `nxdt convert nxd-to-nxdt` (Adam's state included) resumes on
+    2 ranks (ZeRO-1 dp 2) with the losses of a one-process resume of it within 1e-5: step 3 (the
+    converted weights) and step 4 (the converted moments and lr too)."""
+    two, one = runs["nxd_zero1_dp2"], runs["nxd_one_process"]
+    assert sorted(two.losses) == sorted(one.losses) == [3, 4], (two.losses, one.losses)
+    gap = max(abs(two.losses[s] - one.losses[s]) for s in (3, 4))
+    assert gap < TOL, (two.losses, one.losses)
+    assert abs(one.losses[4] - one.losses[3]) > 1e-4  # a step that moved the model
+    print(f"converted NxDT checkpoint: zero1 dp2 vs one process, steps 3..4, max loss gap {gap:.2e}")
 
 
 def test_moe_checkpoint_into_dense_config_is_refused(runs):

@@ -12,6 +12,7 @@ The converted weights give the logits transformers gives for the same weights fr
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 import types
 
@@ -27,9 +28,10 @@ from nxdt.checkpoint.nxd_legacy import LAYER_KEY as LAYER
 from nxdt.checkpoint.state import SafeReader, read_dcp_metadata
 from nxdt.config.errors import ConfigError
 from nxdt.config.load import main_guard
+from nxdt.models.builder import build_model, logits_of
 from nxdt.tools.convert import main as convert_main
 from nxdt.tools.convert import hf_to_nxdt
-from nxdt.tools.convert_nxd import nxd_to_nxdt
+from nxdt.tools.convert_nxd import nxd_to_nxdt, read_yaml
 
 HF = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 176,
       "num_attention_heads": 8, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 8192,
@@ -55,10 +57,11 @@ def _q_order(q: torch.Tensor, heads: int, kv: int, tp: int, mult: int, hd: int, 
     return [splits[r].reshape(-1, w.shape[-1]) for r in range(tp)]
 
 
-def _shard(sd: dict, tp: int, pp: int, mult: int, trn2: bool, qkv: str = "fused") -> dict[tuple[int, int], dict]:
+def _shard(sd: dict, tp: int, pp: int, mult: int, trn2: bool, qkv: str = "fused", c: dict = HF
+           ) -> dict[tuple[int, int], dict]:
     """NxD's rank files. qkv: fused (GQAQKVColumnParallelLinear with fuse_qkv: `qkv_proj.weight_qkv`),
-    split (without fuse_qkv: `qkv_proj.weight_q/_k/_v`), separate (qkv_linear false: q_proj/k_proj/v_proj)."""
-    c = HF
+    split (without fuse_qkv: `qkv_proj.weight_q/_k/_v`), separate (qkv_linear false: q_proj/k_proj/v_proj).
+    `c`: the config.json (a Mixtral's MoE layers are left to _moe_shard)."""
     heads, kv, layers = c["num_attention_heads"], c["num_key_value_heads"], c["num_hidden_layers"]
     hd = c["hidden_size"] // heads
     per_stage = layers // pp
@@ -86,12 +89,13 @@ def _shard(sd: dict, tp: int, pp: int, mult: int, trn2: bool, qkv: str = "fused"
                     "q_proj.weight", "k_proj.weight", "v_proj.weight")
                 s.update({a + n: w.contiguous() for n, w in zip(names, (q, k, v))})
             s[a + "o_proj.weight"] = o.contiguous()
-            s[p + "mlp.gate_up_proj.weight"] = torch.cat([rows(sd[p + "mlp.gate_proj.weight"]),
-                                                          rows(sd[p + "mlp.up_proj.weight"])], dim=0)
-            s[p + "mlp.down_proj.weight"] = rows(sd[p + "mlp.down_proj.weight"], 1)
             for n in ("input_layernorm.weight", "post_attention_layernorm.weight"):
                 s[p + n] = sd[p + n].clone()
             s[a + "rotary_emb.inv_freq"] = torch.ones(hd // 2)  # an old persistent buffer: dropped
+            if p + "mlp.gate_proj.weight" in sd:  # (a Mixtral's MoE layers: _moe_shard)
+                s[p + "mlp.gate_up_proj.weight"] = torch.cat([rows(sd[p + "mlp.gate_proj.weight"]),
+                                                              rows(sd[p + "mlp.up_proj.weight"])], dim=0)
+                s[p + "mlp.down_proj.weight"] = rows(sd[p + "mlp.down_proj.weight"], 1)
     return out
 
 
@@ -176,8 +180,9 @@ def write_nxd(tag, shards: dict, xser: bool, optim: dict | None = None) -> None:
         for dp, state in enumerate(per_dp):
             path = tag / "optim" / f"dp_rank_{dp:02d}_tp_rank_{t:02d}_pp_rank_{p:02d}.pt"
             _xser_save(state, path) if xser else torch.save(state, path)
-    for (t, p), sd in shards.items():
-        path = tag / "model" / f"dp_rank_00_tp_rank_{t:02d}_pp_rank_{p:02d}.pt"
+    for rank, sd in shards.items():  # (tp, pp), or (ep, tp, pp) with expert parallelism
+        e, (t, p) = (rank[0], rank[1:]) if len(rank) == 3 else (None, rank)
+        path = tag / "model" / f"dp_rank_00{'' if e is None else f'_ep_rank_{e:02d}'}_tp_rank_{t:02d}_pp_rank_{p:02d}.pt"
         if not xser:
             torch.save(sd, path)
             continue
@@ -186,11 +191,12 @@ def write_nxd(tag, shards: dict, xser: bool, optim: dict | None = None) -> None:
         with _torch_xla_reference() as ref:
             refs = {}
             for i, (key, tensor) in enumerate(sd.items()):
-                torch.save(tensor, folder / f"tensor_{i}.pt")
+                if not e or "expert_mlps" in key:  # NxD: tensors not expert-parallel are ep rank 0's files only
+                    torch.save(tensor, folder / f"tensor_{i}.pt")
                 refs[key] = ref(i)
             torch.save(refs, path)
-        torch.save({i: {"dtype": tensor.dtype, "shape": tensor.shape, "expert_model_parallel": False}
-                    for i, tensor in enumerate(sd.values())}, path.with_name(path.name + ".info.pt"))
+        torch.save({i: {"dtype": tensor.dtype, "shape": tensor.shape, "expert_model_parallel": "expert_mlps" in key}
+                    for i, (key, tensor) in enumerate(sd.items())}, path.with_name(path.name + ".info.pt"))
     (tag / "checkpoint").write_text("1")
     (tag / "done").write_text("1")
 
@@ -538,3 +544,167 @@ def test_optimizer_joined_by_nxds_converter(hf_model, tmp_path):
     with pytest.raises(ConfigError) as err:
         nxd_to_nxdt(tag, tmp_path / "conv2", config)
     assert "full_tp_rank_01_pp_rank_01.pt is missing" in str(err.value)
+
+
+# --------------------------------------------------------------------------- megatron-style and MoE checkpoints
+MEGATRON = {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 96, "num_attention_heads": 8, "num_kv_heads": 4,
+            "encoder_seq_length": 32, "max_position_embeddings": 32, "normalization": "rmsnorm", "activation": "swiglu",
+            "has_bias": False, "position_embedding_type": "rope", "share_embeddings_and_output_weights": False}
+MIXTRAL = {**{k: v for k, v in HF.items() if k not in ("mlp_bias",)}, "architectures": ["MixtralForCausalLM"],
+           "model_type": "mixtral", "intermediate_size": 96, "vocab_size": 1024, "num_local_experts": 4,
+           "num_experts_per_tok": 2, "router_jitter_noise": 0.0, "sliding_window": None}
+MOE = {"num_experts": 4, "top_k": 2}
+GATE_UP, DOWN = "mlp.moe.expert_mlps.mlp_op.gate_up_proj.weight", "mlp.moe.expert_mlps.mlp_op.down_proj.weight"
+
+
+def _moe_yaml(root, source: str, tp: int, pp: int, ep: int, model: dict):
+    path = root / f"{source}_tp{tp}_pp{pp}_ep{ep}.yaml"
+    root.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump({
+        "name": f"{source}_moe", "model_source": source, "trainer": {"devices": tp * pp, "num_nodes": 1, "max_steps": 1},
+        "distributed_strategy": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                                 "expert_model_parallel_size": ep},
+        "data": {"micro_batch_size": 1, "global_batch_size": 1, "seq_length": 32},
+        "model": {"encoder_seq_length": 32, **model}}))
+    return path
+
+
+def cfg_model(config) -> dict:
+    return yaml.safe_load(config.read_text())["model"]
+
+
+def _moe_shard(sd: dict, shards: dict, tp: int, pp: int, ep: int, layers: int, prefix) -> dict:
+    """NxD's MoE layer (router replicated; the experts' [E/ep, H, 2I/tp] gate_up with [gate | up] per tp
+    rank on dim 2, the [E/ep, I/tp, H] down_proj) added to each (tp, pp) rank's tensors, the ranks
+    then per (ep, tp, pp): each ep rank its experts, the rest as ep rank 0's."""
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        if p + "mlp.gate.weight" not in sd:
+            continue
+        w13 = sd[p + "mlp.experts.gate_up_proj"].transpose(1, 2)  # [E, H, 2I]: NxD's input-major weights
+        gate, up = w13.chunk(2, dim=2)
+        down = sd[p + "mlp.experts.down_proj"].transpose(1, 2)  # [E, I, H]
+        for t in range(tp):
+            s = shards[(t, i * pp // layers)]
+            s[prefix(i) + "mlp.moe.router.linear_router.weight"] = sd[p + "mlp.gate.weight"].clone()
+            s[prefix(i) + GATE_UP] = torch.cat([gate.chunk(tp, 2)[t], up.chunk(tp, 2)[t]], dim=2).contiguous()
+            s[prefix(i) + DOWN] = down.chunk(tp, 1)[t].contiguous()
+    if ep == 1:
+        return shards
+    return {(e, t, p): {k: v.chunk(ep)[e].clone() if "expert_mlps" in k else v for k, v in sd_.items()}
+            for (t, p), sd_ in shards.items() for e in range(ep)}
+
+
+def _megatron_shard(sd: dict, tp: int, pp: int, c: dict) -> dict:
+    """NxDT's megatron GPT model's rank files (models/megatron: language_model., the fused
+    query_key_value of MHA as [np, 3 * hn] per rank, GQA's query and key_value as [nk, 2 * hn],
+    dense_h_to_4h as [gate | up] per rank); MoE layers by _moe_shard."""
+    heads, kv, layers, hd = c["num_attention_heads"], c["num_kv_heads"], c["num_layers"], c["hidden_size"] // c["num_attention_heads"]
+    out = {(t, p): {} for t in range(tp) for p in range(pp)}
+    for t in range(tp):
+        def rows(x, dim=0):
+            return torch.chunk(x, tp, dim=dim)[t].clone()
+        out[(t, 0)]["language_model.embedding.word_embeddings.weight"] = rows(sd["model.embed_tokens.weight"])
+        out[(t, pp - 1)]["language_model.encoder.final_layernorm.weight"] = sd["model.norm.weight"].clone()
+        out[(t, pp - 1)]["language_model.output_layer.weight"] = rows(sd["lm_head.weight"])
+        for i in range(layers):
+            s, p, m = out[(t, i * pp // layers)], f"model.layers.{i}.", f"language_model.encoder.layers.{i}."
+            q, k, v = (rows(sd[p + f"self_attn.{n}_proj.weight"]).view(-1, hd, c["hidden_size"]) for n in "qkv")
+            if kv == heads:
+                s[m + "self_attention.query_key_value.weight"] = torch.stack([q, k, v], 1).reshape(-1, c["hidden_size"])
+            else:
+                s[m + "self_attention.query.weight"] = q.reshape(-1, c["hidden_size"])
+                s[m + "self_attention.key_value.weight"] = torch.stack([k, v], 1).reshape(-1, c["hidden_size"])
+            s[m + "self_attention.dense.weight"] = rows(sd[p + "self_attn.o_proj.weight"], 1)
+            s[m + "self_attention.core_attention.rotary_emb.inv_freq"] = torch.ones(hd // 2)
+            for n in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+                s[m + n] = sd[p + n].clone()
+            if p + "mlp.gate_proj.weight" in sd:
+                s[m + "mlp.dense_h_to_4h.weight"] = torch.cat([rows(sd[p + "mlp.gate_proj.weight"]),
+                                                               rows(sd[p + "mlp.up_proj.weight"])])
+                s[m + "mlp.dense_4h_to_h.weight"] = rows(sd[p + "mlp.down_proj.weight"], 1)
+    return out
+
+
+def _random(model: torch.nn.Module) -> dict:
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * (0.1 if p.dim() == 1 else 0.3) + (1.0 if p.dim() == 1 else 0.0))
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if not k.endswith("inv_freq")}
+
+
+@pytest.mark.parametrize(("source", "tp", "pp", "ep", "kv", "xser"), [
+    ("megatron", 2, 2, 1, 4, False),  # GQA: 2 KV heads a rank, [k0 v0 k1 v1] rows
+    ("megatron", 2, 1, 1, 8, True),   # MHA: query_key_value head by head
+    ("megatron", 2, 2, 2, 4, True),   # megatron Mixtral: experts over ep 2 (xser: ep rank 1 holds only its experts)
+    ("hf", 2, 2, 2, 2, True),         # NxDT's HF Mixtral: fused GQA qkv_proj and NxD's MoE
+    ("hf", 2, 1, 1, 2, False),
+])
+def test_megatron_and_moe_checkpoints_give_nxdt_logits(tmp_path, capsys, source, tp, pp, ep, kv, xser):
+    """NxDT's megatron-style Llama / Mixtral and its HF Mixtral, written in NxD's layout (tp 2, pp 2,
+    GQA, ep 2): converted, nxdt's model of the config loads them and its logits are those of the
+    same weights loaded directly, within 1e-6; the MHA megatron shards compute the model's own
+    attention per rank (the forward's [np, 3 * hn] view), within 1e-6 relative."""
+    moe = ep > 1 or source == "hf"
+    if source == "megatron":
+        config = _moe_yaml(tmp_path, source, tp, pp, ep, {**MEGATRON, "num_kv_heads": kv, "vocab_size": 1000,
+                                                          **({"moe": MOE} if moe else {})})
+    else:
+        (tmp_path / "mixtral").mkdir()
+        (tmp_path / "mixtral" / "config.json").write_text(json.dumps(MIXTRAL))
+        config = _moe_yaml(tmp_path, source, tp, pp, ep, {"model_config": str(tmp_path / "mixtral"),
+                                                          "qkv_linear": True, "fuse_qkv": True, "moe": MOE})
+    cfg = read_yaml(config)
+    model = build_model(cfg, vocab_size=1000).eval()
+    sd = _random(model)
+    if source == "megatron":
+        shards = _megatron_shard(sd, tp, pp, {**MEGATRON, "num_kv_heads": kv})
+        prefix = "language_model.encoder.layers.{}.".format
+    else:
+        shards = _shard(sd, tp, pp, 1, False, "fused", MIXTRAL)
+        prefix = "model.layers.{}.".format
+    shards = _moe_shard(sd, shards, tp, pp, ep, 2, prefix)
+    tag = tmp_path / "ckpt" / f"{source}--step=3-consumed_samples=24.0.ckpt"
+    optim = {rank: [{"state": {}, "param_groups": []}] for rank in shards} if ep == 1 else None  # not read
+    write_nxd(tag, shards, xser, optim)
+    lines = nxd_to_nxdt(tag.parent, tmp_path / "conv", config)
+    assert f"tp {tp} x pp {pp}" + (f" x ep {ep}" if ep > 1 else "") in lines[0], lines
+    assert any(("optimizer files" in line and "not carried over" in line) == (ep == 1) for line in lines), lines
+    assert ("2 MoE layers" in lines[0]) == moe and ("megatron-style" in lines[0]) == (source == "megatron"), lines
+    weights = load_weights(tmp_path / "conv")
+    assert set(weights) == set(sd), set(weights) ^ set(sd)
+    fresh = build_model(cfg, vocab_size=1000).eval()
+    fresh.load_state_dict(weights, strict=False)
+    ids = torch.arange(48).reshape(2, 24) * 37 % 1000
+    with torch.no_grad():
+        expect, got = (logits_of(m(ids)) for m in (model, fresh))
+    assert (got - expect).abs().max().item() <= 1e-6
+    assert expect.abs().max().item() > 0.05
+    if ep > 1:  # another layout's or another source's YAML, a megatron GPT: one line each
+        other = {"megatron": {**MEGATRON, "vocab_size": 1000, "num_kv_heads": kv, "moe": MOE}}
+        cases = {"written with tp 2 x pp 2 x ep 2, the config says tp 2 x pp 2 x ep 1":
+                 _moe_yaml(tmp_path / "bad0", source, tp, pp, 1, cfg_model(config)),
+                 ("a megatron-style checkpoint, the config says model_source hf" if source == "megatron" else
+                  "an HF-style checkpoint, the config says model_source megatron"):
+                 _moe_yaml(tmp_path / "bad1", "hf" if source == "megatron" else "megatron", tp, pp, ep,
+                           {"model_config": str(tmp_path / "mixtral"), "moe": MOE} if source == "megatron"
+                           else other["megatron"]),
+                 "model.normalization 'layernorm', model.activation 'gelu'":
+                 _moe_yaml(tmp_path / "bad2", "megatron", tp, pp, ep, {**other["megatron"], "normalization": "layernorm",
+                                                             "activation": "gelu"})}
+        if source == "megatron":
+            (tmp_path / "mixtral").mkdir()
+            (tmp_path / "mixtral" / "config.json").write_text(json.dumps(MIXTRAL))
+        for i, (says, yaml_file) in enumerate(cases.items()):
+            with pytest.raises(ConfigError) as err:
+                nxd_to_nxdt(tag, tmp_path / f"out{i}", yaml_file)
+            assert says in str(err.value) and "\n" not in str(err.value), (says, str(err.value))
+    if source == "megatron" and kv == 8:  # the MHA rank files, read as NxDT's forward reads them
+        hd, a = 8, "language_model.encoder.layers.0.self_attention."
+        ranks = [(*shards[(t, 0)][a + "query_key_value.weight"].view(4, 3, hd, 64).unbind(1),
+                  shards[(t, 0)][a + "dense.weight"]) for t in range(tp)]
+        x = torch.randn(2, 12, 64)
+        want = _attention([tuple(sd[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkvo")], x, hd)
+        assert (_attention([(q.reshape(-1, 64), k.reshape(-1, 64), v.reshape(-1, 64), o) for q, k, v, o in ranks],
+                           x, hd) - want).abs().max().item() <= 1e-6 * want.abs().max().item()  # summation order

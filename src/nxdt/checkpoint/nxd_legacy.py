@@ -58,6 +58,7 @@ from pathlib import Path
 
 import torch
 
+from nxdt.checkpoint.nxd_legacy_megatron import is_expert, join_expert_ranks, megatron_to_hf_names, merge_experts
 from nxdt.config.errors import ConfigError
 
 XSER_REFERENCE = "torch_xla.utils.serialization.TensorReference"
@@ -88,11 +89,14 @@ class NxdLayout:
     pp: int
     kv_replicator: int = 1
     tie_word_embeddings: bool = False
+    style: str = "hf"  # "megatron": NxDT's megatron-style model (nxdt.checkpoint.nxd_legacy_megatron)
+    ep: int = 1  # expert_model_parallel_size (MoE)
 
 
 @dataclass(frozen=True)
 class NxdCheckpoint:
-    """A tag folder: its model file per (tp, pp) rank and what the reader found out."""
+    """A tag folder: its model file per (tp, pp) rank (ep rank 0's) and what the reader found out;
+    `ep_files`: with expert parallelism, per (tp, pp) rank the file of each ep rank."""
 
     tag: Path
     files: dict[tuple[int, int], Path]
@@ -100,6 +104,8 @@ class NxdCheckpoint:
     pp: int
     xser: bool
     complete: bool
+    ep: int = 1
+    ep_files: dict[tuple[int, int], list[Path]] | None = None
 
 
 def _one_line(err: Exception) -> str:
@@ -128,34 +134,40 @@ def find_tag(path: Path) -> Path:
 
 
 def scan(path: Path) -> NxdCheckpoint:
-    """The model files of the checkpoint at `path`, every tp x pp rank present (ConfigError naming
-    the first missing one)."""
+    """The model files of the checkpoint at `path`, every (ep x) tp x pp rank present (ConfigError
+    naming the first missing one)."""
     tag = find_tag(path)
-    found: dict[tuple[int, int], Path] = {}
+    found: dict[tuple[int, int, int], Path] = {}
+    with_ep = set()
     for file in sorted((tag / "model").iterdir()):
         m = RANK_FILE.fullmatch(file.name)
         if not m:
             continue
+        with_ep.add(m.group(2) is not None)
         dp, ep, tp, pp = (int(x) if x is not None else 0 for x in m.groups())
-        if ep:
-            raise ConfigError(f"{file}: an expert-parallel (MoE) checkpoint; only dense Llama checkpoints are read")
         if dp == 0:
-            found[(tp, pp)] = file
+            found[(ep, tp, pp)] = file
     if not found:
         raise ConfigError(f"{tag / 'model'}: no dp_rank_00_tp_rank_YY_pp_rank_ZZ.pt model files")
-    tp = 1 + max(t for t, _ in found)
-    pp = 1 + max(p for _, p in found)
-    for t in range(tp):
-        for p in range(pp):
-            if (t, p) not in found:
-                raise ConfigError(f"{tag / 'model'}: dp_rank_00_tp_rank_{t:02d}_pp_rank_{p:02d}.pt is missing "
-                                  f"(the other files make tp {tp} x pp {pp})")
+    if len(with_ep) > 1:
+        raise ConfigError(f"{tag / 'model'}: files with and without _ep_rank_ in their names: keep one checkpoint")
+    ep, tp, pp = (1 + max(k[i] for k in found) for i in range(3))
+    for e in range(ep):
+        for t in range(tp):
+            for p in range(pp):
+                if (e, t, p) not in found:
+                    name = f"dp_rank_00{f'_ep_rank_{e:02d}' if True in with_ep else ''}_tp_rank_{t:02d}_pp_rank_{p:02d}.pt"
+                    raise ConfigError(f"{tag / 'model'}: {name} is missing (the other files make "
+                                      + (f"ep {ep} x " if True in with_ep else "") + f"tp {tp} x pp {pp})")
     xser = any(f.with_name(f.name + ".tensors").is_dir() for f in found.values())
-    return NxdCheckpoint(tag=tag, files=found, tp=tp, pp=pp, xser=xser, complete=(tag / "done").is_file())
+    ep_files = {(t, p): [found[(e, t, p)] for e in range(ep)] for t in range(tp) for p in range(pp)} if ep > 1 else None
+    return NxdCheckpoint(tag=tag, files={(t, p): f for (e, t, p), f in found.items() if e == 0}, tp=tp, pp=pp,
+                         xser=xser, complete=(tag / "done").is_file(), ep=ep, ep_files=ep_files)
 
 
-def read_shard(file: Path) -> dict[str, torch.Tensor]:
-    """One rank's state dict, torch.save or xser, as CPU tensors."""
+def read_shard(file: Path, keep=None) -> dict[str, torch.Tensor]:
+    """One rank's state dict, torch.save or xser, as CPU tensors; `keep(key)`: only those keys (an
+    ep rank's file under xser holds only its expert tensors' files)."""
     try:
         with torch.serialization.safe_globals([(XserTensorReference, XSER_REFERENCE)]):
             data = torch.load(file, map_location="cpu", weights_only=True)
@@ -169,6 +181,8 @@ def read_shard(file: Path) -> dict[str, torch.Tensor]:
     tensors = file.with_name(file.name + ".tensors")
     out = {}
     for key, value in data.items():
+        if keep is not None and not keep(str(key)):
+            continue
         if isinstance(value, XserTensorReference):
             tensor_file = tensors / f"tensor_{value.tid}.pt"
             if not tensor_file.is_file():
@@ -186,7 +200,10 @@ def _stages_per_tp_rank(ckpt: NxdCheckpoint) -> list[dict[str, torch.Tensor]]:
     ranks: list[dict[str, torch.Tensor]] = [{} for _ in range(ckpt.tp)]
     owner: dict[str, int] = {}
     for (t, p), file in sorted(ckpt.files.items()):
-        for key, value in read_shard(file).items():
+        shard = read_shard(file)
+        if ckpt.ep_files:  # expert parallel: each ep rank's experts joined (dim 0)
+            shard = join_expert_ranks([shard] + [read_shard(f, is_expert) for f in ckpt.ep_files[(t, p)][1:]], file)
+        for key, value in shard.items():
             if key.endswith(DROPPED):
                 continue
             if key in ranks[t]:
@@ -319,27 +336,36 @@ def expected_shapes(lay: NxdLayout) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def merge(ckpt: NxdCheckpoint, lay: NxdLayout) -> tuple[dict[str, torch.Tensor], str]:
-    """The full model under transformers' Llama names, and the KV replication order found."""
-    if (ckpt.tp, ckpt.pp) != (lay.tp, lay.pp):
-        raise ConfigError(f"{ckpt.tag}: written with tp {ckpt.tp} x pp {ckpt.pp}, the config says tp {lay.tp} x "
-                          f"pp {lay.pp} (distributed_strategy.tensor/pipeline_model_parallel_size)")
-    return merge_ranks(_stages_per_tp_rank(ckpt), lay, ckpt.tag)
+def merge(ckpt: NxdCheckpoint, lay: NxdLayout, want=None) -> tuple[dict[str, torch.Tensor], str]:
+    """The full model under nxdt's names (transformers' Llama / Mixtral), and the KV replication
+    order found; `want`: the model's tensor shapes, or a function of the merged tensors giving them
+    (default: expected_shapes, a dense Llama)."""
+    if (ckpt.tp, ckpt.pp, ckpt.ep) != (lay.tp, lay.pp, lay.ep):
+        raise ConfigError(f"{ckpt.tag}: written with tp {ckpt.tp} x pp {ckpt.pp}"
+                          + (f" x ep {ckpt.ep}" if max(ckpt.ep, lay.ep) > 1 else "")
+                          + f", the config says tp {lay.tp} x pp {lay.pp}"
+                          + (f" x ep {lay.ep}" if max(ckpt.ep, lay.ep) > 1 else "")
+                          + " (distributed_strategy.tensor/pipeline/expert_model_parallel_size)")
+    return merge_ranks(_stages_per_tp_rank(ckpt), lay, ckpt.tag, want=want)
 
 
-def merge_ranks(ranks: list[dict[str, torch.Tensor]], lay: NxdLayout, tag: Path,
-                order: str | None = None) -> tuple[dict[str, torch.Tensor], str]:
-    """Each tp rank's tensors (pp stages merged, NxD's names) as full tensors under transformers'
+def merge_ranks(ranks: list[dict[str, torch.Tensor]], lay: NxdLayout, tag: Path, order: str | None = None,
+                want=None) -> tuple[dict[str, torch.Tensor], str]:
+    """Each tp rank's tensors (pp stages merged, NxD's names) as full tensors under nxdt's
     names; `order`: the K/V replication the weights showed (for tensors shaped like them, e.g.
     Adam's moments). Consumes `ranks`."""
-    if any(key.startswith("language_model.") for key in ranks[0]):
-        raise ConfigError(f"{tag}: a megatron-style (model_source megatron) checkpoint; only NxDT's "
-                          "HF-style Llama (model_source hf) is read")
+    megatron = any(key.startswith("language_model.") for key in ranks[0])
+    if megatron != (lay.style == "megatron"):
+        raise ConfigError(f"{tag}: {'a megatron-style' if megatron else 'an HF-style'} checkpoint, the config says "
+                          f"model_source {'megatron' if lay.style == 'megatron' else 'hf'}")
+    if megatron:
+        ranks[:] = [megatron_to_hf_names(r, lay.num_heads // lay.tp, lay.num_kv_heads // lay.tp, lay.head_dim,
+                                         str(tag)) for r in ranks]
     layers = sorted({int(m.group(1)) for key in ranks[0] if (m := LAYER_KEY.fullmatch(key))})
     if layers != list(range(lay.num_layers)):
         raise ConfigError(f"{tag}: layers {layers[0] if layers else '-'}..{layers[-1] if layers else '-'} "
                           f"({len(layers)}) in the checkpoint, the config has {lay.num_layers}")
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = merge_experts(ranks, layers, tag)
     orders: set[str] = set()
     for i in layers:
         out.update(_layer(ranks, i, lay, orders, order))
@@ -351,7 +377,11 @@ def merge_ranks(ranks: list[dict[str, torch.Tensor]], lay: NxdLayout, tag: Path,
     left = sorted(ranks[0])
     if left:
         raise ConfigError(f"{tag}: {left[0]} is not a tensor of NxDT's Llama ({len(left)} such)")
-    _check_shapes(tag, out, expected_shapes(lay))
+    want = want(out) if callable(want) else want if want is not None else expected_shapes(lay)
+    if lay.tie_word_embeddings and "lm_head.weight" in want and "lm_head.weight" not in out and \
+            "model.embed_tokens.weight" in out:  # a tied output layer (nxdt's state dict names both)
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    _check_shapes(tag, out, want)
     return out, "/".join(sorted(orders))
 
 
