@@ -59,7 +59,8 @@ jobs share the cores, though OpenMP spin-waiting still moves them.
 as their users run them, each way a fresh subprocess per repeat (benchmarks/peer_memory.py's runner):
 nxdt through `nxdt.tools.train.train(cfg)` on the shipped `tiny_llama_lora_cpu` config (Lightning,
 the bundled corpus, lr 3e-3, clipping 1.0) with this script's shape, rank, alpha and the four NxDT
-targets; the peer builds transformers' Llama with the same initial base weights, `get_peft_model` with
+targets and its fused output layer + loss (`model.fusions.cross_entropy_chunk_size=--chunk`, 512; 0 for
+the whole logits); the peer builds transformers' Llama with the same initial base weights, `get_peft_model` with
 the same rank / alpha / seven linears, and runs `Trainer.train()` (its fused AdamW, same lr / betas /
 weight decay) on the same batches in the same order. The shape is hidden 512, 8 layers, seq 256,
 micro batch 4, vocab 8,192 (the bundled tokenizer's). Rows: tokens/s (median over --repeats
@@ -375,7 +376,7 @@ def peers(args) -> int:
     if not Path(args.data_prefix + ".bin").exists():
         print(f"error: --data-prefix: {args.data_prefix}.bin not found (make data)", file=sys.stderr)
         return 2
-    warmup, timed = (1, 2) if args.quick else (3, args.steps)
+    warmup, timed = (2, 1) if args.quick else (3, args.steps)  # step 2: nxdt samples its own memory
     base = {"shape": asdict(shape), "data_prefix": args.data_prefix, "exp_dir": "", "steps": warmup + timed,
             "warmup": warmup, "config_name": "tiny_llama_lora_cpu"}
     peft_key = "model_alignment_strategy.peft"
@@ -383,10 +384,12 @@ def peers(args) -> int:
         f"{peft_key}.lora_rank={args.rank}", f"{peft_key}.lora_alpha={args.alpha:g}", f"{peft_key}.lora_dropout=0.0",
         f"{peft_key}.target_modules=[{','.join(NXDT_TARGETS)}]", f"{peft_key}.merge_lora=false",
         f"{peft_key}.lora_verbose=false", "exp_manager.resume_if_exists=false",
-        "exp_manager.create_checkpoint_callback=false"])
+        "exp_manager.create_checkpoint_callback=false", *([f"model.fusions.cross_entropy_chunk_size={args.chunk}"]
+                                                          if args.chunk else [])])
     peer = pm.Spec("hf", **base, lora={"rank": args.rank, "alpha": args.alpha, "targets": PEFT_TARGETS})
     print(pm.machine(), flush=True)
     print(f"model: {shape.describe()}, fp32; LoRA rank {args.rank}, alpha {args.alpha:g} on q/k/v/o/gate/up/down; "
+          f"nxdt's loss head {f'fused, chunks of {args.chunk}' if args.chunk else 'whole logits'}; "
           f"{timed} timed steps x {args.repeats} interleaved repeats, fresh processes", flush=True)
     runs: dict[str, list[dict]] = {"nxdt": [], "peft": []}
     for r in range(args.repeats):
@@ -445,6 +448,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--peers-json", help="issue 40: nxdt's training entry vs peft + transformers.Trainer, JSON here")
     p.add_argument("--steps", type=int, default=10, help="--peers-json: timed steps per run")
+    p.add_argument("--chunk", type=int, default=512,
+                   help="--peers-json: nxdt's model.fusions.cross_entropy_chunk_size (the fused loss head; 0: off)")
     p.add_argument("--data-prefix", default=str(REPO / "data" / "kjv" / "kjv_text_document"),
                    help="--peers-json: the corpus both sides train on")
     p.add_argument("--in-process", action="store_true", help="--peers-json: the runs in this process (smoke test)")

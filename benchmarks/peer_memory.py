@@ -282,7 +282,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="smoke run: vocab 32,000, seq 512, one layer")
     p.add_argument("--peers-json", help="write the issue-40 protocol's JSON here")
     p.add_argument("--chunk", type=int, default=None, help="nxdt's cross_entropy_chunk_size (default 1024; quick 256)")
-    p.add_argument("--steps", type=int, default=2, help="steps before the measured one")
+    p.add_argument("--steps", type=int, default=3, help="steps before the measured one (the first 2 not timed)")
     p.add_argument("--data-prefix", default=str(DATA_PREFIX))
     p.add_argument("--whole-logits", action="store_true", help="also nxdt without the chunked loss head")
     p.add_argument("--in-process", action="store_true", help="run the ways in this process (the suite's smoke test)")
@@ -299,7 +299,9 @@ def main(argv=None) -> int:
     print(machine(), flush=True)
     print(f"model: {shape.describe()}; fp32, AdamW on every parameter; peak of step {args.steps + 1} "
           f"(LiveBytes: tensor bytes alive, params + grads + optimizer state + activations)", flush=True)
-    base = {"shape": asdict(shape), "data_prefix": args.data_prefix, "exp_dir": "", "steps": args.steps}
+    # step 2 is nxdt's own memory sample (its MemoryMonitor): not timed
+    base = {"shape": asdict(shape), "data_prefix": args.data_prefix, "exp_dir": "", "steps": args.steps,
+            "warmup": min(2, args.steps)}
     ways = {f"nxdt (chunks of {chunk})": (Spec("nxdt", **base, overrides=[
         f"model.fusions.cross_entropy_chunk_size={chunk}"]), sys.executable)}
     if args.whole_logits:
