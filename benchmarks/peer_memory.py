@@ -252,7 +252,11 @@ def run_way(spec: Spec, python: str | Path = sys.executable, in_process: bool = 
         spec.exp_dir = spec.exp_dir or tmp
         out = Path(tmp) / "result.json"
         if in_process:
-            worker(json.dumps(asdict(spec)), str(out))
+            try:
+                worker(json.dumps(asdict(spec)), str(out))
+            finally:  # nxdt's run leaves its one-process group up: the next way (a Trainer) would wrap DDP
+                if torch.distributed.is_initialized():
+                    torch.distributed.destroy_process_group()
             return json.loads(out.read_text())
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]),
                "OMP_NUM_THREADS": str(THREADS)}
@@ -281,7 +285,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="smoke run: vocab 32,000, seq 512, one layer")
     p.add_argument("--peers-json", help="write the issue-40 protocol's JSON here")
-    p.add_argument("--chunk", type=int, default=None, help="nxdt's cross_entropy_chunk_size (default 1024; quick 256)")
+    p.add_argument("--chunk", type=int, default=None, help="nxdt's cross_entropy_chunk_size (default 256)")
     p.add_argument("--steps", type=int, default=3, help="steps before the measured one (the first 2 not timed)")
     p.add_argument("--data-prefix", default=str(DATA_PREFIX))
     p.add_argument("--whole-logits", action="store_true", help="also nxdt without the chunked loss head")
@@ -295,7 +299,7 @@ def main(argv=None) -> int:
         print(f"error: --data-prefix: {args.data_prefix}.bin not found (make data)", file=sys.stderr)
         return 2
     shape = QUICK if args.quick else FULL
-    chunk = args.chunk or (256 if args.quick else 1024)
+    chunk = args.chunk or 256
     print(machine(), flush=True)
     print(f"model: {shape.describe()}; fp32, AdamW on every parameter; peak of step {args.steps + 1} "
           f"(LiveBytes: tensor bytes alive, params + grads + optimizer state + activations)", flush=True)
