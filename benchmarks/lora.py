@@ -6,6 +6,8 @@ bytes of gradients and optimizer state; peft's LoRA on transformers' Llama as th
     .venv/bin/python benchmarks/lora.py --quick      # smoke run: a small model, 1 repeat, ~10 s
     .venv/bin/python benchmarks/lora.py --rank 64 --repeats 7 --target-s 5
 
+    .venv/bin/python benchmarks/lora.py --peers-json OUT.json [--quick]   # issue 40: vs peft + Trainer
+
 It is not a test. Goal (the LoRA issue): LoRA's optimizer state must fall by the adapter ratio,
 i.e. optimizer-state bytes (LoRA) / optimizer-state bytes (full) = trainable parameters (LoRA) /
 trainable parameters (full) within 1% (AdamW keeps two fp32 moments per trainable parameter, plus
@@ -52,6 +54,21 @@ ratios full step time / this step time (the ways of one repeat ran closest in ti
 min-max, the better guide on a shared machine. The CPU columns are the same from
 `time.process_time()` (all threads of this process): less distorted than wall time when other
 jobs share the cores, though OpenMP spin-waiting still moves them.
+
+--peers-json (issue 40, the LoRA row of benchmarks/peers.py): nxdt against peft + `transformers.Trainer`
+as their users run them, each way a fresh subprocess per repeat (benchmarks/peer_memory.py's runner):
+nxdt through `nxdt.tools.train.train(cfg)` on the shipped `tiny_llama_lora_cpu` config (Lightning,
+the bundled corpus, lr 3e-3, clipping 1.0) with this script's shape, rank, alpha and the four NxDT
+targets and its fused output layer + loss (`model.fusions.cross_entropy_chunk_size=--chunk`, 512; 0 for
+the whole logits); the peer builds transformers' Llama with the same initial base weights, `get_peft_model` with
+the same rank / alpha / seven linears, and runs `Trainer.train()` (its fused AdamW, same lr / betas /
+weight decay) on the same batches in the same order. The shape is hidden 512, 8 layers, seq 256,
+micro batch 4, vocab 8,192 (the bundled tokenizer's). Rows: tokens/s (median over --repeats
+interleaved repeats, the first 3 steps of each run not timed; goal >= 1.3x), trainable-state bytes
+(trainable parameters + their gradients + optimizer state, after the last step; goal <= 1.0x) and the
+peak bytes of one step (the last step of a run under benchmarks/memory.py's `LiveBytes`: the frozen
+base, the adapters, their gradients and optimizer state alive at the step's start plus every tensor
+the step creates, until freed; the same accounting on both sides; goal <= 1.0x).
 """
 
 from __future__ import annotations
@@ -63,6 +80,7 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +91,8 @@ PEFT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 TOLERANCE = 0.01  # optimizer-state ratio vs trainable ratio, relative
 OPTIM = {"name": "adamw", "lr": 1e-4, "weight_decay": 0.01, "betas": [0.9, 0.999], "eps": 1e-8}
 MIB = 2**20
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))  # --peers-json imports peer_memory.py and throughput_runs.py
 
 
 @dataclass
@@ -338,6 +358,82 @@ def report(s: Shape, ways: list[Way], notes: list[str], skipped_rows: list[str])
     return ok
 
 
+# --------------------------------------------------------------------------- --peers-json (issue 40)
+
+
+def peers(args) -> int:
+    """nxdt's LoRA through its training entry vs peft + transformers.Trainer: the protocol's rows."""
+    import json
+    from dataclasses import asdict
+    from pathlib import Path
+
+    import peer_memory as pm  # reason: a sibling script, and only this mode needs it
+    from throughput_runs import Shape as RunShape  # reason: as above
+
+    s = QUICK if args.quick else FULL
+    shape = RunShape(hidden=s.hidden, layers=s.layers, heads=s.heads, kv_heads=s.kv_heads, ffn=s.ffn, seq=s.seq,
+                     micro_batch=s.batch)
+    if not Path(args.data_prefix + ".bin").exists():
+        print(f"error: --data-prefix: {args.data_prefix}.bin not found (make data)", file=sys.stderr)
+        return 2
+    warmup, timed = (2, 1) if args.quick else (3, args.steps)  # step 2: nxdt samples its own memory
+    base = {"shape": asdict(shape), "data_prefix": args.data_prefix, "exp_dir": "", "steps": warmup + timed,
+            "warmup": warmup, "config_name": "tiny_llama_lora_cpu"}
+    peft_key = "model_alignment_strategy.peft"
+    nxdt = pm.Spec("nxdt", **base, overrides=[
+        f"{peft_key}.lora_rank={args.rank}", f"{peft_key}.lora_alpha={args.alpha:g}", f"{peft_key}.lora_dropout=0.0",
+        f"{peft_key}.target_modules=[{','.join(NXDT_TARGETS)}]", f"{peft_key}.merge_lora=false",
+        f"{peft_key}.lora_verbose=false", "exp_manager.resume_if_exists=false",
+        "exp_manager.create_checkpoint_callback=false", *([f"model.fusions.cross_entropy_chunk_size={args.chunk}"]
+                                                          if args.chunk else [])])
+    peer = pm.Spec("hf", **base, lora={"rank": args.rank, "alpha": args.alpha, "targets": PEFT_TARGETS})
+    print(pm.machine(), flush=True)
+    print(f"model: {shape.describe()}, fp32; LoRA rank {args.rank}, alpha {args.alpha:g} on q/k/v/o/gate/up/down; "
+          f"nxdt's loss head {f'fused, chunks of {args.chunk}' if args.chunk else 'whole logits'}; "
+          f"{timed} timed steps x {args.repeats} interleaved repeats, fresh processes", flush=True)
+    runs: dict[str, list[dict]] = {"nxdt": [], "peft": []}
+    for r in range(args.repeats):
+        for name, spec in (("nxdt", nxdt), ("peft", peer))[::1 if r % 2 == 0 else -1]:
+            runs[name].append(pm.run_way(pm.Spec(**asdict(spec)), in_process=args.in_process))
+            got = runs[name][-1]
+            print(f"  repeat {r + 1}/{args.repeats} {name:<5} " + (f"error: {got['error']}" if "error" in got else
+                  f"{got['tokens_per_s']:,.0f} tokens/s, peak {got['peak_bytes'] / MIB:,.1f} MiB, trainable state "
+                  f"{got['trainable_state_bytes'] / MIB:,.2f} MiB"), flush=True)
+    errors = [f"{name}: {got['error']}" for name, rs in runs.items() for got in rs if "error" in got]
+    rows = [] if errors else peer_rows(runs)
+    for row in rows:
+        print(f"{row['what']}: nxdt {row['nxdt']:,.0f} / peft+Trainer {row['peer']:,.0f} = {row['ratio']:.3f} "
+              f"(goal {row['goal']}): {'PASS' if row['pass'] else 'MISS'}")
+    if args.peers_json:
+        import peft
+        import transformers
+
+        Path(args.peers_json).write_text(json.dumps({
+            "job": "LoRA SFT", "peer": f"peft {peft.__version__} + transformers.Trainer {transformers.__version__}",
+            "machine": pm.machine(), "rows": rows, "skipped": "; ".join(errors)[:500] if errors else None}, indent=1))
+    return 0
+
+
+def peer_rows(runs: dict[str, list[dict]]) -> list[dict]:
+    """The protocol's rows from the runs of both ways (tokens/s: medians, the per-repeat ratios' range)."""
+    import peer_memory as pm  # reason: a sibling script, and only this mode needs it
+
+    nx, hf = runs["nxdt"], runs["peft"]
+    per = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(nx, hf)]
+    med = {k: {name: statistics.median(g[k] for g in rs) for name, rs in runs.items()}
+           for k in ("tokens_per_s", "trainable_state_bytes", "peak_bytes")}
+    n = len(nx)
+    return [
+        pm.row("tokens/s", med["tokens_per_s"]["nxdt"], med["tokens_per_s"]["peft"], ">= 1.3",
+               f"median of {n} interleaved repeats (fresh processes); per-repeat ratios {min(per):.2f}-{max(per):.2f}"),
+        pm.row("trainable-state bytes (adapters + grads + optimizer state)", med["trainable_state_bytes"]["nxdt"],
+               med["trainable_state_bytes"]["peft"], "<= 1.0", "tensor bytes after the last step"),
+        pm.row("peak bytes of one step", med["peak_bytes"]["nxdt"], med["peak_bytes"]["peft"], "<= 1.0",
+               "LiveBytes (benchmarks/memory.py): frozen base + adapters + grads + optimizer state + every tensor "
+               "the step creates, until freed; same accounting both sides"),
+    ]
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -350,7 +446,17 @@ def main(argv=None) -> int:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--alpha", type=float, default=32.0)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--peers-json", help="issue 40: nxdt's training entry vs peft + transformers.Trainer, JSON here")
+    p.add_argument("--steps", type=int, default=10, help="--peers-json: timed steps per run")
+    p.add_argument("--chunk", type=int, default=512,
+                   help="--peers-json: nxdt's model.fusions.cross_entropy_chunk_size (the fused loss head; 0: off)")
+    p.add_argument("--data-prefix", default=str(REPO / "data" / "kjv" / "kjv_text_document"),
+                   help="--peers-json: the corpus both sides train on")
+    p.add_argument("--in-process", action="store_true", help="--peers-json: the runs in this process (smoke test)")
     args = p.parse_args(argv)
+    if args.peers_json:
+        args.repeats = args.repeats or (1 if args.quick else 3)
+        return peers(args)
     args.repeats = args.repeats or (1 if args.quick else 5)
     args.target_s = args.target_s or (0.2 if args.quick else 2.0)
     torch.set_num_threads(args.threads)

@@ -23,6 +23,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 from nxdt.spec import config_from_dict
 
 
@@ -117,44 +118,63 @@ def measure(args, mesh, name, sharding, zero1, ac):
     return {"layout": name, "params": params, "grads": grads, "optimizer": optim, "activations": tracker.peak}
 
 
+class LiveBytes(TorchDispatchMode):
+    """The peak of the bytes alive in tensor storages while the mode is on: each storage an op creates
+    counts from that op until it is freed (a weakref finalizer on the storage), once however many views
+    it has. `existing` storages (views of them are not new bytes) are not counted unless `track` is
+    given them: then they count as alive from the start until they are freed (parameters, gradients,
+    optimizer state held before a training step, so the peak is the step's whole footprint).
+    benchmarks/peer_memory.py and benchmarks/lora.py measure a training step's peak with it."""
+
+    def __init__(self, existing=(), track=()):
+        super().__init__()
+        self.live = self.peak = 0
+        self.seen: set[int] = {id(t.untyped_storage()) for t in existing}
+        for t in track:
+            self._add(t.untyped_storage())
+
+    def _add(self, storage) -> None:
+        if id(storage) in self.seen or not storage.nbytes():
+            return
+        self.seen.add(id(storage))
+        self.live += storage.nbytes()
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._freed, id(storage), storage.nbytes())
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        self.live -= nbytes
+        self.seen.discard(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self._add(t.untyped_storage())
+        return out
+
+
 def logits_memory(args) -> None:
     """--logits: the loss head's memory, full logits vs chunked (see the module docstring)."""
     import time
 
     import torch.nn.functional as F
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from nxdt.hardware import machine_line
     from nxdt.models.chunked_loss import chunked_cross_entropy
 
-    class LogitsAndPeak(TorchDispatchMode):
-        """The largest logits-shaped tensor ([..., vocab]: logits, their softmax, their gradient) any op
-        returns (the weight and its gradient, [vocab, hidden], are the same either way and not counted),
-        and the peak of the bytes alive in the tensors the ops create (each storage counted once, from the
-        op that makes it until it is freed: a weakref finalizer on the storage)."""
+    class LogitsAndPeak(LiveBytes):
+        """LiveBytes, plus the largest logits-shaped tensor ([..., vocab]: logits, their softmax, their
+        gradient) any op returns (the weight and its gradient, [vocab, hidden], are the same either way
+        and not counted)."""
 
         def __init__(self, existing: list[torch.Tensor]):
-            super().__init__()
-            self.largest = self.live = self.peak = 0
-            # storages made before (the weight, the hidden states): their views are not new bytes
-            self.seen: set[int] = {id(t.untyped_storage()) for t in existing}
-
-        def _freed(self, key: int, nbytes: int) -> None:
-            self.live -= nbytes
-            self.seen.discard(key)
+            super().__init__(existing)
+            self.largest = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
+            out = super().__torch_dispatch__(func, types, args, kwargs)
             for t in out if isinstance(out, (tuple, list)) else (out,):
-                if not isinstance(t, torch.Tensor):
-                    continue
-                storage = t.untyped_storage()
-                if id(storage) not in self.seen and storage.nbytes():
-                    self.seen.add(id(storage))
-                    self.live += storage.nbytes()
-                    self.peak = max(self.peak, self.live)
-                    weakref.finalize(storage, self._freed, id(storage), storage.nbytes())
-                if (t.dim() >= 2 and t.shape[-1] == args_vocab
+                if (isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == args_vocab
                         and t.numel() != args_vocab * args_hidden):  # not the weight (or its transpose)
                     self.largest = max(self.largest, t.numel() * t.element_size())
             return out

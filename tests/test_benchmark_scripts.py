@@ -238,3 +238,36 @@ def test_peer_trl_quick_writes_the_shared_json_rows(job, ways, rows, tmp_path, c
     assert out.startswith("cpu: ") and "trl 1." in out
     rc, out, err = _main(peer_trl.main, ["--job", job, "--ways", "nxdt,vllm"], capfd)
     assert rc == 2 and "error: --ways:" in err
+# ---- issue 40, the LoRA and large-vocabulary memory rows (helper peers-lora-mem) -------------------------
+import json  # noqa: E402  # reason: this block keeps its imports with it (other helpers edit the top)
+import math  # noqa: E402  # reason: as above
+
+import lora  # noqa: E402  # reason: a benchmark script, importable once REPO/benchmarks is on sys.path (above)
+import peer_memory  # noqa: E402  # reason: as above
+
+
+@pytest.mark.parametrize("script", ["lora", "peer_memory"])
+def test_issue40_lora_and_memory_peers_json(script, kjv_prefix, tmp_path, capfd, monkeypatch):
+    """`--quick --peers-json` of benchmarks/lora.py (nxdt's LoRA through its training entry vs peft +
+    transformers.Trainer) and benchmarks/peer_memory.py (one step's peak bytes vs the Trainer), the ways
+    run in this process: the protocol's JSON with finite numbers, the ratios nxdt / peer, and the
+    trainable state equal on both sides (the same adapters, grads and AdamW moments)."""
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "rows.json"
+    main = {"lora": lora.main, "peer_memory": peer_memory.main}[script]
+    rc, text, err = _main(main, ["--quick", "--in-process", "--data-prefix", kjv_prefix, "--peers-json", str(out)],
+                          capfd)
+    assert rc == 0, text[-3000:] + err[-3000:]
+    got = json.loads(out.read_text())
+    assert got["skipped"] is None and got["machine"].startswith("cpu: "), got
+    rows = {r["what"]: r for r in got["rows"]}
+    want = {"lora": {"tokens/s", "trainable-state bytes (adapters + grads + optimizer state)", "peak bytes of one step"},
+            "peer_memory": {"peak bytes of one step vs Trainer"}}[script]
+    assert set(rows) == want, rows
+    for r in rows.values():
+        assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("nxdt", "peer", "ratio")), r
+        assert r["ratio"] == pytest.approx(r["nxdt"] / r["peer"]) and r["pass"] in (True, False), r
+    if script == "lora":  # rank 16 on the seven linears of 2 blocks of hidden 128: params + grads + 2 moments
+        adapters = 2 * 16 * (2 * (128 + 128) + 2 * (128 + 64) + 2 * (128 + 352) + (352 + 128))
+        trainable = rows["trainable-state bytes (adapters + grads + optimizer state)"]
+        assert trainable["nxdt"] == trainable["peer"] == 16 * adapters + 4 * 28  # + 28 fp32 `step` scalars
