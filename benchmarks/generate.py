@@ -324,7 +324,8 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=None, help="tokens generated per row (default 256; quick 64)")
     p.add_argument("--batches", default="1,8", help="comma list of batch sizes (default 1,8)")
     p.add_argument("--ways", default=None, help=f"comma list from {', '.join(WAYS)} (default {','.join(DEFAULT_WAYS)}; "
-                                                f"with --peers-json {','.join(PEER_WAYS)})")
+                                                f"with --peers-json {','.join(PEER_WAYS)}; with --quick too "
+                                                "nxdt,hf)")
     p.add_argument("--nocache-batches", default="1",
                    help="batch sizes at which the no-cache ways run (default 1; 'all': every batch)")
     p.add_argument("--threads", type=int, default=2)
@@ -337,7 +338,8 @@ def main(argv=None) -> int:
     repeats = args.repeats or (3 if args.quick and not args.peers_json else 1 if args.quick else
                                3 if args.peers_json else 5)
     batches = [int(b) for b in args.batches.split(",")]
-    names = [n for n in (args.ways or ",".join(PEER_WAYS if args.peers_json else DEFAULT_WAYS)).split(",") if n]
+    peer_ways = "nxdt,hf" if args.quick else ",".join(PEER_WAYS)  # --quick: no compile (tens of seconds)
+    names = [n for n in (args.ways or (peer_ways if args.peers_json else ",".join(DEFAULT_WAYS))).split(",") if n]
     bad = [n for n in names if n not in WAYS]
     if bad or "nxdt" not in names:
         p.error(f"--ways: from {', '.join(WAYS)}, nxdt included (got {args.ways})")
