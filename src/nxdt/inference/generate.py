@@ -6,7 +6,9 @@ Prompts of different lengths are padded on the left and decoded together (every 
 lands in the same column). With the KV cache (default) the prompt runs once and each step runs the
 new token only; `use_cache=False` recomputes the whole sequence at every step (the baseline the
 cache is measured and tested against). Sampling follows transformers' order: temperature, then
-top-k, then top-p; temperature 0 is greedy (argmax).
+top-k, then top-p; temperature 0 is greedy (argmax). `compile_decode=True` runs the decode step
+torch.compile'd over a static cache (fixed shapes); off by default: on a CPU it gains 0-13% after a
+compile of seconds (docs/performance.md).
 
 A model sharded with tensor parallelism (nxdt.parallel) runs this same loop on every rank: its
 logits come back as a vocabulary-sharded DTensor, gathered here, so every rank samples the same
