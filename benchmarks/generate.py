@@ -6,11 +6,15 @@ every step), and of transformers' `generate()` on the same model and weights.
     .venv/bin/python benchmarks/generate.py --quick      # smoke run: a small model, 64 new tokens, ~6 s
     .venv/bin/python benchmarks/generate.py --ways nxdt,hf --repeats 9      # only the cached ways
     .venv/bin/python benchmarks/generate.py --ways nxdt,nxdt-nocache,hf,hf-nocache --nocache-batches all
+    .venv/bin/python benchmarks/generate.py --peers-json out.json   # issue 40's rows (nxdt, nxdt-compiled, hf,
+                                                                     # hf-static; 3 repeats; ~5 min), as JSON too
 
 It is not a test. Goals (the generation issue), at 256 new tokens:
   (1) nxdt with the cache >= 5x the tokens/s of nxdt without it;
   (2) nxdt with the cache >= 1x the tokens/s of transformers' `generate()` (greedy, use_cache=True,
       SDPA attention) on the same model and weights.
+  (3) issue 40: nxdt >= 2x transformers' `generate()` default, and >= 1x its static cache +
+      torch.compile mode (both at batch 1 and 8, the same greedy tokens).
 A goal is judged by the median of the per-repeat ratios; the script prints PASS / FAIL for each (a
 FAIL whose per-repeat ratios straddle the goal with the median within 3% of it is marked "within
 noise") and exits 1 on any FAIL or if the ways' tokens disagree. Goal (1) is judged at batch 1 only
@@ -33,6 +37,16 @@ into it by name (strict). The ways, each one call per run:
   hf            `hf.generate(input_ids, attention_mask, max_new_tokens=N, do_sample=False, num_beams=1,
                 use_cache=True, eos_token_id=None, pad_token_id=0)` (its DynamicCache) under no_grad.
   hf-nocache    the same with `use_cache=False`; not run by default (`--ways ...,hf-nocache`).
+  nxdt-compiled `generate(..., compile_decode=True)`: the decode step torch.compile'd (inductor,
+                static shapes) over nxdt's StaticKVCache.
+  hf-static     transformers' recipe for a fast generate (its docs, "Static cache and torch.compile"):
+                a second LlamaForCausalLM with the same weights, `model.forward =
+                torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)`, and
+                `generate(..., cache_implementation="static")` (on a CPU "reduce-overhead" has no CUDA
+                graphs to use: inductor's compiled code alone).
+The compiled ways compile on their first call of a shape: that call (also their check run) is timed
+apart and reported as "first call s"; the timed runs reuse the compiled code (compile excluded, as
+for every later call of a long-running sampler).
 The no-cache ways run at the batches of --nocache-batches (default 1; `all`).
 The prompts are random token ids in [1, vocab) (id 0 is the pad): batch 1 is one 32-token prompt;
 batch 8 is prompts of 32, 29, ..., 11 tokens, padded on the left (nxdt's `left_pad`; transformers
@@ -70,8 +84,12 @@ from torch import nn
 
 GOAL_CACHE = 5.0  # nxdt with the cache / without, tokens/s
 GOAL_HF = 1.0  # nxdt with the cache / transformers' generate with its cache
-WAYS = ("nxdt", "nxdt-nocache", "hf", "hf-nocache")
+GOAL_HF_DEFAULT = 2.0  # issue 40: nxdt / transformers' generate() default
+GOAL_HF_STATIC = 1.0  # issue 40: nxdt / transformers' static cache + torch.compile
+WAYS = ("nxdt", "nxdt-compiled", "nxdt-nocache", "hf", "hf-static", "hf-nocache")
 DEFAULT_WAYS = ("nxdt", "nxdt-nocache", "hf")
+PEER_WAYS = ("nxdt", "nxdt-compiled", "hf", "hf-static")  # --peers-json's default
+COMPILED = ("nxdt-compiled", "hf-static")
 
 
 @dataclass
@@ -145,29 +163,40 @@ class Way:
     cpu: list[float] = field(default_factory=list)
     wall: list[float] = field(default_factory=list)
     disagreements: int = 0  # timed runs whose tokens differ from the reference
+    first_s: float = 0.0  # the first full-length call (compiles a compiled way)
 
 
-def build_ways(native: nn.Module, hf: nn.Module | None, prompts: list[list[int]], names: list[str]) -> list[Way]:
+def hf_static_model(native: nn.Module) -> nn.Module:
+    """transformers' documented fast path: its forward torch.compile'd (used with cache_implementation
+    "static"), on a model of its own so the `hf` way stays uncompiled."""
+    model = hf_model(native)
+    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    return model
+
+
+def build_ways(native: nn.Module, hf: dict[str, nn.Module], prompts: list[list[int]], names: list[str]) -> list[Way]:
     from nxdt.inference.generate import SamplingParams, generate, left_pad
 
     ids, valid = left_pad(prompts, 0, "cpu")
     width = ids.shape[1]
 
-    def nxdt(use_cache: bool):
+    def nxdt(**options):
         return lambda n: generate(native, prompts, SamplingParams(max_new_tokens=n, eos_token_id=None), pad_id=0,
-                                  use_cache=use_cache)
+                                  **options)
 
-    def transformers(use_cache: bool):
+    def transformers(model: nn.Module, **options):
         def run(n):
             with torch.no_grad():
-                out = hf.generate(input_ids=ids, attention_mask=valid.long(), max_new_tokens=n, do_sample=False,
-                                  num_beams=1, use_cache=use_cache, eos_token_id=None, pad_token_id=0)
+                out = model.generate(input_ids=ids, attention_mask=valid.long(), max_new_tokens=n, do_sample=False,
+                                     num_beams=1, eos_token_id=None, pad_token_id=0, **options)
             return out[:, width:].tolist()
         return run
 
-    makers = {"nxdt": nxdt(True), "nxdt-nocache": nxdt(False)}
-    if hf is not None:
-        makers.update({"hf": transformers(True), "hf-nocache": transformers(False)})
+    makers = {"nxdt": nxdt(), "nxdt-nocache": nxdt(use_cache=False), "nxdt-compiled": nxdt(compile_decode=True)}
+    if "hf" in hf:
+        makers.update({"hf": transformers(hf["hf"], use_cache=True), "hf-nocache": transformers(hf["hf"], use_cache=False)})
+    if "hf-static" in hf:
+        makers["hf-static"] = transformers(hf["hf-static"], use_cache=True, cache_implementation="static")
     return [Way(n, len(prompts), makers[n]) for n in names if n in makers]
 
 
@@ -187,7 +216,8 @@ def first_difference(a: list[list[int]], b: list[list[int]]) -> str:
 def measure(groups: dict[int, list[Way]], references: dict[int, list[list[int]]], n: int, repeats: int) -> None:
     for ways in groups.values():
         for w in ways:
-            w.run(8)  # warm-up: allocator, thread pool
+            if w.name not in COMPILED:  # a compiled way's first call (the check run) was its warm-up
+                w.run(8)  # warm-up: allocator, thread pool
     for r in range(repeats):
         for batch, ways in groups.items():
             order = ways[r % len(ways):] + ways[:r % len(ways)]
@@ -215,10 +245,44 @@ def verdict(ratios: list[float], goal: float) -> tuple[bool, str]:
     return False, "FAIL"
 
 
-def report(groups: dict[int, list[Way]], agree: dict[int, str], n: int, judge: bool) -> bool:
+def best_nxdt(by: dict[str, Way]) -> Way:
+    """nxdt's faster cached way (eager or compiled) by median tokens/s: what a user would pick."""
+    cached = [by[n] for n in ("nxdt", "nxdt-compiled") if n in by]
+    return max(cached, key=lambda w: statistics.median(w.tok_s))
+
+
+def goal_rows(groups: dict[int, list[Way]], agree: dict[int, str], judge: bool) -> list[dict]:
+    """The goals as rows (--peers-json's schema): ratio = the median of the per-repeat ratios."""
+    rows = []
+    for batch, ways in groups.items():
+        by = {w.name: w for w in ways}
+        for other, mine, goal, what in (
+                ("nxdt-nocache", by["nxdt"], GOAL_CACHE, "with the cache / without"),
+                ("hf", best_nxdt(by), GOAL_HF_DEFAULT, "vs transformers generate() default (DynamicCache)"),
+                ("hf-static", best_nxdt(by), GOAL_HF_STATIC, "vs transformers static cache + torch.compile")):
+            if other not in by:
+                continue
+            per = [a / b for a, b in zip(mine.tok_s, by[other].tok_s)]
+            passed, word = verdict(per, goal)
+            word = word if judge else "--quick: a smoke run on a tiny model, not judged"
+            rows.append({"what": f"tokens/s batch {batch}, {mine.name} {what}",
+                         "nxdt": statistics.median(mine.tok_s), "peer": statistics.median(by[other].tok_s),
+                         "ratio": statistics.median(per), "goal": f">= {goal:g}", "pass": passed,
+                         "note": f"{word}; per-repeat {min(per):.2f}-{max(per):.2f} over {len(per)} interleaved "
+                                 f"repeats; compile excluded (first calls: " + ", ".join(
+                                     f"{w.name} {w.first_s:.1f} s" for w in ways) + ")"})
+        if "hf" in by:
+            same = agree[batch].startswith("the same") and not any(w.disagreements for w in ways)
+            rows.append({"what": f"same greedy tokens, batch {batch} (every way, every run)", "nxdt": 1.0,
+                         "peer": 1.0, "ratio": 0.0 if same else 1.0, "goal": "<= 0 (runs that differ)",
+                         "pass": same, "note": agree[batch]})
+    return rows
+
+
+def report(groups: dict[int, list[Way]], agree: dict[int, str], n: int, judge: bool) -> tuple[bool, list[dict]]:
     ok = True
-    print(f"\n{'batch':>5}  {'way':<13}{'tokens/s':>10}{'  min-max':<18}{'s/run':>8}{'CPU s/run':>11}"
-          f"{'nxdt / this':>13}{'  (min-max)':<16}{'tokens = nxdt':>14}")
+    print(f"\n{'batch':>5}  {'way':<14}{'tokens/s':>10}{'  min-max':<18}{'s/run':>8}{'CPU s/run':>11}"
+          f"{'first call s':>14}{'nxdt / this':>13}{'  (min-max)':<16}{'tokens = nxdt':>14}")
     for batch, ways in groups.items():
         ref = next(w for w in ways if w.name == "nxdt")
         for w in ways:
@@ -228,31 +292,25 @@ def report(groups: dict[int, list[Way]], agree: dict[int, str], n: int, judge: b
             per_rng = "" if w is ref else f"  ({min(per):.2f}-{max(per):.2f})"
             same = "yes" if not w.disagreements else f"NO ({w.disagreements} runs)"
             ok &= not w.disagreements
-            print(f"{batch:>5}  {w.name:<13}{statistics.median(w.tok_s):>10.1f}{rng:<18}"
-                  f"{statistics.median(w.wall):>8.2f}{statistics.median(w.cpu):>11.2f}{ratio:>13}{per_rng:<16}"
-                  f"{same:>14}")
+            print(f"{batch:>5}  {w.name:<14}{statistics.median(w.tok_s):>10.1f}{rng:<18}"
+                  f"{statistics.median(w.wall):>8.2f}{statistics.median(w.cpu):>11.2f}{w.first_s:>14.1f}{ratio:>13}"
+                  f"{per_rng:<16}{same:>14}")
     print(f"\ngoals ({n} new tokens; medians of the per-repeat ratios"
           + ("):" if judge else "; --quick: a smoke run, no goal judged):"))
-    for batch, ways in groups.items():
-        by = {w.name: w for w in ways}
-        ref = by["nxdt"]
+    rows = goal_rows(groups, agree, judge)
+    for batch in groups:
         print(f"  batch {batch}: nxdt greedy tokens vs transformers' generate: {agree[batch]}")
         ok &= not agree[batch].startswith("DIFFERENT")
-        for other, goal, what in (("nxdt-nocache", GOAL_CACHE, "with the cache / without"),
-                                  ("hf", GOAL_HF, "nxdt / transformers generate (both cached)")):
-            if other not in by:
-                print(f"  batch {batch}: {what}: not measured ({other} not run at this batch)")
-                continue
-            per = [a / b for a, b in zip(ref.tok_s, by[other].tok_s)]
-            passed, word = verdict(per, goal) if judge else (True, "not judged")
-            ok &= passed
-            print(f"  batch {batch}: {what}: {statistics.median(per):.2f}x ({min(per):.2f}-{max(per):.2f}), "
-                  f"goal >= {goal:g}x: {word}")
+    for r in rows:
+        if r["what"].startswith("tokens/s"):
+            word = r["note"].split(";")[0]
+            ok &= r["pass"] or not judge
+            print(f"  {r['what']}: {r['ratio']:.2f}x ({r['note'].split(';')[1].split()[1]}), goal {r['goal']}x: {word}")
     if judge:
         print(f"\ngeneration: {'PASS' if ok else 'FAIL'}")
     else:
         print(f"\ngeneration (smoke run): the ways' tokens {'agree' if ok else 'DISAGREE'}")
-    return ok
+    return ok, rows
 
 
 # --------------------------------------------------------------------------- main
@@ -261,21 +319,27 @@ def report(groups: dict[int, list[Way]], agree: dict[int, str], n: int, judge: b
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--quick", action="store_true", help="a small model, 64 new tokens, 3 repeats (a smoke run)")
-    p.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 5; quick 3)")
+    p.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 5; --peers-json 3; quick 3, "
+                                                             "with --peers-json 1)")
     p.add_argument("--new-tokens", type=int, default=None, help="tokens generated per row (default 256; quick 64)")
     p.add_argument("--batches", default="1,8", help="comma list of batch sizes (default 1,8)")
-    p.add_argument("--ways", default=",".join(DEFAULT_WAYS),
-                   help=f"comma list from {', '.join(WAYS)} (default {','.join(DEFAULT_WAYS)})")
+    p.add_argument("--ways", default=None, help=f"comma list from {', '.join(WAYS)} (default {','.join(DEFAULT_WAYS)}; "
+                                                f"with --peers-json {','.join(PEER_WAYS)}; with --quick too "
+                                                "nxdt,hf)")
     p.add_argument("--nocache-batches", default="1",
                    help="batch sizes at which the no-cache ways run (default 1; 'all': every batch)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--peers-json", default=None, metavar="PATH",
+                   help="also write issue 40's rows (benchmarks/peers.py's schema) to PATH; exit 0 whatever the verdict")
     args = p.parse_args(argv)
     s = QUICK if args.quick else FULL
     if args.new_tokens:
         s = dataclasses.replace(s, new_tokens=args.new_tokens)
-    repeats = args.repeats or (3 if args.quick else 5)
+    repeats = args.repeats or (3 if args.quick and not args.peers_json else 1 if args.quick else
+                               3 if args.peers_json else 5)
     batches = [int(b) for b in args.batches.split(",")]
-    names = [n for n in args.ways.split(",") if n]
+    peer_ways = "nxdt,hf" if args.quick else ",".join(PEER_WAYS)  # --quick: no compile (tens of seconds)
+    names = [n for n in (args.ways or (peer_ways if args.peers_json else ",".join(DEFAULT_WAYS))).split(",") if n]
     bad = [n for n in names if n not in WAYS]
     if bad or "nxdt" not in names:
         p.error(f"--ways: from {', '.join(WAYS)}, nxdt included (got {args.ways})")
@@ -287,7 +351,8 @@ def main(argv=None) -> int:
 
     from nxdt.hardware import machine_line
 
-    print(f"{machine_line()}; {os.cpu_count()} logical CPUs")
+    machine = f"{machine_line()}; {os.cpu_count()} logical CPUs"
+    print(machine)
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, python {platform.python_version()}")
     print(f"model: {s.describe()}; batches {', '.join(map(str, batches))}; greedy, no EOS; "
           f"{repeats} interleaved repeats, medians")
@@ -295,7 +360,11 @@ def main(argv=None) -> int:
 
     t_start = time.perf_counter()
     native = native_model(s)
-    hf = hf_model(native) if any(n.startswith("hf") for n in names) else None
+    hf = {}
+    if any(n in ("hf", "hf-nocache") for n in names):
+        hf["hf"] = hf_model(native)
+    if "hf-static" in names:
+        hf["hf-static"] = hf_static_model(native)
     groups: dict[int, list[Way]] = {}
     references: dict[int, list[list[int]]] = {}
     agree: dict[int, str] = {}
@@ -303,21 +372,48 @@ def main(argv=None) -> int:
         prompts = make_prompts(s, batch)
         wanted = [n for n in names if not n.endswith("-nocache") or batch in nocache_at]
         groups[batch] = build_ways(native, hf, prompts, wanted)
-        by = {w.name: w for w in groups[batch]}
-        references[batch] = by["nxdt"].run(s.new_tokens)  # also the warm-up at full length
-        if "hf" in by:
-            theirs = by["hf"].run(s.new_tokens)
-            same = theirs == references[batch]
-            agree[batch] = ("the same, all " f"{batch} x {s.new_tokens} tokens" if same
-                            else f"DIFFERENT, first at {first_difference(references[batch], theirs)}")
-        else:
-            agree[batch] = "not checked (hf not run)"
+        agree[batch], references[batch] = check_ways(groups[batch], s.new_tokens)
         print(f"batch {batch} (prompt lengths {', '.join(str(len(q)) for q in prompts)}): nxdt vs transformers "
-              f"greedy tokens: {agree[batch]}", flush=True)
+              f"greedy tokens: {agree[batch]}; first calls: "
+              + ", ".join(f"{w.name} {w.first_s:.1f} s" for w in groups[batch]), flush=True)
     measure(groups, references, s.new_tokens, repeats)
-    ok = report(groups, agree, s.new_tokens, judge=not args.quick)
+    ok, rows = report(groups, agree, s.new_tokens, judge=not args.quick)
     print(f"({time.perf_counter() - t_start:.0f} s in all)")
+    if args.peers_json:
+        write_peers_json(args.peers_json, rows, machine, s, repeats)
+        return 0
     return 0 if ok else 1
+
+
+def check_ways(ways: list[Way], n: int) -> tuple[str, list[list[int]]]:
+    """Each way's first full-length call, timed (a compiled way compiles in it): the reference tokens
+    (nxdt's) and whether transformers' agree; a way that differs counts one disagreement."""
+    outputs = {}
+    for w in ways:
+        t0 = time.perf_counter()
+        outputs[w.name] = w.run(n)
+        w.first_s = time.perf_counter() - t0
+    ref = outputs["nxdt"]
+    for w in ways:
+        w.disagreements += outputs[w.name] != ref
+    if "hf" not in outputs:
+        return "not checked (hf not run)", ref
+    theirs = outputs["hf"]
+    if theirs == ref:
+        return f"the same, all {len(ref)} x {n} tokens", ref
+    return f"DIFFERENT, first at {first_difference(ref, theirs)}", ref
+
+
+def write_peers_json(path: str, rows: list[dict], machine: str, s: Shape, repeats: int) -> None:
+    import json
+
+    import transformers
+
+    doc = {"job": "sampling", "peer": f"transformers {transformers.__version__} generate() (default DynamicCache; "
+                                      "static cache + torch.compile)",
+           "machine": machine, "shape": s.describe(), "repeats": repeats, "rows": rows, "skipped": None}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
 
 
 if __name__ == "__main__":

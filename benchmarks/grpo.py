@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/grpo.py                  # the demo's Llama, 3 interleaved repeats (~3 min on 2 cores)
     .venv/bin/python benchmarks/grpo.py --quick          # smoke run: a 2-layer model, 1 repeat
     .venv/bin/python benchmarks/grpo.py --ways nxdt,nxdt-nocache,trl --repeats 5
+    .venv/bin/python benchmarks/grpo.py --peers-json out.json   # issue 40's rows (nxdt, nxdt-compiled, trl), as JSON
 
 It is not a test. Goal (issue 35): nxdt >= 2x TRL's steps/s on this CPU, judged on the median of the
 per-repeat ratios and printed PASS / MISS (no exit status: a benchmark, not a check).
@@ -24,6 +25,9 @@ an order rotated every repeat:
   nxdt          `nxdt.training.trainer.train` on `tiny_llama_grpo_cpu` (Lightning, the logs, everything)
   nxdt-nocache  the same with the generator's KV cache off (every decode step recomputes the sequence):
                 what the preallocated cache gives
+  nxdt-compiled the same with `model_alignment_strategy.grpo.compile_decode=true`: the rollouts' decode step
+                torch.compile'd over a static KV cache; it compiles during the first (warm-up) step, whose
+                time is dropped: the compile's seconds are printed apart ("first step s")
   trl           `trl.GRPOTrainer(model, reward_funcs=[token_fraction], args=GRPOConfig(...))`.train()
 
 Measured: a step is the interval between consecutive optimizer-step ends (Lightning's
@@ -49,7 +53,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 CONF_DIR = str(REPO / "conf")
 GOAL_VS_TRL = 2.0
-WAYS = ("nxdt", "nxdt-nocache", "trl")
+WAYS = ("nxdt", "nxdt-compiled", "nxdt-nocache", "trl")
+PEER_WAYS = "nxdt,nxdt-compiled,trl"  # --peers-json's default (--quick: nxdt,trl)
 PROMPTS, GENERATIONS, MICRO = 4, 4, 4
 QUICK_MODEL = ["model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=176", "model.num_attention_heads=4",
                "model.num_kv_heads=2"]
@@ -69,7 +74,8 @@ def nxdt_config(args):
             f"{g}.num_generations={GENERATIONS}", f"{g}.max_completion_length={args.completion_length}",
             f"{g}.temperature=1.0", f"{g}.top_k=0", f"{g}.top_p=1.0", f"{g}.beta=0.0", f"{g}.loss_type=dapo",
             f"{g}.num_iterations=1", f"{g}.log_completions_every_n_steps=0", f"exp_manager.exp_dir={args.exp_dir}",
-            "precision.type=fp32", *(QUICK_MODEL if args.quick else [])]
+            "precision.type=fp32", *(QUICK_MODEL if args.quick else []),
+            *([f"{g}.compile_decode=true"] if args.worker == "nxdt-compiled" else [])]
     return load_config(argv, world_size=1, default_config_dir=CONF_DIR, check_paths=False, quiet=True)
 
 
@@ -77,10 +83,12 @@ class Timings:
     def __init__(self) -> None:
         self.steps: list[float] = []  # perf_counter at each optimizer-step end
         self.rollouts: list[tuple[int, float, int]] = []  # (steps done before it, seconds, tokens)
+        self.start = 0.0  # perf_counter when the first rollout began (the first step's start)
 
     def timed(self, fn, count_tokens):
         def wrapper(*a, **k):
             start = time.perf_counter()
+            self.start = self.start or start
             out = fn(*a, **k)
             self.rollouts.append((len(self.steps), time.perf_counter() - start, count_tokens(out)))
             return out
@@ -160,7 +168,7 @@ def worker(args) -> int:
         worker_trl(args, t)
     else:
         worker_nxdt(args, t, cache=args.worker != "nxdt-nocache")
-    Path(args.result).write_text(json.dumps({"steps": t.steps, "rollouts": t.rollouts}))
+    Path(args.result).write_text(json.dumps({"steps": t.steps, "rollouts": t.rollouts, "start": t.start}))
     return 0
 
 
@@ -182,6 +190,7 @@ def run_once(args, way: str, root: Path) -> dict:
     rolls = [(s, n) for before, s, n in raw["rollouts"] if before >= first]  # sampled for step `before`
     seconds, tokens = sum(s for s, _ in rolls), sum(n for _, n in rolls)
     return {"steps_per_s": len(timed) / sum(timed), "rollout_tok_s": tokens / seconds if seconds else 0.0,
+            "first_step_s": stamps[0] - raw["start"] if stamps else 0.0,
             "rollout_share": seconds / sum(timed) * len(timed) / max(len(rolls), 1) if rolls else 0.0,
             "tokens_per_step": tokens / max(len(rolls), 1)}
 
@@ -191,37 +200,60 @@ def _med(values: list[float]) -> str:
     return f"{m:,.2f}" + (f" ({min(values):,.2f}-{max(values):,.2f})" if len(values) > 1 else "")
 
 
-def report(results: dict[str, list[dict]], repeats: int) -> None:
-    print(f"\n{'way':<14}{'steps/s':>22}  {'rollout tokens/s':>28}{'tokens/step':>13}{'rollout share':>15}  runs")
+def report(results: dict[str, list[dict]], repeats: int) -> list[dict]:
+    """Print the table and the goal; returns the --peers-json rows."""
+    print(f"\n{'way':<14}{'steps/s':>22}  {'rollout tokens/s':>28}{'tokens/step':>13}{'rollout share':>15}"
+          f"{'first step s':>14}  runs")
     for way, runs in results.items():
         print(f"{way:<14}{_med([r['steps_per_s'] for r in runs]):>22}  {_med([r['rollout_tok_s'] for r in runs]):>28}"
               f"{statistics.median(r['tokens_per_step'] for r in runs):>13,.0f}"
-              f"{statistics.median(r['rollout_share'] for r in runs):>14.0%}  {len(runs)}")
+              f"{statistics.median(r['rollout_share'] for r in runs):>14.0%}"
+              f"{statistics.median(r['first_step_s'] for r in runs):>14.1f}  {len(runs)}")
     if "trl" not in results or "nxdt" not in results:
-        return
+        return []
+    rows = []
     for way in [w for w in results if w != "trl"]:
         steps = [a["steps_per_s"] / b["steps_per_s"] for a, b in zip(results[way], results["trl"])]
         rolls = [a["rollout_tok_s"] / b["rollout_tok_s"] for a, b in zip(results[way], results["trl"])]
         print(f"{way} / trl: steps/s {_med(steps)}x, rollout tokens/s {_med(rolls)}x")
+        first = statistics.median(r["first_step_s"] for r in results[way])
+        note = (f"median of {len(steps)} interleaved repeats (per-repeat {min(steps):.2f}-{max(steps):.2f}); "
+                f"first (warm-up) step {first:.1f} s, not timed"
+                + (": it compiles the decode step" if way == "nxdt-compiled" else ""))
+        for what, per, key, goal in (("steps/s", steps, "steps_per_s", GOAL_VS_TRL),
+                                     ("rollout tokens/s", rolls, "rollout_tok_s", 1.0)):
+            ratio = statistics.median(per)
+            rows.append({"what": f"{what}, {way}" + ("" if goal == GOAL_VS_TRL else " (no goal of its own: > 1 = faster)"),
+                         "nxdt": statistics.median(r[key] for r in results[way]),
+                         "peer": statistics.median(r[key] for r in results["trl"]), "ratio": ratio,
+                         "goal": f">= {goal:g}", "pass": ratio >= goal, "note": note})
     ratio = statistics.median(a["steps_per_s"] / b["steps_per_s"] for a, b in zip(results["nxdt"], results["trl"]))
     print(f"goal: nxdt >= {GOAL_VS_TRL:g}x TRL's steps/s: {ratio:.2f}x {'PASS' if ratio >= GOAL_VS_TRL else 'MISS'}")
+    return rows
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[1], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ways", default="nxdt,nxdt-nocache,trl")
+    p.add_argument("--ways", default=None, help=f"comma list from {', '.join(WAYS)} (default nxdt,nxdt-nocache,trl; "
+                                                f"with --peers-json {PEER_WAYS}, --quick nxdt,trl)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=5, help="timed steps per run")
     p.add_argument("--warmup-steps", type=int, default=1)
     p.add_argument("--completion-length", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="smoke run: a 2-layer model, 1 repeat")
+    p.add_argument("--peers-json", default=None, metavar="PATH",
+                   help="also write the rows (benchmarks/peers.py's schema) to PATH")
     p.add_argument("--worker", choices=WAYS, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--exp-dir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         return worker(args)
+    if args.ways is None:
+        args.ways = ("nxdt,trl" if args.quick else PEER_WAYS) if args.peers_json else "nxdt,nxdt-nocache,trl"
+        if args.peers_json and args.quick:
+            args.steps = min(args.steps, 2)
     ways = [w for w in args.ways.split(",") if w]
     if not ways or any(w not in WAYS for w in ways):
         p.exit(2, f"error: --ways: from {', '.join(WAYS)} (got {args.ways})\n")
@@ -253,8 +285,14 @@ def main(argv=None) -> int:
                 results[way].append(r)
                 print(f"repeat {rep + 1}/{repeats} {way}: {r['steps_per_s']:.3f} steps/s, "
                       f"{r['rollout_tok_s']:,.0f} rollout tokens/s", flush=True)
-    report(results, repeats)
+    rows = report(results, repeats)
     print(f"({time.perf_counter() - start:.0f} s in all)")
+    if args.peers_json:
+        doc = {"job": "grpo", "peer": f"TRL {trl.__version__} GRPOTrainer (generation through transformers.generate, "
+                                      "no vLLM)", "machine": machine_line(),
+               "shape": f"tiny_llama_grpo_cpu{' (quick)' if args.quick else ''}, {PROMPTS}x{GENERATIONS} completions of "
+                        f"up to {args.completion_length} tokens, {args.steps} timed steps", "rows": rows, "skipped": None}
+        Path(args.peers_json).write_text(json.dumps(doc, indent=1))
     return 0
 
 

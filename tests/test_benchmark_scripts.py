@@ -8,6 +8,7 @@ has already paid. Each way still trains in the subprocess the script starts for 
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -16,6 +17,7 @@ import torch
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
+import generate as generate_bench  # noqa: E402
 import grpo  # noqa: E402
 import throughput  # noqa: E402
 import throughput_runs  # noqa: E402
@@ -87,11 +89,13 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capfd):
     assert rc == 2 and "--ranks and --repeats must be >= 1" in err
 
 
-def test_grpo_benchmark_runs_nxdt_and_trl_side_by_side(capfd, monkeypatch):
+def test_grpo_benchmark_runs_nxdt_and_trl_side_by_side(capfd, monkeypatch, tmp_path):
     """benchmarks/grpo.py on its smoke model (one repeat, one timed step): a row per way with its steps/s
     and rollout tokens/s, the ratio and the goal's verdict (not judged here)."""
     monkeypatch.chdir(REPO)
-    rc, out, err = _main(grpo.main, ["--quick", "--steps", "1", "--completion-length", "8", "--ways", "nxdt,trl"], capfd)
+    table = tmp_path / "grpo.json"  # issue 40's --peers-json table, from the same run
+    rc, out, err = _main(grpo.main, ["--quick", "--steps", "1", "--completion-length", "8", "--ways", "nxdt,trl",
+                                     "--peers-json", str(table)], capfd)
     assert rc == 0, out[-3000:] + err[-3000:]
     rows = {line.split()[0]: line.split() for line in out.splitlines()
             if line.split()[:1] in (["nxdt"], ["trl"]) and line.split()[-1] == "1"}  # the table's rows: 1 run
@@ -99,6 +103,11 @@ def test_grpo_benchmark_runs_nxdt_and_trl_side_by_side(capfd, monkeypatch):
                                                  for r in rows.values()), out
     assert out.startswith("cpu: ") and "nxdt / trl: steps/s" in out
     assert "goal: nxdt >= 2x TRL's steps/s:" in out
+    doc = json.loads(table.read_text())
+    assert doc["job"] == "grpo" and doc["skipped"] is None and [r["what"] for r in doc["rows"]] == [
+        "steps/s, nxdt", "rollout tokens/s, nxdt (no goal of its own: > 1 = faster)"]
+    assert all(r["ratio"] == pytest.approx(r["nxdt"] / r["peer"]) and r["pass"] == (r["ratio"] >= 2 - (i == 1))
+               for i, r in enumerate(doc["rows"])), doc
     rc, out, err = _main(grpo.main, ["--ways", "nxdt,vllm"], capfd)
     assert rc == 2 and err.strip().splitlines() == ["error: --ways: from nxdt, nxdt-nocache, trl (got nxdt,vllm)"]
 
@@ -271,3 +280,25 @@ def test_issue40_lora_and_memory_peers_json(script, kjv_prefix, tmp_path, capfd,
         adapters = 2 * 16 * (2 * (128 + 128) + 2 * (128 + 64) + 2 * (128 + 352) + (352 + 128))
         trainable = rows["trainable-state bytes (adapters + grads + optimizer state)"]
         assert trainable["nxdt"] == trainable["peer"] == 16 * adapters + 4 * 28  # + 28 fp32 `step` scalars
+
+    assert rc == 2 and err.strip().splitlines() == [
+        "error: --ways: from nxdt, nxdt-compiled, nxdt-nocache, trl (got nxdt,vllm)"]
+
+
+# ---------------------------------------------------------------- issue 40: benchmarks/generate.py --peers-json
+def test_generate_benchmark_writes_the_peers_table(capfd, tmp_path):
+    """benchmarks/generate.py --quick --peers-json (the eager ways; the compiled ones compile for tens of
+    seconds and are measured, not tested): a speed row per batch against transformers' generate() with
+    the ratio of the two speeds, and a same-tokens row that passes (nxdt = transformers, greedy)."""
+    table = tmp_path / "sampling.json"
+    rc, out, err = _main(generate_bench.main, ["--quick", "--ways", "nxdt,hf", "--batches", "2", "--new-tokens", "8",
+                                               "--peers-json", str(table)], capfd)
+    assert rc == 0, out[-3000:] + err[-3000:]
+    doc = json.loads(table.read_text())
+    assert doc["job"] == "sampling" and doc["skipped"] is None
+    speed = [r for r in doc["rows"] if r["what"].startswith("tokens/s")]
+    same = [r for r in doc["rows"] if r["what"].startswith("same greedy tokens")]
+    assert [r["what"].split(",")[0] for r in speed] == ["tokens/s batch 2"]
+    assert all(r["goal"] == ">= 2" and r["nxdt"] > 0 and r["peer"] > 0 and r["ratio"] == pytest.approx(
+        r["nxdt"] / r["peer"]) for r in speed), speed
+    assert len(same) == 1 and all(r["pass"] is True and r["ratio"] == 0 for r in same), same

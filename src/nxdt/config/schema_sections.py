@@ -211,6 +211,10 @@ class GRPOConfig:
     log_completions_every_n_steps: int = doc(
         0, "every N steps a few prompt / completion / reward rows to stdout and TensorBoard's text tab (0 = off)",
         ge=0)
+    compile_decode: bool = doc(
+        False, "rollouts decode with torch.compile over a static KV cache (the native model without tensor "
+               "parallelism; else the eager decode); the first step compiles (seconds to a minute on a CPU), "
+               "docs/performance.md says when it pays")
 
 
 @dataclass

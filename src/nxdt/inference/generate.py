@@ -6,7 +6,9 @@ Prompts of different lengths are padded on the left and decoded together (every 
 lands in the same column). With the KV cache (default) the prompt runs once and each step runs the
 new token only; `use_cache=False` recomputes the whole sequence at every step (the baseline the
 cache is measured and tested against). Sampling follows transformers' order: temperature, then
-top-k, then top-p; temperature 0 is greedy (argmax).
+top-k, then top-p; temperature 0 is greedy (argmax). `compile_decode=True` runs the decode step
+torch.compile'd over a static cache (fixed shapes); off by default: on a CPU it gains 0-13% after a
+compile of seconds (docs/performance.md).
 
 A model sharded with tensor parallelism (nxdt.parallel) runs this same loop on every rank: its
 logits come back as a vocabulary-sharded DTensor, gathered here, so every rank samples the same
@@ -20,8 +22,10 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from nxdt.models.adapter import adapter_of
+from nxdt.models.kv_cache import StaticKVCache
 from nxdt.spec.exp import sampling_problem
 
 
@@ -63,9 +67,12 @@ def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | None) 
 
 
 def next_tokens(logits: torch.Tensor, params: SamplingParams,
-                generator: torch.Generator | list[torch.Generator] | None) -> torch.Tensor:
+                generator: torch.Generator | list[torch.Generator] | None,
+                uniforms: torch.Tensor | None = None) -> torch.Tensor:
     """[B] token ids from the last position's logits [B, V] (fp32). `generator`: one for the batch,
-    or one per row (each row's draws then depend on its own generator only)."""
+    or one per row (each row's draws then depend on its own generator only); `uniforms` [B] float64:
+    the per-row generators' draws for this step, already made (`generate` draws a row's whole
+    sequence at once: the same numbers as one draw a step)."""
     logits = logits.float()
     if params.vocab_size is not None and params.vocab_size < logits.shape[-1]:
         logits[:, params.vocab_size:] = float("-inf")
@@ -74,11 +81,12 @@ def next_tokens(logits: torch.Tensor, params: SamplingParams,
     logits = filter_logits(logits / params.temperature, params.top_k, params.top_p)
     probs = logits.softmax(-1).cpu()
     # sample on CPU: the same stream of draws on every device kind and every tensor-parallel rank
-    if isinstance(generator, (list, tuple)):
+    if uniforms is not None or isinstance(generator, (list, tuple)):
         # one uniform draw per row from its own generator, then the inverse CDF of the whole batch at
         # once: the smallest token whose cumulative probability exceeds u x total (never a token of
         # probability 0). torch.multinomial row by row cost 140 us a row at a vocabulary of 8,192.
-        u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generator])
+        u = uniforms if uniforms is not None else torch.cat(
+            [torch.rand(1, generator=g, dtype=torch.float64) for g in generator])
         cdf = probs.double().cumsum(-1)
         drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
         return drawn.clamp(max=probs.shape[-1] - 1).to(logits.device)
@@ -118,72 +126,162 @@ def generate(model: nn.Module, prompts: list[list[int]], params: SamplingParams,
              use_cache: bool = True, on_step: Callable[[torch.Tensor], None] | None = None,
              length_multiple: int = 1, generators: list[torch.Generator] | None = None,
              logps: list[list[float]] | None = None, all_steps: bool = False,
-             prompt_width: int | None = None) -> list[list[int]]:
+             prompt_width: int | None = None, compile_decode: bool = False) -> list[list[int]]:
     """The new tokens of each prompt (up to max_new_tokens; a row ends after an EOS token, which is
     kept). `on_step(tokens [B])` is called after each step (for streaming); finished rows give -1.
 
     For online RL (nxdt.rl.rollout): `generators`, one per row, replace `params.seed` (each row's
-    samples then depend on its own seed, not on the rows beside it); `logps`, an empty list, receives
-    per row the log-probability of each returned token (`sampled_logps`); `all_steps` runs all
-    max_new_tokens forwards even when every row has ended (ranks of a sharded model forward in
-    step); `prompt_width` left-pads every prompt to at least that many columns.
+    samples then depend on its own seed, not on the rows beside it; each row's max_new_tokens
+    uniforms are drawn at the start, the numbers one draw a step would give); `logps`, an empty
+    list, receives per row the log-probability of each returned token (`sampled_logps`);
+    `all_steps` runs all max_new_tokens forwards even when every row has ended (ranks of a sharded
+    model forward in step); `prompt_width` left-pads every prompt to at least that many columns.
+
+    `compile_decode`: the decode step (one token a row) runs `torch.compile`d over a
+    `StaticKVCache` of fixed shapes (its length rounded up to a multiple of STATIC_BUCKET, so
+    calls of nearby lengths share one compiled graph). Only for the native model unsharded (a
+    transformers model or a tensor-parallel one decodes eagerly). The first call of each shape
+    compiles (seconds to a minute on a CPU); docs/performance.md says when it pays.
 
     `length_multiple` > 1: every forward runs a sequence whose length is a multiple of it (a model
     with sequence parallelism splits the sequence over its tensor-parallel ranks). The whole sequence
     is then recomputed each step, padded on the right: causal attention keeps the real tokens blind to
     those pads, so their logits are unchanged."""
-    if length_multiple > 1:
-        use_cache = False
     device = next(model.parameters()).device
-    decoder = adapter_of(model).generation_decoder(model)  # native: nxdt's KVCache; hf: its DynamicCache
     ids, valid = left_pad(prompts, pad_id, device, prompt_width)
-    batch, width = ids.shape
-    total = width + params.max_new_tokens
+    batch = ids.shape[0]
     positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
     generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+    uniforms = None
     if generators is not None:
         if len(generators) != len(prompts):
             raise ValueError(f"generate: {len(generators)} generators for {len(prompts)} prompts")
         generator = list(generators)
+        if params.temperature > 0:
+            uniforms = torch.stack([torch.rand(params.max_new_tokens, generator=g, dtype=torch.float64)
+                                    for g in generator])
+    steps = _steps(model, ids, valid, positions, params.max_new_tokens, pad_id, use_cache and length_multiple <= 1,
+                   length_multiple, compile_decode)
     token_logps = []
     eos = params.eos_token_id
     eos = torch.tensor([eos] if isinstance(eos, int) else list(eos or []), dtype=torch.long, device=device)
     out = torch.full((batch, params.max_new_tokens), pad_id, dtype=torch.long, device=device)
     done = torch.zeros(batch, dtype=torch.bool, device=device)
-    state = decoder.start(valid, total) if use_cache else None
-    seq, seq_valid, seq_pos = ids, valid, positions
+    token = None
     for step in range(params.max_new_tokens):
-        if use_cache:
-            fresh = (ids, positions) if step == 0 else (seq[:, -1:], seq_pos[:, -1:])
-            logits = decoder(*fresh, state)
-        else:  # recompute the whole sequence: a new cache each step
-            logits = _recompute(decoder, seq, seq_valid, seq_pos, pad_id, length_multiple)
-        last = _full(logits)[:, seq.shape[1] - 1 if not use_cache else -1]
+        last = steps.first() if step == 0 else steps.next(token)
         # next_tokens masks the padded vocabulary rows in place (fp32 logits): the log-probs are the
         # unmasked ones, as a training forward computes them
-        token = next_tokens(last.clone() if logps is not None else last, params, generator)
+        token = next_tokens(last.clone() if logps is not None else last, params, generator,
+                            None if uniforms is None else uniforms[:, step])
         if logps is not None:
             token_logps.append(sampled_logps(last, token, params.temperature))
-        token = torch.where(done, torch.full_like(token, pad_id), token)
+        token = token.masked_fill(done, pad_id)
         out[:, step] = token
         if on_step is not None:
-            on_step(torch.where(done, torch.full_like(token, -1), token))
+            on_step(token.masked_fill(done, -1))
         done = done | torch.isin(token, eos)
-        seq = torch.cat([seq, token[:, None]], dim=1)
-        seq_valid = torch.cat([seq_valid, torch.ones_like(token, dtype=torch.bool)[:, None]], dim=1)
-        seq_pos = torch.cat([seq_pos, seq_pos[:, -1:] + 1], dim=1)
-        if bool(done.all()) and not all_steps:
+        if not all_steps and bool(done.all()):
             out = out[:, : step + 1]
             break
     results = []
+    eos_ids = set(eos.tolist())
     for row in range(batch):
         tokens = out[row].tolist()
-        hit = next((i for i, t in enumerate(tokens) if t in set(eos.tolist())), None)
+        hit = next((i for i, t in enumerate(tokens) if t in eos_ids), None)
         results.append(tokens[: hit + 1] if hit is not None else tokens)
     if logps is not None:
         table = torch.stack(token_logps, dim=1).cpu() if token_logps else torch.zeros(batch, 0)
         logps.extend(table[row, : len(results[row])].tolist() for row in range(batch))
     return results
+
+
+# --------------------------------------------------------------------------- the forwards of a step
+STATIC_BUCKET = 64
+"""compile_decode: the static cache's length is rounded up to a multiple of this many columns."""
+
+
+def _steps(model: nn.Module, ids, valid, positions, new_tokens: int, pad_id: int, use_cache: bool,
+           multiple: int, compile_decode: bool):
+    """The forwards of one generation: `first()` the prompt's, `next(token [B])` each step's, each
+    giving the last position's logits [B, V]."""
+    decoder = adapter_of(model).generation_decoder(model)  # native: nxdt's KVCache; hf: its DynamicCache
+    total = ids.shape[1] + new_tokens
+    if not use_cache:
+        return _Recompute(decoder, ids, valid, positions, pad_id, multiple)
+    if compile_decode and adapter_of(model).name == "native" and not any(
+            isinstance(p, DTensor) for p in model.parameters()):
+        return _CompiledCached(model, ids, valid, positions, -(-total // STATIC_BUCKET) * STATIC_BUCKET)
+    return _Cached(decoder, ids, positions, decoder.start(valid, total))
+
+
+class _Cached:
+    """The KV cache: the prompt runs once, then each step the new token only."""
+
+    def __init__(self, decoder, ids: torch.Tensor, positions: torch.Tensor, state) -> None:
+        self.decoder, self.ids, self.positions, self.state = decoder, ids, positions, state
+        self.position = positions[:, -1:]  # [B, 1] the position of the last token fed
+
+    def first(self) -> torch.Tensor:
+        return _full(self.decoder(self.ids, self.positions, self.state))[:, -1]
+
+    def next(self, token: torch.Tensor) -> torch.Tensor:
+        self.position = self.position + 1
+        return _full(self.decoder(token[:, None], self.position, self.state))[:, -1]
+
+
+def _decode_step(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+    return model(ids, positions, kv_cache=cache)[:, -1]
+
+
+_COMPILED: list = []  # the torch.compile'd _decode_step, made on first use (one per process)
+
+
+def compiled_decode_step() -> Callable:
+    """`_decode_step` under torch.compile (static shapes; one graph per batch size, cache length and
+    padding, compiled on its first call)."""
+    if not _COMPILED:
+        _COMPILED.append(torch.compile(_decode_step, dynamic=False))
+    return _COMPILED[0]
+
+
+class _CompiledCached(_Cached):
+    """compile_decode: the prompt eagerly into a StaticKVCache, then each step compiled."""
+
+    def __init__(self, model: nn.Module, ids: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor,
+                 length: int) -> None:
+        super().__init__(None, ids, positions, StaticKVCache(length, valid))
+        self.model, self.column = model, ids.shape[1]
+
+    def first(self) -> torch.Tensor:
+        logits = self.model(self.ids, self.positions, kv_cache=self.state)[:, -1]
+        self.state.start_decoding()
+        return logits
+
+    def next(self, token: torch.Tensor) -> torch.Tensor:
+        self.position = self.position + 1
+        self.state.position.fill_(self.column)
+        self.column += 1
+        return compiled_decode_step()(self.model, token[:, None], self.position, self.state)
+
+
+class _Recompute:
+    """No cache: the whole sequence recomputed each step (right-padded to a multiple of `multiple`)."""
+
+    def __init__(self, decoder, ids: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor, pad_id: int,
+                 multiple: int) -> None:
+        self.decoder, self.seq, self.valid, self.positions = decoder, ids, valid, positions
+        self.pad_id, self.multiple = pad_id, multiple
+
+    def first(self) -> torch.Tensor:
+        logits = _recompute(self.decoder, self.seq, self.valid, self.positions, self.pad_id, self.multiple)
+        return _full(logits)[:, self.seq.shape[1] - 1]
+
+    def next(self, token: torch.Tensor) -> torch.Tensor:
+        self.seq = torch.cat([self.seq, token[:, None]], dim=1)
+        self.valid = torch.cat([self.valid, torch.ones_like(token, dtype=torch.bool)[:, None]], dim=1)
+        self.positions = torch.cat([self.positions, self.positions[:, -1:] + 1], dim=1)
+        return self.first()
 
 
 def _recompute(decoder, ids: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor, pad_id: int,

@@ -18,6 +18,10 @@ Batches of prompts of different lengths are padded on the left, so every row's n
 the same column. `valid` says which columns hold real tokens; pad keys are never attended to. A pad
 query (whose output is never used) attends to itself only, so no softmax row is empty (an empty row
 is NaN, and a NaN value in a pad column would leak into real rows as 0 * NaN through the matmul).
+
+`StaticKVCache` keeps every tensor shape of a decode step fixed (the whole buffer attended to, the
+columns not written yet masked, the write column a tensor), so `torch.compile` traces the step once
+(nxdt.inference.generate's `compile_decode`).
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ class KVCache:
         self.length = 0  # columns written so far (the same for every layer once a forward has finished)
         self._keys: dict[int, torch.Tensor] = {}
         self._values: dict[int, torch.Tensor] = {}
+        # a decode step's mask is the same for every layer: made once a step (see attention_mask)
+        self._decode_valid = self._valid[:, None, None, :] if self.padded else None
 
     @property
     def batch_size(self) -> int:
@@ -73,6 +79,10 @@ class KVCache:
         window_cuts = sliding_window is not None and sliding_window < end
         if not self.padded and not window_cuts and (start == 0 or query_length == 1):
             return None
+        if query_length == 1 and not window_cuts:
+            # one new (real) token after the cached ones: it may see every valid column, itself
+            # included (what the general rule below gives, in one slice instead of ten operations)
+            return self._decode_valid[..., :end].to(device)
         q = torch.arange(start, end, device=device)[:, None]
         k = torch.arange(end, device=device)[None, :]
         mask = k <= q
@@ -91,3 +101,47 @@ class KVCache:
     def truncate(self, length: int) -> None:
         """Forget the columns from `length` on (e.g. to re-run a prompt's last token)."""
         self.length = min(self.length, int(length))
+
+
+class StaticKVCache(KVCache):
+    """A KVCache whose decode steps (one token a row) have fixed shapes: each layer's buffers are
+    allocated whole and zeroed (a masked column must hold no NaN: see the module doc), a step writes
+    its column at `position` (a tensor, set by the caller before the step, not a Python int that a
+    compiled step would specialise on) and attends to all max_length columns, those past `position`
+    masked. The prefill (several tokens) is the plain KVCache's; the caller then calls
+    `start_decoding()` and, before each step, `position.fill_(column)`; `advance` counts nothing
+    during decoding (the caller knows the column)."""
+
+    def __init__(self, max_length: int, valid: torch.Tensor | None = None, batch_size: int | None = None) -> None:
+        super().__init__(max_length, valid, batch_size)
+        self.decoding = False
+        self.position = torch.zeros(1, dtype=torch.long, device=self._valid.device)
+        self._columns = torch.arange(self.max_length, device=self._valid.device)
+
+    def start_decoding(self) -> None:
+        self.decoding = True
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer_idx not in self._keys:
+            b, heads, _, d = k.shape
+            self._keys[layer_idx] = k.new_zeros(b, heads, self.max_length, d)
+            self._values[layer_idx] = v.new_zeros(b, heads, self.max_length, v.shape[-1])
+        if not self.decoding:
+            return super().update(layer_idx, k, v)
+        keys, values = self._keys[layer_idx], self._values[layer_idx]
+        keys.index_copy_(2, self.position, k)
+        values.index_copy_(2, self.position, v)
+        return keys, values
+
+    def attention_mask(self, query_length: int, device: torch.device,
+                       sliding_window: int | None = None) -> torch.Tensor | None:
+        if not self.decoding:
+            return super().attention_mask(query_length, device, sliding_window)
+        seen = self._columns <= self.position
+        if sliding_window is not None:
+            seen = seen & (self._columns > self.position - sliding_window)
+        return (self._valid & seen)[:, None, None, :].to(device)
+
+    def advance(self, n: int) -> None:
+        if not self.decoding:
+            super().advance(n)

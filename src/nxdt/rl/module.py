@@ -144,7 +144,8 @@ class GRPOSteps:
             scale_rewards=scale_rewards_of(g), mask_truncated=g.mask_truncated_completions,
             reward_weights=list(g.reward_weights or [1.0] * len(g.reward_funcs)), eos_token_id=tok.eos_token_id,
             pad_id=int(pad or 0), vocab_size=len(tok), seed=int(self.cfg.seed), tp=self.layout.tp,
-            length_multiple=self.layout.tp if self.cfg.distributed_strategy.sequence_parallel else 1)
+            length_multiple=self.layout.tp if self.cfg.distributed_strategy.sequence_parallel else 1,
+            compile_decode=bool(g.compile_decode))
 
     def _grpo_new_rollout(self, batch, step: int):
         g = self.alignment.grpo

@@ -124,6 +124,7 @@ class RolloutOptions:
     seed: int
     tp: int = 1  # tensor-parallel ranks: logits vocabulary-sharded (log-probs under loss_parallel)
     length_multiple: int = 1  # sequence parallel: forwards of whole multiples of tp (recomputed, no cache)
+    compile_decode: bool = False  # the decode step torch.compile'd over a static cache (nxdt.inference.generate)
 
 
 def row_width(prompt_lengths: list[int], lengths: torch.Tensor, opts: RolloutOptions) -> int:
@@ -182,7 +183,7 @@ def rollout(model: nn.Module, rows: list, step: int, opts: RolloutOptions, rewar
         with autocast() if autocast is not None else contextlib.nullcontext():
             completions = generate(model, prompt_ids, params, pad_id=opts.pad_id, generators=generators,
                                    logps=gen_logps, all_steps=True, length_multiple=opts.length_multiple,
-                                   prompt_width=max(len(r.ids) for r in rows))
+                                   prompt_width=max(len(r.ids) for r in rows), compile_decode=opts.compile_decode)
     finally:
         model.train(was_training)
     seconds = time.perf_counter() - start
