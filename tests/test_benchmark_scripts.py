@@ -1,6 +1,8 @@
-"""benchmarks/throughput.py end to end on the smoke shape (its numbers are not judged here: speed
-goals live in the script, not in timed tests), and its GPU shapes as configs: Llama-3.2-1B and
-Llama-3.1-8B to the parameter, so `--device cuda` on a GPU machine trains what it says.
+"""The benchmark scripts on their smoke shapes (their numbers are not judged here: speed goals live in
+the scripts, not in timed tests): throughput.py end to end and its GPU shapes as configs (Llama-3.2-1B
+and Llama-3.1-8B to the parameter, so `--device cuda` on a GPU machine trains what it says); grpo.py;
+issue 40's peers.py runner, gpu.sh's arguments, and each job's `--peers-json` table (peer_trl.py,
+lora.py, peer_memory.py, generate.py).
 
 The scripts' drivers (argument handling, the table) run in this process through their `main(argv)`,
 as `python benchmarks/X.py ARGS` calls it: a driver's own launch would be mostly imports this process
@@ -9,7 +11,9 @@ has already paid. Each way still trains in the subprocess the script starts for 
 from __future__ import annotations
 
 import json
+import math
 import os
+import subprocess
 import sys
 
 import pytest
@@ -19,6 +23,11 @@ from conftest import REPO
 sys.path.insert(0, str(REPO / "benchmarks"))
 import generate as generate_bench  # noqa: E402
 import grpo  # noqa: E402
+import lora  # noqa: E402
+import peer_memory  # noqa: E402
+import peer_titan  # noqa: E402
+import peer_trl  # noqa: E402
+import peers  # noqa: E402
 import throughput  # noqa: E402
 import throughput_runs  # noqa: E402
 
@@ -109,17 +118,15 @@ def test_grpo_benchmark_runs_nxdt_and_trl_side_by_side(capfd, monkeypatch, tmp_p
     assert all(r["ratio"] == pytest.approx(r["nxdt"] / r["peer"]) and r["pass"] == (r["ratio"] >= 2 - (i == 1))
                for i, r in enumerate(doc["rows"])), doc
     rc, out, err = _main(grpo.main, ["--ways", "nxdt,vllm"], capfd)
-    assert rc == 2 and err.strip().splitlines() == ["error: --ways: from nxdt, nxdt-nocache, trl (got nxdt,vllm)"]
+    assert rc == 2 and err.strip().splitlines() == [
+        "error: --ways: from nxdt, nxdt-compiled, nxdt-nocache, trl (got nxdt,vllm)"]
 
 
 # ------------------------------------------------------------------ benchmarks/peers.py (issue 40)
 # The runner's table, its FAILED / skipped handling and --json on fake job scripts (each a short
 # subprocess, as the real jobs are); the real titan job through the runner where its venv is missing.
 
-import json  # noqa: E402
 
-import peer_titan  # noqa: E402
-import peers  # noqa: E402
 
 _FAKE_JOB = """import json, sys
 out = sys.argv[sys.argv.index("--peers-json") + 1]
@@ -195,7 +202,6 @@ def test_peers_titan_job_says_skipped_without_its_venv(tmp_path, capfd, monkeypa
 def test_gpu_script_prints_its_commands_and_refuses_bad_arguments():
     """benchmarks/gpu.sh --dry-run: the card, nxdt's 1B and 8B-cut runs (bf16, compiled, fused loss) and
     torchtitan's 1B figure, run nothing; bad arguments: one line, exit 2."""
-    import subprocess  # reason: only this test starts bash
 
     def gpu(*args):
         return subprocess.run(["bash", str(REPO / "benchmarks" / "gpu.sh"), *args], capture_output=True, text=True,
@@ -229,10 +235,6 @@ def test_gpu_script_prints_its_commands_and_refuses_bad_arguments():
 def test_peer_trl_quick_writes_the_shared_json_rows(job, ways, rows, tmp_path, capfd, monkeypatch):
     """benchmarks/peer_trl.py --quick (smoke model, one timed step, one repeat): the peers-json file has
     the job's rows with finite figures, in benchmarks/peers.py's format (the ratios are not judged here)."""
-    import json  # issue 40's block keeps its imports with it (other helpers edit this file's top)
-    import math  # the same reason
-
-    import peer_trl  # the same reason; benchmarks/ is on sys.path (above)
 
     monkeypatch.chdir(REPO)
     out_json = tmp_path / f"{job}.json"
@@ -248,11 +250,7 @@ def test_peer_trl_quick_writes_the_shared_json_rows(job, ways, rows, tmp_path, c
     rc, out, err = _main(peer_trl.main, ["--job", job, "--ways", "nxdt,vllm"], capfd)
     assert rc == 2 and "error: --ways:" in err
 # ---- issue 40, the LoRA and large-vocabulary memory rows (helper peers-lora-mem) -------------------------
-import json  # noqa: E402  # reason: this block keeps its imports with it (other helpers edit the top)
-import math  # noqa: E402  # reason: as above
 
-import lora  # noqa: E402  # reason: a benchmark script, importable once REPO/benchmarks is on sys.path (above)
-import peer_memory  # noqa: E402  # reason: as above
 
 
 @pytest.mark.parametrize("script", ["lora", "peer_memory"])
@@ -280,9 +278,6 @@ def test_issue40_lora_and_memory_peers_json(script, kjv_prefix, tmp_path, capfd,
         adapters = 2 * 16 * (2 * (128 + 128) + 2 * (128 + 64) + 2 * (128 + 352) + (352 + 128))
         trainable = rows["trainable-state bytes (adapters + grads + optimizer state)"]
         assert trainable["nxdt"] == trainable["peer"] == 16 * adapters + 4 * 28  # + 28 fp32 `step` scalars
-
-    assert rc == 2 and err.strip().splitlines() == [
-        "error: --ways: from nxdt, nxdt-compiled, nxdt-nocache, trl (got nxdt,vllm)"]
 
 
 # ---------------------------------------------------------------- issue 40: benchmarks/generate.py --peers-json
