@@ -208,3 +208,26 @@ def test_plan_refuses_a_compile_backend_this_machine_lacks(capsys, tmp_path, kjv
     assert not (tmp_path / "logs").exists()
     rc, out, err = _plan_in_process(capsys, "--config-name", "tiny_llama_cpu", *overrides)
     assert (rc, out, err.splitlines()) == (2, "", expected)
+
+
+def test_model_vocab_size_sizes_the_trained_model_as_the_plan_says(capsys, tmp_path, kjv_prefix):
+    """`model.vocab_size` larger than the tokenizer's (8,192) builds that output layer in training, as
+    `nxdt plan` counts it (before: the tokenizer's size won in training, the key's in the plan); a
+    smaller one is refused in one line, exit 2 (the ids past it would index out of range)."""
+    tiny = ["model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=176", "model.num_attention_heads=4",
+            "model.num_kv_heads=2", "data.seq_length=32", "model.encoder_seq_length=32", "data.num_workers=0",
+            "trainer.max_steps=1", "trainer.devices=1"]
+    rc, out, err = _plan_in_process(capsys, "--config-name", "tiny_llama_cpu", *tiny, "model.vocab_size=9000", "--json")
+    assert rc == 0, err
+    planned = json.loads(out)["parameters"]
+    rc, out, err = _plan_in_process(capsys, "--config-name", "tiny_llama_cpu", *tiny, "model.vocab_size=8192", "--json")
+    assert rc == 0 and planned - json.loads(out)["parameters"] == 2 * (9000 - 8192) * 64  # embedding + output rows
+    run = train_in_process(["--config-path", CONF, "--config-name", "tiny_llama_cpu", *tiny, "model.vocab_size=9000",
+                            f"data.data_prefix=[1.0,{kjv_prefix}]", f"exp_manager.explicit_log_dir={tmp_path / 'a'}"])
+    assert run.rc == 0, run.err[-2000:]
+    assert f"parameters   {planned:,}" in run.out, run.out[-3000:]
+    run = train_in_process(["--config-path", CONF, "--config-name", "tiny_llama_cpu", *tiny, "model.vocab_size=100",
+                            f"data.data_prefix=[1.0,{kjv_prefix}]", f"exp_manager.explicit_log_dir={tmp_path / 'b'}"])
+    assert run.rc == 2 and [line for line in run.err.splitlines() if line.startswith("error:")] == [
+        "error: model.vocab_size (100) is smaller than the tokenizer's vocabulary (8192): set it >= 8192 or null "
+        "(the tokenizer's size)"], run.err[-2000:]

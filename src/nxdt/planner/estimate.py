@@ -29,6 +29,7 @@ from typing import Any
 
 from torch import nn
 
+from nxdt.config.errors import ConfigError
 from nxdt.models import build_model
 from nxdt.models.flops import ModelShape, flops_per_token, lookup_parameters, model_shape
 from nxdt.models.lora import inject_lora, lora_parameter_counts
@@ -82,6 +83,19 @@ def precision_bytes(cfg, optimizer: str) -> Bytes:
     if optimizer in ("adamw_fp32OptState", "sm3"):  # both keep fp32 state whatever the params
         b.state = 4
     return b
+
+
+def model_vocabulary(cfg, tokenizer_size: int | None) -> int | None:
+    """The vocabulary a run builds its model with (before padding): `model.vocab_size` when set (a
+    larger output layer than the tokenizer needs, e.g. to match a published model's), else the run's
+    tokenizer size; the plan (`planned_vocab`) reads the same key first. Smaller than the tokenizer
+    is refused: its ids past the table would index out of range."""
+    if cfg.model_source == "hf" or not cfg.model.vocab_size:
+        return tokenizer_size
+    if tokenizer_size is not None and cfg.model.vocab_size < tokenizer_size:
+        raise ConfigError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer's vocabulary "
+                          f"({tokenizer_size}): set it >= {tokenizer_size} or null (the tokenizer's size)")
+    return int(cfg.model.vocab_size)
 
 
 def planned_vocab(cfg) -> tuple[int | None, str]:
@@ -177,7 +191,7 @@ def plan(spec, vocab_size: int | None = None, parallel: ParallelPlan | None = No
     made here for the model built on the meta device, as a run makes it for its own model (the same
     plan for the same config)."""
     cfg = spec.cfg
-    if vocab_size is not None and cfg.model_source != "hf":
+    if vocab_size is not None and cfg.model_source != "hf" and not cfg.model.vocab_size:
         vocab, vocab_source = int(vocab_size), "the run's tokenizer"
     else:
         vocab, vocab_source = planned_vocab(cfg)

@@ -33,7 +33,7 @@ from nxdt.observability.samples import SampleGenerator
 from nxdt.observability.user_callbacks import extra_callbacks
 from nxdt.optim.optimizers import resolve_optimizer
 from nxdt.parallel.parallelize import compile_backend_missing
-from nxdt.planner.estimate import planned_vocab
+from nxdt.planner.estimate import model_vocabulary, planned_vocab
 from nxdt.spec import build_spec
 from nxdt.training import xla
 from nxdt.training.dynamic_selection import DynamicDataSelection
@@ -167,7 +167,7 @@ def build_run_parts(spec, loggers: list, callbacks: list):
     trainer = build_trainer(spec.cfg, spec.layout, loggers, callbacks)
     # custom (data.data_module) > SFT > dummy > data.datasets > HF (train_dir) > Megatron
     datamodule = build_datamodule(spec, trainer)
-    return trainer, datamodule, NxdtLightningModule(spec, vocab_size=datamodule.vocab_size)
+    return trainer, datamodule, NxdtLightningModule(spec, vocab_size=model_vocabulary(spec.cfg, datamodule.vocab_size))
 
 
 def check_run_parts(spec) -> None:
