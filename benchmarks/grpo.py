@@ -21,7 +21,7 @@ loaded by name, as benchmarks/generate.py does), generating through `transformer
 TRL's default).
 
 Ways, each run in its own subprocess (thread pools and allocator state do not leak between runs), in
-an order rotated every repeat:
+an order rotated every repeat (`--in-process`: in the driver, one after another; for smoke tests only):
   nxdt          `nxdt.training.trainer.train` on `tiny_llama_grpo_cpu` (Lightning, the logs, everything)
   nxdt-nocache  the same with the generator's KV cache off (every decode step recomputes the sequence):
                 what the preallocated cache gives
@@ -50,7 +50,9 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # reason: the sibling module below
+from throughput_runs import REPO, in_process, patch  # noqa: E402
+
 CONF_DIR = str(REPO / "conf")
 GOAL_VS_TRL = 2.0
 WAYS = ("nxdt", "nxdt-compiled", "nxdt-nocache", "trl")
@@ -112,11 +114,11 @@ def worker_nxdt(args, t: Timings, cache: bool) -> None:
             t.steps.append(time.perf_counter())
 
     build_trainer = run.build_trainer
-    run.build_trainer = lambda cfg, layout, loggers, callbacks: build_trainer(cfg, layout, loggers,
-                                                                             [*callbacks, StepTimer()])
+    patch(run, "build_trainer", lambda cfg, layout, loggers, callbacks: build_trainer(cfg, layout, loggers,
+                                                                                     [*callbacks, StepTimer()]))
     # the sampling call alone (scoring and the training rows excluded), as TRL's is timed
-    rl_rollout.generate = t.timed(functools.partial(rl_rollout.generate, use_cache=cache),
-                                  lambda out: sum(len(c) for c in out))
+    patch(rl_rollout, "generate", t.timed(functools.partial(rl_rollout.generate, use_cache=cache),
+                                          lambda out: sum(len(c) for c in out)))
     assert rl_module.rollout is rl_rollout.rollout
     run.train(cfg)
 
@@ -173,8 +175,23 @@ def worker(args) -> int:
 
 
 # ------------------------------------------------------------------------------------ driver
+def run_here(args, way: str, root: Path, result: Path) -> None:
+    """--in-process (smoke tests): the worker in this process, what it changed put back afterwards."""
+    root.mkdir(parents=True, exist_ok=True)
+    with in_process():
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        try:
+            worker(argparse.Namespace(**{**vars(args), "worker": way, "result": str(result),
+                                         "exp_dir": str(root / way)}))
+        except Exception as err:  # as a failed subprocess is reported
+            raise SystemExit(f"{way}: {type(err).__name__}: {err}") from err
+
+
 def run_once(args, way: str, root: Path) -> dict:
     result = root / f"{way}.json"
+    if args.in_process:
+        run_here(args, way, root, result)
+        return timings(args, json.loads(result.read_text()))
     cmd = [sys.executable, __file__, "--worker", way, "--result", str(result), "--exp-dir", str(root / way),
            "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps), "--threads", str(args.threads),
            "--completion-length", str(args.completion_length), *(["--quick"] if args.quick else [])]
@@ -183,7 +200,11 @@ def run_once(args, way: str, root: Path) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if proc.returncode != 0:
         raise SystemExit(f"{way}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    raw = json.loads(result.read_text())
+    return timings(args, json.loads(result.read_text()))
+
+
+def timings(args, raw: dict) -> dict:
+    """A run's rates from its worker's stamps."""
     # step k (k >= 1) lasted stamps[k] - stamps[k - 1]; the first has no start stamp; warm-up steps dropped
     stamps, first = raw["steps"], max(args.warmup_steps, 1)
     timed = [stamps[k] - stamps[k - 1] for k in range(first, len(stamps))]
@@ -244,6 +265,8 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="smoke run: a 2-layer model, 1 repeat")
     p.add_argument("--peers-json", default=None, metavar="PATH",
                    help="also write the rows (benchmarks/peers.py's schema) to PATH")
+    p.add_argument("--in-process", action="store_true", help="smoke tests only: the ways in this process, one after "
+                   "another (not a measurement: the measured runs start a fresh process per way)")
     p.add_argument("--worker", choices=WAYS, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--exp-dir", help=argparse.SUPPRESS)

@@ -43,7 +43,8 @@ text and both sides see the same token ids.
         weights and pairs), each equal within 1e-5. The printed table also has one epoch's pairs/s,
         1 / (seconds per training pair + seconds per reference-pass pair).
 
-Each side runs in a subprocess of its own, in an order rotated every repeat; steps are timed from
+Each side runs in a subprocess of its own (`--in-process`: in the driver, one after another; for smoke
+tests only, not a measurement), in an order rotated every repeat; steps are timed from
 one optimizer-step end to the next (Lightning's on_train_batch_end, the Trainer's on_step_end), the
 first --warmup-steps dropped. Medians over repeats (the ratio: the median of the per-repeat ratios).
 """
@@ -63,7 +64,9 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # reason: the sibling module below
+from throughput_runs import REPO, in_process, patch  # noqa: E402
+
 CONF_DIR = str(REPO / "conf")
 JOBS = {"sft": ("nxdt", "trl"), "dpo": ("nxdt", "trl", "trl-precompute")}
 GOALS = {"sft": 1.2, "dpo-default": 1.5, "dpo-precompute": 1.0, "loss": 1e-5}
@@ -206,8 +209,8 @@ def run_nxdt(cfg, rec: Record) -> None:
             rec.stamps.append(time.perf_counter())
 
     build_trainer = run.build_trainer
-    run.build_trainer = lambda cfg, layout, loggers, callbacks: build_trainer(cfg, layout, loggers,
-                                                                             [*callbacks, StepTimer()])
+    patch(run, "build_trainer", lambda cfg, layout, loggers, callbacks: build_trainer(cfg, layout, loggers,
+                                                                                     [*callbacks, StepTimer()]))
     run.train(cfg)
 
 
@@ -222,7 +225,7 @@ def worker_nxdt_sft(args, rec: Record) -> None:
         rec.tokens.append(sum(min(len(self.examples[e][0]), self.seq_length + 1) for e in self.rows[int(idx)]))
         return get(self, idx)
 
-    sft.SFTRows.__getitem__ = counted
+    patch(sft.SFTRows, "__getitem__", counted)
     micro_loss = step.microbatch_loss
 
     def recorded(*a, **k):
@@ -230,7 +233,7 @@ def worker_nxdt_sft(args, rec: Record) -> None:
         rec.losses.append(float(loss.detach()))
         return loss
 
-    step.microbatch_loss = recorded
+    patch(step, "microbatch_loss", recorded)
     run_nxdt(nxdt_config(args), rec)
 
 
@@ -264,7 +267,7 @@ def worker_trl_sft(args, rec: Record) -> None:
 def worker_nxdt_dpo(args, rec: Record) -> None:
     import nxdt.training.preference as pref
 
-    pref.compute_reference_logps = rec.timed_reference(pref.compute_reference_logps)
+    patch(pref, "compute_reference_logps", rec.timed_reference(pref.compute_reference_logps))
     micro_loss = pref.preference_microbatch_loss
 
     def recorded(*a, **k):
@@ -272,7 +275,7 @@ def worker_nxdt_dpo(args, rec: Record) -> None:
         rec.losses.append(float(loss.detach()))
         return loss, metrics
 
-    pref.preference_microbatch_loss = recorded
+    patch(pref, "preference_microbatch_loss", recorded)
     run_nxdt(nxdt_config(args), rec)
 
 
@@ -288,7 +291,7 @@ def worker_trl_dpo(args, rec: Record, precompute: bool) -> None:
     # nxdt's seq_length counts positions (BOS + prompt + response + EOS, less one); TRL's max_length counts tokens
     targs = DPOConfig(**trl_common(args, DPO["micro"], DPO["global"]), beta=DPO_BETA, loss_type=["sigmoid"],
                       max_length=args.seq + 1, precompute_ref_log_probs=precompute)
-    DPOTrainer._precompute_ref_logps = rec.timed_reference(DPOTrainer._precompute_ref_logps)
+    patch(DPOTrainer, "_precompute_ref_logps", rec.timed_reference(DPOTrainer._precompute_ref_logps))
     trainer = DPOTrainer(model=str(folder), args=targs, train_dataset=data, processing_class=tok,
                          callbacks=[step_callback(rec)])
     compute = trainer._compute_loss
@@ -332,8 +335,25 @@ class PeerFailed(RuntimeError):
     """A TRL way exited with an error (its last line in the message)."""
 
 
+def run_here(args, way: str, root: Path, rows: Path, seq: int, result: Path) -> None:
+    """--in-process (smoke tests): the worker in this process, what it changed put back afterwards."""
+    root.mkdir(parents=True, exist_ok=True)
+    with in_process():
+        os.environ.update(TOKENIZERS_PARALLELISM="false", TQDM_DISABLE="1")
+        try:
+            worker(argparse.Namespace(**{**vars(args), "worker": way, "result": str(result), "rows": str(rows),
+                                         "seq": seq, "exp_dir": str(root / way)}))
+        except Exception as err:  # as a failed subprocess is reported
+            if way == "nxdt":
+                raise
+            raise PeerFailed(f"TRL ({way}) failed here: {type(err).__name__}: {err}") from err
+
+
 def run_once(args, way: str, root: Path, rows: Path, seq: int) -> dict:
     result = root / f"{way}.json"
+    if args.in_process:
+        run_here(args, way, root, rows, seq, result)
+        return summarize(args, json.loads(result.read_text()), way)
     cmd = [sys.executable, __file__, "--job", args.job, "--worker", way, "--result", str(result), "--rows", str(rows),
            "--seq", str(seq), "--exp-dir", str(root / way), "--steps", str(args.steps),
            "--warmup-steps", str(args.warmup_steps), "--nxdt-overrides", args.nxdt_overrides,
@@ -478,6 +498,8 @@ def main(argv=None) -> int:
     p.add_argument("--ways", help=f"a subset, comma-separated (sft: {','.join(JOBS['sft'])}; dpo: {','.join(JOBS['dpo'])})")
     p.add_argument("--profile", help="write each run's torch.profiler op table (whole run) into this folder")
     p.add_argument("--nxdt-overrides", default="", help="extra nxdt config overrides, space-separated (experiments)")
+    p.add_argument("--in-process", action="store_true", help="smoke tests only: the ways in this process, one after "
+                   "another (not a measurement: the measured runs start a fresh process per way)")
     for hidden in ("--worker", "--result", "--rows", "--seq", "--exp-dir"):
         p.add_argument(hidden, help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -14,7 +14,8 @@ MegatronDataModule; a larger `model.vocab_size` pads the output layer) from the 
 weights, with AdamW, gradient clipping at 1.0 and the same learning rate.
 
 Ways (each run in its own subprocess, so thread pools, compiled graphs and allocator state don't
-leak between them; the ways are interleaved and rotated in every repeat; medians are reported):
+leak between them; the ways are interleaved and rotated in every repeat; medians are reported;
+`--in-process` runs them in the driver instead, for the suite's smoke test only):
   nxdt[-compile]          the product: `load_config(["--config-name", "tiny_llama_cpu", ...])` and
                           `nxdt.training.trainer.train(cfg)` (Lightning, exp_manager, TensorBoard, logging,
                           clipping, LR schedule), fp32; -compile adds model.fusions.torch_compile=true
@@ -53,11 +54,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput_runs import DEFAULT_CPU_WAYS, DEFAULT_CUDA_WAYS, SHAPES, THREADS, WAYS, compose, worker  # noqa: E402
+from throughput_runs import (  # noqa: E402
+    DEFAULT_CPU_WAYS, DEFAULT_CUDA_WAYS, SHAPES, THREADS, WAYS, compose, in_process, worker)
 
 GOAL_FP32_VS_TRAINER = 1.1
 GOAL_FP32_MFU = 0.85
@@ -106,22 +109,41 @@ def measure_cpu_peaks(budget_s: float = 1.0) -> dict[str, float]:
         torch.set_num_threads(threads)
 
 
-def run_way(way: str, args, work: Path, tag: str) -> dict | None:
-    out, log, exp_dir = work / f"{tag}-{way}.json", work / f"{tag}-{way}.log", work / f"exp-{tag}-{way}"
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    if args.device == "cpu":
-        env.update(OMP_NUM_THREADS=str(THREADS), MKL_NUM_THREADS=str(THREADS))
+def worker_command(way: str, args, out: Path, exp_dir: Path) -> list[str]:
+    """The command line of one way's run: this script's worker mode, under torchrun for --ranks > 1."""
     launcher = [sys.executable]
     if args.ranks > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}"]
     cmd = [*launcher, __file__, "--worker", way, "--out", str(out), "--data-prefix", args.data_prefix,
            "--exp-dir", str(exp_dir), "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps),
            "--shape", args.shape, "--device", args.device, "--ranks", str(args.ranks)]
-    if args.fsdp:
-        cmd.append("--fsdp")
+    return cmd + (["--fsdp"] if args.fsdp else [])
+
+
+def run_here(way: str, args, out: Path, exp_dir: Path, log: Path) -> int:
+    """--in-process (smoke tests): the worker in this process; its exit status, a failure's traceback in `log`."""
+    with in_process():
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        try:
+            return worker(argparse.Namespace(**{**vars(args), "worker": way, "out": str(out),
+                                                "exp_dir": str(exp_dir)}))
+        except Exception:  # the way failed: reported as a subprocess's failure is
+            log.write_text(traceback.format_exc())
+            return 1
+
+
+def run_way(way: str, args, work: Path, tag: str) -> dict | None:
+    out, log, exp_dir = work / f"{tag}-{way}.json", work / f"{tag}-{way}.log", work / f"exp-{tag}-{way}"
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    if args.device == "cpu":
+        env.update(OMP_NUM_THREADS=str(THREADS), MKL_NUM_THREADS=str(THREADS))
     start = time.perf_counter()
-    with open(log, "w") as f:
-        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(work))
+    if args.in_process:
+        rc = run_here(way, args, out, exp_dir, log)
+    else:
+        with open(log, "w") as f:
+            rc = subprocess.call(worker_command(way, args, out, exp_dir), stdout=f, stderr=subprocess.STDOUT, env=env,
+                                 cwd=str(work))
     wall = time.perf_counter() - start
     if rc != 0 or not out.exists():
         tail = log.read_text().splitlines()[-25:]
@@ -233,6 +255,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-judge", action="store_true", help="print the table without PASS / MISS")
     p.add_argument("--probe-seconds", type=float, default=1.0, help="CPU: seconds per dtype of the matmul peak probe")
     p.add_argument("--data-prefix", help="train on this Megatron .bin/.idx prefix (default: the bundled corpus)")
+    p.add_argument("--in-process", action="store_true",
+                   help="smoke tests only: run the ways in this process, one after another (not a measurement: "
+                        "the measured runs start a fresh process per way); one rank")
     # worker mode (internal)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -243,6 +268,8 @@ def main(argv=None) -> int:
         return worker(args)
     if args.ranks < 1 or args.probe_seconds <= 0 or args.repeats < 1:
         p.error("--ranks and --repeats must be >= 1, --probe-seconds > 0")
+    if args.in_process and args.ranks > 1:
+        p.error("--in-process runs one rank (--ranks 1)")
     big = SHAPES[args.shape].hidden >= 1024
     if args.steps is None:
         args.steps = 4 if args.quick else (6 if big else 20)

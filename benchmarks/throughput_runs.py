@@ -1,9 +1,11 @@
 """The model shapes, the ways and the worker side of benchmarks/throughput.py: each way's training
-loop (nxdt, the plain PyTorch loop, Hugging Face's Trainer) run in a subprocess of its own, timing
-every optimizer step and writing its result as JSON for the driver (see throughput.py)."""
+loop (nxdt, the plain PyTorch loop, Hugging Face's Trainer) run in a subprocess of its own (or, for
+the suite's smoke tests, in the caller: in_process), timing every optimizer step and writing its result
+as JSON for the driver (see throughput.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -137,6 +139,40 @@ def common_overrides(shape: Shape, data_prefix: str, exp_dir: str, max_steps: in
 
 # ------------------------------------------------------------------------------------ worker
 
+_PATCHES: list[tuple[object, str, object]] = []  # (owner, name, what it held) for in_process to put back
+_ABSENT = object()
+
+
+def patch(owner, name: str, value) -> None:
+    """`owner.name = value` for a worker's timing hooks; undone when an in_process() run ends."""
+    _PATCHES.append((owner, name, vars(owner).get(name, _ABSENT)))
+    setattr(owner, name, value)
+
+
+@contextlib.contextmanager
+def in_process():
+    """A way run in the calling process (the scripts' `--in-process`, for the suite's smoke tests only: the
+    measured runs start a fresh process per way). Afterwards what a run leaves behind is put back: the hooks
+    patch() set, the process group nxdt's run leaves up (the next way, a Trainer, would wrap DDP), the
+    environment (Lightning's and exp_manager's variables) and the torch thread count."""
+    import torch
+
+    env, threads = dict(os.environ), torch.get_num_threads()
+    try:
+        yield
+    finally:
+        while _PATCHES:
+            owner, name, old = _PATCHES.pop()
+            if old is _ABSENT:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, old)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(env)
+        torch.set_num_threads(threads)
+
 
 def compose(args, extra=()):
     from nxdt.spec import load_config
@@ -201,9 +237,8 @@ def worker_nxdt(args, stamps: Stamps, way: Way) -> dict:
             losses.append(outputs["loss"] if isinstance(outputs, dict) else outputs)  # a tensor: no sync here
 
     build_trainer = run.build_trainer
-    run.build_trainer = lambda cfg, layout, loggers, callbacks: build_trainer(
-        cfg, layout, loggers, [*callbacks, StepTimer()]
-    )
+    patch(run, "build_trainer", lambda cfg, layout, loggers, callbacks: build_trainer(
+        cfg, layout, loggers, [*callbacks, StepTimer()]))
     run.train(cfg)
     # the mean training loss over the run, as the plain loop and the Trainer (training_loss) report it
     return {"final_loss": sum(float(x) for x in losses) / len(losses)}

@@ -6,7 +6,9 @@ lora.py, peer_memory.py, generate.py).
 
 The scripts' drivers (argument handling, the table) run in this process through their `main(argv)`,
 as `python benchmarks/X.py ARGS` calls it: a driver's own launch would be mostly imports this process
-has already paid. Each way still trains in the subprocess the script starts for it."""
+has already paid. So do the ways (`--in-process`: each way's worker in this process, what it changed
+put back after it), where a subprocess per way would pay torch's, Lightning's and TRL's imports again;
+throughput.py's torchrun launch (`--ranks 2`) is checked as the command line it starts."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,6 +34,8 @@ import peers  # noqa: E402
 import throughput  # noqa: E402
 import throughput_runs  # noqa: E402
 
+import nxdt.rl.rollout as rl_rollout  # noqa: E402
+import nxdt.training.trainer as nxdt_trainer  # noqa: E402
 from nxdt.spec import load_config  # noqa: E402
 from nxdt.planner.estimate import plan  # noqa: E402
 from nxdt.spec import build_spec
@@ -73,16 +78,30 @@ def _bench(data_prefix: str, capfd, *args: str) -> str:
 
 def test_throughput_runs_every_runner_on_the_same_batches_and_fsdp_over_two_ranks(kjv_prefix, capfd, monkeypatch):
     """nxdt and the Trainer train on the same batches (the script's token checksum) and each gets a
-    row with its MFU; --ranks 2 is the GPU path's launcher (torchrun, FSDP) on CPU ranks."""
+    row with its MFU; --ranks 2 launches the GPU path's command (torchrun, FSDP) and reports per device."""
     monkeypatch.chdir(REPO)
-    text = _bench(kjv_prefix, capfd, "--ways", "nxdt,hf")
+    text = _bench(kjv_prefix, capfd, "--ways", "nxdt,hf", "--in-process", "--steps", "2", "--warmup-steps", "1")
     assert "all ways trained on the same batches" in text
     rows = {line.split()[0]: line.split() for line in text.splitlines() if line.split()[:1] in (["nxdt"], ["hf"])
             and line.split()[-1] == "1"}
     assert set(rows) == {"nxdt", "hf"}, text
     assert all(float(r[1].replace(",", "")) > 0 and r[-2].endswith("%") for r in rows.values()), rows
+    launched = []
+
+    def call(cmd, **kwargs):  # torchrun's two ranks as rank 0's result: 2 x 300 tokens/s
+        launched.append(cmd)
+        out = cmd[cmd.index("--out") + 1]
+        Path(out).write_text(json.dumps({"tokens_per_s": 600.0, "step_times": [0.2], "final_loss": 9.0,
+                                            "batch_checksum": 7}))
+        return 0
+
+    monkeypatch.setattr(throughput.subprocess, "call", call)
     text = _bench(kjv_prefix, capfd, "--ways", "nxdt", "--ranks", "2")
-    assert "2 rank(s) FSDP" in text and any(line.startswith("nxdt ") and line.rstrip().endswith(" 1")
+    [cmd] = launched
+    assert cmd[:6] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                       throughput.__file__], cmd
+    assert cmd[6:8] == ["--worker", "nxdt"] and cmd[-3:] == ["--ranks", "2", "--fsdp"], cmd
+    assert "2 rank(s) FSDP" in text and any(line.split()[:2] == ["nxdt", "300"] and line.rstrip().endswith(" 1")
                                             for line in text.splitlines()), text
 
 
@@ -96,6 +115,8 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capfd):
     assert "repeat 1/" not in out
     rc, out, err = _main(throughput.main, [*script, "--ranks", "0"], capfd)
     assert rc == 2 and "--ranks and --repeats must be >= 1" in err
+    rc, out, err = _main(throughput.main, [*script, "--ranks", "2", "--in-process"], capfd)
+    assert rc == 2 and "--in-process runs one rank (--ranks 1)" in err
 
 
 def test_grpo_benchmark_runs_nxdt_and_trl_side_by_side(capfd, monkeypatch, tmp_path):
@@ -103,14 +124,18 @@ def test_grpo_benchmark_runs_nxdt_and_trl_side_by_side(capfd, monkeypatch, tmp_p
     and rollout tokens/s, the ratio and the goal's verdict (not judged here)."""
     monkeypatch.chdir(REPO)
     table = tmp_path / "grpo.json"  # issue 40's --peers-json table, from the same run
+    # the workers' timing hooks and exp_manager's run version: put back after each way
+    before = (rl_rollout.generate, nxdt_trainer.build_trainer, os.environ.get("NXDT_RUN_VERSION"))
     rc, out, err = _main(grpo.main, ["--quick", "--steps", "1", "--completion-length", "8", "--ways", "nxdt,trl",
-                                     "--peers-json", str(table)], capfd)
+                                     "--in-process", "--peers-json", str(table)], capfd)
     assert rc == 0, out[-3000:] + err[-3000:]
     rows = {line.split()[0]: line.split() for line in out.splitlines()
             if line.split()[:1] in (["nxdt"], ["trl"]) and line.split()[-1] == "1"}  # the table's rows: 1 run
     assert set(rows) == {"nxdt", "trl"} and all(float(r[1]) > 0 and float(r[2].replace(",", "")) > 0
                                                  for r in rows.values()), out
     assert out.startswith("cpu: ") and "nxdt / trl: steps/s" in out
+    assert (rl_rollout.generate, nxdt_trainer.build_trainer, os.environ.get("NXDT_RUN_VERSION")) == before
+    assert not throughput_runs._PATCHES and not torch.distributed.is_initialized()
     assert "goal: nxdt >= 2x TRL's steps/s:" in out
     doc = json.loads(table.read_text())
     assert doc["job"] == "grpo" and doc["skipped"] is None and [r["what"] for r in doc["rows"]] == [
@@ -238,7 +263,8 @@ def test_peer_trl_quick_writes_the_shared_json_rows(job, ways, rows, tmp_path, c
 
     monkeypatch.chdir(REPO)
     out_json = tmp_path / f"{job}.json"
-    rc, out, err = _main(peer_trl.main, ["--job", job, "--quick", "--ways", ways, "--peers-json", str(out_json)], capfd)
+    rc, out, err = _main(peer_trl.main, ["--job", job, "--quick", "--ways", ways, "--in-process", "--peers-json",
+                                         str(out_json)], capfd)
     assert rc == 0, out[-3000:] + err[-3000:]
     body = json.loads(out_json.read_text())
     assert body["skipped"] is None and body["peer"].startswith("TRL ") and body["job"] in ("sft-packing", "dpo")
