@@ -51,7 +51,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # reason: the sibling module below
-from throughput_runs import REPO, in_process, patch  # noqa: E402
+from throughput_runs import REPO, in_process, patch, time_nxdt_steps  # noqa: E402
 
 CONF_DIR = str(REPO / "conf")
 GOAL_VS_TRL = 2.0
@@ -101,21 +101,13 @@ def worker_nxdt(args, t: Timings, cache: bool) -> None:
     # each way's libraries load in its own subprocess only (the driver imports neither trainer)
     import functools
 
-    import lightning.pytorch as pl
-
     import nxdt.rl.module as rl_module
     import nxdt.rl.rollout as rl_rollout
     import nxdt.training.trainer as run
 
     cfg = nxdt_config(args)
 
-    class StepTimer(pl.Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            t.steps.append(time.perf_counter())
-
-    build_trainer = run.build_trainer
-    patch(run, "build_trainer", lambda cfg, layout, loggers, callbacks: build_trainer(cfg, layout, loggers,
-                                                                                     [*callbacks, StepTimer()]))
+    time_nxdt_steps(t.steps)
     # the sampling call alone (scoring and the training rows excluded), as TRL's is timed
     patch(rl_rollout, "generate", t.timed(functools.partial(rl_rollout.generate, use_cache=cache),
                                           lambda out: sum(len(c) for c in out)))

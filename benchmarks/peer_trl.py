@@ -65,7 +65,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # reason: the sibling module below
-from throughput_runs import REPO, in_process, patch  # noqa: E402
+from throughput_runs import REPO, in_process, patch, time_nxdt_steps  # noqa: E402
 
 CONF_DIR = str(REPO / "conf")
 JOBS = {"sft": ("nxdt", "trl"), "dpo": ("nxdt", "trl", "trl-precompute")}
@@ -200,17 +200,9 @@ def step_callback(rec: Record):
 
 
 def run_nxdt(cfg, rec: Record) -> None:
-    import lightning.pytorch as pl
-
     import nxdt.training.trainer as run
 
-    class StepTimer(pl.Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            rec.stamps.append(time.perf_counter())
-
-    build_trainer = run.build_trainer
-    patch(run, "build_trainer", lambda cfg, layout, loggers, callbacks: build_trainer(cfg, layout, loggers,
-                                                                                     [*callbacks, StepTimer()]))
+    time_nxdt_steps(rec.stamps)
     run.train(cfg)
 
 

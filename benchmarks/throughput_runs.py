@@ -149,6 +149,22 @@ def patch(owner, name: str, value) -> None:
     setattr(owner, name, value)
 
 
+def time_nxdt_steps(stamps: list[float]) -> None:
+    """Append a `time.perf_counter()` to `stamps` at each optimizer step's end of the next nxdt run
+    (`nxdt.training.trainer.train`): a Lightning callback added where the run builds its Trainer."""
+    import lightning.pytorch as pl
+
+    import nxdt.training.trainer as run
+
+    class StepTimer(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            stamps.append(time.perf_counter())
+
+    build_trainer = run.build_trainer
+    patch(run, "build_trainer", lambda cfg, layout, loggers, callbacks: build_trainer(cfg, layout, loggers,
+                                                                                     [*callbacks, StepTimer()]))
+
+
 @contextlib.contextmanager
 def in_process():
     """A way run in the calling process (the scripts' `--in-process`, for the suite's smoke tests only: the
