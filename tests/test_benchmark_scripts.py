@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -40,6 +41,19 @@ from nxdt.spec import load_config  # noqa: E402
 from nxdt.planner.estimate import plan  # noqa: E402
 from nxdt.spec import build_spec
 
+
+
+@pytest.fixture(autouse=True)
+def _leave_the_process_as_found():
+    """The `--in-process` ways run Lightning and nxdt's entry in this pytest worker: whatever they leave
+    behind (WORLD_SIZE, MASTER_PORT & co. in the environment, a process group) must not reach the
+    modules that run after this one in the same worker (their configs would meet a world of 1)."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 @pytest.mark.parametrize("shape, parameters, gflop_per_token", [
     ("llama-3.2-1b", 1_235_814_400, 7.82),   # HF's Llama-3.2-1B (tied embeddings)
