@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import transformers
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -49,9 +50,11 @@ def _leave_the_process_as_found():
     behind (WORLD_SIZE, MASTER_PORT & co. in the environment, a process group) must not reach the
     modules that run after this one in the same worker (their configs would meet a world of 1)."""
     saved = dict(os.environ)
+    verbosity = transformers.logging.get_verbosity()  # generate.py quiets transformers' warnings
     yield
     os.environ.clear()
     os.environ.update(saved)
+    transformers.logging.set_verbosity(verbosity)
     if dist.is_initialized():
         dist.destroy_process_group()
 
