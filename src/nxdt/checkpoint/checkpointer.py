@@ -391,22 +391,8 @@ def load_checkpoint(strategy, path: Path, cfg=None, weights_only: bool = False,
     own: dict[str, Any] = {}
     if not weights_only and not model_only:
         files = [read_json(path / rank_file(r), "this rank's state") for r in range(int(meta.get("world_size", 1)))]
-        if same_layout:
-            own = files[rank]
-        else:
-            dp_rank = dp_rank_of(strategy)
-            own = next((f for f in files if same_dp and f.get("dp_rank") == dp_rank), files[0])
-            same_dp = same_dp and own.get("dp_rank") == dp_rank
-        saved_scalars: dict[str, Any] = {}
-        for f in files:  # pipeline stages and ZeRO-1 shards hold different keys: merge
-            saved_scalars.update(from_json(f.get("scalars", {})))
-        # converted from NxDT (`nxdt convert nxd-to-nxdt`): the hyperparameters are the config's
-        for key in scalars if meta.get("converted_from") != "nxd" else ():
-            if key not in saved_scalars:
-                raise ConfigError(f"checkpoint {path}: optimizer key '{key}' not found in {rank_file(0)} "
-                                  "(saved with another optimizer?)")
-            value = saved_scalars[key]
-            state[key] = tuple(value) if isinstance(scalars[key], tuple) else value
+        own, same_dp = _own_rank_file(files, strategy, same_layout, same_dp)
+        _restore_optimizer_scalars(state, scalars, files, path, meta)
 
     t1 = time.perf_counter()
     if any(path.glob("xser_rank_*.pt")):
@@ -428,30 +414,65 @@ def load_checkpoint(strategy, path: Path, cfg=None, weights_only: bool = False,
     t2 = time.perf_counter()
 
     trainer_state = from_json(own.get("trainer", {}))
-    if meta.get("converted_from") == "nxd" and not weights_only and not model_only:
-        trainer_state.update(converted_trainer_state(strategy, meta, path))
     trainer_state["pending_rng"] = None
     if not weights_only and not model_only:
-        # RNG states belong to a rank's place in the layout. In another layout (even with the same
-        # world size) rank r has another role, and ranks that must draw the same numbers (e.g.
-        # tensor-parallel peers, which hold replicated activations) may hold different saved
-        # states (say, two pipeline stages that consumed different amounts): taking them over
-        # could desynchronise replicas. Every rank is re-seeded alike instead (reseed_state).
-        seed, step = cfg.seed if cfg is not None else 0, int(meta.get("step", 0))
-        trainer_state["pending_rng"] = own.get("rng") if same_layout else reseed_state(seed, step)
-        if not same_layout:
-            if not same_dp:
-                _drop_data_state(trainer_state, strategy)
-            if rank == 0:
-                notice(f"checkpoint saved on {meta.get('world_size')} ranks ({_layout_text(saved_layout)}), loading "
-                       f"on {world} ({_layout_text(layout)}): tensors resharded; per-rank RNG states are not "
-                       f"restored (every rank re-seeded from seed {seed} and step {step}); "
-                       + ("data-loader state kept (same dp size)" if same_dp else
-                          f"data-loader state does not carry over a change of dp size (dp={saved_layout.get('dp')}"
-                          f" -> dp={layout.get('dp')}): data continues from consumed_samples"))
+        _resume_trainer_state(trainer_state, strategy, cfg, path, meta, own, same_layout, same_dp)
     if cfg is not None and cfg.exp_manager.enable_recovery_time_instrumentation and rank == 0:
         print(f"checkpoint load {path.name}: check {t1 - t0:.3f}s, tensors {t2 - t1:.3f}s", flush=True)
     return trainer_state
+
+
+def _own_rank_file(files: list[dict[str, Any]], strategy, same_layout: bool,
+                   same_dp: bool) -> tuple[dict[str, Any], bool]:
+    """This rank's saved state file (trainer, RNG, data state) and whether it is of our dp rank: in the
+    same layout our own; otherwise one of our dp rank where the dp size is the same, else rank 0's."""
+    if same_layout:
+        return files[strategy.global_rank], same_dp
+    dp_rank = dp_rank_of(strategy)
+    own = next((f for f in files if same_dp and f.get("dp_rank") == dp_rank), files[0])
+    return own, same_dp and own.get("dp_rank") == dp_rank
+
+
+def _restore_optimizer_scalars(state: dict[str, Any], scalars: dict[str, Any], files: list[dict[str, Any]],
+                               path: Path, meta: dict[str, Any]) -> None:
+    """The optimizer's non-tensor state (step counts, hyperparameters) from the rank files into `state`."""
+    saved_scalars: dict[str, Any] = {}
+    for f in files:  # pipeline stages and ZeRO-1 shards hold different keys: merge
+        saved_scalars.update(from_json(f.get("scalars", {})))
+    # converted from NxDT (`nxdt convert nxd-to-nxdt`): the hyperparameters are the config's
+    for key in scalars if meta.get("converted_from") != "nxd" else ():
+        if key not in saved_scalars:
+            raise ConfigError(f"checkpoint {path}: optimizer key '{key}' not found in {rank_file(0)} "
+                              "(saved with another optimizer?)")
+        value = saved_scalars[key]
+        state[key] = tuple(value) if isinstance(scalars[key], tuple) else value
+
+
+def _resume_trainer_state(trainer_state: dict[str, Any], strategy, cfg, path: Path, meta: dict[str, Any],
+                          own: dict[str, Any], same_layout: bool, same_dp: bool) -> None:
+    """A full resume's trainer state: NxDT's progress for a converted checkpoint, and the RNG and
+    data-loader states where they carry over to this layout (a notice says what does not)."""
+    if meta.get("converted_from") == "nxd":
+        trainer_state.update(converted_trainer_state(strategy, meta, path))
+    # RNG states belong to a rank's place in the layout. In another layout (even with the same
+    # world size) rank r has another role, and ranks that must draw the same numbers (e.g.
+    # tensor-parallel peers, which hold replicated activations) may hold different saved
+    # states (say, two pipeline stages that consumed different amounts): taking them over
+    # could desynchronise replicas. Every rank is re-seeded alike instead (reseed_state).
+    seed, step = cfg.seed if cfg is not None else 0, int(meta.get("step", 0))
+    trainer_state["pending_rng"] = own.get("rng") if same_layout else reseed_state(seed, step)
+    if same_layout:
+        return
+    if not same_dp:
+        _drop_data_state(trainer_state, strategy)
+    if strategy.global_rank == 0:
+        saved_layout, layout = meta.get("layout") or {}, layout_of(strategy.lightning_module)
+        notice(f"checkpoint saved on {meta.get('world_size')} ranks ({_layout_text(saved_layout)}), loading "
+               f"on {strategy.world_size} ({_layout_text(layout)}): tensors resharded; per-rank RNG states are not "
+               f"restored (every rank re-seeded from seed {seed} and step {step}); "
+               + ("data-loader state kept (same dp size)" if same_dp else
+                  f"data-loader state does not carry over a change of dp size (dp={saved_layout.get('dp')}"
+                  f" -> dp={layout.get('dp')}): data continues from consumed_samples"))
 
 
 def _drop_data_state(trainer_state: dict[str, Any], strategy) -> None:
