@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import sys
 import types
 
@@ -330,7 +331,7 @@ def test_converted_checkpoint_resumes_training(hf_model, tmp_path, kjv_prefix):
 
 # --------------------------------------------------------------------------- Adam's state (optim/)
 SUBLAYER = ("self_attn.qkv_proj", "self_attn.o_proj", "self_attn.rotary_emb", "mlp.gate_up_proj", "mlp.down_proj",
-            "input_layernorm", "post_attention_layernorm")
+            "mlp.moe.router", "mlp.moe.expert_mlps", "input_layernorm", "post_attention_layernorm")
 
 
 def _nxd_order(shard: dict) -> dict:
@@ -634,6 +635,33 @@ def _random(model: torch.nn.Module) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items() if not k.endswith("inv_freq")}
 
 
+def _model_case(tmp_path, source: str, tp: int, pp: int, ep: int, kv: int, moe: bool):
+    """The YAML of a megatron Llama / Mixtral or an HF Mixtral, its config, nxdt's model of it with
+    random weights, and those weights."""
+    if source == "megatron":
+        config = _moe_yaml(tmp_path, source, tp, pp, ep, {**MEGATRON, "num_kv_heads": kv, "vocab_size": 1000,
+                                                          **({"moe": MOE} if moe else {})})
+    else:
+        (tmp_path / "mixtral").mkdir()
+        (tmp_path / "mixtral" / "config.json").write_text(json.dumps(MIXTRAL))
+        config = _moe_yaml(tmp_path, source, tp, pp, ep, {"model_config": str(tmp_path / "mixtral"),
+                                                          "qkv_linear": True, "fuse_qkv": True, "moe": MOE})
+    cfg = read_yaml(config)
+    model = build_model(cfg, vocab_size=1000).eval()
+    return config, cfg, model, _random(model)
+
+
+def _nxd_shards(source: str, sd: dict, tp: int, pp: int, ep: int, kv: int, c: dict = MEGATRON) -> dict:
+    """NxDT's rank files of nxdt's tensors `sd` (the weights, or Adam's moments alike)."""
+    if source == "megatron":
+        shards = _megatron_shard(sd, tp, pp, {**c, "num_kv_heads": kv})
+        prefix = "language_model.encoder.layers.{}.".format
+    else:
+        shards = _shard(sd, tp, pp, 1, False, "fused", MIXTRAL)
+        prefix = "model.layers.{}.".format
+    return _moe_shard(sd, shards, tp, pp, ep, c["num_layers"], prefix)
+
+
 @pytest.mark.parametrize(("source", "tp", "pp", "ep", "kv", "xser"), [
     ("megatron", 2, 2, 1, 4, False),  # GQA: 2 KV heads a rank, [k0 v0 k1 v1] rows
     ("megatron", 2, 1, 1, 8, True),   # MHA: query_key_value head by head
@@ -647,30 +675,14 @@ def test_megatron_and_moe_checkpoints_give_nxdt_logits(tmp_path, capsys, source,
     same weights loaded directly, within 1e-6; the MHA megatron shards compute the model's own
     attention per rank (the forward's [np, 3 * hn] view), within 1e-6 relative."""
     moe = ep > 1 or source == "hf"
-    if source == "megatron":
-        config = _moe_yaml(tmp_path, source, tp, pp, ep, {**MEGATRON, "num_kv_heads": kv, "vocab_size": 1000,
-                                                          **({"moe": MOE} if moe else {})})
-    else:
-        (tmp_path / "mixtral").mkdir()
-        (tmp_path / "mixtral" / "config.json").write_text(json.dumps(MIXTRAL))
-        config = _moe_yaml(tmp_path, source, tp, pp, ep, {"model_config": str(tmp_path / "mixtral"),
-                                                          "qkv_linear": True, "fuse_qkv": True, "moe": MOE})
-    cfg = read_yaml(config)
-    model = build_model(cfg, vocab_size=1000).eval()
-    sd = _random(model)
-    if source == "megatron":
-        shards = _megatron_shard(sd, tp, pp, {**MEGATRON, "num_kv_heads": kv})
-        prefix = "language_model.encoder.layers.{}.".format
-    else:
-        shards = _shard(sd, tp, pp, 1, False, "fused", MIXTRAL)
-        prefix = "model.layers.{}.".format
-    shards = _moe_shard(sd, shards, tp, pp, ep, 2, prefix)
+    config, cfg, model, sd = _model_case(tmp_path, source, tp, pp, ep, kv, moe)
+    shards = _nxd_shards(source, sd, tp, pp, ep, kv)
     tag = tmp_path / "ckpt" / f"{source}--step=3-consumed_samples=24.0.ckpt"
-    optim = {rank: [{"state": {}, "param_groups": []}] for rank in shards} if ep == 1 else None  # not read
+    optim = {rank[-2:]: [{"state": {}, "param_groups": []}] for rank in shards} if ep > 1 else None  # not read
     write_nxd(tag, shards, xser, optim)
     lines = nxd_to_nxdt(tag.parent, tmp_path / "conv", config)
     assert f"tp {tp} x pp {pp}" + (f" x ep {ep}" if ep > 1 else "") in lines[0], lines
-    assert any(("optimizer files" in line and "not carried over" in line) == (ep == 1) for line in lines), lines
+    assert any(("not carried over: with expert parallelism (ep 2)" in line) == (ep > 1) for line in lines), lines
     assert ("2 MoE layers" in lines[0]) == moe and ("megatron-style" in lines[0]) == (source == "megatron"), lines
     weights = load_weights(tmp_path / "conv")
     assert set(weights) == set(sd), set(weights) ^ set(sd)
@@ -708,3 +720,79 @@ def test_megatron_and_moe_checkpoints_give_nxdt_logits(tmp_path, capsys, source,
         want = _attention([tuple(sd[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkvo")], x, hd)
         assert (_attention([(q.reshape(-1, 64), k.reshape(-1, 64), v.reshape(-1, 64), o) for q, k, v, o in ranks],
                            x, hd) - want).abs().max().item() <= 1e-6 * want.abs().max().item()  # summation order
+
+
+# --------------------------------------------------------------------------- Adam's state of megatron-style and MoE
+MEGATRON_SUBLAYER = ("input_layernorm", "self_attention.query_key_value", "self_attention.query",
+                     "self_attention.key_value", "self_attention.core_attention", "self_attention.dense",
+                     "post_attention_layernorm", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h", "mlp.moe.router",
+                     "mlp.moe.expert_mlps")
+
+
+def _megatron_order(shard: dict, traced: bool) -> dict:
+    """A rank's tensors in the order NxDT's megatron GPT model holds its modules (neuronx-distributed-
+    training @ 9169aa03, models/megatron: GPTModel.language_model = embedding.word_embeddings,
+    encoder.layers (ParallelTransformerLayer_: input_layernorm, self_attention (query_key_value, or
+    query and key_value; core_attention; dense), post_attention_layernorm, mlp (dense_h_to_4h,
+    dense_4h_to_h; NeuronSwitchMLP: NxD's MoE(router, expert_mlps))), encoder.final_layernorm,
+    output_layer), the order of both its local_state_dict and the optimizer's module walk. `traced`:
+    a pipeline stage, whose torch.fx module copies its modules in first use: key_value before query
+    (ParallelAttention.forward computes K/V first)."""
+    sub = list(MEGATRON_SUBLAYER)
+    if traced:
+        sub[2], sub[3] = sub[3], sub[2]
+
+    def place(key):
+        m = re.fullmatch(r"language_model\.encoder\.layers\.(\d+)\.(.+)", key)
+        if m:
+            return 1, int(m.group(1)), next(i for i, s in enumerate(sub) if m.group(2).startswith(s))
+        return {"language_model.embedding.word_embeddings.weight": 0, "language_model.encoder.final_layernorm.weight": 2,
+                "language_model.output_layer.weight": 3}[key], 0, 0
+    return dict(sorted(shard.items(), key=lambda kv: place(kv[0])))
+
+
+@pytest.mark.parametrize(("source", "tp", "pp", "dp", "kv", "moe", "xser"), [
+    ("megatron", 2, 2, 2, 4, False, True),  # GQA megatron Llama, the stages' traced order
+    ("megatron", 2, 1, 3, 8, True, False),  # MHA megatron Mixtral, ZeRO-1 shards padded (4 experts over dp 3)
+    ("hf", 2, 2, 2, 2, True, False),        # NxDT's HF Mixtral, norms in the no-decay group
+])
+def test_megatron_and_moe_optimizer_state(tmp_path, source, tp, pp, dp, kv, moe, xser):
+    """Adam's ZeRO-1 shards of NxDT's megatron Llama / Mixtral and HF Mixtral (without expert
+    parallelism), numbered as NxDT's optimizer numbers them: the megatron model's groups are NeMo's
+    get_params_for_weight_decay_optimization (NVIDIA/NeMo, nemo/collections/nlp/modules/common/
+    megatron/utils.py): no-decay only for apex's norm classes and biases, and NxDT's megatron Llama
+    has NxD's RMSNorm and no biases, so one group in module order; the HF model's by name
+    (do_layer_norm_weight_decay: norms second). Converted, each moment equals the one written, by
+    name, bit for bit; parameters numbered in another order are refused."""
+    config, cfg, model, sd = _model_case(tmp_path, source, tp, pp, 1, kv, moe)
+    if source == "hf":
+        config.write_text(config.read_text().replace("qkv_linear: true", "qkv_linear: true\n  do_layer_norm_weight_decay: true"))
+    torch.manual_seed(5)
+    optim = {f"state.{n}.{k}": torch.randn_like(t).abs() for n, t in sd.items() for k in ("exp_avg", "exp_avg_sq")}
+    optim.update({f"state.{n}.step": torch.tensor(9.0) for n in sd})
+    order = (lambda shard, p: _megatron_order(shard, pp > 1)) if source == "megatron" else (lambda shard, p: _nxd_order(shard))
+    shards = {rank: order(shard, rank[1]) for rank, shard in _nxd_shards(source, sd, tp, pp, 1, kv).items()}
+    moments = {k: _nxd_shards(source, {n: optim[f"state.{n}.{k}"] for n in sd}, tp, pp, 1, kv)
+               for k in ("exp_avg", "exp_avg_sq")}
+    no_decay = [] if source == "megatron" else ["bias", "LayerNorm", "norm"]
+    states = {rank: _zero1(shard, {k: moments[k][rank] for k in moments}, 9.0, dp, no_decay)
+              for rank, shard in shards.items()}
+    for state in (s for per_dp in states.values() for s in per_dp if source == "megatron"):
+        state["param_groups"] = [g for g in state["param_groups"] if g["params"]]  # NeMo drops empty groups
+    tag = tmp_path / "ckpt" / f"{source}--step=9-consumed_samples=72.0.ckpt"
+    write_nxd(tag, shards, xser, states)
+    lines = nxd_to_nxdt(tag, tmp_path / "conv", config)
+    assert any(f"of {len(sd)} parameters, step 9 (ZeRO-1 shards over dp {dp}); resumes at step 9, "
+               "consumed_samples 72" in line for line in lines), lines
+    _, got = _nxdt_state(tmp_path / "conv")
+    assert set(got) == set(optim), set(got) ^ set(optim)
+    for key, tensor in optim.items():
+        assert torch.equal(got[key], tensor), key
+    # the model file in another order than the optimizer's numbering: refused, not guessed
+    first = tag / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt"
+    if xser:
+        return
+    torch.save(dict(reversed(torch.load(first, weights_only=True).items())), first)
+    with pytest.raises(ConfigError) as err:
+        nxd_to_nxdt(tag, tmp_path / "conv_bad", config)
+    assert "in NxDT's group order" in str(err.value) and "\n" not in str(err.value), str(err.value)

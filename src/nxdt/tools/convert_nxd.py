@@ -14,9 +14,9 @@ NxD's MoE layer with its per-ep-rank files (nxdt.checkpoint.nxd_legacy_megatron)
 checked against nxdt's model of the YAML, built on the meta device.
 
 The output is an nxdt checkpoint under transformers' names (megatron-style: the native model's, the
-same, with NxDT's padded vocabulary). Where NxDT saved Adam's state of its HF-style dense Llama
-(`optim/`: ZeRO-1 shards per dp rank, or a plain optimizer per tp/pp rank; nxdt.checkpoint.nxd_legacy_optim),
-it carries exp_avg, exp_avg_sq and the step, merged like the weights, and NxDT's step and
+same, with NxDT's padded vocabulary). Where NxDT saved Adam's state (`optim/`: ZeRO-1 shards per dp
+rank, or a plain optimizer per tp/pp rank; nxdt.checkpoint.nxd_legacy_optim; both model sources,
+dense and MoE, without expert parallelism), it carries exp_avg, exp_avg_sq and the step, merged like the weights, and NxDT's step and
 consumed_samples (from the tag's name): `exp_manager.resume_from_checkpoint=CKPT` continues the
 run there (lr, betas, eps and weight decay from the YAML, lr at its schedule's step). Without
 `optim/` files it is weights-only (a line says so): start from it with `exp_manager.resume_from_checkpoint=CKPT
@@ -167,14 +167,15 @@ def nxd_to_nxdt(input_path: Path, output: Path, config: Path | None, overrides: 
     optimizer, resume = None, {}
     moe = any(".mlp.experts." in k for k in tensors)
     lines = []
-    files = optim_files(ckpt) if lay.style == "hf" and not moe else None
-    if files is None and (ckpt.tag / "optim").is_dir() and any((ckpt.tag / "optim").iterdir()) and \
-            (lay.style == "megatron" or moe):
-        lines.append(f"notice: the optimizer files in {ckpt.tag / 'optim'} are not carried over: Adam's state is read "
-                     "for NxDT's HF-style dense Llama only (its parameter order); the output is weights-only")
+    files = optim_files(ckpt) if ckpt.ep == 1 else None
+    if ckpt.ep > 1 and (ckpt.tag / "optim").is_dir() and any((ckpt.tag / "optim").iterdir()):
+        lines.append(f"notice: the optimizer files in {ckpt.tag / 'optim'} are not carried over: with expert "
+                     f"parallelism (ep {ckpt.ep}) NxD keeps the experts' Adam state as a second ZeRO-1 state over "
+                     "the expert-data-parallel ranks (NeuronEPZero1Optimizer), which is not read; the output is "
+                     "weights-only")
     if files is not None:
         optimizer = merge_optimizer(ckpt, files, lay, bool(cfg.model.do_layer_norm_weight_decay),
-                                    None if "/" in kv_order else kv_order)
+                                    None if "/" in kv_order else kv_order, model_shapes(cfg, hf))
         check_masters(optimizer.masters, tensors, ckpt.tag / "optim")
         tensors.update(optimizer.masters)  # fp32 where NxD kept them (the model files' may be bf16)
         resume = _resume_meta(cfg, progress, optimizer.step)
