@@ -556,6 +556,8 @@ MIXTRAL = {**{k: v for k, v in HF.items() if k not in ("mlp_bias",)}, "architect
            "model_type": "mixtral", "intermediate_size": 96, "vocab_size": 1024, "num_local_experts": 4,
            "num_experts_per_tok": 2, "router_jitter_noise": 0.0, "sliding_window": None}
 MOE = {"num_experts": 4, "top_k": 2}
+GPT = {"normalization": "layernorm", "activation": "gelu", "has_bias": True, "position_embedding_type": "learned_absolute",
+       "share_embeddings_and_output_weights": True}  # megatron_gpt_config's model
 GATE_UP, DOWN = "mlp.moe.expert_mlps.mlp_op.gate_up_proj.weight", "mlp.moe.expert_mlps.mlp_op.down_proj.weight"
 
 
@@ -600,31 +602,54 @@ def _moe_shard(sd: dict, shards: dict, tp: int, pp: int, ep: int, layers: int, p
 def _megatron_shard(sd: dict, tp: int, pp: int, c: dict) -> dict:
     """NxDT's megatron GPT model's rank files (models/megatron: language_model., the fused
     query_key_value of MHA as [np, 3 * hn] per rank, GQA's query and key_value as [nk, 2 * hn],
-    dense_h_to_4h as [gate | up] per rank); MoE layers by _moe_shard."""
+    dense_h_to_4h as [gate | up] per rank (swiglu) or the up projection (gelu), biases alike, the
+    RowParallel layers' biases, the norms and learned positions replicated, a tied output_layer
+    the embedding's tensor); MoE layers by _moe_shard."""
     heads, kv, layers, hd = c["num_attention_heads"], c["num_kv_heads"], c["num_layers"], c["hidden_size"] // c["num_attention_heads"]
     out = {(t, p): {} for t in range(tp) for p in range(pp)}
     for t in range(tp):
         def rows(x, dim=0):
             return torch.chunk(x, tp, dim=dim)[t].clone()
         out[(t, 0)]["language_model.embedding.word_embeddings.weight"] = rows(sd["model.embed_tokens.weight"])
-        out[(t, pp - 1)]["language_model.encoder.final_layernorm.weight"] = sd["model.norm.weight"].clone()
-        out[(t, pp - 1)]["language_model.output_layer.weight"] = rows(sd["lm_head.weight"])
+        if "model.embed_positions.weight" in sd:
+            out[(t, 0)]["language_model.embedding.position_embeddings.weight"] = sd["model.embed_positions.weight"].clone()
+        for kind in ("weight", "bias"):
+            if f"model.norm.{kind}" in sd:
+                out[(t, pp - 1)][f"language_model.encoder.final_layernorm.{kind}"] = sd[f"model.norm.{kind}"].clone()
+        # tied (GPTModel: output_layer.weight = word_embeddings_weight()): one tensor under both names
+        out[(t, pp - 1)]["language_model.output_layer.weight"] = (
+            out[(t, 0)]["language_model.embedding.word_embeddings.weight"]
+            if c.get("share_embeddings_and_output_weights") else rows(sd["lm_head.weight"]))
         for i in range(layers):
             s, p, m = out[(t, i * pp // layers)], f"model.layers.{i}.", f"language_model.encoder.layers.{i}."
-            q, k, v = (rows(sd[p + f"self_attn.{n}_proj.weight"]).view(-1, hd, c["hidden_size"]) for n in "qkv")
-            if kv == heads:
-                s[m + "self_attention.query_key_value.weight"] = torch.stack([q, k, v], 1).reshape(-1, c["hidden_size"])
-            else:
-                s[m + "self_attention.query.weight"] = q.reshape(-1, c["hidden_size"])
-                s[m + "self_attention.key_value.weight"] = torch.stack([k, v], 1).reshape(-1, c["hidden_size"])
+            for kind in ("weight", "bias"):
+                if p + f"self_attn.q_proj.{kind}" not in sd:
+                    continue
+                tail = sd[p + f"self_attn.q_proj.{kind}"].shape[1:]
+                q, k, v = (rows(sd[p + f"self_attn.{n}_proj.{kind}"]).view(-1, hd, *tail) for n in "qkv")
+                if kv == heads:
+                    s[m + f"self_attention.query_key_value.{kind}"] = torch.stack([q, k, v], 1).reshape(-1, *tail)
+                else:
+                    s[m + f"self_attention.query.{kind}"] = q.reshape(-1, *tail)
+                    s[m + f"self_attention.key_value.{kind}"] = torch.stack([k, v], 1).reshape(-1, *tail)
             s[m + "self_attention.dense.weight"] = rows(sd[p + "self_attn.o_proj.weight"], 1)
             s[m + "self_attention.core_attention.rotary_emb.inv_freq"] = torch.ones(hd // 2)
-            for n in ("input_layernorm.weight", "post_attention_layernorm.weight"):
-                s[m + n] = sd[p + n].clone()
+            for n in ("input_layernorm.weight", "input_layernorm.bias", "post_attention_layernorm.weight",
+                      "post_attention_layernorm.bias"):
+                if p + n in sd:
+                    s[m + n] = sd[p + n].clone()
+            if p + "self_attn.o_proj.bias" in sd:
+                s[m + "self_attention.dense.bias"] = sd[p + "self_attn.o_proj.bias"].clone()
             if p + "mlp.gate_proj.weight" in sd:
                 s[m + "mlp.dense_h_to_4h.weight"] = torch.cat([rows(sd[p + "mlp.gate_proj.weight"]),
                                                                rows(sd[p + "mlp.up_proj.weight"])])
+            elif p + "mlp.up_proj.weight" in sd:  # gelu
+                s[m + "mlp.dense_h_to_4h.weight"] = rows(sd[p + "mlp.up_proj.weight"])
+                s[m + "mlp.dense_h_to_4h.bias"] = rows(sd[p + "mlp.up_proj.bias"])
+            if p + "mlp.down_proj.weight" in sd:
                 s[m + "mlp.dense_4h_to_h.weight"] = rows(sd[p + "mlp.down_proj.weight"], 1)
+            if p + "mlp.down_proj.bias" in sd:
+                s[m + "mlp.dense_4h_to_h.bias"] = sd[p + "mlp.down_proj.bias"].clone()
     return out
 
 
@@ -639,9 +664,10 @@ def _random(model: torch.nn.Module) -> dict:
 def _model_case(tmp_path, source: str, tp: int, pp: int, ep: int, kv: int, moe: bool):
     """The YAML of a megatron Llama / Mixtral or an HF Mixtral, its config, nxdt's model of it with
     random weights, and those weights."""
-    if source == "megatron":
-        config = _moe_yaml(tmp_path, source, tp, pp, ep, {**MEGATRON, "num_kv_heads": kv, "vocab_size": 1000,
-                                                          **({"moe": MOE} if moe else {})})
+    if source in ("megatron", "gpt"):
+        config = _moe_yaml(tmp_path, "megatron", tp, pp, ep, {**MEGATRON, "num_kv_heads": kv, "vocab_size": 1000,
+                                                              **({"moe": MOE} if moe else {}),
+                                                              **(GPT if source == "gpt" else {})})
     else:
         (tmp_path / "mixtral").mkdir()
         (tmp_path / "mixtral" / "config.json").write_text(json.dumps(MIXTRAL))
@@ -654,8 +680,8 @@ def _model_case(tmp_path, source: str, tp: int, pp: int, ep: int, kv: int, moe: 
 
 def _nxd_shards(source: str, sd: dict, tp: int, pp: int, ep: int, kv: int, c: dict = MEGATRON) -> dict:
     """NxDT's rank files of nxdt's tensors `sd` (the weights, or Adam's moments alike)."""
-    if source == "megatron":
-        shards = _megatron_shard(sd, tp, pp, {**c, "num_kv_heads": kv})
+    if source in ("megatron", "gpt"):
+        shards = _megatron_shard(sd, tp, pp, {**c, "num_kv_heads": kv, **(GPT if source == "gpt" else {})})
         prefix = "language_model.encoder.layers.{}.".format
     else:
         shards = _shard(sd, tp, pp, 1, False, "fused", MIXTRAL)
@@ -669,6 +695,7 @@ def _nxd_shards(source: str, sd: dict, tp: int, pp: int, ep: int, kv: int, c: di
     ("megatron", 2, 2, 2, 4, True),   # megatron Mixtral: experts over ep 2 (xser: ep rank 1 holds only its experts)
     ("hf", 2, 2, 2, 2, True),         # NxDT's HF Mixtral: fused GQA qkv_proj and NxD's MoE
     ("hf", 2, 1, 1, 2, False),
+    ("gpt", 2, 1, 1, 8, False),       # megatron GPT: layernorm, gelu, biases, learned positions, tied output
 ])
 def test_megatron_and_moe_checkpoints_give_nxdt_logits(tmp_path, capsys, source, tp, pp, ep, kv, xser):
     """NxDT's megatron-style Llama / Mixtral and its HF Mixtral, written in NxD's layout (tp 2, pp 2,
@@ -684,7 +711,7 @@ def test_megatron_and_moe_checkpoints_give_nxdt_logits(tmp_path, capsys, source,
     lines = nxd_to_nxdt(tag.parent, tmp_path / "conv", config)
     assert f"tp {tp} x pp {pp}" + (f" x ep {ep}" if ep > 1 else "") in lines[0], lines
     assert any(("not carried over: with expert parallelism (ep 2)" in line) == (ep > 1) for line in lines), lines
-    assert ("2 MoE layers" in lines[0]) == moe and ("megatron-style" in lines[0]) == (source == "megatron"), lines
+    assert ("2 MoE layers" in lines[0]) == moe and ("megatron-style" in lines[0]) == (source != "hf"), lines
     weights = load_weights(tmp_path / "conv")
     assert set(weights) == set(sd), set(weights) ^ set(sd)
     fresh = build_model(cfg, vocab_size=1000).eval()
@@ -703,9 +730,10 @@ def test_megatron_and_moe_checkpoints_give_nxdt_logits(tmp_path, capsys, source,
                  _moe_yaml(tmp_path / "bad1", "hf" if source == "megatron" else "megatron", tp, pp, ep,
                            {"model_config": str(tmp_path / "mixtral"), "moe": MOE} if source == "megatron"
                            else other["megatron"]),
-                 "model.normalization 'layernorm', model.activation 'gelu'":
-                 _moe_yaml(tmp_path / "bad2", "megatron", tp, pp, ep, {**other["megatron"], "normalization": "layernorm",
-                                                             "activation": "gelu"})}
+                 "model.transformer_block_type 'post_ln'":
+                 _moe_yaml(tmp_path / "bad2", "megatron", tp, pp, ep, {**other["megatron"], "transformer_block_type": "post_ln"}),
+                 "model.has_bias true with model.activation swiglu":
+                 _moe_yaml(tmp_path / "bad3", "megatron", tp, pp, ep, {**other["megatron"], "has_bias": True})}
         if source == "megatron":
             (tmp_path / "mixtral").mkdir()
             (tmp_path / "mixtral" / "config.json").write_text(json.dumps(MIXTRAL))
@@ -747,7 +775,8 @@ def _megatron_order(shard: dict, traced: bool) -> dict:
         m = re.fullmatch(r"language_model\.encoder\.layers\.(\d+)\.(.+)", key)
         if m:
             return 1, int(m.group(1)), next(i for i, s in enumerate(sub) if m.group(2).startswith(s))
-        return {"language_model.embedding.word_embeddings.weight": 0, "language_model.encoder.final_layernorm.weight": 2,
+        return {"language_model.embedding.word_embeddings.weight": 0, "language_model.embedding.position_embeddings.weight": 0,
+                "language_model.encoder.final_layernorm.weight": 2, "language_model.encoder.final_layernorm.bias": 2,
                 "language_model.output_layer.weight": 3}[key], 0, 0
     return dict(sorted(shard.items(), key=lambda kv: place(kv[0])))
 
@@ -756,13 +785,15 @@ def _megatron_order(shard: dict, traced: bool) -> dict:
     ("megatron", 2, 2, 2, 4, False, True),  # GQA megatron Llama, the stages' traced order
     ("megatron", 2, 1, 3, 8, True, False),  # MHA megatron Mixtral, ZeRO-1 shards padded (4 experts over dp 3)
     ("hf", 2, 2, 2, 2, True, False),        # NxDT's HF Mixtral, norms in the no-decay group
+    ("gpt", 2, 1, 2, 8, False, False),      # megatron GPT: the biases (NxD's LayerNorm's too) in the no-decay group
 ])
 def test_megatron_and_moe_optimizer_state(tmp_path, source, tp, pp, dp, kv, moe, xser):
-    """Adam's ZeRO-1 shards of NxDT's megatron Llama / Mixtral and HF Mixtral (without expert
+    """Adam's ZeRO-1 shards of NxDT's megatron Llama / Mixtral / GPT and HF Mixtral (without expert
     parallelism), numbered as NxDT's optimizer numbers them: the megatron model's groups are NeMo's
     get_params_for_weight_decay_optimization (NVIDIA/NeMo, nemo/collections/nlp/modules/common/
     megatron/utils.py): no-decay only for apex's norm classes and biases, and NxDT's megatron Llama
-    has NxD's RMSNorm and no biases, so one group in module order; the HF model's by name
+    has NxD's RMSNorm and no biases, so one group in module order (the GPT: its biases, NxD
+    LayerNorm's included, second); the HF model's by name
     (do_layer_norm_weight_decay: norms second). Converted, each moment equals the one written, by
     name, bit for bit; parameters numbered in another order are refused."""
     config, cfg, model, sd = _model_case(tmp_path, source, tp, pp, 1, kv, moe)
@@ -771,14 +802,17 @@ def test_megatron_and_moe_optimizer_state(tmp_path, source, tp, pp, dp, kv, moe,
     torch.manual_seed(5)
     optim = {f"state.{n}.{k}": torch.randn_like(t).abs() for n, t in sd.items() for k in ("exp_avg", "exp_avg_sq")}
     optim.update({f"state.{n}.step": torch.tensor(9.0) for n in sd})
-    order = (lambda shard, p: _megatron_order(shard, pp > 1)) if source == "megatron" else (lambda shard, p: _nxd_order(shard))
+    if source == "gpt":  # tied: one parameter, listed twice (NeMo's module walk) with the same moments
+        optim.update({f"state.lm_head.weight.{k}": optim[f"state.model.embed_tokens.weight.{k}"]
+                      for k in ("exp_avg", "exp_avg_sq")})
+    order = (lambda shard, p: _nxd_order(shard)) if source == "hf" else (lambda shard, p: _megatron_order(shard, pp > 1))
     shards = {rank: order(shard, rank[1]) for rank, shard in _nxd_shards(source, sd, tp, pp, 1, kv).items()}
     moments = {k: _nxd_shards(source, {n: optim[f"state.{n}.{k}"] for n in sd}, tp, pp, 1, kv)
                for k in ("exp_avg", "exp_avg_sq")}
-    no_decay = [] if source == "megatron" else ["bias", "LayerNorm", "norm"]
+    no_decay = {"megatron": [], "gpt": ["bias"], "hf": ["bias", "LayerNorm", "norm"]}[source]
     states = {rank: _zero1(shard, {k: moments[k][rank] for k in moments}, 9.0, dp, no_decay)
               for rank, shard in shards.items()}
-    for state in (s for per_dp in states.values() for s in per_dp if source == "megatron"):
+    for state in (s for per_dp in states.values() for s in per_dp if source != "hf"):
         state["param_groups"] = [g for g in state["param_groups"] if g["params"]]  # NeMo drops empty groups
     tag = tmp_path / "ckpt" / f"{source}--step=9-consumed_samples=72.0.ckpt"
     write_nxd(tag, shards, xser, states)

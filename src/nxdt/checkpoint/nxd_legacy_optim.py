@@ -32,8 +32,9 @@ children's. The groups:
   get_params_for_weight_decay_optimization, by module type: the parameters of apex's FusedLayerNorm,
   FastLayerNorm and MixedFusedRMSNorm and those named `bias` in the no-decay group, the rest first.
   NxDT's megatron model normalizes with NxD's RMSNorm / LayerNorm (models/megatron/transformer.py,
-  fused_layer_norm.get_layer_norm), none of apex's classes, so only biases move (and the models
-  read here have none: every parameter lands in group 0 in file order). NeMo's later variant adds
+  fused_layer_norm.get_layer_norm), none of apex's classes, so only biases move: the Llama /
+  Mistral / Mixtral have none (every parameter in group 0, in file order), the GPT's biases (its
+  LayerNorms' included) form group 1. NeMo's later variant adds
   an expert group for parameters with `allreduce=False`, an attribute NxD never sets (it marks
   expert_model_parallel): empty, and dropped. MoE layers (NxD's MoE: router.linear_router,
   expert_mlps.mlp_op.gate_up_proj / down_proj) are ordinary parameters of either rule.

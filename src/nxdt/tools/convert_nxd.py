@@ -9,7 +9,7 @@ schema-checked by nxdt's own config loading: it gives the architecture (model.mo
 YAML's overrides; with model_source megatron the YAML's model keys), tp, pp, ep and
 `distributed_strategy.kv_replicator`; KEY=VALUE overrides it as on the training command line (NxDT's YAMLs
 name `model.model_config: /home/ubuntu/config.json`). Read, both formats (torch.save and xser): NxDT's
-HF-style Llama and Mixtral (nxdt.checkpoint.nxd_legacy) and its megatron-style Llama / Mistral / Mixtral,
+HF-style Llama and Mixtral (nxdt.checkpoint.nxd_legacy) and its megatron-style Llama / Mistral / Mixtral / GPT,
 NxD's MoE layer with its per-ep-rank files (nxdt.checkpoint.nxd_legacy_megatron); their shapes are
 checked against nxdt's model of the YAML, built on the meta device.
 
@@ -47,8 +47,9 @@ from nxdt.models.llama import NxdtLlamaForCausalLM
 COMMAND = "nxd-to-nxdt"
 ALIASES = ("nxdt-legacy-to-nxdt",)
 LLAMA_TYPES = ("llama", "mistral", "mixtral")
-MEGATRON_MODEL = {"normalization": "rmsnorm", "activation": "swiglu", "has_bias": False, "position_embedding_type": "rope",
-                  "transformer_block_type": "pre_ln"}  # NxDT's megatron Llama / Mistral / Mixtral
+MEGATRON_MODEL = {"normalization": ("rmsnorm", "layernorm"), "activation": ("swiglu", "gelu"),
+                  "position_embedding_type": ("rope", "learned_absolute"),
+                  "transformer_block_type": ("pre_ln",)}  # NxDT's megatron Llama / Mistral / Mixtral and GPT
 
 
 def read_yaml(path: Path, overrides: list[str] | None = None):
@@ -91,11 +92,14 @@ def layout_of(cfg) -> tuple[NxdLayout, dict[str, Any]]:
 def megatron_layout_of(cfg) -> NxdLayout:
     """The layout of NxDT's megatron-style model (model_source megatron) from the YAML's model keys."""
     m, ds = cfg.model, cfg.distributed_strategy
-    other = {k: getattr(m, k) for k, v in MEGATRON_MODEL.items() if getattr(m, k) != v}
+    other = {k: getattr(m, k) for k, v in MEGATRON_MODEL.items() if getattr(m, k) not in v}
     if other:
         raise ConfigError("model_source megatron: " + ", ".join(f"model.{k} {v!r}" for k, v in other.items())
-                          + "; NxDT's megatron Llama / Mistral / Mixtral checkpoints are read ("
-                          + ", ".join(f"{k} {v}" for k, v in MEGATRON_MODEL.items()) + ")")
+                          + "; NxDT's megatron Llama / Mistral / Mixtral and GPT checkpoints are read ("
+                          + ", ".join(f"{k} {' or '.join(v)}" for k, v in MEGATRON_MODEL.items()) + ")")
+    if m.activation == "swiglu" and m.has_bias:
+        raise ConfigError("model_source megatron: model.has_bias true with model.activation swiglu; NxDT's megatron "
+                          "checkpoints with biases are read with gelu (megatron_gpt_config)")
     if ds.kv_replicator and ds.kv_replicator > 1:
         raise ConfigError(f"distributed_strategy.kv_replicator {ds.kv_replicator}: NxDT's megatron model does not "
                           "replicate K/V heads (num_kv_heads must split over tp)")
@@ -111,7 +115,7 @@ def megatron_layout_of(cfg) -> NxdLayout:
                      num_heads=args.num_attention_heads, num_kv_heads=args.num_kv_heads or args.num_attention_heads,
                      head_dim=args.head_dim, vocab_size=0, tp=ds.tensor_model_parallel_size,
                      pp=ds.pipeline_model_parallel_size, tie_word_embeddings=args.share_embeddings_and_output_weights,
-                     style="megatron", ep=ds.expert_model_parallel_size)
+                     style="megatron", ep=ds.expert_model_parallel_size, gated=m.activation == "swiglu")
 
 
 def model_shapes(cfg, hf: dict[str, Any]):
