@@ -46,7 +46,10 @@ nxdt's names for them are transformers' Mixtral's (nxdt.models.moe), for both mo
 
 Followed (read, not imported):
   aws-neuron/neuronx-distributed-training @ 9169aa03 (2025-09-22): models/megatron/transformer.py
-    (ParallelMLP, NeuronSwitchMLP, CoreAttention, ParallelAttention), models/megatron/language_model.py,
+    (ParallelMLP, NeuronSwitchMLP, CoreAttention, ParallelAttention), models/megatron/language_model.py
+    (Embedding: position_embeddings; output_layer), gpt_model.py (a tied output_layer.weight is the
+    embedding's parameter), lightning_modules/model/megatron/megatron_gpt_model.py (ModelModule:
+    bias_activation_fusion off, so gelu is F.gelu),
     models/hf_models/modeling_mixtral.py, examples/checkpoint_converter_scripts/hf_nxdt_mixtral_ckpt_converter.py
   aws-neuron/neuronx-distributed @ fbac349b (2026-04-09): modules/moe/model.py, routing.py (linear_router),
     experts.py, moe_parallel_layers.py (3-D weights, partition dims), trainer/checkpoint.py (_get_path with
