@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import sys
 import types
 
 import pytest
 import torch
 import yaml
-from conftest import TINY_OVERRIDES, read_scalars, train_in_process
+from conftest import REPO, TINY_OVERRIDES, read_scalars, train_in_process
 from torch.distributed.checkpoint import load as dcp_load
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -330,7 +331,7 @@ def test_converted_checkpoint_resumes_training(hf_model, tmp_path, kjv_prefix):
 
 # --------------------------------------------------------------------------- Adam's state (optim/)
 SUBLAYER = ("self_attn.qkv_proj", "self_attn.o_proj", "self_attn.rotary_emb", "mlp.gate_up_proj", "mlp.down_proj",
-            "input_layernorm", "post_attention_layernorm")
+            "mlp.moe.router", "mlp.moe.expert_mlps", "input_layernorm", "post_attention_layernorm")
 
 
 def _nxd_order(shard: dict) -> dict:
@@ -441,6 +442,7 @@ def test_nxd_optimizer_state_resumes_the_run(hf_model, tmp_path, kjv_prefix, cap
         resumed = train_in_process([*run, f"exp_manager.explicit_log_dir={tmp_path / name}_run",
                                     f"exp_manager.resume_from_checkpoint={tmp_path / name}"])
         assert resumed.rc == 0, resumed.err[-3000:]
+        assert f"resuming from {tmp_path / name} (step 2, consumed_samples 16)" in resumed.out, resumed.out[-2000:]
         got[name] = read_scalars(tmp_path / f"{name}_run")["reduced_train_loss"]
         assert sorted(got[name]) == [3, 4], got  # steps 3 and 4 (steps done)
     for step in (3, 4):
@@ -554,6 +556,8 @@ MIXTRAL = {**{k: v for k, v in HF.items() if k not in ("mlp_bias",)}, "architect
            "model_type": "mixtral", "intermediate_size": 96, "vocab_size": 1024, "num_local_experts": 4,
            "num_experts_per_tok": 2, "router_jitter_noise": 0.0, "sliding_window": None}
 MOE = {"num_experts": 4, "top_k": 2}
+GPT = {"normalization": "layernorm", "activation": "gelu", "has_bias": True, "position_embedding_type": "learned_absolute",
+       "share_embeddings_and_output_weights": True}  # megatron_gpt_config's model
 GATE_UP, DOWN = "mlp.moe.expert_mlps.mlp_op.gate_up_proj.weight", "mlp.moe.expert_mlps.mlp_op.down_proj.weight"
 
 
@@ -598,31 +602,54 @@ def _moe_shard(sd: dict, shards: dict, tp: int, pp: int, ep: int, layers: int, p
 def _megatron_shard(sd: dict, tp: int, pp: int, c: dict) -> dict:
     """NxDT's megatron GPT model's rank files (models/megatron: language_model., the fused
     query_key_value of MHA as [np, 3 * hn] per rank, GQA's query and key_value as [nk, 2 * hn],
-    dense_h_to_4h as [gate | up] per rank); MoE layers by _moe_shard."""
+    dense_h_to_4h as [gate | up] per rank (swiglu) or the up projection (gelu), biases alike, the
+    RowParallel layers' biases, the norms and learned positions replicated, a tied output_layer
+    the embedding's tensor); MoE layers by _moe_shard."""
     heads, kv, layers, hd = c["num_attention_heads"], c["num_kv_heads"], c["num_layers"], c["hidden_size"] // c["num_attention_heads"]
     out = {(t, p): {} for t in range(tp) for p in range(pp)}
     for t in range(tp):
         def rows(x, dim=0):
             return torch.chunk(x, tp, dim=dim)[t].clone()
         out[(t, 0)]["language_model.embedding.word_embeddings.weight"] = rows(sd["model.embed_tokens.weight"])
-        out[(t, pp - 1)]["language_model.encoder.final_layernorm.weight"] = sd["model.norm.weight"].clone()
-        out[(t, pp - 1)]["language_model.output_layer.weight"] = rows(sd["lm_head.weight"])
+        if "model.embed_positions.weight" in sd:
+            out[(t, 0)]["language_model.embedding.position_embeddings.weight"] = sd["model.embed_positions.weight"].clone()
+        for kind in ("weight", "bias"):
+            if f"model.norm.{kind}" in sd:
+                out[(t, pp - 1)][f"language_model.encoder.final_layernorm.{kind}"] = sd[f"model.norm.{kind}"].clone()
+        # tied (GPTModel: output_layer.weight = word_embeddings_weight()): one tensor under both names
+        out[(t, pp - 1)]["language_model.output_layer.weight"] = (
+            out[(t, 0)]["language_model.embedding.word_embeddings.weight"]
+            if c.get("share_embeddings_and_output_weights") else rows(sd["lm_head.weight"]))
         for i in range(layers):
             s, p, m = out[(t, i * pp // layers)], f"model.layers.{i}.", f"language_model.encoder.layers.{i}."
-            q, k, v = (rows(sd[p + f"self_attn.{n}_proj.weight"]).view(-1, hd, c["hidden_size"]) for n in "qkv")
-            if kv == heads:
-                s[m + "self_attention.query_key_value.weight"] = torch.stack([q, k, v], 1).reshape(-1, c["hidden_size"])
-            else:
-                s[m + "self_attention.query.weight"] = q.reshape(-1, c["hidden_size"])
-                s[m + "self_attention.key_value.weight"] = torch.stack([k, v], 1).reshape(-1, c["hidden_size"])
+            for kind in ("weight", "bias"):
+                if p + f"self_attn.q_proj.{kind}" not in sd:
+                    continue
+                tail = sd[p + f"self_attn.q_proj.{kind}"].shape[1:]
+                q, k, v = (rows(sd[p + f"self_attn.{n}_proj.{kind}"]).view(-1, hd, *tail) for n in "qkv")
+                if kv == heads:
+                    s[m + f"self_attention.query_key_value.{kind}"] = torch.stack([q, k, v], 1).reshape(-1, *tail)
+                else:
+                    s[m + f"self_attention.query.{kind}"] = q.reshape(-1, *tail)
+                    s[m + f"self_attention.key_value.{kind}"] = torch.stack([k, v], 1).reshape(-1, *tail)
             s[m + "self_attention.dense.weight"] = rows(sd[p + "self_attn.o_proj.weight"], 1)
             s[m + "self_attention.core_attention.rotary_emb.inv_freq"] = torch.ones(hd // 2)
-            for n in ("input_layernorm.weight", "post_attention_layernorm.weight"):
-                s[m + n] = sd[p + n].clone()
+            for n in ("input_layernorm.weight", "input_layernorm.bias", "post_attention_layernorm.weight",
+                      "post_attention_layernorm.bias"):
+                if p + n in sd:
+                    s[m + n] = sd[p + n].clone()
+            if p + "self_attn.o_proj.bias" in sd:
+                s[m + "self_attention.dense.bias"] = sd[p + "self_attn.o_proj.bias"].clone()
             if p + "mlp.gate_proj.weight" in sd:
                 s[m + "mlp.dense_h_to_4h.weight"] = torch.cat([rows(sd[p + "mlp.gate_proj.weight"]),
                                                                rows(sd[p + "mlp.up_proj.weight"])])
+            elif p + "mlp.up_proj.weight" in sd:  # gelu
+                s[m + "mlp.dense_h_to_4h.weight"] = rows(sd[p + "mlp.up_proj.weight"])
+                s[m + "mlp.dense_h_to_4h.bias"] = rows(sd[p + "mlp.up_proj.bias"])
+            if p + "mlp.down_proj.weight" in sd:
                 s[m + "mlp.dense_4h_to_h.weight"] = rows(sd[p + "mlp.down_proj.weight"], 1)
+            if p + "mlp.down_proj.bias" in sd:
+                s[m + "mlp.dense_4h_to_h.bias"] = sd[p + "mlp.down_proj.bias"].clone()
     return out
 
 
@@ -634,22 +661,13 @@ def _random(model: torch.nn.Module) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items() if not k.endswith("inv_freq")}
 
 
-@pytest.mark.parametrize(("source", "tp", "pp", "ep", "kv", "xser"), [
-    ("megatron", 2, 2, 1, 4, False),  # GQA: 2 KV heads a rank, [k0 v0 k1 v1] rows
-    ("megatron", 2, 1, 1, 8, True),   # MHA: query_key_value head by head
-    ("megatron", 2, 2, 2, 4, True),   # megatron Mixtral: experts over ep 2 (xser: ep rank 1 holds only its experts)
-    ("hf", 2, 2, 2, 2, True),         # NxDT's HF Mixtral: fused GQA qkv_proj and NxD's MoE
-    ("hf", 2, 1, 1, 2, False),
-])
-def test_megatron_and_moe_checkpoints_give_nxdt_logits(tmp_path, capsys, source, tp, pp, ep, kv, xser):
-    """NxDT's megatron-style Llama / Mixtral and its HF Mixtral, written in NxD's layout (tp 2, pp 2,
-    GQA, ep 2): converted, nxdt's model of the config loads them and its logits are those of the
-    same weights loaded directly, within 1e-6; the MHA megatron shards compute the model's own
-    attention per rank (the forward's [np, 3 * hn] view), within 1e-6 relative."""
-    moe = ep > 1 or source == "hf"
-    if source == "megatron":
-        config = _moe_yaml(tmp_path, source, tp, pp, ep, {**MEGATRON, "num_kv_heads": kv, "vocab_size": 1000,
-                                                          **({"moe": MOE} if moe else {})})
+def _model_case(tmp_path, source: str, tp: int, pp: int, ep: int, kv: int, moe: bool):
+    """The YAML of a megatron Llama / Mixtral or an HF Mixtral, its config, nxdt's model of it with
+    random weights, and those weights."""
+    if source in ("megatron", "gpt"):
+        config = _moe_yaml(tmp_path, "megatron", tp, pp, ep, {**MEGATRON, "num_kv_heads": kv, "vocab_size": 1000,
+                                                              **({"moe": MOE} if moe else {}),
+                                                              **(GPT if source == "gpt" else {})})
     else:
         (tmp_path / "mixtral").mkdir()
         (tmp_path / "mixtral" / "config.json").write_text(json.dumps(MIXTRAL))
@@ -657,21 +675,43 @@ def test_megatron_and_moe_checkpoints_give_nxdt_logits(tmp_path, capsys, source,
                                                           "qkv_linear": True, "fuse_qkv": True, "moe": MOE})
     cfg = read_yaml(config)
     model = build_model(cfg, vocab_size=1000).eval()
-    sd = _random(model)
-    if source == "megatron":
-        shards = _megatron_shard(sd, tp, pp, {**MEGATRON, "num_kv_heads": kv})
+    return config, cfg, model, _random(model)
+
+
+def _nxd_shards(source: str, sd: dict, tp: int, pp: int, ep: int, kv: int, c: dict = MEGATRON) -> dict:
+    """NxDT's rank files of nxdt's tensors `sd` (the weights, or Adam's moments alike)."""
+    if source in ("megatron", "gpt"):
+        shards = _megatron_shard(sd, tp, pp, {**c, "num_kv_heads": kv, **(GPT if source == "gpt" else {})})
         prefix = "language_model.encoder.layers.{}.".format
     else:
         shards = _shard(sd, tp, pp, 1, False, "fused", MIXTRAL)
         prefix = "model.layers.{}.".format
-    shards = _moe_shard(sd, shards, tp, pp, ep, 2, prefix)
+    return _moe_shard(sd, shards, tp, pp, ep, c["num_layers"], prefix)
+
+
+@pytest.mark.parametrize(("source", "tp", "pp", "ep", "kv", "xser"), [
+    ("megatron", 2, 2, 1, 4, False),  # GQA: 2 KV heads a rank, [k0 v0 k1 v1] rows
+    ("megatron", 2, 1, 1, 8, True),   # MHA: query_key_value head by head
+    ("megatron", 2, 2, 2, 4, True),   # megatron Mixtral: experts over ep 2 (xser: ep rank 1 holds only its experts)
+    ("hf", 2, 2, 2, 2, True),         # NxDT's HF Mixtral: fused GQA qkv_proj and NxD's MoE
+    ("hf", 2, 1, 1, 2, False),
+    ("gpt", 2, 1, 1, 8, False),       # megatron GPT: layernorm, gelu, biases, learned positions, tied output
+])
+def test_megatron_and_moe_checkpoints_give_nxdt_logits(tmp_path, capsys, source, tp, pp, ep, kv, xser):
+    """NxDT's megatron-style Llama / Mixtral and its HF Mixtral, written in NxD's layout (tp 2, pp 2,
+    GQA, ep 2): converted, nxdt's model of the config loads them and its logits are those of the
+    same weights loaded directly, within 1e-6; the MHA megatron shards compute the model's own
+    attention per rank (the forward's [np, 3 * hn] view), within 1e-6 relative."""
+    moe = ep > 1 or source == "hf"
+    config, cfg, model, sd = _model_case(tmp_path, source, tp, pp, ep, kv, moe)
+    shards = _nxd_shards(source, sd, tp, pp, ep, kv)
     tag = tmp_path / "ckpt" / f"{source}--step=3-consumed_samples=24.0.ckpt"
-    optim = {rank: [{"state": {}, "param_groups": []}] for rank in shards} if ep == 1 else None  # not read
+    optim = {rank[-2:]: [{"state": {}, "param_groups": []}] for rank in shards} if ep > 1 else None  # not read
     write_nxd(tag, shards, xser, optim)
     lines = nxd_to_nxdt(tag.parent, tmp_path / "conv", config)
     assert f"tp {tp} x pp {pp}" + (f" x ep {ep}" if ep > 1 else "") in lines[0], lines
-    assert any(("optimizer files" in line and "not carried over" in line) == (ep == 1) for line in lines), lines
-    assert ("2 MoE layers" in lines[0]) == moe and ("megatron-style" in lines[0]) == (source == "megatron"), lines
+    assert any(("not carried over: with expert parallelism (ep 2)" in line) == (ep > 1) for line in lines), lines
+    assert ("2 MoE layers" in lines[0]) == moe and ("megatron-style" in lines[0]) == (source != "hf"), lines
     weights = load_weights(tmp_path / "conv")
     assert set(weights) == set(sd), set(weights) ^ set(sd)
     fresh = build_model(cfg, vocab_size=1000).eval()
@@ -690,9 +730,10 @@ def test_megatron_and_moe_checkpoints_give_nxdt_logits(tmp_path, capsys, source,
                  _moe_yaml(tmp_path / "bad1", "hf" if source == "megatron" else "megatron", tp, pp, ep,
                            {"model_config": str(tmp_path / "mixtral"), "moe": MOE} if source == "megatron"
                            else other["megatron"]),
-                 "model.normalization 'layernorm', model.activation 'gelu'":
-                 _moe_yaml(tmp_path / "bad2", "megatron", tp, pp, ep, {**other["megatron"], "normalization": "layernorm",
-                                                             "activation": "gelu"})}
+                 "model.transformer_block_type 'post_ln'":
+                 _moe_yaml(tmp_path / "bad2", "megatron", tp, pp, ep, {**other["megatron"], "transformer_block_type": "post_ln"}),
+                 "model.has_bias true with model.activation swiglu":
+                 _moe_yaml(tmp_path / "bad3", "megatron", tp, pp, ep, {**other["megatron"], "has_bias": True})}
         if source == "megatron":
             (tmp_path / "mixtral").mkdir()
             (tmp_path / "mixtral" / "config.json").write_text(json.dumps(MIXTRAL))
@@ -708,3 +749,137 @@ def test_megatron_and_moe_checkpoints_give_nxdt_logits(tmp_path, capsys, source,
         want = _attention([tuple(sd[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkvo")], x, hd)
         assert (_attention([(q.reshape(-1, 64), k.reshape(-1, 64), v.reshape(-1, 64), o) for q, k, v, o in ranks],
                            x, hd) - want).abs().max().item() <= 1e-6 * want.abs().max().item()  # summation order
+
+
+# --------------------------------------------------------------------------- Adam's state of megatron-style and MoE
+MEGATRON_SUBLAYER = ("input_layernorm", "self_attention.query_key_value", "self_attention.query",
+                     "self_attention.key_value", "self_attention.core_attention", "self_attention.dense",
+                     "post_attention_layernorm", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h", "mlp.moe.router",
+                     "mlp.moe.expert_mlps")
+
+
+def _megatron_order(shard: dict, traced: bool) -> dict:
+    """A rank's tensors in the order NxDT's megatron GPT model holds its modules (neuronx-distributed-
+    training @ 9169aa03, models/megatron: GPTModel.language_model = embedding.word_embeddings,
+    encoder.layers (ParallelTransformerLayer_: input_layernorm, self_attention (query_key_value, or
+    query and key_value; core_attention; dense), post_attention_layernorm, mlp (dense_h_to_4h,
+    dense_4h_to_h; NeuronSwitchMLP: NxD's MoE(router, expert_mlps))), encoder.final_layernorm,
+    output_layer), the order of both its local_state_dict and the optimizer's module walk. `traced`:
+    a pipeline stage, whose torch.fx module copies its modules in first use: key_value before query
+    (ParallelAttention.forward computes K/V first)."""
+    sub = list(MEGATRON_SUBLAYER)
+    if traced:
+        sub[2], sub[3] = sub[3], sub[2]
+
+    def place(key):
+        m = re.fullmatch(r"language_model\.encoder\.layers\.(\d+)\.(.+)", key)
+        if m:
+            return 1, int(m.group(1)), next(i for i, s in enumerate(sub) if m.group(2).startswith(s))
+        return {"language_model.embedding.word_embeddings.weight": 0, "language_model.embedding.position_embeddings.weight": 0,
+                "language_model.encoder.final_layernorm.weight": 2, "language_model.encoder.final_layernorm.bias": 2,
+                "language_model.output_layer.weight": 3}[key], 0, 0
+    return dict(sorted(shard.items(), key=lambda kv: place(kv[0])))
+
+
+@pytest.mark.parametrize(("source", "tp", "pp", "dp", "kv", "moe", "xser"), [
+    ("megatron", 2, 2, 2, 4, False, True),  # GQA megatron Llama, the stages' traced order
+    ("megatron", 2, 1, 3, 8, True, False),  # MHA megatron Mixtral, ZeRO-1 shards padded (4 experts over dp 3)
+    ("hf", 2, 2, 2, 2, True, False),        # NxDT's HF Mixtral, norms in the no-decay group
+    ("gpt", 2, 1, 2, 8, False, False),      # megatron GPT: the biases (NxD's LayerNorm's too) in the no-decay group
+])
+def test_megatron_and_moe_optimizer_state(tmp_path, source, tp, pp, dp, kv, moe, xser):
+    """Adam's ZeRO-1 shards of NxDT's megatron Llama / Mixtral / GPT and HF Mixtral (without expert
+    parallelism), numbered as NxDT's optimizer numbers them: the megatron model's groups are NeMo's
+    get_params_for_weight_decay_optimization (NVIDIA/NeMo, nemo/collections/nlp/modules/common/
+    megatron/utils.py): no-decay only for apex's norm classes and biases, and NxDT's megatron Llama
+    has NxD's RMSNorm and no biases, so one group in module order (the GPT: its biases, NxD
+    LayerNorm's included, second); the HF model's by name
+    (do_layer_norm_weight_decay: norms second). Converted, each moment equals the one written, by
+    name, bit for bit; parameters numbered in another order are refused."""
+    config, cfg, model, sd = _model_case(tmp_path, source, tp, pp, 1, kv, moe)
+    if source == "hf":
+        config.write_text(config.read_text().replace("qkv_linear: true", "qkv_linear: true\n  do_layer_norm_weight_decay: true"))
+    torch.manual_seed(5)
+    optim = {f"state.{n}.{k}": torch.randn_like(t).abs() for n, t in sd.items() for k in ("exp_avg", "exp_avg_sq")}
+    optim.update({f"state.{n}.step": torch.tensor(9.0) for n in sd})
+    if source == "gpt":  # tied: one parameter, listed twice (NeMo's module walk) with the same moments
+        optim.update({f"state.lm_head.weight.{k}": optim[f"state.model.embed_tokens.weight.{k}"]
+                      for k in ("exp_avg", "exp_avg_sq")})
+    order = (lambda shard, p: _nxd_order(shard)) if source == "hf" else (lambda shard, p: _megatron_order(shard, pp > 1))
+    shards = {rank: order(shard, rank[1]) for rank, shard in _nxd_shards(source, sd, tp, pp, 1, kv).items()}
+    moments = {k: _nxd_shards(source, {n: optim[f"state.{n}.{k}"] for n in sd}, tp, pp, 1, kv)
+               for k in ("exp_avg", "exp_avg_sq")}
+    no_decay = {"megatron": [], "gpt": ["bias"], "hf": ["bias", "LayerNorm", "norm"]}[source]
+    states = {rank: _zero1(shard, {k: moments[k][rank] for k in moments}, 9.0, dp, no_decay)
+              for rank, shard in shards.items()}
+    for state in (s for per_dp in states.values() for s in per_dp if source != "hf"):
+        state["param_groups"] = [g for g in state["param_groups"] if g["params"]]  # NeMo drops empty groups
+    tag = tmp_path / "ckpt" / f"{source}--step=9-consumed_samples=72.0.ckpt"
+    write_nxd(tag, shards, xser, states)
+    lines = nxd_to_nxdt(tag, tmp_path / "conv", config)
+    assert any(f"of {len(sd)} parameters, step 9 (ZeRO-1 shards over dp {dp}); resumes at step 9, "
+               "consumed_samples 72" in line for line in lines), lines
+    _, got = _nxdt_state(tmp_path / "conv")
+    assert set(got) == set(optim), set(got) ^ set(optim)
+    for key, tensor in optim.items():
+        assert torch.equal(got[key], tensor), key
+    # the model file in another order than the optimizer's numbering: refused, not guessed
+    first = tag / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt"
+    if xser:
+        return
+    torch.save(dict(reversed(torch.load(first, weights_only=True).items())), first)
+    with pytest.raises(ConfigError) as err:
+        nxd_to_nxdt(tag, tmp_path / "conv_bad", config)
+    assert "in NxDT's group order" in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def _megatron_nxd_with_optimizer(tag, weights: dict, optim: dict, c: dict, tp: int, pp: int, dp: int) -> None:
+    """NxDT's megatron-style checkpoint (torch.save) of nxdt's `weights` and Adam state `optim`: the
+    rank files in a traced stage's module order, ZeRO-1 over dp `dp`, one parameter group (NeMo's
+    rule for a model with NxD's RMSNorm and no biases; empty groups dropped)."""
+    kv = c["num_kv_heads"]
+    shards = {rank: _megatron_order(s, pp > 1) for rank, s in _nxd_shards("megatron", weights, tp, pp, 1, kv, c).items()}
+    moments = {k: _nxd_shards("megatron", {n: optim[f"state.{n}.{k}"] for n in weights}, tp, pp, 1, kv, c)
+               for k in ("exp_avg", "exp_avg_sq")}
+    step = float(next(v for k, v in optim.items() if k.endswith(".step")))
+    states = {rank: _zero1(shard, {k: moments[k][rank] for k in moments}, step, dp, []) for rank, shard in shards.items()}
+    for state in (s for per_dp in states.values() for s in per_dp):
+        state["param_groups"] = [g for g in state["param_groups"] if g["params"]]
+    write_nxd(tag, shards, False, states)
+
+
+def test_megatron_optimizer_state_resumes_the_run(tmp_path, kjv_prefix):
+    """nxdt's own megatron-style run (tiny_llama_cpu) at step 2, written as NxDT's megatron Llama
+    would have saved it (tp 2 x pp 2, ZeRO-1 over dp 2): converted with the run's YAML, a resume
+    prints the "resuming from" line a native resume prints and logs the uninterrupted run's losses
+    at steps 3 and 4 within 1e-6; the same checkpoint with Adam's moments zeroed misses step 4's."""
+    run = ["--config-name", "tiny_llama_cpu", *TINY_OVERRIDES, "trainer.devices=1", "trainer.max_steps=4",
+           "model.optim.sched.warmup_steps=2", f"data.data_prefix=[1.0,{kjv_prefix}]"]
+    ref = train_in_process([*run, f"exp_manager.explicit_log_dir={tmp_path / 'ref'}",
+                            "exp_manager.create_checkpoint_callback=true",
+                            "exp_manager.checkpoint_callback_params.every_n_train_steps=2",
+                            "exp_manager.checkpoint_callback_params.save_top_k=-1"])
+    assert ref.rc == 0, ref.err[-3000:]
+    weights, optim = _nxdt_state(next((tmp_path / "ref" / "checkpoints").glob("*step=2-*")))
+    c = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_kv_heads": 2}
+    want = read_scalars(tmp_path / "ref")["reduced_train_loss"]
+    got = {}
+    for name, moments in (("conv", optim), ("conv0", {k: torch.zeros_like(v) if "exp_avg" in k else v
+                                                      for k, v in optim.items()})):
+        tag = tmp_path / name / "megatron_llama--step=2-consumed_samples=16.0.ckpt"
+        _megatron_nxd_with_optimizer(tag, weights, moments, c, tp=2, pp=2, dp=2)
+        assert convert_main(["nxd-to-nxdt", "--input", str(tag), "--output", str(tmp_path / f"{name}_ckpt"),
+                             "--config", str(REPO / "conf" / "tiny_llama_cpu.yaml"), *TINY_OVERRIDES,
+                             "distributed_strategy.tensor_model_parallel_size=2",
+                             "distributed_strategy.pipeline_model_parallel_size=2"]) == 0
+        resumed = train_in_process([*run, f"exp_manager.explicit_log_dir={tmp_path / name}_run",
+                                    f"exp_manager.resume_from_checkpoint={tmp_path / name}_ckpt"])
+        assert resumed.rc == 0, resumed.err[-3000:]
+        assert f"resuming from {tmp_path / name}_ckpt (step 2, consumed_samples 16)" in resumed.out, resumed.out[-2000:]
+        got[name] = read_scalars(tmp_path / f"{name}_run")["reduced_train_loss"]
+        assert sorted(got[name]) == [3, 4], got
+    _, converted = _nxdt_state(tmp_path / "conv_ckpt")
+    assert set(converted) == set(optim) and all(torch.equal(converted[k], v) for k, v in optim.items())
+    for step in (3, 4):
+        assert abs(got["conv"][step] - want[step]) <= 1e-6, (step, got, want)
+    assert abs(got["conv0"][3] - want[3]) <= 1e-6 and abs(got["conv0"][4] - want[4]) > 1e-4, (got, want)

@@ -91,6 +91,7 @@ class NxdLayout:
     tie_word_embeddings: bool = False
     style: str = "hf"  # "megatron": NxDT's megatron-style model (nxdt.checkpoint.nxd_legacy_megatron)
     ep: int = 1  # expert_model_parallel_size (MoE)
+    gated: bool = True  # megatron: swiglu's [gate | up] dense_h_to_4h; False: gelu's up projection
 
 
 @dataclass(frozen=True)
@@ -310,8 +311,12 @@ def _layer(ranks: list[dict[str, torch.Tensor]], i: int, lay: NxdLayout, orders:
     for name, dim in (("mlp.gate_proj.weight", 0), ("mlp.up_proj.weight", 0), ("mlp.down_proj.weight", 1)):
         if p + name in ranks[0]:
             out[p + name] = torch.cat([r.pop(p + name) for r in ranks], dim=dim)
-    for name in ("input_layernorm.weight", "post_attention_layernorm.weight"):
-        if p + name in ranks[0]:
+    for name in ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias", "mlp.up_proj.bias"):
+        if p + name in ranks[0]:  # megatron GPT's biases of column-split layers (no K/V replication there)
+            out[p + name] = torch.cat([r.pop(p + name) for r in ranks], dim=0)
+    for name in ("input_layernorm.weight", "post_attention_layernorm.weight", "input_layernorm.bias",
+                 "post_attention_layernorm.bias", "self_attn.o_proj.bias", "mlp.down_proj.bias"):
+        if p + name in ranks[0]:  # replicated on every tp rank
             out[p + name] = ranks[0][p + name]
             for r in ranks:
                 r.pop(p + name)
@@ -360,7 +365,7 @@ def merge_ranks(ranks: list[dict[str, torch.Tensor]], lay: NxdLayout, tag: Path,
                           f"model_source {'megatron' if lay.style == 'megatron' else 'hf'}")
     if megatron:
         ranks[:] = [megatron_to_hf_names(r, lay.num_heads // lay.tp, lay.num_kv_heads // lay.tp, lay.head_dim,
-                                         str(tag)) for r in ranks]
+                                         str(tag), lay.gated) for r in ranks]
     layers = sorted({int(m.group(1)) for key in ranks[0] if (m := LAYER_KEY.fullmatch(key))})
     if layers != list(range(lay.num_layers)):
         raise ConfigError(f"{tag}: layers {layers[0] if layers else '-'}..{layers[-1] if layers else '-'} "
@@ -372,8 +377,11 @@ def merge_ranks(ranks: list[dict[str, torch.Tensor]], lay: NxdLayout, tag: Path,
     for key, dim in (("model.embed_tokens.weight", 0), ("lm_head.weight", 0)):
         if key in ranks[0]:
             out[key] = torch.cat([r.pop(key) for r in ranks], dim=dim)
-    if "model.norm.weight" in ranks[0]:
-        out["model.norm.weight"] = ranks[0].pop("model.norm.weight")
+    for key in ("model.norm.weight", "model.norm.bias", "model.embed_positions.weight"):  # replicated
+        if key in ranks[0]:
+            out[key] = ranks[0][key]
+            for r in ranks:
+                r.pop(key)
     left = sorted(ranks[0])
     if left:
         raise ConfigError(f"{tag}: {left[0]} is not a tensor of NxDT's Llama ({len(left)} such)")

@@ -9,14 +9,20 @@ shards the same way under other names; each tp rank's tensors are renamed here t
     language_model.output_layer.weight                      lm_head.weight
     language_model.encoder.final_layernorm.weight           model.norm.weight
     language_model.encoder.layers.N.                        model.layers.N.
-      input_layernorm / post_attention_layernorm            the same
+      input_layernorm / post_attention_layernorm            the same (weight, and bias with layernorm)
       self_attention.query_key_value.weight  (MHA)          per rank [np, 3, hn]: head by head its q, k, v rows
                                                             (ParallelAttention.forward: view [np, 3 * hn], split)
       self_attention.query.weight            (GQA)          q_proj, the rank's query heads
       self_attention.key_value.weight        (GQA)          per rank [nk, 2, hn]: per KV head its k, then v rows
       self_attention.dense.weight                           o_proj (RowParallel: dim 1)
-      mlp.dense_h_to_4h.weight                              gate_up_proj: per rank [gate | up] (swiglu's tensor_split)
+      mlp.dense_h_to_4h.weight                              gate_up_proj: per rank [gate | up] (swiglu's tensor_split);
+                                                            gelu: up_proj (no gate)
       mlp.dense_4h_to_h.weight                              down_proj (RowParallel: dim 1)
+      *.bias (has_bias)                                     the same names' bias: q/k/v and up_proj split like
+                                                            their rows, o_proj's and down_proj's (RowParallel,
+                                                            added after the reduction) and the norms' replicated
+    language_model.embedding.position_embeddings.weight     model.embed_positions.weight (learned_absolute:
+                                                            torch.nn.Embedding, replicated)
       mlp.moe.*                                             NxD's MoE (below)
 
 A rank's query heads use its KV heads in contiguous groups (CoreAttention: "(nk q_head)"), which is
@@ -40,7 +46,10 @@ nxdt's names for them are transformers' Mixtral's (nxdt.models.moe), for both mo
 
 Followed (read, not imported):
   aws-neuron/neuronx-distributed-training @ 9169aa03 (2025-09-22): models/megatron/transformer.py
-    (ParallelMLP, NeuronSwitchMLP, CoreAttention, ParallelAttention), models/megatron/language_model.py,
+    (ParallelMLP, NeuronSwitchMLP, CoreAttention, ParallelAttention), models/megatron/language_model.py
+    (Embedding: position_embeddings; output_layer), gpt_model.py (a tied output_layer.weight is the
+    embedding's parameter), lightning_modules/model/megatron/megatron_gpt_model.py (ModelModule:
+    bias_activation_fusion off, so gelu is F.gelu),
     models/hf_models/modeling_mixtral.py, examples/checkpoint_converter_scripts/hf_nxdt_mixtral_ckpt_converter.py
   aws-neuron/neuronx-distributed @ fbac349b (2026-04-09): modules/moe/model.py, routing.py (linear_router),
     experts.py, moe_parallel_layers.py (3-D weights, partition dims), trainer/checkpoint.py (_get_path with
@@ -58,17 +67,25 @@ from nxdt.config.errors import ConfigError
 MEGATRON_LAYER = re.compile(r"language_model\.encoder\.layers\.(\d+)\.(.+)")
 MEGATRON_NAMES = {
     "language_model.embedding.word_embeddings.weight": "model.embed_tokens.weight",
+    "language_model.embedding.position_embeddings.weight": "model.embed_positions.weight",  # replicated
     "language_model.encoder.final_layernorm.weight": "model.norm.weight",
+    "language_model.encoder.final_layernorm.bias": "model.norm.bias",
     "language_model.output_layer.weight": "lm_head.weight",
 }
 MEGATRON_LAYER_NAMES = {
     "input_layernorm.weight": "input_layernorm.weight",
+    "input_layernorm.bias": "input_layernorm.bias",
     "post_attention_layernorm.weight": "post_attention_layernorm.weight",
+    "post_attention_layernorm.bias": "post_attention_layernorm.bias",
     "self_attention.query.weight": "self_attn.q_proj.weight",
+    "self_attention.query.bias": "self_attn.q_proj.bias",
     "self_attention.dense.weight": "self_attn.o_proj.weight",
-    "mlp.dense_h_to_4h.weight": "mlp.gate_up_proj.weight",
+    "self_attention.dense.bias": "self_attn.o_proj.bias",  # RowParallel's bias: replicated
     "mlp.dense_4h_to_h.weight": "mlp.down_proj.weight",
+    "mlp.dense_4h_to_h.bias": "mlp.down_proj.bias",
 }
+GPT_MLP = {"mlp.dense_h_to_4h.weight": "mlp.up_proj.weight", "mlp.dense_h_to_4h.bias": "mlp.up_proj.bias"}  # gelu
+GLU_MLP = {"mlp.dense_h_to_4h.weight": "mlp.gate_up_proj.weight"}  # swiglu: per rank [gate | up]
 ROUTER = "mlp.moe.router.linear_router.weight"
 GATE_UP = "mlp.moe.expert_mlps.mlp_op.gate_up_proj.weight"
 DOWN = "mlp.moe.expert_mlps.mlp_op.down_proj.weight"
@@ -80,43 +97,47 @@ def is_expert(key: str) -> bool:
 
 
 def megatron_to_hf_names(rank: dict[str, torch.Tensor], heads_per_rank: int, kv_heads_per_rank: int,
-                         head_dim: int, where: str) -> dict[str, torch.Tensor]:
+                         head_dim: int, where: str, gated: bool = True) -> dict[str, torch.Tensor]:
     """One tp rank's megatron-style tensors under the HF-style names (the same sharding); the fused
-    q/k/v rows put apart per head as ParallelAttention.forward reads them."""
+    q/k/v rows (and biases) put apart per head as ParallelAttention.forward reads them; `gated`:
+    swiglu's [gate | up] dense_h_to_4h, else gelu's one up projection."""
     out: dict[str, torch.Tensor] = {}
+    layer_names = {**MEGATRON_LAYER_NAMES, **(GLU_MLP if gated else GPT_MLP)}
     for key, value in rank.items():
         if key in MEGATRON_NAMES:
             out[MEGATRON_NAMES[key]] = value
             continue
         m = MEGATRON_LAYER.fullmatch(key)
         if not m:
-            raise ConfigError(f"{where}: {key} is not a tensor of NxDT's megatron Llama (rmsnorm, swiglu, rope, "
-                              "no biases, untied or tied output layer)")
+            raise ConfigError(f"{where}: {key} is not a tensor of NxDT's megatron GPT / Llama (untied or tied "
+                              "output layer)")
         p, name = f"model.layers.{m.group(1)}.", m.group(2)
+        kind = name.rsplit(".", 1)[-1]  # weight or bias
         if name.startswith("mlp.moe."):
             out[p + name] = value
-        elif name in MEGATRON_LAYER_NAMES:
-            out[p + MEGATRON_LAYER_NAMES[name]] = value
-        elif name == "self_attention.query_key_value.weight":
+        elif name in layer_names:
+            out[p + layer_names[name]] = value
+        elif name.startswith("self_attention.query_key_value."):
             q, k, v = _per_head(value, heads_per_rank, 3, head_dim, f"{where}: {key}")
-            out.update({p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
-                        p + "self_attn.v_proj.weight": v})
-        elif name == "self_attention.key_value.weight":
+            out.update({p + f"self_attn.q_proj.{kind}": q, p + f"self_attn.k_proj.{kind}": k,
+                        p + f"self_attn.v_proj.{kind}": v})
+        elif name.startswith("self_attention.key_value."):
             k, v = _per_head(value, kv_heads_per_rank, 2, head_dim, f"{where}: {key}")
-            out.update({p + "self_attn.k_proj.weight": k, p + "self_attn.v_proj.weight": v})
+            out.update({p + f"self_attn.k_proj.{kind}": k, p + f"self_attn.v_proj.{kind}": v})
         else:
-            raise ConfigError(f"{where}: {key} is not a tensor of NxDT's megatron Llama (rmsnorm, swiglu, rope, "
-                              "no biases)")
+            raise ConfigError(f"{where}: {key} is not a tensor of NxDT's megatron "
+                              + ("Llama (rmsnorm, swiglu, rope)" if gated else "GPT (gelu)"))
     return out
 
 
 def _per_head(w: torch.Tensor, heads: int, parts: int, head_dim: int, where: str) -> list[torch.Tensor]:
-    """[heads x parts x head_dim, H] rows, head by head its parts → each part's rows, heads in order."""
-    if w.dim() != 2 or w.shape[0] != heads * parts * head_dim:
+    """[heads x parts x head_dim, H] rows (or a bias of as many), head by head its parts → each part's
+    rows, heads in order."""
+    if w.dim() not in (1, 2) or w.shape[0] != heads * parts * head_dim:
         raise ConfigError(f"{where}: {tuple(w.shape)} on a tp rank, ({heads * parts * head_dim}, H) expected "
                           f"({heads} heads a rank x {parts} x head_dim {head_dim})")
-    w = w.view(heads, parts, head_dim, -1)
-    return [w[:, i].reshape(heads * head_dim, -1) for i in range(parts)]
+    rows = w.view(heads, parts, head_dim, *w.shape[1:])
+    return [rows[:, i].reshape(heads * head_dim, *w.shape[1:]) for i in range(parts)]
 
 
 def merge_experts(ranks: list[dict[str, torch.Tensor]], layers: list[int], tag) -> dict[str, torch.Tensor]:

@@ -16,14 +16,34 @@ NxD's `save_checkpoint` writes the optimizer of each rank under `<tag>/optim/`:
     xser (`save_xser`): the same with torch_xla's TensorReference in place of each tensor and the
     tensors in `<file>.tensors/tensor_<tid>.pt`.
 
-The index of a parameter is its place in NxDT's optimizer parameter groups
-(neuronx_distributed_training/utils/model_utils.py, get_param_groups_by_weight_decay): group 0 the
-rank's `local_named_parameters()` whose name contains none of `no_decay`, group 1 those that contain
-one; no_decay is ["bias"], plus "LayerNorm" and "norm" with model.do_layer_norm_weight_decay
-(lightning_modules/model/hf_models/base_model.py). `local_named_parameters()` walks the rank's
-modules in the order its `local_state_dict()` (the model file) lists their tensors, so the order
-comes from the model file; it is checked against shape_info and the groups' sizes, and a
-checkpoint where it does not fit is refused rather than guessed.
+The index of a parameter is its place in NxDT's optimizer parameter groups, numbered over the
+groups in order. Each group lists the rank's parameters in module order, which is the order of its
+model file: `local_state_dict()` and the optimizer's walk both go over the same module tree (the
+model; under pp a traced stage, whose modules come in first use), own tensors before the
+children's. The groups:
+
+  HF-style models (lightning_modules/model/hf_models/base_model.py, utils/model_utils.py
+  get_param_groups_by_weight_decay): group 0 the rank's `local_named_parameters()` whose name
+  contains none of `no_decay`, group 1 those that contain one; no_decay is ["bias"], plus
+  "LayerNorm" and "norm" with model.do_layer_norm_weight_decay.
+  Megatron-style (lightning_modules/model/megatron/megatron_gpt_model.py setup_optimizer_param_groups,
+  NeMo's nemo/collections/nlp/modules/common/megatron/utils.py): with do_layer_norm_weight_decay
+  get_all_params_for_weight_decay_optimization, every parameter in one group; else
+  get_params_for_weight_decay_optimization, by module type: the parameters of apex's FusedLayerNorm,
+  FastLayerNorm and MixedFusedRMSNorm and those named `bias` in the no-decay group, the rest first.
+  NxDT's megatron model normalizes with NxD's RMSNorm / LayerNorm (models/megatron/transformer.py,
+  fused_layer_norm.get_layer_norm), none of apex's classes, so only biases move: the Llama /
+  Mistral / Mixtral have none (every parameter in group 0, in file order), the GPT's biases (its
+  LayerNorms' included) form group 1. NeMo's later variant adds
+  an expert group for parameters with `allreduce=False`, an attribute NxD never sets (it marks
+  expert_model_parallel): empty, and dropped. MoE layers (NxD's MoE: router.linear_router,
+  expert_mlps.mlp_op.gate_up_proj / down_proj) are ordinary parameters of either rule.
+
+With expert parallelism (ep > 1) NxD's ZeRO-1 is NeuronEPZero1Optimizer: the experts' state is a
+second ZeRO-1 state sharded over the expert-data-parallel ranks, joined after the others at
+`ep_param_id_offset`; that layout is not read (the converter says so; weights-only).
+The order is checked against shape_info and the groups' sizes, and a checkpoint where it does
+not fit is refused rather than guessed.
 
 A converted checkpoint has no Lightning trainer state (NxDT's user_content.pt is an arbitrary
 pickle): `converted_trainer_state` makes it at load time from the live trainer for NxDT's step,
@@ -33,11 +53,18 @@ schedule's at that step.
 Followed (read, not imported):
   aws-neuron/neuronx-distributed @ fbac349b (2026-04-09): trainer/checkpoint.py (_get_path,
     save_checkpoint: `optim/` with `dp` in the name under ZeRO-1), optimizer/zero_redundancy_optimizer.py
-    (NeuronZero1Optimizer), optimizer/convert_zero_checkpoints.py (merge_optim_dp_checkpoints),
-    pipeline/model.py (local_named_parameters, local_state_dict)
+    (NeuronZero1Optimizer, NeuronEPZero1Optimizer), optimizer/convert_zero_checkpoints.py
+    (merge_optim_dp_checkpoints), pipeline/model.py (local_named_parameters, local_state_dict),
+    trainer/model.py (NxDModel.named_modules: the local stages'), trainer/trainer.py
+    (initialize_optimizer_from_class), modules/moe (model.py, routing.py, experts.py)
   aws-neuron/neuronx-distributed-training @ 9169aa03 (2025-09-22): utils/model_utils.py,
-    lightning_modules/model/hf_models/base_model.py (setup_optimizer_param_groups),
-    lightning_modules/nlp_overrides.py (NLPCheckpointIO.save_checkpoint: optimizer_states[0])
+    lightning_modules/model/hf_models/base_model.py and model/megatron/megatron_gpt_model.py
+    (setup_optimizer_param_groups, ModelModule.build_model), lightning_modules/model/base.py
+    (configure_optimizers), models/megatron/{gpt_model,language_model,transformer}.py (module order),
+    lightning_modules/nlp_overrides.py (NLPCheckpointIO.save_checkpoint: optimizer_states[0]),
+    requirements.txt (nemo_toolkit 2.1.0)
+  NVIDIA/NeMo: nemo/collections/nlp/modules/common/megatron/utils.py (get_params_for_weight_decay_optimization,
+    get_all_params_for_weight_decay_optimization; with and without the expert group)
   pytorch/xla @ 41398bff (2026-04-23): torch_xla/distributed/zero_redundancy_optimizer.py
     (_pad_to_world_size, _shard_tensor, state_dict, get_shape_info)
 """
@@ -197,9 +224,12 @@ def _join(shards: list[torch.Tensor], shape: tuple, where: str) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- parameter order
-def no_decay_of(do_layer_norm_weight_decay: bool) -> list[str]:
-    """NxDT's no_decay names (hf_models/base_model.py setup_optimizer_param_groups)."""
-    return ["bias", "LayerNorm", "norm"] if do_layer_norm_weight_decay else ["bias"]
+def no_decay_rule(style: str, do_layer_norm_weight_decay: bool):
+    """NxDT's no-decay test of a parameter name (its second group), per model source."""
+    if style == "megatron":  # NeMo's rule by module type: biases (NxDT's norms are not apex's)
+        return lambda name: not do_layer_norm_weight_decay and name.rsplit(".", 1)[-1].endswith("bias")
+    no_decay = ["bias", "LayerNorm", "norm"] if do_layer_norm_weight_decay else ["bias"]
+    return lambda name: any(nd in name for nd in no_decay)
 
 
 def model_file_params(file: Path) -> list[tuple[str, tuple]]:
@@ -227,12 +257,11 @@ def model_file_params(file: Path) -> list[tuple[str, tuple]]:
 
 
 def param_names(model_file: Path, groups: list[dict[str, Any]], shapes: dict[int, tuple],
-                no_decay: list[str], where: Path) -> dict[int, str]:
-    """Optimizer index → parameter name on one tp/pp rank (NxDT's grouping), checked against the
-    groups' sizes and every index's shape."""
+                no_decay, where: Path) -> dict[int, str]:
+    """Optimizer index → parameter name on one tp/pp rank (NxDT's grouping; `no_decay(name)`: in
+    the second group), checked against the groups' sizes and every index's shape."""
     params = model_file_params(model_file)
-    ordered = ([n for n, _ in params if not any(nd in n for nd in no_decay)]
-               + [n for n, _ in params if any(nd in n for nd in no_decay)])
+    ordered = [n for n, _ in params if not no_decay(n)] + [n for n, _ in params if no_decay(n)]
     shape_of = dict(params)
     indices = [i for g in groups for i in g.get("params", [])]
     nonempty = [len(g.get("params", [])) for g in groups]
@@ -261,9 +290,10 @@ class NxdOptimizer:
 
 
 def merge_optimizer(ckpt: NxdCheckpoint, files: dict[tuple[int, int], list[Path]], lay: NxdLayout,
-                    do_layer_norm_weight_decay: bool, kv_order: str | None) -> NxdOptimizer:
-    """The optimizer files of every tp/pp rank merged (kv_order: the K/V replication the weights showed)."""
-    no_decay = no_decay_of(do_layer_norm_weight_decay)
+                    do_layer_norm_weight_decay: bool, kv_order: str | None, want=None) -> NxdOptimizer:
+    """The optimizer files of every tp/pp rank merged (kv_order: the K/V replication the weights
+    showed; `want`: the model's shapes, as nxd_legacy.merge takes them)."""
+    no_decay = no_decay_rule(lay.style, do_layer_norm_weight_decay)
     per_rank = {key: [{} for _ in range(ckpt.tp)] for key in (*MOMENTS, "master")}
     steps: dict[float, str] = {}
     for (t, p), dp_files in sorted(files.items()):
@@ -285,14 +315,14 @@ def merge_optimizer(ckpt: NxdCheckpoint, files: dict[tuple[int, int], list[Path]
     step = next(iter(steps))
     with_masters = all(len(per_rank["master"][t]) == len(per_rank["exp_avg"][t]) for t in range(ckpt.tp))
     for key in MOMENTS:
-        full, _ = merge_ranks(per_rank[key], lay, ckpt.tag / "optim", order=kv_order or None)
+        full, _ = merge_ranks(per_rank[key], lay, ckpt.tag / "optim", order=kv_order or None, want=want)
         for name, tensor in full.items():
             out[f"state.{name}.{key}"] = tensor.float().contiguous()
     for name in {k.split(".", 1)[1].rsplit(".", 1)[0] for k in out}:
         out[f"state.{name}.step"] = torch.tensor(step, dtype=torch.float32)
     masters: dict[str, torch.Tensor] = {}
     if with_masters:  # every parameter's (merge_ranks consumes what it merges: counted before)
-        masters, _ = merge_ranks(per_rank["master"], lay, ckpt.tag / "optim", order=kv_order or None)
+        masters, _ = merge_ranks(per_rank["master"], lay, ckpt.tag / "optim", order=kv_order or None, want=want)
     return NxdOptimizer(out, step, len(next(iter(files.values()))), {k: v.float() for k, v in masters.items()})
 
 
@@ -352,6 +382,8 @@ def converted_trainer_state(strategy, meta: dict[str, Any], path: Path) -> dict[
         if "_is_initial" in state:
             state["_is_initial"] = False
         schedulers.append(state)
+    # "callbacks": no callback state to restore, but present: Lightning calls the callbacks'
+    # on_load_checkpoint only then, and ResumeHelper's prints the "resuming from" line there
     return {"epoch": 0, "global_step": step, "pytorch-lightning_version": lightning.__version__,
-            "loops": {"fit_loop": fit}, "lr_schedulers": schedulers,
+            "loops": {"fit_loop": fit}, "lr_schedulers": schedulers, "callbacks": {},
             "consumed_samples": int(meta.get("consumed_samples", 0))}

@@ -9,14 +9,14 @@ schema-checked by nxdt's own config loading: it gives the architecture (model.mo
 YAML's overrides; with model_source megatron the YAML's model keys), tp, pp, ep and
 `distributed_strategy.kv_replicator`; KEY=VALUE overrides it as on the training command line (NxDT's YAMLs
 name `model.model_config: /home/ubuntu/config.json`). Read, both formats (torch.save and xser): NxDT's
-HF-style Llama and Mixtral (nxdt.checkpoint.nxd_legacy) and its megatron-style Llama / Mistral / Mixtral,
+HF-style Llama and Mixtral (nxdt.checkpoint.nxd_legacy) and its megatron-style Llama / Mistral / Mixtral / GPT,
 NxD's MoE layer with its per-ep-rank files (nxdt.checkpoint.nxd_legacy_megatron); their shapes are
 checked against nxdt's model of the YAML, built on the meta device.
 
 The output is an nxdt checkpoint under transformers' names (megatron-style: the native model's, the
-same, with NxDT's padded vocabulary). Where NxDT saved Adam's state of its HF-style dense Llama
-(`optim/`: ZeRO-1 shards per dp rank, or a plain optimizer per tp/pp rank; nxdt.checkpoint.nxd_legacy_optim),
-it carries exp_avg, exp_avg_sq and the step, merged like the weights, and NxDT's step and
+same, with NxDT's padded vocabulary). Where NxDT saved Adam's state (`optim/`: ZeRO-1 shards per dp
+rank, or a plain optimizer per tp/pp rank; nxdt.checkpoint.nxd_legacy_optim; both model sources,
+dense and MoE, without expert parallelism), it carries exp_avg, exp_avg_sq and the step, merged like the weights, and NxDT's step and
 consumed_samples (from the tag's name): `exp_manager.resume_from_checkpoint=CKPT` continues the
 run there (lr, betas, eps and weight decay from the YAML, lr at its schedule's step). Without
 `optim/` files it is weights-only (a line says so): start from it with `exp_manager.resume_from_checkpoint=CKPT
@@ -47,8 +47,9 @@ from nxdt.models.llama import NxdtLlamaForCausalLM
 COMMAND = "nxd-to-nxdt"
 ALIASES = ("nxdt-legacy-to-nxdt",)
 LLAMA_TYPES = ("llama", "mistral", "mixtral")
-MEGATRON_MODEL = {"normalization": "rmsnorm", "activation": "swiglu", "has_bias": False, "position_embedding_type": "rope",
-                  "transformer_block_type": "pre_ln"}  # NxDT's megatron Llama / Mistral / Mixtral
+MEGATRON_MODEL = {"normalization": ("rmsnorm", "layernorm"), "activation": ("swiglu", "gelu"),
+                  "position_embedding_type": ("rope", "learned_absolute"),
+                  "transformer_block_type": ("pre_ln",)}  # NxDT's megatron Llama / Mistral / Mixtral and GPT
 
 
 def read_yaml(path: Path, overrides: list[str] | None = None):
@@ -91,11 +92,14 @@ def layout_of(cfg) -> tuple[NxdLayout, dict[str, Any]]:
 def megatron_layout_of(cfg) -> NxdLayout:
     """The layout of NxDT's megatron-style model (model_source megatron) from the YAML's model keys."""
     m, ds = cfg.model, cfg.distributed_strategy
-    other = {k: getattr(m, k) for k, v in MEGATRON_MODEL.items() if getattr(m, k) != v}
+    other = {k: getattr(m, k) for k, v in MEGATRON_MODEL.items() if getattr(m, k) not in v}
     if other:
         raise ConfigError("model_source megatron: " + ", ".join(f"model.{k} {v!r}" for k, v in other.items())
-                          + "; NxDT's megatron Llama / Mistral / Mixtral checkpoints are read ("
-                          + ", ".join(f"{k} {v}" for k, v in MEGATRON_MODEL.items()) + ")")
+                          + "; NxDT's megatron Llama / Mistral / Mixtral and GPT checkpoints are read ("
+                          + ", ".join(f"{k} {' or '.join(v)}" for k, v in MEGATRON_MODEL.items()) + ")")
+    if m.activation == "swiglu" and m.has_bias:
+        raise ConfigError("model_source megatron: model.has_bias true with model.activation swiglu; NxDT's megatron "
+                          "checkpoints with biases are read with gelu (megatron_gpt_config)")
     if ds.kv_replicator and ds.kv_replicator > 1:
         raise ConfigError(f"distributed_strategy.kv_replicator {ds.kv_replicator}: NxDT's megatron model does not "
                           "replicate K/V heads (num_kv_heads must split over tp)")
@@ -111,7 +115,7 @@ def megatron_layout_of(cfg) -> NxdLayout:
                      num_heads=args.num_attention_heads, num_kv_heads=args.num_kv_heads or args.num_attention_heads,
                      head_dim=args.head_dim, vocab_size=0, tp=ds.tensor_model_parallel_size,
                      pp=ds.pipeline_model_parallel_size, tie_word_embeddings=args.share_embeddings_and_output_weights,
-                     style="megatron", ep=ds.expert_model_parallel_size)
+                     style="megatron", ep=ds.expert_model_parallel_size, gated=m.activation == "swiglu")
 
 
 def model_shapes(cfg, hf: dict[str, Any]):
@@ -167,14 +171,15 @@ def nxd_to_nxdt(input_path: Path, output: Path, config: Path | None, overrides: 
     optimizer, resume = None, {}
     moe = any(".mlp.experts." in k for k in tensors)
     lines = []
-    files = optim_files(ckpt) if lay.style == "hf" and not moe else None
-    if files is None and (ckpt.tag / "optim").is_dir() and any((ckpt.tag / "optim").iterdir()) and \
-            (lay.style == "megatron" or moe):
-        lines.append(f"notice: the optimizer files in {ckpt.tag / 'optim'} are not carried over: Adam's state is read "
-                     "for NxDT's HF-style dense Llama only (its parameter order); the output is weights-only")
+    files = optim_files(ckpt) if ckpt.ep == 1 else None
+    if ckpt.ep > 1 and (ckpt.tag / "optim").is_dir() and any((ckpt.tag / "optim").iterdir()):
+        lines.append(f"notice: the optimizer files in {ckpt.tag / 'optim'} are not carried over: with expert "
+                     f"parallelism (ep {ckpt.ep}) NxD keeps the experts' Adam state as a second ZeRO-1 state over "
+                     "the expert-data-parallel ranks (NeuronEPZero1Optimizer), which is not read; the output is "
+                     "weights-only")
     if files is not None:
         optimizer = merge_optimizer(ckpt, files, lay, bool(cfg.model.do_layer_norm_weight_decay),
-                                    None if "/" in kv_order else kv_order)
+                                    None if "/" in kv_order else kv_order, model_shapes(cfg, hf))
         check_masters(optimizer.masters, tensors, ckpt.tag / "optim")
         tensors.update(optimizer.masters)  # fp32 where NxD kept them (the model files' may be bf16)
         resume = _resume_meta(cfg, progress, optimizer.step)
