@@ -9,7 +9,7 @@ import torch
 
 from nxdt.models import build_model
 from nxdt.models.moe import LlamaMoE, MoEArgs, capacity, keep_within_capacity
-from nxdt.models.moe_xla import dense_experts
+from nxdt.models.moe_xla import dispatch_experts
 from nxdt.parallel.plan import make_plan
 from nxdt.parallel.xla_spmd import mesh_shape, process_layout, spmd_shardings
 from nxdt.spec import build_spec, load_config
@@ -62,11 +62,11 @@ def test_process_layout_holds_every_dp_share(tp):
     assert one.num_microbatches == spec.layout.num_microbatches
 
 
-@pytest.mark.parametrize("options", [{}, {"capacity_factor": 1.0}, {"expert_activation": "gelu"},
-                                     {"top_k": 3, "score_scale": 1.5}])
-def test_xla_dense_experts_equal_the_sorted_path(options):
-    """nxdt.models.moe_xla (every expert over every token, static shapes: the XLA path) gives the CPU
-    path's output and gradients (tokens sorted by expert; capacity drops; two-matrix experts)."""
+@pytest.mark.parametrize("options", [{}, {"capacity_factor": 1.0}, {"capacity_factor": 0.5, "dropless": True},
+                                     {"expert_activation": "gelu"}, {"top_k": 3, "score_scale": 1.5}])
+def test_xla_dispatch_experts_equal_the_sorted_path(options):
+    """nxdt.models.moe_xla (the capacity dispatch, static shapes: the XLA path) gives the CPU path's
+    output and gradients (tokens sorted by expert; capacity drops; dropless; two-matrix experts)."""
     torch.manual_seed(0)
     args = MoEArgs(num_experts=4, **{"top_k": 2, **options})
     layer = LlamaMoE(16, 32, args)
@@ -82,7 +82,8 @@ def test_xla_dense_experts_equal_the_sorted_path(options):
     weights, experts, _ = layer.gate.route(flat, args)
     keep = (keep_within_capacity(experts, capacity(20, args), 4) if args.drops_tokens
             else torch.ones_like(experts, dtype=torch.bool))
-    out, counts = dense_experts(flat, weights, experts, keep, layer.experts, args.score_scale)
+    cap = capacity(20, args) if args.drops_tokens else 20  # as LlamaMoE on XLA: dropless, every token
+    out, counts = dispatch_experts(flat, weights, experts, keep, layer.experts, cap, args.score_scale)
     out.sum().backward()
     assert (out - sorted_out).abs().max() < 1e-5
     assert int(counts.sum()) == int(keep.sum()) and (int(keep.sum()) < 20 * args.top_k) == args.drops_tokens
