@@ -11,7 +11,7 @@ from nxdt.models import build_model
 from nxdt.models.moe import LlamaMoE, MoEArgs, capacity, keep_within_capacity
 from nxdt.models.moe_xla import dispatch_experts
 from nxdt.parallel.plan import make_plan
-from nxdt.parallel.xla_spmd import mesh_shape, process_layout, spmd_shardings
+from nxdt.parallel.xla_spmd import mesh_shape, one_write_per_chunk, process_layout, spmd_shardings
 from nxdt.spec import build_spec, load_config
 
 TINY = ["model.num_layers=1", "model.hidden_size=64", "model.ffn_hidden_size=128", "model.num_attention_heads=4",
@@ -89,3 +89,20 @@ def test_xla_dispatch_experts_equal_the_sorted_path(options):
     assert int(counts.sum()) == int(keep.sum()) and (int(keep.sum()) < 20 * args.top_k) == args.drops_tokens
     for a, p in zip(sorted_grads, (x, *layer.parameters())):
         assert (a - p.grad).abs().max() < 1e-5
+
+
+def test_one_write_per_chunk_keeps_the_first_replica_of_each_chunk():
+    """The SPMD save plan of a dp-sharded, tp-replicated tensor lists each chunk once per replica
+    (same fqn and offset, shard index 0 and 1): one of each is kept, the first; other tensors' and
+    other offsets' items are untouched (torch-xla 2.9's dedup_tensors dropped them all: docs/xla.md)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+    def item(fqn, offset, index):
+        return WriteItem(index=MetadataIndex(fqn, torch.Size([offset]), index), type=WriteItemType.SHARD)
+
+    items = [item("norm", 0, 0), item("norm", 0, 1), item("norm", 32, 2), item("norm", 32, 3),
+             item("q", 0, 0), item("q", 32, 1)]
+    kept = one_write_per_chunk(items)
+    assert [(i.index.fqn, i.index.offset[0], i.index.index) for i in kept] == [
+        ("norm", 0, 0), ("norm", 32, 2), ("q", 0, 0), ("q", 32, 1)]
