@@ -295,10 +295,7 @@ def test_torchneuron_reports_the_xla_only_keys_inert_and_allows_several_devices(
     check_xla_devices(cfg, Layout(pp=2, dp_shard=1))  # 2 devices, pp: the SPMD rule is torch-xla's
     monkeypatch.setattr(env, "torchneuron_installed", lambda: False)
     _installed(monkeypatch, "torch_neuronx", "torch_xla")
-    with pytest.raises(ConfigError, match="create_checkpoint_callback = true .* is not supported yet on XLA"):
-        check_xla_devices(cfg, Layout(dp_shard=2))  # SPMD trains (nxdt.parallel.xla_spmd); its callback is not wired
-    cfg.exp_manager.create_checkpoint_callback = False
-    check_xla_devices(cfg, Layout(dp_shard=2))
+    check_xla_devices(cfg, Layout(dp_shard=2))  # SPMD trains and checkpoints (nxdt.parallel.xla_spmd)
     with pytest.raises(ConfigError, match="pipeline_model_parallel_size = 2 is not supported yet on XLA"):
         check_xla_devices(cfg, Layout(pp=2))
 

@@ -9,9 +9,9 @@ import torch
 
 from nxdt.models import build_model
 from nxdt.models.moe import LlamaMoE, MoEArgs, capacity, keep_within_capacity
-from nxdt.models.moe_xla import dense_experts
+from nxdt.models.moe_xla import dispatch_experts
 from nxdt.parallel.plan import make_plan
-from nxdt.parallel.xla_spmd import mesh_shape, process_layout, spmd_shardings
+from nxdt.parallel.xla_spmd import mesh_shape, one_write_per_chunk, process_layout, spmd_shardings
 from nxdt.spec import build_spec, load_config
 
 TINY = ["model.num_layers=1", "model.hidden_size=64", "model.ffn_hidden_size=128", "model.num_attention_heads=4",
@@ -62,11 +62,11 @@ def test_process_layout_holds_every_dp_share(tp):
     assert one.num_microbatches == spec.layout.num_microbatches
 
 
-@pytest.mark.parametrize("options", [{}, {"capacity_factor": 1.0}, {"expert_activation": "gelu"},
-                                     {"top_k": 3, "score_scale": 1.5}])
-def test_xla_dense_experts_equal_the_sorted_path(options):
-    """nxdt.models.moe_xla (every expert over every token, static shapes: the XLA path) gives the CPU
-    path's output and gradients (tokens sorted by expert; capacity drops; two-matrix experts)."""
+@pytest.mark.parametrize("options", [{}, {"capacity_factor": 1.0}, {"capacity_factor": 0.5, "dropless": True},
+                                     {"expert_activation": "gelu"}, {"top_k": 3, "score_scale": 1.5}])
+def test_xla_dispatch_experts_equal_the_sorted_path(options):
+    """nxdt.models.moe_xla (the capacity dispatch, static shapes: the XLA path) gives the CPU path's
+    output and gradients (tokens sorted by expert; capacity drops; dropless; two-matrix experts)."""
     torch.manual_seed(0)
     args = MoEArgs(num_experts=4, **{"top_k": 2, **options})
     layer = LlamaMoE(16, 32, args)
@@ -82,9 +82,27 @@ def test_xla_dense_experts_equal_the_sorted_path(options):
     weights, experts, _ = layer.gate.route(flat, args)
     keep = (keep_within_capacity(experts, capacity(20, args), 4) if args.drops_tokens
             else torch.ones_like(experts, dtype=torch.bool))
-    out, counts = dense_experts(flat, weights, experts, keep, layer.experts, args.score_scale)
+    cap = capacity(20, args) if args.drops_tokens else 20  # as LlamaMoE on XLA: dropless, every token
+    out, counts = dispatch_experts(flat, weights, experts, keep, layer.experts, cap, args.score_scale)
     out.sum().backward()
     assert (out - sorted_out).abs().max() < 1e-5
     assert int(counts.sum()) == int(keep.sum()) and (int(keep.sum()) < 20 * args.top_k) == args.drops_tokens
     for a, p in zip(sorted_grads, (x, *layer.parameters())):
         assert (a - p.grad).abs().max() < 1e-5
+
+
+def test_one_write_per_chunk_keeps_the_first_replica_of_each_chunk():
+    """The SPMD save plan of a dp-sharded, tp-replicated tensor lists each chunk once per replica
+    (same fqn and offset, shard index 0 and 1): one of each is kept, the first; other tensors' and
+    other offsets' items are untouched (torch-xla 2.9's dedup_tensors dropped them all: docs/xla.md)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+    def item(fqn, offset, index):
+        return WriteItem(index=MetadataIndex(fqn, torch.Size([offset]), index), type=WriteItemType.SHARD)
+
+    items = [item("norm", 0, 0), item("norm", 0, 1), item("norm", 32, 2), item("norm", 32, 3),
+             item("q", 0, 0), item("q", 32, 1)]
+    kept = one_write_per_chunk(items)
+    assert [(i.index.fqn, i.index.offset[0], i.index.index) for i in kept] == [
+        ("norm", 0, 0), ("norm", 32, 2), ("q", 0, 0), ("q", 32, 1)]

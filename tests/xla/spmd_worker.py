@@ -133,8 +133,9 @@ def spmd(names: list[str], ptype: str = "fp32") -> dict:
 
 
 def checkpoint(path: str) -> dict:
-    """fsdp4: 3 steps, save (DCP, SPMD planner), 3 more; a fresh model + optimizer loads the checkpoint
-    and runs the same 3 steps; a plain CPU model loads the checkpoint's weights."""
+    """tp2 + sp x FSDP2 (the norm weights dp-sharded and tp-replicated): 3 steps, save (DCP, the SPMD
+    planner), 3 more; a fresh model + optimizer loads the checkpoint and runs the same 3 steps; a plain
+    CPU model loads the checkpoint's weights."""
     import torch
     import torch.distributed.checkpoint as dcp
 
@@ -145,7 +146,7 @@ def checkpoint(path: str) -> dict:
     from nxdt.spec import build_spec
 
     xla_spmd.use_spmd()
-    cfg = config(*LAYOUTS["fsdp4"])
+    cfg = config(*LAYOUTS["tp2_sp_fsdp2"])
     spec = build_spec(cfg)
     mesh = xla_spmd.build_mesh(xla_spmd.mesh_shape(spec.layout))
     held = {}
@@ -190,7 +191,7 @@ def checkpoint(path: str) -> dict:
     return {"first": first["losses"], "continued": cont, "resumed": resumed, "loaded_equal": loaded_equal,
             "shardings_kept": shardings_saved == shardings_loaded, "cpu_gap": cpu_gap, "back_gap": back_gap,
             "back_shardings_kept": back_kept,
-            "state_bytes": xla_spmd.optimizer_state_bytes(fresh.optimizer)}
+            "partial": sum("last_tile_dim_replicate" in s for s in shardings_saved.values())}
 
 
 if __name__ == "__main__":

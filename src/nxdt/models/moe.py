@@ -31,7 +31,7 @@ from nxdt.models import moe_calculators as llama_calc
 from nxdt.models.llama_moe import noisy_top_k_gate, switch_route
 from nxdt.models.moe_balance import LOAD_BALANCING, select_experts, sequence_balance_loss
 from nxdt.models.moe_neox import EXPERT_ACTIVATIONS, MLPExperts, neox_sinkhorn_route
-from nxdt.models.moe_xla import dense_experts
+from nxdt.models.moe_xla import dispatch_experts
 
 
 GATE_TYPES = ("mixtral", "top_k_balanced_noisy", "switch_balanced")
@@ -498,8 +498,9 @@ class LlamaMoE(nn.Module):
             keep = keep_within_capacity(experts, capacity(x.shape[0], a), a.num_experts)
         elif lm is None or (keep := llama_calc.keep_of(experts, a)) is None:
             keep = torch.ones_like(experts, dtype=torch.bool)
-        if x.device.type == "xla" and lm is None:  # static shapes for XLA's compiler: every expert over every token
-            out, counts = dense_experts(x, weights, experts, keep, self.experts, a.score_scale)
+        if x.device.type == "xla" and lm is None:  # static shapes for XLA's compiler: [E, capacity, H] buffers
+            cap = capacity(x.shape[0], a) if a.drops_tokens else x.shape[0]
+            out, counts = dispatch_experts(x, weights, experts, keep, self.experts, cap, a.score_scale)
         else:
             # the kept (token, slot) assignments, grouped by expert (stable: token order within one)
             # as flat indices token * k + slot (one nonzero; index_select is 2-3x x[idx] on CPU)

@@ -279,23 +279,54 @@ def check_device_count(layout: Layout) -> None:
 
 
 # --------------------------------------------------------------------------- checkpoints (DCP)
-def dcp_planner(kind: str):
-    """torch-xla's SPMD planner for a DCP save ('save') or load ('load') of sharded XLA tensors:
-    each device's shards written once / read into place. nxdt.checkpoint's writer and reader take it
-    from the XLA strategy (nxdt.training.xla)."""
-    from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, SPMDSavePlanner  # torch-xla is optional
+def one_write_per_chunk(items: list) -> list:
+    """`items` (one SPMD process's DCP write items) with each chunk of a tensor once: the first of its
+    replicas. A tensor sharded over some mesh axes and replicated over others (under tp2 x FSDP2 a norm
+    weight: dp-sharded, tp-replicated) has one local shard per device, so the one process's plan holds
+    each chunk as many times as it is replicated. DCP's MetadataIndex compares (fqn, offset) only,
+    and torch-xla 2.9's `dedup_tensors` (made for one plan per process, each chunk once) then sees
+    "the same chunk in several plans" and drops every copy, the first included: the `.metadata`
+    had no entry for those tensors (their load failed with a KeyError)."""
+    seen: set = set()
+    kept = []
+    for item in items:
+        if item.index not in seen:  # MetadataIndex equality: (fqn, offset), its `index` hint ignored
+            seen.add(item.index)
+            kept.append(item)
+    return kept
 
-    return SPMDSavePlanner() if kind == "save" else SPMDLoadPlanner()
+
+def save_planner():
+    """torch-xla's SPMDSavePlanner with each chunk of a partially replicated tensor planned once
+    (`one_write_per_chunk`): every shard written once, from a device that holds it."""
+    import dataclasses  # only needed here
+
+    from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner  # torch-xla is optional
+
+    class OneWritePerChunk(SPMDSavePlanner):
+        def create_local_plan(self):
+            plan = super().create_local_plan()
+            return dataclasses.replace(plan, items=one_write_per_chunk(plan.items))
+
+    return OneWritePerChunk()
+
+
+def dcp_planner(kind: str):
+    """The SPMD planner for a DCP save ('save': `save_planner`) or load ('load': torch-xla's
+    SPMDLoadPlanner, each device's shards read into place). nxdt.checkpoint's writer and reader
+    take it from the XLA strategy (nxdt.training.xla)."""
+    from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner  # torch-xla is optional
+
+    return save_planner() if kind == "save" else SPMDLoadPlanner()
 
 
 def save_checkpoint(state: dict[str, Any], path: Any) -> None:
-    """Save a state dict of sharded XLA tensors with torch.distributed.checkpoint and torch-xla's
-    SPMD planner: each shard is written once, from the device that holds it; no process group needed.
+    """Save a state dict of sharded XLA tensors with torch.distributed.checkpoint and the SPMD save
+    planner: each shard is written once, from a device that holds it; no process group needed.
     The checkpoint is plain DCP: a CPU or CUDA run of any layout loads it (DefaultLoadPlanner)."""
     import torch.distributed.checkpoint as dcp  # the CPU path needs it only through nxdt.checkpoint
-    from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner  # torch-xla is optional
 
-    dcp.save(state, checkpoint_id=str(path), planner=SPMDSavePlanner())
+    dcp.save(state, checkpoint_id=str(path), planner=save_planner())
 
 
 def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: Any) -> None:

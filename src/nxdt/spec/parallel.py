@@ -123,7 +123,7 @@ def check_accelerator_installed(cfg: Any) -> None:
 def check_xla_devices(cfg: Any, layout: Layout) -> None:
     """Several XLA devices run as one SPMD process per host (nxdt.parallel.xla_spmd): dp, FSDP, ZeRO-1,
     tp (+ sp) and ep have a sharding form; pipeline and context parallel, several hosts (torch-xla's
-    multi-host SPMD: one process per host under torchrun) and the checkpoint callback do not yet."""
+    multi-host SPMD: one process per host under torchrun) do not yet."""
     tr = cfg.trainer
     if tr.devices * tr.num_nodes == 1 or backend_of(cfg) != "xla":
         return
@@ -131,8 +131,6 @@ def check_xla_devices(cfg: Any, layout: Layout) -> None:
     unbuilt = [f"{key} = {size}" for key, size in (
         ("distributed_strategy.pipeline_model_parallel_size", layout.pp),
         ("distributed_strategy.context_parallel_size", layout.cp), ("trainer.num_nodes", tr.num_nodes)) if size > 1]
-    if cfg.exp_manager.create_checkpoint_callback:  # torch-xla 2.9's SPMDSavePlanner left tp-replicated shards out (docs/xla.md)
-        unbuilt.append("exp_manager.create_checkpoint_callback = true (the checkpoint callback)")
     launched = int(os.environ.get("WORLD_SIZE", "1") or 1)  # torchrun: one process per host is multi-host SPMD
     if launched > 1:
         unbuilt.append(f"torchrun's WORLD_SIZE = {launched} (one process drives all the host's devices: start it "

@@ -16,8 +16,8 @@ The order of a run on XLA (interface §1, §7):
 4. Checkpoints go through the usual callback and nxdt.checkpoint's writer and reader (the strategy
    below borrows NxdtStrategy's checkpoint methods): DCP, or with `exp_manager.save_xser`
    torch_xla's serialization (nxdt.device's `save_xser` / `load_xser`: one file per tensor, loadable
-   without the device that wrote them). Under SPMD the writer would take torch-xla's SPMD planners
-   (`dcp_planner`), but the callback is refused there for now (docs/xla.md, "Checkpoints").
+   without the device that wrote them). Under SPMD the writer and reader take the SPMD planners
+   (`dcp_planner`: each shard written once, read into place; docs/xla.md, "Checkpoints").
 """
 
 from __future__ import annotations
