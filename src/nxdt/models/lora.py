@@ -252,13 +252,13 @@ def saved_module_keys(model: nn.Module, modules_to_save: list[str] | tuple[str, 
         return []
     key = f"{KEY}.modules_to_save"
     every = list(model.named_parameters(remove_duplicate=False))
-    keys = [n for n, _ in every if is_saved_module_key(n, modules_to_save)]
+    keys = {n for n, _ in every if is_saved_module_key(n, modules_to_save)}
     for name in modules_to_save:
         if not any(is_saved_module_key(n, [name]) for n in keys):
             raise ValueError(f"{key}: '{name}' matches no module with parameters in this model (peft's rule: a "
                              f"module path ending with it, e.g. embed_tokens, lm_head, norm)")
     adapted = tuple(f"{path}." for path in {**lora_modules(model), **lora_experts(model)})
-    clash = next((n for n in keys if n.startswith(adapted)), None)
+    clash = next((n for n, _ in every if n in keys and n.startswith(adapted)), None)
     if clash is not None:
         raise ValueError(f"{key}: {clash} is in a module with LoRA adapters (target_modules / target_parameters): "
                          "not supported yet; a module is either adapted or trained in full")
