@@ -446,10 +446,41 @@ def test_llama_moe_layer_keys_that_do_not_fit_are_one_line(moe, extra, message):
         config_from_dict(cfg, check=True)
 
 
-def test_peft_modules_to_save_is_not_supported_yet():
-    """LLaMA-MoE's LoRA script's modules_to_save (peft: whole modules trained beside the adapters): one line."""
-    cfg = {"model_source": "megatron", "model": MOE_MODEL,
-           "model_alignment_strategy": {"peft": {"modules_to_save": ["embed_tokens", "lm_head"]}}}
-    with pytest.raises(ConfigError, match=r"^'model_alignment_strategy.peft.modules_to_save' \(peft's modules_to_save\) "
-                                          r"is not supported yet: nxdt's LoRA trains the adapters"):
-        config_from_dict(cfg, check=True)
+LORA_SH = {"lora_rank": 8, "lora_alpha": 32, "lora_dropout": 0.05, "target_modules": ["q_proj", "v_proj"],
+           "modules_to_save": "embed_tokens,lm_head"}  # scripts/cpt/lora.sh, its modules_to_save line uncommented
+
+
+def test_lora_sh_modules_to_save_trains_them_in_full():
+    """LLaMA-MoE's lora.sh `--modules_to_save embed_tokens,lm_head` (cpt_lora.py splits it on commas into peft's
+    LoraConfig.modules_to_save; tests/test_lora.py holds nxdt's = peft's): on a LLaMA-MoE model the adapters and
+    those two modules train, nothing else; combinations nxdt would build otherwise than peft are one line."""
+    from nxdt.spec import build_spec
+    from nxdt.spec.alignment import alignment_of
+    from nxdt.training.finetuning import add_lora, check_lora_targets
+
+    def cfg(peft, **strategies):
+        return config_from_dict({"model_source": "megatron", "model": {**MOE_MODEL, "moe": {
+            "num_experts": 4, "top_k": 2, "gate_type": "TopKBalancedNoisyGate"}},
+            "model_alignment_strategy": {"peft": {**LORA_SH, **peft}, **strategies}}, check=True)
+
+    peft = alignment_of(cfg({})).peft
+    assert peft.modules_to_save == ["embed_tokens", "lm_head"]
+    model = build_model(cfg({}), 64)
+    assert "trained in full: embed_tokens, lm_head (modules_to_save)" in add_lora(model, peft)
+    trained = [n for n, p in model.named_parameters() if p.requires_grad and ".lora_" not in n]
+    assert trained == ["model.embed_tokens.weight", "lm_head.weight"]
+    assert sum(".lora_" in n for n, p in model.named_parameters() if p.requires_grad) == 2 * 2 * 2
+    model = build_model(cfg({}), 64)  # the routers (mlp.gate, LLaMA-MoE's name too) with their noise weights
+    add_lora(model, alignment_of(cfg({"modules_to_save": ["gate"]})).peft)
+    assert [n for n, p in model.named_parameters() if p.requires_grad and ".lora_" not in n] == [
+        f"model.layers.{i}.mlp.gate.{w}" for i in range(2) for w in ("weight", "weight_noise")]
+    key = r"^model_alignment_strategy\.peft\.modules_to_save"
+    with pytest.raises(ConfigError, match=key + r": 'gate_network' matches no module with parameters"):
+        check_lora_targets(build_spec(cfg({"modules_to_save": ["gate_network"]})), 64)  # nxdt's is mlp.gate itself
+    with pytest.raises(ConfigError, match=key + r": '' in 'embed_tokens,,lm_head' is not a module name"):
+        cfg({"modules_to_save": "embed_tokens,,lm_head"})
+    dpo = r" with model_alignment_strategy\.dpo\.precompute_ref_log_probs false is not supported yet: the reference"
+    with pytest.raises(ConfigError, match=key + dpo + r" is the base with the adapters off"):
+        cfg({}, dpo={"precompute_ref_log_probs": False})
+    with pytest.raises(ConfigError, match=key + r" with model_alignment_strategy\.grpo\.beta > 0 is not supported yet"):
+        cfg({}, grpo={"beta": 0.04})

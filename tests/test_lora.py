@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 from nxdt.checkpoint.checkpointer import save_weights
 from nxdt.config import to_yaml
 from nxdt.spec import build_spec, config_from_dict
+from nxdt.spec.alignment import alignment_of
 from nxdt.models import build_model, init_model_weights, logits_of
 from nxdt.models.lora import (
     LoraLinear,
@@ -97,19 +98,26 @@ def _as_transformers(native: nn.Module) -> nn.Module:
     return hf
 
 
-def _peft_twin(base: nn.Module, nxdt_lora: nn.Module, targets: list[str], bias: str = "none") -> nn.Module:
+def _peft_twin(base: nn.Module, nxdt_lora: nn.Module, targets: list[str], bias: str = "none",
+               modules_to_save: list[str] | None = None) -> nn.Module:
     """peft's LoRA on `base` (the same base weights) with nxdt's adapter weights copied in, by name."""
     twin = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=targets, lora_dropout=0.0,
-                                           bias=bias))
+                                           bias=bias, modules_to_save=modules_to_save))
     mine = dict(nxdt_lora.named_parameters())
     copied = 0
     with torch.no_grad():
         for name, p in twin.named_parameters():
             if ".lora_" in name:
-                p.copy_(mine[name.removeprefix("base_model.model.").replace(".default", "")])
+                p.copy_(mine[_nxdt_name(name)])
                 copied += 1
     assert copied == sum(is_lora_key(n) for n in mine)
     return twin.eval()
+
+
+def _nxdt_name(peft_name: str) -> str:
+    """nxdt's name of a peft parameter (adapter or modules_to_save copy)."""
+    return peft_name.removeprefix("base_model.model.").replace(".modules_to_save.default.", ".").replace(
+        ".default", "")
 
 
 # ----------------------------------------------------------------------------- parity with peft
@@ -128,8 +136,7 @@ def test_logits_equal_peft_on_the_same_weights(source):
     _random_b(model)
     twin = _peft_twin(base, model, peft_targets)
     assert (_logits(model) - _logits(twin)).abs().max().item() < 1e-5
-    trained = {n.removeprefix("base_model.model.").replace(".default", "") for n, p in twin.named_parameters()
-               if p.requires_grad}
+    trained = {_nxdt_name(n) for n, p in twin.named_parameters() if p.requires_grad}
     assert set(trainable_state_keys(model)) == trained
 
 
@@ -199,6 +206,59 @@ def test_bad_values_name_the_key(key, kwargs):
     args = {"rank": RANK, "alpha": ALPHA, "dropout": 0.0, "bias": "none", **kwargs}
     with pytest.raises(ValueError, match=rf"^model_alignment_strategy\.peft\.{key}: must"):
         inject_lora(_model(), ["qkv_proj"], **args)
+
+
+# ----------------------------------------------------------------------------- modules_to_save
+SAVE = ["embed_tokens", "lm_head", "norm"]  # peft's suffix rule: norm is model.norm and every layer's two norms
+
+
+@pytest.mark.parametrize("source", ["megatron", "hf"])
+def test_modules_to_save_train_and_save_as_peft(source):
+    """peft's modules_to_save (LLaMA-MoE's cpt_lora.py passes its --modules_to_save to LoraConfig): the same
+    parameters require grad, the same values after 2 AdamW steps, the same adapter file as peft's own."""
+    model = _model(source)
+    base = _as_transformers(model) if source == "megatron" else copy.deepcopy(model)
+    inject_lora(model, ["qkv_proj", "o_proj"], RANK, ALPHA, modules_to_save=SAVE)
+    _random_b(model)
+    twin = _peft_twin(base, model, ["q_proj", "k_proj", "v_proj", "o_proj"], modules_to_save=SAVE).train()
+    model.train()
+    saved = [n for n in trainable_state_keys(model) if not is_lora_key(n)]
+    assert saved == ["model.embed_tokens.weight"] + [f"model.layers.{i}.{n}_layernorm.weight" for i in range(2)
+                                                     for n in ("input", "post_attention")] + [
+        "model.norm.weight", "lm_head.weight"]
+    assert set(trainable_state_keys(model)) == {_nxdt_name(n) for n, p in twin.named_parameters() if p.requires_grad}
+    originals = {n: p.detach().clone() for n, p in twin.named_parameters() if ".original_module." in n}
+    opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in (model, twin)]
+    for _ in range(2):
+        for m, opt in zip((model, twin), opts):
+            logits = logits_of(m(input_ids=IDS))
+            nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), IDS[:, 1:].flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+    mine = dict(model.named_parameters())
+    trained = {_nxdt_name(n): p for n, p in twin.named_parameters() if p.requires_grad}
+    assert max((mine[k] - p).abs().max().item() for k, p in trained.items()) < 1e-5
+    assert (mine["lm_head.weight"] - originals["base_model.model.lm_head.original_module.weight"]).abs().max() > 1e-3
+    assert all(torch.equal(p, originals[n]) for n, p in twin.named_parameters() if n in originals)  # peft's frozen
+    ours, theirs = peft_adapter_state(model.state_dict(), "none", SAVE), get_peft_model_state_dict(twin)
+    assert set(ours) == set(theirs) and len(theirs) == 2 * 4 * 2 + 7, sorted(theirs)
+    assert max((ours[k] - theirs[k]).abs().max().item() for k in theirs) < 1e-5
+
+
+def test_modules_to_save_refused_where_nxdt_would_differ():
+    """One line each: a name matching nothing, a module with adapters, a tied weight (peft unties it)."""
+    for names, targets, message in (
+            (["embed"], ["qkv_proj"], r"'embed' matches no module with parameters"),
+            (["self_attn"], ["qkv_proj"], r"model\.layers\.0\.self_attn\.q_proj\.weight is in a module with LoRA"),
+            (["q_proj"], ["q_proj"], r"model\.layers\.0\.self_attn\.q_proj\.weight is in a module with LoRA")):
+        with pytest.raises(ValueError, match=rf"^model_alignment_strategy\.peft\.modules_to_save: {message}"):
+            inject_lora(_model(), targets, RANK, ALPHA, modules_to_save=names)
+    with pytest.raises(ValueError, match=r"names a weight shared with (lm_head|model\.embed_tokens)\.weight \(tied"):
+        inject_lora(_model(share_embeddings_and_output_weights=True), ["qkv_proj"], RANK, ALPHA,
+                    modules_to_save=["lm_head"])
+    model = _model(share_embeddings_and_output_weights=True)  # the tied pair untouched: the norms only
+    inject_lora(model, ["qkv_proj"], RANK, ALPHA, modules_to_save=["norm"])
+    assert sum(not is_lora_key(n) for n in trainable_state_keys(model)) == 5
 
 
 # ----------------------------------------------------------------------------- what is trained
@@ -345,19 +405,19 @@ def test_precision_presets_train_only_the_adapters(ptype):
 
 
 # ----------------------------------------------------------------------------- nxdt convert nxdt-to-hf
-def _lora_checkpoints(tmp_path, targets=NXDT_NAMES, bias="none", **model_keys):
+def _lora_checkpoints(tmp_path, targets=NXDT_NAMES, bias="none", modules_to_save=None, **model_keys):
     """(LoRA model, full checkpoint, adapter-only checkpoint, base checkpoint) as a run would write them."""
     peft = {"lora_rank": RANK, "lora_alpha": ALPHA, "lora_dropout": 0.0, "lora_bias": bias,
-            "target_modules": list(targets)}
+            "target_modules": list(targets), "modules_to_save": modules_to_save}
     cfg = _cfg(peft=peft, **model_keys)
     torch.manual_seed(0)
     model = build_model(cfg, vocab_size=V).eval()
     base = tmp_path / "base_ckpt"
     save_weights(model.state_dict(), base)
     (base / "config.yaml").write_text(to_yaml(_cfg(**model_keys)))
-    inject_lora(model, targets, RANK, ALPHA, bias=bias)
+    inject_lora(model, targets, RANK, ALPHA, bias=bias, modules_to_save=alignment_of(cfg).peft.modules_to_save)
     _random_b(model)
-    if bias != "none":  # trained biases away from the base's
+    if bias != "none" or modules_to_save:  # trained biases and saved modules away from the base's
         with torch.no_grad():
             for n, p in model.named_parameters():
                 if p.requires_grad and not is_lora_key(n):
@@ -434,6 +494,39 @@ def test_convert_adapter_only_checkpoint_needs_the_base(tmp_path, capsys):
     # a checkpoint without adapters refuses the LoRA flags
     assert main(["convert", "nxdt-to-hf", "--input", str(base), "--output", str(tmp_path / "y"), "--adapter-only"]) == 2
     assert "has no LoRA adapters" in capsys.readouterr().err
+
+
+def test_modules_to_save_checkpoint_and_convert(tmp_path, capsys):
+    """LLaMA-MoE's `--modules_to_save embed_tokens,lm_head` (a comma string): an adapter-only checkpoint keeps
+    them, a resume reads them, and `nxdt convert` writes peft's adapter over the untouched base."""
+    from safetensors.torch import load_file
+
+    from nxdt.checkpoint.lora_state import tensors_to_load, tensors_to_save
+    from nxdt.cli import main
+
+    model, full, adapter_only, base = _lora_checkpoints(tmp_path, modules_to_save="embed_tokens,lm_head")
+    cfg = _cfg(peft={"target_modules": NXDT_NAMES, "modules_to_save": "embed_tokens,lm_head"})
+    run_keys = {f"model.{k}": 0 for k in model.state_dict()}
+    kept, meta = tensors_to_save(run_keys, cfg)
+    saved_keys = {"model.model.embed_tokens.weight", "model.lm_head.weight"}
+    assert set(kept) - {k for k in kept if is_lora_key(k)} == saved_keys
+    assert meta["modules_to_save"] == ["embed_tokens", "lm_head"] and len(kept) == 28 + 2
+    assert set(tensors_to_load(run_keys, {"lora": meta}, cfg, full, weights_only=False, frozen_only=False)[0]) == \
+        set(kept)  # a resume reads the saved modules from the adapter-only checkpoint; the frozen base skips them
+    assert not set(kept) & set(tensors_to_load(run_keys, {}, cfg, base, weights_only=False, frozen_only=True)[0])
+    out = tmp_path / "hf"
+    assert main(["convert", "nxdt-to-hf", "--input", str(adapter_only), "--output", str(out), "--base", str(base)]) == 0
+    assert json.loads((out / "adapter" / "adapter_config.json").read_text())["modules_to_save"] == [
+        "embed_tokens", "lm_head"]
+    peft_model = _load_peft(out)
+    assert (_logits(peft_model) - _logits(model)).abs().max().item() < 1e-5
+    saved = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    assert set(saved) == set(get_peft_model_state_dict(peft_model)) and len(saved) == 28 + 2
+    assert torch.equal(saved["base_model.model.lm_head.weight"], model.lm_head.weight)
+    with peft_model.disable_adapter():  # base/ is the base: its own embed_tokens and lm_head
+        assert (_logits(peft_model) - _logits(_model())).abs().max().item() < 1e-5
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert (_logits(merged) - _logits(model)).abs().max().item() < 1e-5
 
 
 def test_convert_native_neox(tmp_path, capsys):

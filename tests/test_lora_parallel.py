@@ -10,6 +10,8 @@ after 3 AdamW steps equal one process's with the same weights and batch:
     tp2_kv1      tp2 with one K/V head: k_proj / v_proj replicated (KVHeadSelect), so are their adapters
     hf_tp2       transformers' LlamaForCausalLM (model_source hf) under tp2
     pp2          two pipeline stages (1F1B, 2 micro-batches): each stage's frozen base and adapters
+                 (tp2_sp, fsdp, zero1 and pp2 also train peft's modules_to_save [embed_tokens, lm_head, norm]
+                 in full: the vocabulary-parallel embedding and output layer, the replicated norms)
     meta_tp2     a meta-device build with adapters, parallelized and materialised: the weights of the
     meta_fsdp    same build initialised in one process (init_model_weights), adapters drawn as peft does
     tp2_dropout  lora_dropout 0.1 under tp2 (sharded and replicated DTensor inputs) trains: finite losses,
@@ -17,8 +19,9 @@ after 3 AdamW steps equal one process's with the same weights and batch:
     moe_ep2      a native Mixtral-style model with adapters on its experts (peft's target_parameters:
     moe_fsdp     gate_up_proj and down_proj, per expert) and on qkv_proj, under ep2 (the expert adapters
     moe_tp2      sharded with their experts), FSDP dp2 and tp2 (each expert's F split: gate_up_proj's B by
-                 rows, down_proj's A by columns, the other factors whole, their gradients summed over tp):
-                 the losses of 6 AdamW steps and the first gradients equal one process's
+                 rows, down_proj's A by columns, the other factors whole, their gradients summed over tp),
+                 the routers trained in full (modules_to_save [gate]): the losses of 6 AdamW steps and the
+                 first gradients equal one process's
 
 The config-level layouts (10 training steps through the run, pipeline included) are the run's tests.
 """
@@ -40,6 +43,8 @@ from conftest import exit_worker, run_worker  # noqa: E402
 V = 512
 TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 LAYOUTS = ["tp2", "tp2_sp", "tp2_kv1", "fsdp", "zero1", "hf_tp2", "pp2"]
+SAVED = ["embed_tokens", "lm_head", "norm"]  # modules_to_save under SAVED_LAYOUTS
+SAVED_LAYOUTS = ("tp2_sp", "fsdp", "zero1", "pp2")
 MOE_LAYOUTS = ["moe_ep2", "moe_fsdp", "moe_tp2"]
 EXPERT_TARGETS = ["experts.gate_up_proj", "experts.down_proj"]
 
@@ -57,6 +62,8 @@ def test_lora_layout_matches_one_process(results, layout):
         assert r["adapters"] == 14 and set(r["trainable"]) < set(r["trainable_ref"]), r
     else:
         assert r["trainable"] == r["trainable_ref"] and r["adapters"] == 28, r  # 2 layers x 7 linears x (A, B)
+    # embed_tokens, lm_head, 2 x 2 + 1 norms; pp2's rank 0: the first stage's embed_tokens and layer 0's norms
+    assert r["saved"] == {"pp2": 3}.get(layout, 7) if layout in SAVED_LAYOUTS else r["saved"] == 0, r
     assert r["loss"] < 1e-5 and r["grads"] < 1e-5 and r["loss_after_3_steps"] < 1e-5, r
     assert r["base_moved"] == 0.0, r  # the frozen base never changes
     assert r["grad_norm_nonzero"], r
@@ -100,6 +107,7 @@ def test_lora_dropout_under_tp_trains(results):
 def test_lora_on_experts_layout_matches_one_process(results, layout):
     r = results[layout]
     assert r["trainable"] == r["trainable_ref"] and r["expert_adapters"] == 8, r  # 2 layers x 2 weights x (A, B)
+    assert r["routers"] == 2, r  # modules_to_save [gate]: each layer's router weight, trained in full
     assert r["steps"] == 6 and r["losses"] < 1e-5 and r["grads"] < 1e-5, r
     assert r["base_moved"] == 0.0 and r["adapters_moved"], r
     if layout == "moe_ep2":  # each rank holds its 2 experts' adapters; a meta build draws them as one process
@@ -132,14 +140,14 @@ def _cfg(layout: str):
     })
 
 
-def _lora_model(cfg, device=None):
+def _lora_model(cfg, device=None, modules_to_save=()):
     """The model with adapters on every target, B non-zero (seeded: the same on every rank)."""
     from nxdt.models import build_model
     from nxdt.models.lora import inject_lora, lora_modules
 
     torch.manual_seed(0)
     model = build_model(cfg, V, device=device)
-    inject_lora(model, TARGETS, rank=4, alpha=8.0, dropout=0.0)
+    inject_lora(model, TARGETS, rank=4, alpha=8.0, dropout=0.0, modules_to_save=modules_to_save)
     if device != "meta":
         g = torch.Generator().manual_seed(7)
         with torch.no_grad():
@@ -190,17 +198,18 @@ def _layout_case(layout: str, rank: int) -> dict:  # pragma: no cover - under to
     shapes = {"fsdp": Layout(dp_shard=2), "zero1": Layout(dp_replicate=2), "pp2": Layout(pp=2)}
     shape = shapes.get(layout, Layout(tp=2))
     mesh = build_mesh(shape, "cpu")
-    ref = _lora_model(cfg)
+    saved = SAVED if layout in SAVED_LAYOUTS else ()
+    ref = _lora_model(cfg, modules_to_save=saved)
     ids = torch.randint(0, V, (4, 16), generator=torch.Generator().manual_seed(1))
     dp = shape.dp > 1
     mine = ids[2 * rank:2 * rank + 2] if dp else ids  # data parallel: each rank half the batch
     if layout == "pp2":  # this rank's stage; the schedule's step: forward + backward, the loss on every rank
-        pipe = build_pipeline(_lora_model(cfg), mesh, cfg, Layout(pp=2, num_microbatches=2),
+        pipe = build_pipeline(_lora_model(cfg, modules_to_save=saved), mesh, cfg, Layout(pp=2, num_microbatches=2),
                               torch.device("cpu"), loss_fn=masked_token_loss, parallelize_fn=parallelize_llama)
         model = model_of(pipe)
         run = lambda x: pipe.step(x, x, torch.ones(x.shape))  # noqa: E731
     else:
-        model = parallelize_llama(_lora_model(cfg), mesh, cfg)
+        model = parallelize_llama(_lora_model(cfg, modules_to_save=saved), mesh, cfg)
         run = lambda x: _loss_backward(model, x)  # noqa: E731
     ref_opt = torch.optim.AdamW(param_groups(ref, 0.0), lr=1e-2)
     if layout == "zero1":
@@ -210,7 +219,8 @@ def _layout_case(layout: str, rank: int) -> dict:  # pragma: no cover - under to
         opt = torch.optim.AdamW(param_groups(model, 0.0), lr=1e-2)
     base_before = {n: _full(p).detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     out: dict = {"trainable": trainable_state_keys(model), "trainable_ref": trainable_state_keys(ref),
-                 "adapters": sum(".lora_" in n for n in trainable_state_keys(model))}
+                 "adapters": sum(".lora_" in n for n in trainable_state_keys(model)),
+                 "saved": sum(".lora_" not in n for n in trainable_state_keys(model))}
     for step in range(4):
         ref_opt.zero_grad(set_to_none=True)
         opt.zero_grad(set_to_none=True)
@@ -317,7 +327,8 @@ def _moe_case(layout: str, rank: int) -> dict:  # pragma: no cover - under torch
     def lora_model():
         torch.manual_seed(0)
         model = build_model(cfg, V)
-        inject_lora(model, ["qkv_proj"], rank=4, alpha=8.0, dropout=0.0, target_parameters=EXPERT_TARGETS)
+        inject_lora(model, ["qkv_proj"], rank=4, alpha=8.0, dropout=0.0, target_parameters=EXPERT_TARGETS,
+                    modules_to_save=["gate"])  # the routers trained in full (peft's modules_to_save)
         g = torch.Generator().manual_seed(7)
         with torch.no_grad():  # B non-zero, so that A's gradients are too
             for name, p in model.named_parameters():
@@ -334,7 +345,8 @@ def _moe_case(layout: str, rank: int) -> dict:  # pragma: no cover - under torch
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     before = {n: _full(p).detach().clone() for n, p in model.named_parameters()}
     out: dict = {"trainable": trainable_state_keys(model), "trainable_ref": trainable_state_keys(ref),
-                 "expert_adapters": sum(".experts.lora_" in n for n in trainable_state_keys(model)), "losses": 0.0}
+                 "expert_adapters": sum(".experts.lora_" in n for n in trainable_state_keys(model)), "losses": 0.0,
+                 "routers": sum(".mlp.gate." in n for n in trainable_state_keys(model))}
     for step in range(6):
         ref_opt.zero_grad(set_to_none=True)
         opt.zero_grad(set_to_none=True)

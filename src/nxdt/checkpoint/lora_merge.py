@@ -34,9 +34,12 @@ def save_merged_weights(strategy, cfg, path: Path) -> None:
         print(f"merged model (LoRA folded into the base): {path}", flush=True)
 
 
-def with_base(tensors: dict[str, Any], base: Path, flag: str = "--base") -> dict[str, Any]:
+def with_base(tensors: dict[str, Any], base: Path, flag: str = "--base",
+              originals: dict[str, Any] | None = None) -> dict[str, Any]:
     """The base checkpoint's weights (its own adapters, if any, left out) overlaid by the tensors of an
-    adapter-only checkpoint; ConfigError (naming `flag`) when `base` is not that checkpoint's base."""
+    adapter-only checkpoint; ConfigError (naming `flag`) when `base` is not that checkpoint's base.
+    `originals`, when given, receives the base's own values of the keys the overlay replaces (trained
+    biases, modules_to_save)."""
     base_tensors = {k: v for k, v in load_weights(base).items() if not is_lora_key(k)}
     # the shapes the checkpoint implies: its own tensors', and [out, in] of each adapted weight (B A)
     implied = {k: tuple(t.shape) for k, t in tensors.items() if not is_lora_key(k)}
@@ -47,4 +50,6 @@ def with_base(tensors: dict[str, Any], base: Path, flag: str = "--base") -> dict
         if tuple(base_tensors[key].shape) != shape:
             raise ConfigError(f"{flag} {base}: not the base of this checkpoint ({key} is "
                               f"{list(base_tensors[key].shape)} there, {list(shape)} here)")
+    if originals is not None:
+        originals.update({k: base_tensors[k] for k in tensors if k in base_tensors})
     return {**base_tensors, **tensors}

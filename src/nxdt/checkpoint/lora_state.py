@@ -1,7 +1,8 @@
 """LoRA in checkpoints: what an adapter run saves, and which keys each kind of load reads.
 
 With `model_alignment_strategy.peft` the base model is frozen; only the adapters (`...lora_A.weight`,
-`...lora_B.weight`) and, with `lora_bias` all / lora_only, some biases train. A checkpoint then holds:
+`...lora_B.weight`), with `lora_bias` all / lora_only some biases, and the modules `modules_to_save` names
+(peft's: trained in full) train. A checkpoint then holds:
 
     save_lora_base false (default)   the trained tensors only ("adapter-only": megabytes for a 7B
                                      model), the optimizer state (adapters only anyway), the rest as usual
@@ -46,10 +47,10 @@ def tensors_to_save(tensors: dict[str, Any], cfg) -> tuple[dict[str, Any], dict[
     model_keys = [k for k in tensors if k.startswith("model.")]
     adapter_only = not peft.save_lora_base
     if adapter_only:
-        keep = trained_keys(model_keys, peft.lora_bias)
+        keep = trained_keys(model_keys, peft.lora_bias, peft.modules_to_save, "model.")
         tensors = {k: v for k, v in tensors.items() if not k.startswith("model.") or k in keep}
     meta = {"adapter_only": adapter_only, "lora_rank": peft.lora_rank, "lora_alpha": peft.lora_alpha,
-            "lora_bias": peft.lora_bias}
+            "lora_bias": peft.lora_bias, "modules_to_save": list(peft.modules_to_save)}
     return tensors, meta
 
 
@@ -61,7 +62,8 @@ def tensors_to_load(tensors: dict[str, Any], meta: dict[str, Any], cfg, path: Pa
     model_keys = [k for k in tensors if k.startswith("model.")]
     drop: set[str] = set()
     if frozen_only:  # the base under an adapter-only resume: never the keys the run trains
-        drop = trained_keys(model_keys, peft.lora_bias if peft is not None else "none")
+        drop = trained_keys(model_keys, peft.lora_bias, peft.modules_to_save, "model.") if peft is not None \
+            else trained_keys(model_keys, "none")
         if saved_lora.get("adapter_only"):
             raise ConfigError(f"checkpoint {path} holds LoRA adapters only (save_lora_base was false): "
                               "it cannot provide the base weights; point exp_manager.resume_from_checkpoint "
@@ -72,7 +74,8 @@ def tensors_to_load(tensors: dict[str, Any], meta: dict[str, Any], cfg, path: Pa
                               "start from the base model's checkpoint (exp_manager.resume_from_checkpoint) and "
                               "let resume_if_exists pick up this run's adapters, or save with "
                               "model_alignment_strategy.peft.save_lora_base: true")
-        drop = set(model_keys) - trained_keys(model_keys, saved_lora.get("lora_bias", "none"))
+        drop = set(model_keys) - trained_keys(model_keys, saved_lora.get("lora_bias", "none"),
+                                              saved_lora.get("modules_to_save") or (), "model.")
     elif weights_only and peft is not None and not peft.load_lora_from_ckpt:
         drop = {k for k in model_keys if is_lora_key(k)}  # fresh adapters on the loaded base
     if not drop:
@@ -94,7 +97,7 @@ def write_adapter_config(folder: Path, cfg, model_keys) -> None:
     targets = sorted({k.rsplit(".lora_A.", 1)[0].rsplit(".", 1)[-1] for k in model_keys
                       if ".lora_A." in k and not is_expert_lora_key(k)})
     config = peft_adapter_config(targets, peft.lora_rank, peft.lora_alpha, peft.lora_dropout, peft.lora_bias,
-                                 target_parameters=experts)
+                                 target_parameters=experts, modules_to_save=peft.modules_to_save)
     (Path(folder) / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 

@@ -64,14 +64,6 @@ LLAMA_MOE_NOT_BUILT = {
 not as unknown keys."""
 
 
-PEFT_NOT_BUILT = {
-    "modules_to_save": "nxdt's LoRA trains the adapters (and lora_bias's biases) only; whole modules trained beside "
-                       "them (peft's modules_to_save, e.g. LLaMA-MoE's lora.sh embed_tokens,lm_head) would have to be "
-                       "saved in the adapter checkpoint and PEFT's adapter file, which is not built",
-}
-"""peft's LoraConfig names nxdt does not build: refused as "not supported yet" with the reason."""
-
-
 def canonical_gate_type(name: str) -> str:
     return GATE_ALIASES.get(name, name)
 

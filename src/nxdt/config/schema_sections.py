@@ -136,6 +136,11 @@ class PeftConfig:
     target_parameters: List[str] = doc(
         [], "MoE expert weights that get adapters, one per expert (peft's target_parameters): "
             "experts.gate_up_proj, experts.down_proj; needs lora_dropout 0 (as peft)")
+    modules_to_save: Optional[Union[List[str], str]] = doc(
+        None, "peft's modules_to_save: modules trained in full beside the adapters and saved with them (in the "
+              "adapter-only checkpoint and PEFT's adapter file), each named as peft matches it: a module whose path "
+              "ends with the name (embed_tokens, lm_head; norm is every norm); a list, or LLaMA-MoE's comma "
+              "string 'embed_tokens,lm_head'")
     load_lora_from_ckpt: bool = doc(
         False, "with model.weight_init_only: also load the adapters from exp_manager.resume_from_checkpoint "
                "(else they start fresh)")

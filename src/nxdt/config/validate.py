@@ -162,8 +162,6 @@ def _walk(node: DictConfig, cls: type, path: str, free_extra: bool = False, numb
                 continue
             if path == "model.moe" and key in schema.LLAMA_MOE_NOT_BUILT:
                 raise ConfigError(f"'{dotted}' (LLaMA-MoE's {key}) is not supported yet: {schema.LLAMA_MOE_NOT_BUILT[key]}")
-            if path == "model_alignment_strategy.peft" and key in schema.PEFT_NOT_BUILT:
-                raise ConfigError(f"'{dotted}' (peft's {key}) is not supported yet: {schema.PEFT_NOT_BUILT[key]}")
             raise ConfigError(f"unknown key '{dotted}'{did_you_mean(key, fields, prefix)}")
         hint = hints[key]
         value = node[key]

@@ -18,6 +18,14 @@ Targets use NxDT's names (`model_alignment_strategy.peft.target_modules`): the f
 linears inside the decoder blocks are targets; routers are not. MoE experts (stacked 3-D weights)
 are targeted by `target_parameters` (peft's key and names: `experts.gate_up_proj`,
 `experts.down_proj`): nxdt.models.lora_experts.
+
+`modules_to_save` (peft's LoraConfig key; LLaMA-MoE's `cpt_lora.py --modules_to_save embed_tokens,lm_head`):
+whole modules trained in full beside the adapters and saved with them. A module is named as peft
+matches it: its path as peft sees it (`base_model.model.<path>`) ends with the name, a plain string
+suffix (`norm` is `model.norm` and every `input_layernorm` / `post_attention_layernorm`). peft trains
+a copy (`<m>.modules_to_save.default`) beside the frozen original; nxdt trains the module in place
+(same values after every step; the original is gone, so `adapters_disabled` does not give it back)
+and saves it as `<m>.weight`, which is also the key peft's adapter file uses (`base_model.model.<m>.weight`).
 transformers' GPTNeoXForCausalLM has other names (query_key_value, dense, dense_h_to_4h,
 dense_4h_to_h): NxDT's names map onto them, and its own names are accepted too.
 
@@ -182,16 +190,16 @@ def resolve_targets(target_modules: list[str] | tuple[str, ...], present: set[st
 
 
 def inject_lora(model: nn.Module, target_modules: list[str] | tuple[str, ...], rank: int, alpha: float,
-                dropout: float = 0.0, bias: str = "none", target_parameters: list[str] | tuple[str, ...] = ()
-                ) -> list[str]:
+                dropout: float = 0.0, bias: str = "none", target_parameters: list[str] | tuple[str, ...] = (),
+                modules_to_save: list[str] | tuple[str, ...] = ()) -> list[str]:
     """Wrap every targeted linear of the decoder blocks in a `LoraLinear` (in place) and freeze the rest;
     `target_parameters` (peft's `experts.gate_up_proj`, `experts.down_proj`) put adapters on the MoE
     experts' weights too (nxdt.models.lora_experts; lora_dropout must then be 0, as peft requires).
 
     Afterwards only the adapters require grad, plus the biases `bias` names (NxDT's / peft's
-    lora_bias): 'none'; 'all' every bias of the model; 'lora_only' the wrapped linears' biases.
-    Returns the wrapped module paths (then the adapted expert weights' keys) in model order. Call it
-    on the whole model as built (real or meta device), before parallelizing or splitting it into
+    lora_bias): 'none'; 'all' every bias of the model; 'lora_only' the wrapped linears' biases;
+    and every parameter of the modules `modules_to_save` names (`saved_module_keys`). Returns the
+    wrapped module paths (then the adapted expert weights' keys) in model order. Call it on the whole model as built (real or meta device), before parallelizing or splitting it into
     pipeline stages.
     """
     check_lora_values(rank, alpha, dropout)
@@ -220,7 +228,48 @@ def inject_lora(model: nn.Module, target_modules: list[str] | tuple[str, ...], r
         for module in lora_modules(model).values():
             if module.bias is not None:
                 module.bias.requires_grad_(True)
+    for name in saved_module_keys(model, modules_to_save):
+        model.get_parameter(name).requires_grad_(True)
     return wrapped
+
+
+def is_saved_module_key(key: str, modules_to_save: list[str] | tuple[str, ...]) -> bool:
+    """Whether parameter / state-dict key `key` (a path in the model, no prefix) lies in a module that
+    peft's `modules_to_save` names: a module above it, its path written as peft sees it
+    (`base_model.model.<path>`), ends with one of the names (peft's `key.endswith(target_key)`)."""
+    parts = key.split(".")[:-1]
+    return any((PEFT_PREFIX + ".".join(parts[:i])).rstrip(".").endswith(tuple(modules_to_save))
+               for i in range(len(parts), -1, -1)) if modules_to_save else False
+
+
+def saved_module_keys(model: nn.Module, modules_to_save: list[str] | tuple[str, ...]) -> list[str]:
+    """The parameters of the modules `modules_to_save` names (after LoRA's injection), in model order.
+    ValueError for a name that matches no module with parameters, for a module that holds adapters
+    or is part of an adapted one (a module is either adapted or trained in full), and for a weight
+    shared with another module (tied embeddings: peft trains a separate copy in each module, which
+    unties them; nxdt would train the one shared weight)."""
+    if not modules_to_save:
+        return []
+    key = f"{KEY}.modules_to_save"
+    every = list(model.named_parameters(remove_duplicate=False))
+    keys = {n for n, _ in every if is_saved_module_key(n, modules_to_save)}
+    for name in modules_to_save:
+        if not any(is_saved_module_key(n, [name]) for n in keys):
+            raise ValueError(f"{key}: '{name}' matches no module with parameters in this model (peft's rule: a "
+                             f"module path ending with it, e.g. embed_tokens, lm_head, norm)")
+    adapted = tuple(f"{path}." for path in {**lora_modules(model), **lora_experts(model)})
+    clash = next((n for n, _ in every if n in keys and n.startswith(adapted)), None)
+    if clash is not None:
+        raise ValueError(f"{key}: {clash} is in a module with LoRA adapters (target_modules / target_parameters): "
+                         "not supported yet; a module is either adapted or trained in full")
+    chosen = {id(p) for n, p in every if n in keys}
+    shared = next((n for n, p in every if id(p) in chosen and n not in keys), None)
+    if shared is not None:
+        raise ValueError(f"{key}: {', '.join(modules_to_save)} names a weight shared with {shared} (tied "
+                         "embeddings): not supported yet; peft trains a separate copy in each module, which unties "
+                         "them")
+    seen: set[int] = set()
+    return [n for n, p in every if n in keys and not (id(p) in seen or seen.add(id(p)))]
 
 
 def _is_bias(name: str) -> bool:
@@ -244,12 +293,16 @@ def trainable_state_keys(model: nn.Module) -> list[str]:
     return [name for name, p in model.named_parameters() if p.requires_grad]
 
 
-def trained_keys(keys, bias: str) -> set[str]:
+def trained_keys(keys, bias: str, modules_to_save: list[str] | tuple[str, ...] = (), prefix: str = "") -> set[str]:
     """The keys (of a state dict, in any naming with `<module>.lora_A.weight`) that a LoRA run trains,
     by name alone: the adapters, plus every bias (`all`) or the biases of the linears that have
-    adapters (`lora_only`). What an adapter-only checkpoint and a PEFT adapter file hold."""
+    adapters (`lora_only`), plus every key of the modules `modules_to_save` names (matched on the key
+    without `prefix`, e.g. a checkpoint's `model.`). What an adapter-only checkpoint and a PEFT adapter
+    file hold."""
     keys = set(keys)
     out = {k for k in keys if is_lora_key(k)}
+    if modules_to_save:
+        out |= {k for k in keys if k.startswith(prefix) and is_saved_module_key(k[len(prefix):], modules_to_save)}
     if bias == "all":
         out |= {k for k in keys if _is_bias(k)}
     elif bias == "lora_only":
@@ -396,16 +449,18 @@ def lora_pairs(state: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Tenso
 
 
 # --------------------------------------------------------------------------- PEFT's adapter format
-def peft_adapter_state(state: Mapping[str, torch.Tensor], bias: str = "none") -> dict[str, torch.Tensor]:
+def peft_adapter_state(state: Mapping[str, torch.Tensor], bias: str = "none",
+                       modules_to_save: list[str] | tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
     """The tensors of PEFT's adapter_model.safetensors, from a state dict in transformers' names
-    (adapters, and the biases if lora_bias trains them), keyed as peft's `get_peft_model_state_dict`
-    does: `base_model.model.<m>.lora_A.weight`; a bias as `<m>.base_layer.bias` when <m> has adapters
-    (peft wraps the linear and keeps it as `base_layer`), else `<m>.bias`. 'lora_only' saves the
-    wrapped linears' biases, 'all' every bias."""
+    (adapters, the biases if lora_bias trains them, the modules_to_save), keyed as peft's
+    `get_peft_model_state_dict` does: `base_model.model.<m>.lora_A.weight`; a bias as
+    `<m>.base_layer.bias` when <m> has adapters (peft wraps the linear and keeps it as `base_layer`),
+    else `<m>.bias`; a saved module's tensors as `base_model.model.<m>.weight` (peft drops its
+    `modules_to_save.default.`). 'lora_only' saves the wrapped linears' biases, 'all' every bias."""
     if bias not in BIAS_MODES:
         raise ValueError(f"{KEY}.lora_bias: must be one of {', '.join(BIAS_MODES)}, got {bias!r}")
     wrapped = set(lora_pairs(state))
-    trained = trained_keys(state, bias)
+    trained = trained_keys(state, bias, modules_to_save)
     out = to_peft(state, PEFT_PREFIX)
     for key, t in state.items():
         if key not in trained or is_expert_lora_key(key):
@@ -444,15 +499,18 @@ def peft_target_modules(state: Mapping[str, torch.Tensor]) -> list[str]:
 
 def peft_adapter_config(target_modules: list[str], rank: int, alpha: float, dropout: float = 0.0,
                         bias: str = "none", base_model_name_or_path: str | None = None,
-                        target_parameters: list[str] | None = None) -> dict[str, Any]:
+                        target_parameters: list[str] | None = None,
+                        modules_to_save: list[str] | None = None) -> dict[str, Any]:
     """PEFT's adapter_config.json (LoRA for a causal LM) as a dict; `target_modules` are the
     model's own linear names (`peft_target_modules`), not NxDT's fused aliases; `target_parameters`
-    the adapted expert weights (`peft_target_parameters`), when there are any."""
+    the adapted expert weights (`peft_target_parameters`), when there are any; `modules_to_save` the
+    names as given (null when none, as peft writes it)."""
     extra = {"target_parameters": sorted(target_parameters)} if target_parameters else {}
     return {**extra,
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
         "r": int(rank), "lora_alpha": alpha, "lora_dropout": float(dropout), "bias": bias,
         "target_modules": sorted(target_modules), "fan_in_fan_out": False, "use_rslora": False,
-        "use_dora": False, "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
+        "use_dora": False, "init_lora_weights": True, "inference_mode": True,
+        "modules_to_save": list(modules_to_save or []) or None,
         "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {},
     }

@@ -202,7 +202,7 @@ def plan(spec, vocab_size: int | None = None, parallel: ParallelPlan | None = No
     peft = spec.alignment.peft
     if peft is not None:  # the run's adapters (nxdt.training.finetuning.add_lora), the rest frozen
         inject_lora(model, peft.target_modules, peft.lora_rank, peft.lora_alpha, peft.lora_dropout, peft.lora_bias,
-                    peft.target_parameters)
+                    peft.target_parameters, peft.modules_to_save)
     if parallel is None:
         parallel = make_plan(model, spec)
     rank = RankShare.of(model, parallel, cfg)

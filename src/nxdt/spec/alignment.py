@@ -72,10 +72,27 @@ def alignment_of(cfg: Any) -> Alignment:
                 dpo_key = "data.alignment_strategy.dpo"
     dpo = found.get("dpo")
     length, length_key = _dpo_prompt_length(dpo, dpo_key) if dpo is not None else (None, "")
-    return Alignment(sft=found.get("sft"), peft=found.get("peft"), dpo=dpo, orpo=found.get("orpo"),
+    peft = found.get("peft")
+    if peft is not None:  # modules_to_save resolved once: a list of names (LLaMA-MoE's comma string split)
+        peft = dataclasses.replace(peft, modules_to_save=modules_to_save_of(peft.modules_to_save))
+    return Alignment(sft=found.get("sft"), peft=peft, dpo=dpo, orpo=found.get("orpo"),
                      grpo=found.get("grpo"),
                      dpo_key=dpo_key, dpo_prompt_length=length,
                      dpo_prompt_length_key=length_key or f"{dpo_key}.max_dpo_prompt_length")
+
+
+def modules_to_save_of(value: Any) -> list[str]:
+    """`model_alignment_strategy.peft.modules_to_save` as a list of names: null = none; a string is
+    LLaMA-MoE's `--modules_to_save embed_tokens,lm_head` (its cpt_lora.py splits it on commas); each
+    name once. ConfigError for an empty name or one with spaces."""
+    if value is None:
+        return []
+    names = [str(n).strip() for n in (value.split(",") if isinstance(value, str) else value)]
+    bad = next((n for n in names if not n or any(c.isspace() for c in n)), None)
+    if bad is not None:
+        raise ConfigError(f"model_alignment_strategy.peft.modules_to_save: {bad!r} in {value!r} is not a module name "
+                          "(give module names, e.g. [embed_tokens, lm_head] or 'embed_tokens,lm_head')")
+    return list(dict.fromkeys(names))
 
 
 def _dpo_prompt_length(dpo: DPOConfig, key: str) -> tuple[Optional[int], str]:
@@ -119,6 +136,7 @@ def check_alignment(cfg: Any, al: Alignment) -> None:
                           "{input, output} rows, DPO/ORPO read {prompt, chosen, rejected} rows; pick one")
     if al.peft is not None:
         _check_peft(al.peft)
+        _check_modules_to_save(cfg, al)
     if al.grpo is not None:
         check_grpo(cfg, al)
     if al.sft is not None:
@@ -161,6 +179,23 @@ def _check_peft(peft: PeftConfig) -> None:
     if peft.target_parameters and peft.lora_dropout:
         raise ConfigError(f"{key}.lora_dropout: must be 0 with target_parameters (peft's adapters on the expert "
                           f"weights take no dropout), got {peft.lora_dropout}")
+
+
+def _check_modules_to_save(cfg: Any, al: Alignment) -> None:
+    """modules_to_save train in place (peft trains a copy beside the frozen original): a run that needs
+    the original as its reference (the base with the adapters off) cannot have them."""
+    names = al.peft.modules_to_save
+    if not names:
+        return
+    key = "model_alignment_strategy.peft.modules_to_save"
+    if al.dpo is not None and not al.dpo.precompute_ref_log_probs:
+        raise ConfigError(f"{key} with {al.dpo_key}.precompute_ref_log_probs false is not supported yet: the reference "
+                          f"is the base with the adapters off, and nxdt trains {', '.join(names)} in place (peft keeps "
+                          "the original beside its trained copy); set precompute_ref_log_probs true")
+    if al.grpo is not None and al.grpo.beta > 0:
+        raise ConfigError(f"{key} with {GRPO_KEY}.beta > 0 is not supported yet: the KL reference is the base with the "
+                          f"adapters off, and nxdt trains {', '.join(names)} in place (peft keeps the original beside "
+                          "its trained copy); set beta 0")
 
 
 def _check_prompt_length(key: str, value: Optional[int], seq: Optional[int]) -> None:

@@ -8,8 +8,12 @@
 
 The LoRA settings (rank, alpha, dropout, bias) are the checkpoint's config.yaml
 `model_alignment_strategy.peft`; target_modules lists the linears that actually have adapters,
-in the model's own names (peft matches leaf names). Trained biases (lora_bias all / lora_only) go
-into the adapter file under the keys peft's `get_peft_model_state_dict` gives them.
+in the model's own names (peft matches leaf names). Trained biases (lora_bias all / lora_only) and the
+modules `modules_to_save` names (trained in full) go into the adapter file under the keys peft's
+`get_peft_model_state_dict` gives them (`base_model.model.lm_head.weight`), adapter_config.json lists
+the names. OUTPUT/base holds the base's own values of those modules when `--base` gives them; a
+checkpoint with the base (save_lora_base) holds only the trained ones (nxdt trains them in place), so
+its OUTPUT/base has those: PeftModel.from_pretrained over it is still the trained model.
 
 A checkpoint that holds only the adapters (and trained biases; the default `save_lora_base: false`)
 takes its base from `--base CKPT` (any weights checkpoint of the base: hf-to-nxdt's, or a full
@@ -33,6 +37,7 @@ from safetensors.torch import save_file
 from nxdt.checkpoint.lora_merge import with_base
 from nxdt.config.errors import ConfigError
 from nxdt.config.load import load_saved_config
+from nxdt.spec.alignment import modules_to_save_of
 from nxdt.models.lora import (
     PEFT_EXPERT_KEY,
     PEFT_PREFIX,
@@ -69,8 +74,9 @@ def lora_to_hf(ckpt: Path, tensors: dict[str, Any], output: Path, max_shard_byte
     if ranks != [peft.lora_rank]:
         raise ConfigError(f"{cfg_file}: model_alignment_strategy.peft.lora_rank is {peft.lora_rank} but the "
                           f"checkpoint's adapters have rank {', '.join(map(str, ranks))}")
+    originals: dict[str, Any] = {}
     if base is not None:
-        tensors = with_base(tensors, base)
+        tensors = with_base(tensors, base, originals=originals)
     lacking = sorted(k for k in [f"{module}.weight" for module in pairs] + list(experts) if k not in tensors)
     if lacking and not adapter_only:
         raise ConfigError(f"{ckpt} holds LoRA adapters without the base weights (e.g. {lacking[0]}; "
@@ -79,7 +85,8 @@ def lora_to_hf(ckpt: Path, tensors: dict[str, Any], output: Path, max_shard_byte
                           "adapter with --adapter-only")
     config = hf_config_for(ckpt, tensors)
     check_output_free(output)
-    adapter, why_not = adapter_state(tensors, config, cfg.model_source, peft.lora_bias)
+    saved = modules_to_save_of(peft.modules_to_save)
+    adapter, why_not = adapter_state(tensors, config, cfg.model_source, peft.lora_bias, saved)
     if adapter is None and adapter_only:
         raise ConfigError(f"{ckpt}: {why_not}")
     if not adapter_only:
@@ -88,13 +95,13 @@ def lora_to_hf(ckpt: Path, tensors: dict[str, Any], output: Path, max_shard_byte
         except ValueError as err:
             raise ConfigError(f"{ckpt}: {err}") from None
         write_hf_model(ckpt, merged, config, output, max_shard_bytes, dtype)
-        plain = {k: v for k, v in tensors.items() if not is_lora_key(k)}
+        plain = {k: originals.get(k, v) for k, v in tensors.items() if not is_lora_key(k)}
         write_hf_model(ckpt, plain, config, output / BASE_DIR, max_shard_bytes, dtype)
     if adapter is None:
         print(f"note: {output / ADAPTER_DIR} not written: {why_not}")
         return
     base_path = None if adapter_only else str((output / BASE_DIR).resolve())
-    write_adapter(output / ADAPTER_DIR, adapter, peft, base_path, dtype, peft_target_parameters(tensors))
+    write_adapter(output / ADAPTER_DIR, adapter, peft, base_path, dtype, peft_target_parameters(tensors), saved)
 
 
 def peft_section(cfg, cfg_file: Path):
@@ -107,12 +114,16 @@ def peft_section(cfg, cfg_file: Path):
     return peft
 
 
-def adapter_state(tensors: dict[str, Any], config: dict[str, Any], model_source: str,
-                  bias: str) -> tuple[dict[str, Any] | None, str]:
+def adapter_state(tensors: dict[str, Any], config: dict[str, Any], model_source: str, bias: str,
+                  modules_to_save: list[str] | None = None) -> tuple[dict[str, Any] | None, str]:
     """(PEFT's adapter tensors, "") in transformers' names, or (None, why not)."""
     native_neox = config.get("model_type") == "gpt_neox" and model_source == "megatron"
     if not native_neox:
-        return peft_adapter_state(tensors, bias), ""
+        return peft_adapter_state(tensors, bias, modules_to_save or ()), ""
+    if modules_to_save:
+        return None, (f"modules_to_save ({', '.join(modules_to_save)}) of a native GPT-NeoX model as a PEFT adapter "
+                      "is not supported yet (transformers' GPT-NeoX names its modules otherwise); the merged model "
+                      "is written without --adapter-only")
     qkv = sorted({k.split(".lora_")[0].rpartition(".")[2] for k in tensors
                   if is_lora_key(k) and k.split(".lora_")[0].endswith(("q_proj", "k_proj", "v_proj"))})
     if qkv:
@@ -140,7 +151,7 @@ def neox_names(tensors: dict[str, Any], num_heads: int, bias: str) -> dict[str, 
 
 
 def write_adapter(folder: Path, adapter: dict[str, Any], peft, base_path: str | None, dtype: str | None,
-                  expert_targets: list[str] | None = None) -> None:
+                  expert_targets: list[str] | None = None, modules_to_save: list[str] | None = None) -> None:
     """adapter_model.safetensors + adapter_config.json into `folder`; `expert_targets`: peft's
     target_parameters of the expert adapters among them (peft_target_parameters of nxdt's keys)."""
     if dtype:
@@ -148,7 +159,8 @@ def write_adapter(folder: Path, adapter: dict[str, Any], peft, base_path: str | 
     targets = peft_target_modules({k.removeprefix(PEFT_PREFIX): v for k, v in adapter.items()
                                    if not PEFT_EXPERT_KEY.search(k)})
     config = peft_adapter_config(targets, peft.lora_rank, peft.lora_alpha, peft.lora_dropout, peft.lora_bias,
-                                 base_model_name_or_path=base_path, target_parameters=expert_targets)
+                                 base_model_name_or_path=base_path, target_parameters=expert_targets,
+                                 modules_to_save=modules_to_save)
     folder.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in adapter.items()}, str(folder / ADAPTER_FILE), metadata={"format": "pt"})
     (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))

@@ -19,7 +19,7 @@ def add_lora(model: torch.nn.Module, peft) -> str:
     """Wrap `model`'s target linears with adapters (`peft`: the PeftConfig) and freeze the rest.
     Returns the summary line: trainable vs total parameters (and, with lora_verbose, the targets)."""
     wrapped = inject_lora(model, peft.target_modules, peft.lora_rank, peft.lora_alpha, peft.lora_dropout,
-                          peft.lora_bias, peft.target_parameters)
+                          peft.lora_bias, peft.target_parameters, peft.modules_to_save)
     trainable, total = lora_parameter_counts(model)
     line = (f"rank={peft.lora_rank} alpha={peft.lora_alpha:g}  trainable {trainable:,} of {total:,} parameters "
             f"({100 * trainable / max(total, 1):.3f}%)")
@@ -27,6 +27,8 @@ def add_lora(model: torch.nn.Module, peft) -> str:
         leaves = sorted({path.rpartition(".")[2] for path in wrapped})
         line += f"  adapters on {len(wrapped)} linears or expert weights ({', '.join(leaves)}), " \
                 f"lora_bias={peft.lora_bias}"
+        if peft.modules_to_save:
+            line += f", trained in full: {', '.join(peft.modules_to_save)} (modules_to_save)"
     return line
 
 
