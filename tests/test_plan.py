@@ -343,6 +343,11 @@ def test_lora_counts_frozen_base_without_grads_or_optimizer_state(capsys):
     # the same model without LoRA: every weight trains
     full = _plan(capsys, "tiny_llama_cpu", *one_rank)["memory_per_rank_bytes"]
     assert (full["params"], full["grads"], full["optimizer"]) == (4 * base, 4 * base, 8 * base)
+    # modules_to_save trains lm_head in full: its weight gradient adds 2 FLOPs per weight and token
+    saved = _plan(capsys, "tiny_llama_lora_cpu", *one_rank, "model_alignment_strategy.peft.modules_to_save=[lm_head]")
+    lora_only = _plan(capsys, "tiny_llama_lora_cpu", *one_rank)
+    assert saved["flops_per_token"] - lora_only["flops_per_token"] == 2 * vocab * h
+    assert saved["parameters_trainable"] == adapters + vocab * h
 
 
 def test_lora_on_experts_counts_adapters_per_expert_under_ep_and_fsdp(capsys):

@@ -54,6 +54,19 @@ def sm3_accumulator_elems(shape) -> int:
     return max(1, sum(shape))
 
 
+def _trained_base_parameters(model: nn.Module) -> int:
+    """Elements of the base model that a LoRA run trains in full (`modules_to_save`, `lora_bias`) and
+    that a token multiplies: their weight gradients cost FLOPs like any trained weight's. Adapters are
+    not the base; untied lookup tables do no matmul. Experts saved in full are left at the frozen count
+    (an undercount of 2 FLOPs per activated expert weight)."""
+    multiplied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)} - multiplied
+    experts = expert_parameter_names(model)
+    return sum(p.numel() for n, p in model.named_parameters()
+               if p.requires_grad and n not in experts and id(p) not in tables
+               and not any(part.startswith("lora_") for part in n.split(".")))
+
+
 @dataclass
 class Bytes:
     """Bytes per element of each memory kind for a precision preset."""
@@ -211,7 +224,7 @@ def plan(spec, vocab_size: int | None = None, parallel: ParallelPlan | None = No
 
     # model FLOPs of one token of the whole model (a LoRA run's base weights are frozen)
     seq = cfg.data.seq_length or cfg.model.encoder_seq_length
-    frozen = counts.activated - lookup if spec.alignment.lora else 0
+    frozen = counts.activated - lookup - _trained_base_parameters(model) if spec.alignment.lora else 0
     flops = flops_per_token(arch, counts, lookup, seq, frozen=frozen)
     ds, fsdp = cfg.distributed_strategy, parallel.sharding.shard
     lay = parallel.layout

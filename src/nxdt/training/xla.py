@@ -65,7 +65,79 @@ def lightning_accelerator(cfg: Any):
     return NxdtXLAAccelerator()
 
 
-def build_xla_strategy(layout: Any):
+class NxdtXLAStrategy(SingleDeviceXLAStrategy):
+    """Made by `build_xla_strategy` (below), which says what it is."""
+
+    def __init__(self, layout: Any, spmd: bool) -> None:
+        super().__init__(device=0)
+        self.xla_layout, self.spmd = layout, spmd
+        self.mesh_shape = process_layout(layout) if spmd else layout
+        self._device_mesh = None
+
+    def setup_environment(self) -> None:
+        if self.spmd:
+            check_device_count(self.xla_layout)
+        super().setup_environment()
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        self._device_mesh = build_mesh(self.mesh_shape, "cpu")
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        mark_step()  # runs the step closures still queued (StepClosureLogger: the last step's scalars)
+
+    @property
+    def device_mesh(self):
+        return self._device_mesh
+
+    @property
+    def dp_rank(self) -> int:
+        return 0
+
+    @property
+    def dp_size(self) -> int:
+        return 1
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": 1, "rank": 0}
+
+    # ---- checkpoints: nxdt.checkpoint's writer and reader, as on CPU/CUDA (NxdtStrategy's methods);
+    # one process writes (Lightning's XLACheckpointIO is not used: nxdt.checkpoint writes the files)
+    checkpointer = NxdtStrategy.checkpointer
+    lightning_module_state_dict = NxdtStrategy.lightning_module_state_dict
+    optimizer_state = NxdtStrategy.optimizer_state
+    save_checkpoint = NxdtStrategy.save_checkpoint
+    load_checkpoint = NxdtStrategy.load_checkpoint
+    # the reader loads the model and optimizer itself (after setup: the model sharded, the
+    # optimizer made), as under ModelParallelStrategy; Lightning restores the rest of the trainer state
+    restore_checkpoint_after_setup = True
+    lightning_restore_optimizer = False
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass
+
+    def dcp_planner(self, kind: str):
+        """DCP's planner for a save or load ('save' / 'load'): torch-xla's SPMD planners under SPMD
+        (the tensors are sharded XLA tensors), DCP's default on one device."""
+        return dcp_planner(kind) if self.spmd else None
+
+    def process_dataloader(self, dataloader: object) -> object:
+        # torch-xla's MpDeviceLoader (Lightning's), and after a resume NxdtStrategy's ResumedLoader around it
+        loader = super().process_dataloader(dataloader)
+        skip = getattr(self, "_resume_skip", 0)
+        if skip and not self.lightning_module.trainer.sanity_checking:
+            self._resume_skip = 0
+            return ResumedLoader(loader, skip)
+        return loader
+
+
+def build_xla_strategy(layout: Any) -> NxdtXLAStrategy:
     """A Lightning strategy for one XLA device with nxdt's DeviceMesh bookkeeping.
 
     Lightning's `SingleDeviceXLAStrategy` runs the device, wraps the data loader with torch-xla's
@@ -79,77 +151,6 @@ def build_xla_strategy(layout: Any):
     (nxdt.parallel.xla_spmd).
     """
     spmd = is_spmd(layout)
-    mesh_shape = process_layout(layout) if spmd else layout
     if spmd:
         use_spmd()  # before any XLA tensor exists
-
-    class NxdtXLAStrategy(SingleDeviceXLAStrategy):
-        def __init__(self) -> None:
-            super().__init__(device=0)
-            self.mesh_shape = mesh_shape
-            self._device_mesh = None
-
-        def setup_environment(self) -> None:
-            if spmd:
-                check_device_count(layout)
-            super().setup_environment()
-            if not dist.is_initialized():
-                dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-            self._device_mesh = build_mesh(self.mesh_shape, "cpu")
-            assert self.lightning_module is not None
-            self.lightning_module._device_mesh = self._device_mesh
-
-        def on_train_end(self) -> None:
-            super().on_train_end()
-            mark_step()  # runs the step closures still queued (StepClosureLogger: the last step's scalars)
-
-        @property
-        def device_mesh(self):
-            return self._device_mesh
-
-        @property
-        def dp_rank(self) -> int:
-            return 0
-
-        @property
-        def dp_size(self) -> int:
-            return 1
-
-        @property
-        def distributed_sampler_kwargs(self) -> dict[str, Any]:
-            return {"num_replicas": 1, "rank": 0}
-
-        # ---- checkpoints: nxdt.checkpoint's writer and reader, as on CPU/CUDA (NxdtStrategy's methods);
-        # one process writes (Lightning's XLACheckpointIO is not used: nxdt.checkpoint writes the files)
-        checkpointer = NxdtStrategy.checkpointer
-        lightning_module_state_dict = NxdtStrategy.lightning_module_state_dict
-        optimizer_state = NxdtStrategy.optimizer_state
-        save_checkpoint = NxdtStrategy.save_checkpoint
-        load_checkpoint = NxdtStrategy.load_checkpoint
-        # the reader loads the model and optimizer itself (after setup: the model sharded, the
-        # optimizer made), as under ModelParallelStrategy; Lightning restores the rest of the trainer state
-        restore_checkpoint_after_setup = True
-        lightning_restore_optimizer = False
-
-        def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-            pass
-
-        def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-            pass
-
-        @staticmethod
-        def dcp_planner(kind: str):
-            """DCP's planner for a save or load ('save' / 'load'): torch-xla's SPMD planners under SPMD
-            (the tensors are sharded XLA tensors), DCP's default on one device."""
-            return dcp_planner(kind) if spmd else None
-
-        def process_dataloader(self, dataloader: object) -> object:
-            # torch-xla's MpDeviceLoader (Lightning's), and after a resume NxdtStrategy's ResumedLoader around it
-            loader = super().process_dataloader(dataloader)
-            skip = getattr(self, "_resume_skip", 0)
-            if skip and not self.lightning_module.trainer.sanity_checking:
-                self._resume_skip = 0
-                return ResumedLoader(loader, skip)
-            return loader
-
-    return NxdtXLAStrategy()
+    return NxdtXLAStrategy(layout, spmd)
