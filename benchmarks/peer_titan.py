@@ -163,6 +163,15 @@ def worker_titan(spec: dict) -> dict:
         optimizers=optimizers, training_steps=len(batches))
     params = list(model.parameters())
     amp = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if spec["bf16"] else contextlib.nullcontext
+
+    def clip():
+        if not spec.get("clip64"):
+            return dist_utils.clip_grad_norm_(params, 1.0, foreach=True, pp_mesh=None, ep_enabled=False)
+        # --titan-fp64-clip-norm: nxdt's clipping (nxdt.parallel.tensor_parallel: the norm in float64)
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]))
+        if 1.0 / (float(norm) + 1e-6) < 1.0:
+            torch._foreach_mul_(grads, 1.0 / (float(norm) + 1e-6))
     model.train()
     stamps, losses = [], []
     for ids, labels in batches:
@@ -173,7 +182,7 @@ def worker_titan(spec: dict) -> dict:
             loss, _ = loss_fn(pred, labels, valid)
         del pred
         loss.backward()
-        dist_utils.clip_grad_norm_(params, 1.0, foreach=True, pp_mesh=None, ep_enabled=False)
+        clip()
         optimizers.step()
         schedulers.step()
         losses.append(float(loss.detach().item()))
@@ -295,6 +304,19 @@ def rows_for(name: str, runs: dict[str, list[dict]], dtype: str) -> list[dict]:
     return rows
 
 
+def clip_norm_row(name: str, nxdt: dict, titan: dict | None) -> list[dict]:
+    """The loss row of --titan-fp64-clip-norm: nxdt's losses against torchtitan's with its clipping norm
+    in float64 (nxdt's); what remains is the rest of the two steps' rounding."""
+    if titan is None:
+        return []
+    a, b = nxdt["losses"][:LOSS_STEPS], titan["losses"][:LOSS_STEPS]
+    diffs = [abs(x - y) for x, y in zip(a, b)]
+    worst = max(range(len(diffs)), key=diffs.__getitem__)
+    return [{"what": f"{name}: loss 1-{len(a)} |diff|, titan fp64 norm", "nxdt": a[worst], "peer": b[worst],
+             "ratio": diffs[worst], "goal": f"<= {GOAL_LOSS:g}", "pass": diffs[worst] <= GOAL_LOSS,
+             "note": f"at step {worst + 1}; diagnostic; signed diffs " + " ".join(f"{x - y:+.0e}" for x, y in zip(a, b))}]
+
+
 def titan_own_figure(args) -> int:
     """torchtitan's own figure for benchmarks/gpu.sh: its llama3 flavor (--titan-flavor, its first
     --titan-layers layers), SDPA, bf16 autocast, its per-block torch.compile and compiled chunked loss
@@ -396,6 +418,9 @@ def parse(argv):
     p.add_argument("--probe-seconds", type=float, default=1.0, help="seconds per dtype of the matmul peak probe")
     p.add_argument("--no-bf16", action="store_true", help="fp32 only")
     p.add_argument("--keep", action="store_true", help="keep the work dir (logs)")
+    p.add_argument("--titan-fp64-clip-norm", action="store_true",
+                   help="a diagnostic of the loss rows: one more fp32 torchtitan run per shape with its clipping "
+                        "norm in float64, as nxdt computes it, and its losses against nxdt's")
     g = p.add_argument_group("torchtitan's own figure (benchmarks/gpu.sh; torchtitan's python, no nxdt)")
     g.add_argument("--titan-flavor", help="run only torchtitan's llama3 flavor (1B, 8B, debugmodel) on --device")
     g.add_argument("--titan-layers", type=int, default=0, help="its first N layers (0: all)")
@@ -461,7 +486,11 @@ def drive(args, result: dict) -> dict:
         spec = prepare(name, args, work)
         print(f"{name}: {spec['shape']}, vocab {spec['vocab']}, {args.warmup} warm-up + {args.steps} timed steps, "
               f"{args.repeats} repeat(s)", flush=True)
-        result["rows"] += rows_for(name, measure(spec, args, work, False), "fp32")
+        runs = measure(spec, args, work, False)
+        result["rows"] += rows_for(name, runs, "fp32")
+        if args.titan_fp64_clip_norm and runs["nxdt"]:
+            result["rows"] += clip_norm_row(name, runs["nxdt"][0], run_side("titan", dict(spec, clip64=True), False,
+                                                                            work, "clip64"))
         if bf16:
             result["rows"] += rows_for(name, measure(spec, args, work, True), "bf16 autocast")
         else:

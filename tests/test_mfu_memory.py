@@ -367,3 +367,30 @@ def test_the_start_summary_says_it_and_both_print_the_step_time_the_peak_allows(
     assert out[-2:] == ["  peak         50 TFLOP/s per device (trainer.peak_tflops)",
                         f"  step time    >= {p['step_time_s'] * 1e3:.3g} ms at that peak (model FLOPs / peak: the "
                         "bound at 100% MFU)"]
+
+
+def test_cpu_training_keeps_the_freed_heap_for_the_next_step(monkeypatch):
+    """nxdt.training.trainer.keep_cpu_heap (train() on the CPU; issue 40): once set, a freed 64 MiB
+    buffer's pages serve the next one, where glibc's default maps each afresh (a page fault per 4 KiB:
+    16,384 a buffer). NXDT_KEEP_CPU_HEAP=0 leaves glibc as it is."""
+    import platform
+    import resource
+
+    from nxdt.training.trainer import keep_cpu_heap
+
+    monkeypatch.setenv("NXDT_KEEP_CPU_HEAP", "0")
+    assert keep_cpu_heap() is False
+    monkeypatch.delenv("NXDT_KEEP_CPU_HEAP")
+    assert keep_cpu_heap() is (platform.libc_ver()[0] == "glibc")
+    if platform.libc_ver()[0] != "glibc":
+        return  # nothing set: the allocator's own behaviour stands
+
+    def faults_of_three_buffers() -> int:
+        torch.ones(64 * MiB // 4)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(3):
+            torch.ones(64 * MiB // 4)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+    faults_of_three_buffers()  # the heap grows to the buffer's size once
+    assert faults_of_three_buffers() < 3 * 16384 // 4
