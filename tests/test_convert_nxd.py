@@ -845,6 +845,21 @@ def _ep_zero1(plain: dict, experts: dict) -> dict:
             "shape_info": {**plain["shape_info"], **{n + k: v for k, v in experts["shape_info"].items()}}}
 
 
+def _ep_states(shards: dict, moments: dict, step: float, dp: int, ep: int, no_decay: list[str], drop_empty: bool) -> dict:
+    """Per (tp, pp) rank each dp rank's NeuronEPZero1Optimizer state: dp rank d holds the non-expert
+    parameters' ZeRO-1 shard d of dp and ep rank d % ep's experts' shard d // ep of dp / ep
+    (`shards`, `moments[k]`: per (ep, tp, pp) rank); `drop_empty`: NeMo's groups (megatron-style)."""
+    def half(rank, experts: bool, ranks: int, r: int) -> dict:
+        names = [n for n in shards[rank] if ("expert_mlps" in n) == experts]
+        state = _zero1({n: shards[rank][n] for n in names}, {k: moments[k][rank] for k in moments}, step, ranks,
+                       no_decay)[r]
+        if drop_empty:
+            state["param_groups"] = [g for g in state["param_groups"] if g["params"]]
+        return state
+    return {(t, p): [_ep_zero1(half((0, t, p), False, dp, d), half((d % ep, t, p), True, dp // ep, d // ep))
+                     for d in range(dp)] for (_, t, p) in shards if _ == 0}
+
+
 @pytest.mark.parametrize(("source", "tp", "pp", "dp", "kv", "xser"), [
     ("hf", 2, 1, 4, 2, False),       # NxDT's HF Mixtral, tp 2 x dp 4 x ep 2: the experts over 2 edp ranks
     ("megatron", 2, 2, 2, 4, True),  # megatron Mixtral, tp 2 x pp 2 x dp 2 x ep 2 (edp 1), xser
@@ -869,16 +884,7 @@ def test_expert_parallel_optimizer_state(tmp_path, source, tp, pp, dp, kv, xser)
     moments = {k: _nxd_shards(source, {n: optim[f"state.{n}.{k}"] for n in sd}, tp, pp, ep, kv)
                for k in ("exp_avg", "exp_avg_sq")}
     no_decay = {"megatron": [], "hf": ["bias", "LayerNorm", "norm"]}[source]
-
-    def half(rank, experts: bool, ranks: int, r: int) -> dict:
-        names = [n for n in shards[rank] if ("expert_mlps" in n) == experts]
-        state = _zero1({n: shards[rank][n] for n in names}, {k: moments[k][rank] for k in moments}, 11.0, ranks,
-                       no_decay)[r]
-        if source != "hf":  # NeMo's one group (its empty no-decay group dropped)
-            state["param_groups"] = [g for g in state["param_groups"] if g["params"]]
-        return state
-    states = {(t, p): [_ep_zero1(half((0, t, p), False, dp, d), half((d % ep, t, p), True, dp // ep, d // ep))
-                       for d in range(dp)] for t in range(tp) for p in range(pp)}
+    states = _ep_states(shards, moments, 11.0, dp, ep, no_decay, source != "hf")
     tag = tmp_path / "ckpt" / f"{source}--step=11-consumed_samples=88.0.ckpt"
     write_nxd(tag, shards, xser, states)
     lines = nxd_to_nxdt(tag, tmp_path / "conv", config)
@@ -953,6 +959,46 @@ def test_megatron_optimizer_state_resumes_the_run(tmp_path, kjv_prefix):
         assert sorted(got[name]) == [3, 4], got
     _, converted = _nxdt_state(tmp_path / "conv_ckpt")
     assert set(converted) == set(optim) and all(torch.equal(converted[k], v) for k, v in optim.items())
+    for step in (3, 4):
+        assert abs(got["conv"][step] - want[step]) <= 1e-6, (step, got, want)
+    assert abs(got["conv0"][3] - want[3]) <= 1e-6 and abs(got["conv0"][4] - want[4]) > 1e-4, (got, want)
+
+
+def test_expert_parallel_optimizer_state_resumes_the_run(tmp_path, kjv_prefix):
+    """nxdt's own megatron Mixtral run (tiny_llama_cpu with 4 experts, top 2) at step 2, written as
+    NxDT would have saved it at tp 2 x pp 2 x dp 2 x ep 2 (NeuronEPZero1Optimizer): converted, a
+    resume logs the uninterrupted run's losses at steps 3 and 4 within 1e-6; with the experts'
+    moments zeroed, step 4's is missed."""
+    moe = ["model.moe.num_experts=4", "model.moe.top_k=2"]
+    run = ["--config-name", "tiny_llama_cpu", *TINY_OVERRIDES, *moe, "trainer.devices=1", "trainer.max_steps=4",
+           "model.optim.sched.warmup_steps=2", f"data.data_prefix=[1.0,{kjv_prefix}]"]
+    ref = train_in_process([*run, f"exp_manager.explicit_log_dir={tmp_path / 'ref'}",
+                            "exp_manager.create_checkpoint_callback=true",
+                            "exp_manager.checkpoint_callback_params.every_n_train_steps=2",
+                            "exp_manager.checkpoint_callback_params.save_top_k=-1"])
+    assert ref.rc == 0, ref.err[-3000:]
+    weights, optim = _nxdt_state(next((tmp_path / "ref" / "checkpoints").glob("*step=2-*")))
+    want = read_scalars(tmp_path / "ref")["reduced_train_loss"]
+    c = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_kv_heads": 2}
+    shards = {r: _megatron_order(s, True) for r, s in _nxd_shards("megatron", weights, 2, 2, 2, 2, c).items()}
+    step = float(next(v for k, v in optim.items() if k.endswith(".step")))
+    got = {}
+    for name, zero in (("conv", False), ("conv0", True)):
+        moments = {k: _nxd_shards("megatron", {n: optim[f"state.{n}.{k}"] * (0 if zero and ".experts." in n else 1)
+                                               for n in weights}, 2, 2, 2, 2, c) for k in ("exp_avg", "exp_avg_sq")}
+        tag = tmp_path / name / "megatron_mixtral--step=2-consumed_samples=16.0.ckpt"
+        write_nxd(tag, shards, False, _ep_states(shards, moments, step, 2, 2, [], True))
+        assert convert_main(["nxd-to-nxdt", "--input", str(tag), "--output", str(tmp_path / f"{name}_ckpt"),
+                             "--config", str(REPO / "conf" / "tiny_llama_cpu.yaml"), *TINY_OVERRIDES, *moe,
+                             "distributed_strategy.tensor_model_parallel_size=2",
+                             "distributed_strategy.pipeline_model_parallel_size=2",
+                             "distributed_strategy.expert_model_parallel_size=2"]) == 0
+        resumed = train_in_process([*run, f"exp_manager.explicit_log_dir={tmp_path / name}_run",
+                                    f"exp_manager.resume_from_checkpoint={tmp_path / name}_ckpt"])
+        assert resumed.rc == 0, resumed.err[-3000:]
+        assert f"resuming from {tmp_path / name}_ckpt (step 2, consumed_samples 16)" in resumed.out, resumed.out[-2000:]
+        got[name] = read_scalars(tmp_path / f"{name}_run")["reduced_train_loss"]
+        assert sorted(got[name]) == [3, 4], got
     for step in (3, 4):
         assert abs(got["conv"][step] - want[step]) <= 1e-6, (step, got, want)
     assert abs(got["conv0"][3] - want[3]) <= 1e-6 and abs(got["conv0"][4] - want[4]) > 1e-4, (got, want)
