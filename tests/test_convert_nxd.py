@@ -26,6 +26,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from nxdt.checkpoint.checkpointer import load_weights
 from nxdt.checkpoint.nxd_legacy import LAYER_KEY as LAYER
+from nxdt.checkpoint.nxd_legacy_optim import check_ep_layout
 from nxdt.checkpoint.state import SafeReader, read_dcp_metadata
 from nxdt.config.errors import ConfigError
 from nxdt.config.load import main_guard
@@ -706,11 +707,10 @@ def test_megatron_and_moe_checkpoints_give_nxdt_logits(tmp_path, capsys, source,
     config, cfg, model, sd = _model_case(tmp_path, source, tp, pp, ep, kv, moe)
     shards = _nxd_shards(source, sd, tp, pp, ep, kv)
     tag = tmp_path / "ckpt" / f"{source}--step=3-consumed_samples=24.0.ckpt"
-    optim = {rank[-2:]: [{"state": {}, "param_groups": []}] for rank in shards} if ep > 1 else None  # not read
-    write_nxd(tag, shards, xser, optim)
+    write_nxd(tag, shards, xser)
     lines = nxd_to_nxdt(tag.parent, tmp_path / "conv", config)
     assert f"tp {tp} x pp {pp}" + (f" x ep {ep}" if ep > 1 else "") in lines[0], lines
-    assert any(("not carried over: with expert parallelism (ep 2)" in line) == (ep > 1) for line in lines), lines
+    assert any("the output is weights-only" in line for line in lines), lines
     assert ("2 MoE layers" in lines[0]) == moe and ("megatron-style" in lines[0]) == (source != "hf"), lines
     weights = load_weights(tmp_path / "conv")
     assert set(weights) == set(sd), set(weights) ^ set(sd)
@@ -833,6 +833,85 @@ def test_megatron_and_moe_optimizer_state(tmp_path, source, tp, pp, dp, kv, moe,
     assert "in NxDT's group order" in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
+def _ep_zero1(plain: dict, experts: dict) -> dict:
+    """NeuronEPZero1Optimizer.state_dict() (aws-neuron/neuronx-distributed @ fbac349b, optimizer/
+    zero_redundancy_optimizer.py) of one dp rank from its two ZeRO-1 states: param_groups joined
+    (the experts' indices from 0 again), the experts' base_state / shape_info keys shifted past the
+    others' (_get_offset: max key + 1; 1 for the wrapper's empty `state`)."""
+    n = max(plain["base_state"]) + 1
+    return {"ep_param_id_offset": 1, "ep_param_group_offset": len(plain["param_groups"]), "ep_base_state_offset": n,
+            "ep_shape_info_offset": n, "param_groups": plain["param_groups"] + experts["param_groups"], "state": {},
+            "base_state": {**plain["base_state"], **{n + k: v for k, v in experts["base_state"].items()}},
+            "shape_info": {**plain["shape_info"], **{n + k: v for k, v in experts["shape_info"].items()}}}
+
+
+def _ep_states(shards: dict, moments: dict, step: float, dp: int, ep: int, no_decay: list[str], drop_empty: bool) -> dict:
+    """Per (tp, pp) rank each dp rank's NeuronEPZero1Optimizer state: dp rank d holds the non-expert
+    parameters' ZeRO-1 shard d of dp and ep rank d % ep's experts' shard d // ep of dp / ep
+    (`shards`, `moments[k]`: per (ep, tp, pp) rank); `drop_empty`: NeMo's groups (megatron-style)."""
+    def half(rank, experts: bool, ranks: int, r: int) -> dict:
+        names = [n for n in shards[rank] if ("expert_mlps" in n) == experts]
+        state = _zero1({n: shards[rank][n] for n in names}, {k: moments[k][rank] for k in moments}, step, ranks,
+                       no_decay)[r]
+        if drop_empty:
+            state["param_groups"] = [g for g in state["param_groups"] if g["params"]]
+        return state
+    return {(t, p): [_ep_zero1(half((0, t, p), False, dp, d), half((d % ep, t, p), True, dp // ep, d // ep))
+                     for d in range(dp)] for (_, t, p) in shards if _ == 0}
+
+
+@pytest.mark.parametrize(("source", "tp", "pp", "dp", "kv", "xser"), [
+    ("hf", 2, 1, 4, 2, False),       # NxDT's HF Mixtral, tp 2 x dp 4 x ep 2: the experts over 2 edp ranks
+    ("megatron", 2, 2, 2, 4, True),  # megatron Mixtral, tp 2 x pp 2 x dp 2 x ep 2 (edp 1), xser
+])
+def test_expert_parallel_optimizer_state(tmp_path, source, tp, pp, dp, kv, xser):
+    """Adam's state of an ep 2 MoE run as NxD writes it: ZeRO-1 is NeuronEPZero1Optimizer (trainer.py
+    initialize_parallel_optimizer), one file per dp rank (`dp_rank_XX_tp_rank_YY_pp_rank_ZZ.pt`, no ep
+    rank: checkpoint.py _get_path with dp), holding the non-expert parameters' ZeRO-1 state over dp and
+    its ep rank's experts' over the expert-data-parallel ranks; dp rank d is ep rank d % ep, edp
+    rank d // ep (parallel_state.py initialize_model_parallel / ascending_ring_PG_group: ranks as
+    [pp, dp, tp] and [pp, edp, ep, tp]). Converted, every moment equals the one written, by name,
+    bit for bit; dp not a multiple of ep and NxD's Trn2 ring layout are refused in one line."""
+    ep = 2
+    config, cfg, model, sd = _model_case(tmp_path, source, tp, pp, ep, kv, True)
+    if source == "hf":
+        config.write_text(config.read_text().replace("qkv_linear: true", "qkv_linear: true\n  do_layer_norm_weight_decay: true"))
+    torch.manual_seed(6)
+    optim = {f"state.{n}.{k}": torch.randn_like(t).abs() for n, t in sd.items() for k in ("exp_avg", "exp_avg_sq")}
+    optim.update({f"state.{n}.step": torch.tensor(11.0) for n in sd})
+    order = (lambda shard, p: _nxd_order(shard)) if source == "hf" else (lambda shard, p: _megatron_order(shard, pp > 1))
+    shards = {rank: order(shard, rank[2]) for rank, shard in _nxd_shards(source, sd, tp, pp, ep, kv).items()}
+    moments = {k: _nxd_shards(source, {n: optim[f"state.{n}.{k}"] for n in sd}, tp, pp, ep, kv)
+               for k in ("exp_avg", "exp_avg_sq")}
+    no_decay = {"megatron": [], "hf": ["bias", "LayerNorm", "norm"]}[source]
+    states = _ep_states(shards, moments, 11.0, dp, ep, no_decay, source != "hf")
+    tag = tmp_path / "ckpt" / f"{source}--step=11-consumed_samples=88.0.ckpt"
+    write_nxd(tag, shards, xser, states)
+    lines = nxd_to_nxdt(tag, tmp_path / "conv", config)
+    assert any(f"of {len(sd)} parameters, step 11 (ZeRO-1 shards over dp {dp}, the experts' over ep 2 x "
+               f"expert-data-parallel {dp // ep}); resumes at step 11" in line for line in lines), lines
+    _, got = _nxdt_state(tmp_path / "conv")
+    assert set(got) == set(optim), set(got) ^ set(optim)
+    for key, tensor in optim.items():
+        assert torch.equal(got[key], tensor), key
+    if source != "hf":
+        return
+    # a dp rank's file missing: named
+    (tag / "optim" / "dp_rank_03_tp_rank_00_pp_rank_00.pt").unlink()
+    with pytest.raises(ConfigError) as err:
+        nxd_to_nxdt(tag, tmp_path / "conv_bad", config)
+    assert "dp_rank_03_tp_rank_00_pp_rank_00.pt is missing" in str(err.value), str(err.value)
+    for args, says in (((2, 64, 128, 1, 1), "the instance type (Trn1 or Trn2) is unknown"),
+                       ((2, 32, 128, None, 1), "give trainer.lnc (1 or 2)"),
+                       ((2, 32, 64, 2, 1), "NxD's Trn2 ring layout (LOGIC2)"),
+                       ((2, 8, 64, None, 2), "context_parallel_size 2 with ep 2")):
+        with pytest.raises(ConfigError) as err:
+            check_ep_layout(*args, tag)
+        assert says in str(err.value) and "\n" not in str(err.value), str(err.value)
+    check_ep_layout(2, 32, 32, None, 1, tag)  # tp 32 over 32 ranks: the default layout whatever the lnc
+    check_ep_layout(2, 64, 128, 2, 1, tag)
+
+
 def _megatron_nxd_with_optimizer(tag, weights: dict, optim: dict, c: dict, tp: int, pp: int, dp: int) -> None:
     """NxDT's megatron-style checkpoint (torch.save) of nxdt's `weights` and Adam state `optim`: the
     rank files in a traced stage's module order, ZeRO-1 over dp `dp`, one parameter group (NeMo's
@@ -880,6 +959,46 @@ def test_megatron_optimizer_state_resumes_the_run(tmp_path, kjv_prefix):
         assert sorted(got[name]) == [3, 4], got
     _, converted = _nxdt_state(tmp_path / "conv_ckpt")
     assert set(converted) == set(optim) and all(torch.equal(converted[k], v) for k, v in optim.items())
+    for step in (3, 4):
+        assert abs(got["conv"][step] - want[step]) <= 1e-6, (step, got, want)
+    assert abs(got["conv0"][3] - want[3]) <= 1e-6 and abs(got["conv0"][4] - want[4]) > 1e-4, (got, want)
+
+
+def test_expert_parallel_optimizer_state_resumes_the_run(tmp_path, kjv_prefix):
+    """nxdt's own megatron Mixtral run (tiny_llama_cpu with 4 experts, top 2) at step 2, written as
+    NxDT would have saved it at tp 2 x pp 2 x dp 2 x ep 2 (NeuronEPZero1Optimizer): converted, a
+    resume logs the uninterrupted run's losses at steps 3 and 4 within 1e-6; with the experts'
+    moments zeroed, step 4's is missed."""
+    moe = ["model.moe.num_experts=4", "model.moe.top_k=2"]
+    run = ["--config-name", "tiny_llama_cpu", *TINY_OVERRIDES, *moe, "trainer.devices=1", "trainer.max_steps=4",
+           "model.optim.sched.warmup_steps=2", f"data.data_prefix=[1.0,{kjv_prefix}]"]
+    ref = train_in_process([*run, f"exp_manager.explicit_log_dir={tmp_path / 'ref'}",
+                            "exp_manager.create_checkpoint_callback=true",
+                            "exp_manager.checkpoint_callback_params.every_n_train_steps=2",
+                            "exp_manager.checkpoint_callback_params.save_top_k=-1"])
+    assert ref.rc == 0, ref.err[-3000:]
+    weights, optim = _nxdt_state(next((tmp_path / "ref" / "checkpoints").glob("*step=2-*")))
+    want = read_scalars(tmp_path / "ref")["reduced_train_loss"]
+    c = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_kv_heads": 2}
+    shards = {r: _megatron_order(s, True) for r, s in _nxd_shards("megatron", weights, 2, 2, 2, 2, c).items()}
+    step = float(next(v for k, v in optim.items() if k.endswith(".step")))
+    got = {}
+    for name, zero in (("conv", False), ("conv0", True)):
+        moments = {k: _nxd_shards("megatron", {n: optim[f"state.{n}.{k}"] * (0 if zero and ".experts." in n else 1)
+                                               for n in weights}, 2, 2, 2, 2, c) for k in ("exp_avg", "exp_avg_sq")}
+        tag = tmp_path / name / "megatron_mixtral--step=2-consumed_samples=16.0.ckpt"
+        write_nxd(tag, shards, False, _ep_states(shards, moments, step, 2, 2, [], True))
+        assert convert_main(["nxd-to-nxdt", "--input", str(tag), "--output", str(tmp_path / f"{name}_ckpt"),
+                             "--config", str(REPO / "conf" / "tiny_llama_cpu.yaml"), *TINY_OVERRIDES, *moe,
+                             "distributed_strategy.tensor_model_parallel_size=2",
+                             "distributed_strategy.pipeline_model_parallel_size=2",
+                             "distributed_strategy.expert_model_parallel_size=2"]) == 0
+        resumed = train_in_process([*run, f"exp_manager.explicit_log_dir={tmp_path / name}_run",
+                                    f"exp_manager.resume_from_checkpoint={tmp_path / name}_ckpt"])
+        assert resumed.rc == 0, resumed.err[-3000:]
+        assert f"resuming from {tmp_path / name}_ckpt (step 2, consumed_samples 16)" in resumed.out, resumed.out[-2000:]
+        got[name] = read_scalars(tmp_path / f"{name}_run")["reduced_train_loss"]
+        assert sorted(got[name]) == [3, 4], got
     for step in (3, 4):
         assert abs(got["conv"][step] - want[step]) <= 1e-6, (step, got, want)
     assert abs(got["conv0"][3] - want[3]) <= 1e-6 and abs(got["conv0"][4] - want[4]) > 1e-4, (got, want)

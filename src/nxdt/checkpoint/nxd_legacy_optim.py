@@ -39,9 +39,24 @@ children's. The groups:
   expert_model_parallel): empty, and dropped. MoE layers (NxD's MoE: router.linear_router,
   expert_mlps.mlp_op.gate_up_proj / down_proj) are ordinary parameters of either rule.
 
-With expert parallelism (ep > 1) NxD's ZeRO-1 is NeuronEPZero1Optimizer: the experts' state is a
-second ZeRO-1 state sharded over the expert-data-parallel ranks, joined after the others at
-`ep_param_id_offset`; that layout is not read (the converter says so; weights-only).
+With expert parallelism (ep > 1) NxD's ZeRO-1 is NeuronEPZero1Optimizer (trainer.py
+initialize_parallel_optimizer): two ZeRO-1 optimizers over NxDT's groups filtered
+(recursive_filter: every group kept, in order), one of the parameters that are not
+expert-parallel sharded over the dp group, one of the experts (`expert_model_parallel`, NxD's
+expert_mlps) sharded over the expert-data-parallel group. Its state_dict, still one file per dp
+rank named without the ep rank, holds both: param_groups the first's then the second's (from
+`ep_param_group_offset`; the second's indices count from 0 again), base_state and shape_info
+the second's keys shifted by `ep_base_state_offset` / `ep_shape_info_offset` (split back here as
+its load_state_dict splits them); no sharded_master_weights. An expert's shard is dim 0 (the
+rank's experts) over the expert-data-parallel ranks. Which file holds which experts is
+parallel_state's rank layout: the default (LOGIC1, ascending ring) reshapes the ranks as
+[pp, dp, tp] outside and [pp, edp, ep, tp] inside the experts, so dp rank d is ep rank d % ep
+and expert-data-parallel rank d // ep (the experts of ep rank e: the model file `_ep_rank_e`).
+Trn2's other layout (LOGIC2: tp 64 at lnc 1, tp 32 at lnc 2 over ≥ 64 ranks) makes rings of the
+dp groups but keeps the contiguous expert groups (NxD: "Expert Parallelism is not supported"
+there): refused, as is a tp 32 / 64 checkpoint whose YAML does not say which applies, context
+parallelism with ep (the files name no cp rank) and per-ep-rank files without ZeRO-1 (NxD's save
+writes them from one rank per data-parallel group, ep rank 0's; the others' experts are missing).
 The order is checked against shape_info and the groups' sizes, and a checkpoint where it does
 not fit is refused rather than guessed.
 
@@ -52,8 +67,11 @@ schedule's at that step.
 
 Followed (read, not imported):
   aws-neuron/neuronx-distributed @ fbac349b (2026-04-09): trainer/checkpoint.py (_get_path,
-    save_checkpoint: `optim/` with `dp` in the name under ZeRO-1), optimizer/zero_redundancy_optimizer.py
-    (NeuronZero1Optimizer, NeuronEPZero1Optimizer), optimizer/convert_zero_checkpoints.py
+    save_checkpoint: `optim/` with `dp` in the name under ZeRO-1, `ep` without; _save),
+    optimizer/zero_redundancy_optimizer.py (NeuronZero1Optimizer, NeuronEPZero1Optimizer: state_dict,
+    load_state_dict), parallel_layers/parallel_state.py (initialize_model_parallel, ascending_ring_PG_group,
+    ascending_descending_ring_PG_group, get_logic_chosen), trainer/trainer.py
+    (initialize_parallel_optimizer), utils/model_utils.py (recursive_filter), optimizer/convert_zero_checkpoints.py
     (merge_optim_dp_checkpoints), pipeline/model.py (local_named_parameters, local_state_dict),
     trainer/model.py (NxDModel.named_modules: the local stages'), trainer/trainer.py
     (initialize_optimizer_from_class), modules/moe (model.py, routing.py, experts.py)
@@ -87,6 +105,7 @@ from nxdt.checkpoint.nxd_legacy import (
     XserTensorReference,
     merge_ranks,
 )
+from nxdt.checkpoint.nxd_legacy_megatron import is_expert
 from nxdt.config.errors import ConfigError
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -142,6 +161,11 @@ def optim_files(ckpt: NxdCheckpoint) -> dict[tuple[int, int], list[Path]] | None
         if m and full:
             raise ConfigError(f"{folder}: both {full[0].group(0)} (joined over dp) and {name} (a dp rank's): "
                               "keep one kind")
+        if m and m.group(2) is not None:
+            raise ConfigError(f"{folder}: {name}: optimizer files per ep rank (NxD without ZeRO-1 under expert "
+                              "parallelism) are not read: NxD's save writes them from one rank per data-parallel "
+                              "group, leaving the other ep ranks' experts out (remove optim/ for a weights-only "
+                              "conversion)")
         if m:
             dp, _, tp, pp = (int(x) if x is not None else 0 for x in m.groups())
             found.setdefault((tp, pp), {})[dp] = folder / name
@@ -183,10 +207,12 @@ def _moments(entry: Any, where: str) -> dict[str, Any]:
     return entry
 
 
-def merge_dp(files: list[Path]) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]], dict[int, tuple]]:
+def merge_dp(files: list[Path], parts: list[dict[str, Any]] | None = None
+             ) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]], dict[int, tuple]]:
     """One tp/pp rank's state: per parameter index its full exp_avg, exp_avg_sq and step, the
-    param groups, and each index's shape (ZeRO-1: from shape_info; else the moments')."""
-    parts = [_read_optim(f) for f in files]
+    param groups, and each index's shape (ZeRO-1: from shape_info; else the moments'); `parts`:
+    the files' state dicts already read (split_ep_state's halves)."""
+    parts = parts if parts is not None else [_read_optim(f) for f in files]
     groups = parts[0]["param_groups"]
     if "base_state" not in parts[0]:
         if len(files) > 1:
@@ -257,10 +283,11 @@ def model_file_params(file: Path) -> list[tuple[str, tuple]]:
 
 
 def param_names(model_file: Path, groups: list[dict[str, Any]], shapes: dict[int, tuple],
-                no_decay, where: Path) -> dict[int, str]:
+                no_decay, where: Path, keep=None) -> dict[int, str]:
     """Optimizer index → parameter name on one tp/pp rank (NxDT's grouping; `no_decay(name)`: in
-    the second group), checked against the groups' sizes and every index's shape."""
-    params = model_file_params(model_file)
+    the second group), checked against the groups' sizes and every index's shape; `keep(name)`:
+    the parameters this optimizer holds (NeuronEPZero1Optimizer's two: experts or the others)."""
+    params = [(n, s) for n, s in model_file_params(model_file) if keep is None or keep(n)]
     ordered = [n for n, _ in params if not no_decay(n)] + [n for n, _ in params if no_decay(n)]
     shape_of = dict(params)
     indices = [i for g in groups for i in g.get("params", [])]
@@ -297,16 +324,18 @@ def merge_optimizer(ckpt: NxdCheckpoint, files: dict[tuple[int, int], list[Path]
     per_rank = {key: [{} for _ in range(ckpt.tp)] for key in (*MOMENTS, "master")}
     steps: dict[float, str] = {}
     for (t, p), dp_files in sorted(files.items()):
-        state, groups, shapes = merge_dp(dp_files)
-        names = param_names(ckpt.files[(t, p)], groups, shapes, no_decay, dp_files[0])
-        for i, name in names.items():
-            if i not in state:
-                raise ConfigError(f"{dp_files[0]}: no Adam state for parameter {i} ({name})")
-            step = state[i]["step"]
+        if ckpt.ep > 1:
+            by_name = ep_rank_state(ckpt.files[(t, p)], dp_files, no_decay, ckpt.ep)
+        else:
+            state, groups, shapes = merge_dp(dp_files)
+            by_name = _by_name(param_names(ckpt.files[(t, p)], groups, shapes, no_decay, dp_files[0]), state,
+                               dp_files[0])
+        for name, entry in by_name.items():
+            step = entry["step"]
             steps.setdefault(float(step) if step is not None else -1.0, f"{dp_files[0].name}: {name}")
             for key in (*MOMENTS, "master"):
-                if key in state[i]:
-                    per_rank[key][t][name] = state[i][key]
+                if key in entry:
+                    per_rank[key][t][name] = entry[key]
     if len(steps) != 1 or -1.0 in steps:
         said = ", ".join(f"{v:g} at {w}" for v, w in sorted(steps.items())[:2])
         raise ConfigError(f"{ckpt.tag / 'optim'}: Adam's step is {said}: not one step for every parameter "
@@ -324,6 +353,77 @@ def merge_optimizer(ckpt: NxdCheckpoint, files: dict[tuple[int, int], list[Path]
     if with_masters:  # every parameter's (merge_ranks consumes what it merges: counted before)
         masters, _ = merge_ranks(per_rank["master"], lay, ckpt.tag / "optim", order=kv_order or None, want=want)
     return NxdOptimizer(out, step, len(next(iter(files.values()))), {k: v.float() for k, v in masters.items()})
+
+
+def _by_name(names: dict[int, str], state: dict[int, dict[str, Any]], where: Path) -> dict[str, dict[str, Any]]:
+    for i, name in names.items():
+        if i not in state:
+            raise ConfigError(f"{where}: no Adam state for parameter {i} ({name})")
+    return {name: state[i] for i, name in names.items()}
+
+
+# --------------------------------------------------------------------------- expert parallelism
+EP_KEYS = ("ep_param_group_offset", "ep_base_state_offset", "ep_shape_info_offset")
+
+
+def split_ep_state(data: dict[str, Any], file: Path, ep: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """NeuronEPZero1Optimizer.state_dict() → the ZeRO-1 state of the parameters that are not
+    expert-parallel and that of the experts, as its load_state_dict splits it."""
+    missing = [k for k in EP_KEYS if not isinstance(data.get(k), int)]
+    if missing or "base_state" not in data:
+        raise ConfigError(f"{file}: no {missing[0] if missing else 'base_state'}: not the state of NxD's "
+                          f"NeuronEPZero1Optimizer, which ZeRO-1 with ep {ep} writes")
+
+    def split(key: str, offset: int) -> tuple[dict, dict]:
+        low = {k: v for k, v in data[key].items() if k < offset}
+        return low, {k - offset: v for k, v in data[key].items() if k >= offset}
+    base, ep_base = split("base_state", data["ep_base_state_offset"])
+    shapes, ep_shapes = split("shape_info", data["ep_shape_info_offset"])
+    g = data["ep_param_group_offset"]
+    return ({"param_groups": data["param_groups"][:g], "base_state": base, "shape_info": shapes},
+            {"param_groups": data["param_groups"][g:], "base_state": ep_base, "shape_info": ep_shapes})
+
+
+def ep_rank_state(model_file: Path, dp_files: list[Path], no_decay, ep: int) -> dict[str, dict[str, Any]]:
+    """One tp/pp rank's Adam state by parameter name under ZeRO-1 with expert parallelism: the
+    others' merged over every dp rank, each ep rank's experts over its expert-data-parallel ranks
+    (dp rank d: ep rank d % ep, edp rank d // ep) and the ep ranks joined on dim 0 (the experts)."""
+    if len(dp_files) % ep:
+        raise ConfigError(f"{dp_files[0].parent}: {len(dp_files)} dp ranks' optimizer files do not split over ep {ep} "
+                          "(NxD's expert-data-parallel degree is dp / ep)")
+    parts = [split_ep_state(_read_optim(f), f, ep) for f in dp_files]
+    state, groups, shapes = merge_dp(dp_files, [a for a, _ in parts])
+    out = _by_name(param_names(model_file, groups, shapes, no_decay, dp_files[0], lambda n: not is_expert(n)),
+                   state, dp_files[0])
+    experts = []
+    for e in range(ep):
+        ranks = range(e, len(dp_files), ep)  # dp rank d: ep rank d % ep, edp rank d // ep
+        files = [dp_files[d] for d in ranks]
+        state, groups, shapes = merge_dp(files, [parts[d][1] for d in ranks])
+        experts.append(_by_name(param_names(model_file, groups, shapes, no_decay, files[0], is_expert), state, files[0]))
+    for name in experts[0]:
+        steps = {float(x[name]["step"]) if x[name].get("step") is not None else -1.0 for x in experts}
+        if len(steps) > 1:
+            raise ConfigError(f"{dp_files[0].parent}: Adam's step of {name} differs between the ep ranks ({sorted(steps)})")
+        out[name] = {"step": experts[0][name]["step"],
+                     **{key: torch.cat([x[name][key] for x in experts]) for key in MOMENTS}}
+    return out
+
+
+def check_ep_layout(ep: int, tp: int, world: int, lnc: int | None, cp: int, where: Path) -> None:
+    """ConfigError unless NxD's default rank layout (parallel_state LOGIC1) wrote the ep > 1 state."""
+    if cp > 1:
+        raise ConfigError(f"{where}: context_parallel_size {cp} with ep {ep}: the optimizer files name no cp rank; not read")
+    logic2 = {64: "lnc 1 on Trn2", 32: "lnc 2 on Trn2 over 64 or more ranks"}.get(tp)
+    if logic2 is None or (tp == 32 and (world < 64 or lnc == 1)) or (tp == 64 and lnc == 2):
+        return
+    if (tp, lnc) in ((32, 2),):
+        raise ConfigError(f"{where}: tp 32 at lnc 2 over {world} ranks: NxD's Trn2 ring layout (LOGIC2), whose "
+                          f"expert groups mix tp ranks (NxD: expert parallelism not supported there); not read")
+    raise ConfigError(f"{where}: tp {tp} with ep {ep}: NxD lays the ranks out as rings (LOGIC2) with {logic2}, "
+                      "which the checkpoint does not record: "
+                      + ("give trainer.lnc (1 or 2)" if tp == 32 else "the instance type (Trn1 or Trn2) is unknown")
+                      + "; the optimizer state is not read (remove optim/ for a weights-only conversion)")
 
 
 def check_masters(masters: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], where: Path) -> None:

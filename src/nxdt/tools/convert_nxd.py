@@ -16,7 +16,7 @@ checked against nxdt's model of the YAML, built on the meta device.
 The output is an nxdt checkpoint under transformers' names (megatron-style: the native model's, the
 same, with NxDT's padded vocabulary). Where NxDT saved Adam's state (`optim/`: ZeRO-1 shards per dp
 rank, or a plain optimizer per tp/pp rank; nxdt.checkpoint.nxd_legacy_optim; both model sources,
-dense and MoE, without expert parallelism), it carries exp_avg, exp_avg_sq and the step, merged like the weights, and NxDT's step and
+dense and MoE, with expert parallelism NxD's NeuronEPZero1Optimizer shards), it carries exp_avg, exp_avg_sq and the step, merged like the weights, and NxDT's step and
 consumed_samples (from the tag's name): `exp_manager.resume_from_checkpoint=CKPT` continues the
 run there (lr, betas, eps and weight decay from the YAML, lr at its schedule's step). Without
 `optim/` files it is weights-only (a line says so): start from it with `exp_manager.resume_from_checkpoint=CKPT
@@ -34,7 +34,7 @@ import torch
 
 from nxdt.checkpoint.checkpointer import save_weights
 from nxdt.checkpoint.nxd_legacy import NxdLayout, merge, scan
-from nxdt.checkpoint.nxd_legacy_optim import check_masters, merge_optimizer, optim_files
+from nxdt.checkpoint.nxd_legacy_optim import check_ep_layout, check_masters, merge_optimizer, optim_files
 from nxdt.checkpoint.state import reseed_state
 from nxdt.config.errors import ConfigError
 from nxdt.config.load import compose
@@ -171,12 +171,15 @@ def nxd_to_nxdt(input_path: Path, output: Path, config: Path | None, overrides: 
     optimizer, resume = None, {}
     moe = any(".mlp.experts." in k for k in tensors)
     lines = []
-    files = optim_files(ckpt) if ckpt.ep == 1 else None
-    if ckpt.ep > 1 and (ckpt.tag / "optim").is_dir() and any((ckpt.tag / "optim").iterdir()):
-        lines.append(f"notice: the optimizer files in {ckpt.tag / 'optim'} are not carried over: with expert "
-                     f"parallelism (ep {ckpt.ep}) NxD keeps the experts' Adam state as a second ZeRO-1 state over "
-                     "the expert-data-parallel ranks (NeuronEPZero1Optimizer), which is not read; the output is "
-                     "weights-only")
+    files = optim_files(ckpt)
+    if files is not None and ckpt.ep > 1:
+        dp = len(next(iter(files.values())))
+        if any(f.name.startswith("full_") for f in next(iter(files.values()))):
+            raise ConfigError(f"{ckpt.tag / 'optim'}: joined over dp (NxD's convert_zero_checkpoints) with ep {ckpt.ep}: "
+                              "the experts' expert-data-parallel shards cannot be told apart there; not read (give the "
+                              "dp_rank_XX files, or remove optim/ for a weights-only conversion)")
+        check_ep_layout(ckpt.ep, ckpt.tp, ckpt.tp * ckpt.pp * dp, cfg.trainer.lnc,
+                        cfg.distributed_strategy.context_parallel_size, ckpt.tag / "optim")
     if files is not None:
         optimizer = merge_optimizer(ckpt, files, lay, bool(cfg.model.do_layer_norm_weight_decay),
                                     None if "/" in kv_order else kv_order, model_shapes(cfg, hf))
@@ -203,13 +206,15 @@ def nxd_to_nxdt(input_path: Path, output: Path, config: Path | None, overrides: 
     if not ckpt.complete:
         lines.append(f"notice: {ckpt.tag} has no `done` marker (NxD writes it last): the save may not have finished")
     if files is None:
-        if not any("not carried over" in line for line in lines):
-            lines.append(f"notice: no optimizer files in {ckpt.tag / 'optim'}: the output is weights-only (Adam's "
-                         "moments start fresh)")
+        lines.append(f"notice: no optimizer files in {ckpt.tag / 'optim'}: the output is weights-only (Adam's "
+                     "moments start fresh)")
         lines.append(f"start training from it: exp_manager.resume_from_checkpoint={output} model.weight_init_only=true")
         return lines
     lines.append(f"optimizer: Adam's exp_avg and exp_avg_sq of {len(optimizer.state) // 3} parameters, step "
-                 f"{optimizer.step:g} " + (f"(ZeRO-1 shards over dp {optimizer.dp})" if optimizer.dp > 1 else
+                 f"{optimizer.step:g} " + (f"(ZeRO-1 shards over dp {optimizer.dp}"
+                                           + (f", the experts' over ep {ckpt.ep} x expert-data-parallel "
+                                              f"{optimizer.dp // ckpt.ep}" if ckpt.ep > 1 else "") + ")"
+                                           if optimizer.dp > 1 else
                                            "(one file per tp/pp rank)")
                  + (", the weights from its fp32 master copies" if optimizer.masters else "")
                  + f"; resumes at step {resume['step']}, consumed_samples {resume['consumed_samples']}"
