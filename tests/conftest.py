@@ -69,7 +69,7 @@ TINY_OVERRIDES = [
 # was tried beside the layouts: a fresh CI run took 497 s against 480 s in this order, one run
 # each; the job's own processes compete with the layouts' ranks.)
 LONG_MODULES = ("test_parallel_layouts.py", "test_checkpoint_resume.py", "test_checkpoint_reshard.py", "test_nxdt_release_runs.py",
-                "test_fault_tolerance.py", "test_benchmark_scripts.py", "test_grpo_runs.py", "test_slurm.py",
+                "test_fault_tolerance.py", "test_benchmark_scripts.py", "test_tiny_configs_train.py", "test_grpo_runs.py", "test_slurm.py",
                 "test_finetuning_runs.py", "test_lm_eval.py", "test_data_arrow.py", "test_parallel_units.py", "test_config.py",
                 "test_precision.py", "test_train.py", "test_evaluate.py", "test_lora_parallel.py", "test_data_megatron.py",
                 "test_import_config.py", "test_generate_parallel.py", "test_cli_errors.py", "test_precision_parallel.py")
