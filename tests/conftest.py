@@ -150,12 +150,12 @@ HEAP_ABORTS = ("malloc(): ", "free(): ", "double free", "corrupted size")
 
 def run_pool(runs: dict[str, list[str]], nproc: int, out_dir: Path, expect: dict[str, int] | None = None,
              timeout: int = 900, entry: str | None = None,
-             env: dict[str, dict[str, str]] | None = None, relaunched: bool = False,
+             env: dict[str, dict[str, str]] | None = None, relaunched: bool = False, freeze: bool = False,
              ) -> dict[str, subprocess.CompletedProcess]:
     """Run several examples/train.py command lines (name -> argv) of one world size in one launch,
     in order, in-process on each rank (tests/run_pool.py); each must exit 0, or as `expect` says
     (name -> exit status). Returns, per name, what `run_cli` would: the exit status and every
-    rank's stdout and stderr (rank order). `entry`: another module whose `main(argv)` runs the
+    rank's stdout and stderr (rank order). `freeze`: after each run, collect garbage and gc.freeze() what is left (tests/run_pool.py). `entry`: another module whose `main(argv)` runs the
     command lines (e.g. "nxdt.tools.evaluate"). `env`: name -> environment variables for that run only."""
     expect = expect or {}
     run_env = env
@@ -166,7 +166,8 @@ def run_pool(runs: dict[str, list[str]], nproc: int, out_dir: Path, expect: dict
                                                            **({"entry": entry} if entry else {}),
                                                            **({"env": env[k]} if env and k in env else {})}
                                                           for k, v in runs.items()]}))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "NXDT_POOL_JOBS": str(spec)}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "NXDT_POOL_JOBS": str(spec),
+           **({"NXDT_POOL_FREEZE": "1"} if freeze else {})}
     env.pop("NXDT_RUN_VERSION", None)
     pool = str(REPO / "tests" / "run_pool.py")
     cmd = ([sys.executable, pool] if nproc == 1 else
@@ -192,7 +193,7 @@ def run_pool(runs: dict[str, list[str]], nproc: int, out_dir: Path, expect: dict
                 for n in [n for n in rest if n in new_dirs]:
                     shutil.rmtree(log_dirs[n], ignore_errors=True)  # a fresh start for the runs' new log dirs
                 results.update(run_pool({n: runs[n] for n in rest}, nproc, out_dir / "relaunch", expect, timeout,
-                                        entry, run_env, relaunched=True))
+                                        entry, run_env, relaunched=True, freeze=freeze))
                 return results
             # each rank's own tail: the rank that died first (e.g. an abort in a gloo thread) says why,
             # and its lines would be cut off behind the others' tracebacks in one joined tail

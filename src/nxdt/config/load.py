@@ -259,8 +259,12 @@ def compose(argv: list[str], default_config_dir: str | os.PathLike | None = None
     base = schema.defaults()
     cfg = OmegaConf.create(_merge(base, user))
     _apply_overrides(cfg, key_ovs)
-    # restore schema keys removed by `~key` (a deleted key reads as its default)
-    cfg = OmegaConf.create(_merge(base, OmegaConf.to_container(cfg, resolve=False)))
+    # restore schema keys removed by `~key` (a deleted key reads as its default); the config is built
+    # again only when that adds something (building it costs ~15% of a compose, paid by every run)
+    plain = OmegaConf.to_container(cfg, resolve=False)
+    merged = _merge(base, plain)
+    if merged != plain:
+        cfg = OmegaConf.create(merged)
     if record is not None:
         record.update(config_dir=str(config_dir), config_name=config_name,
                       defaults=_defaults_list(config_file), composed=OmegaConf.to_container(cfg, resolve=False))
