@@ -16,6 +16,7 @@ import json
 import re
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -403,6 +404,38 @@ def _nxd_with_optimizer(tag, weights: dict, optim: dict, dp: int, xser: bool, la
     write_nxd(tag, shards, xser, states)
 
 
+def _reference_run(tmp_path: Path, run: list[str]) -> tuple[dict, dict, dict]:
+    """nxdt's own run to step 4, checkpointed every 2 steps: its step-2 weights and optimizer state and
+    its losses by step."""
+    ref = train_in_process([*run, f"exp_manager.explicit_log_dir={tmp_path / 'ref'}",
+                            "exp_manager.create_checkpoint_callback=true",
+                            "exp_manager.checkpoint_callback_params.every_n_train_steps=2",
+                            "exp_manager.checkpoint_callback_params.save_top_k=-1"])
+    assert ref.rc == 0, ref.err[-3000:]
+    weights, optim = _nxdt_state(next((tmp_path / "ref" / "checkpoints").glob("*step=2-*")))
+    return weights, optim, read_scalars(tmp_path / "ref")["reduced_train_loss"]
+
+
+def _resumed_losses(tmp_path: Path, run: list[str], name: str, checkpoint: Path) -> dict:
+    """`run` resumed from a converted `checkpoint`: it says so as a native resume does, and logs steps 3
+    and 4 (the steps left); their losses."""
+    resumed = train_in_process([*run, f"exp_manager.explicit_log_dir={tmp_path / name}_run",
+                                f"exp_manager.resume_from_checkpoint={checkpoint}"])
+    assert resumed.rc == 0, resumed.err[-3000:]
+    assert f"resuming from {checkpoint} (step 2, consumed_samples 16)" in resumed.out, resumed.out[-2000:]
+    losses = read_scalars(tmp_path / f"{name}_run")["reduced_train_loss"]
+    assert sorted(losses) == [3, 4], losses
+    return losses
+
+
+def _assert_the_moments_carry_step_4(got: dict, want: dict) -> None:
+    """The converted run ('conv') continues the reference within 1e-6; with Adam's moments zeroed
+    ('conv0') step 3's loss is the same and step 4's (which Adam's state shapes) misses by > 1e-4."""
+    for step in (3, 4):
+        assert abs(got["conv"][step] - want[step]) <= 1e-6, (step, got, want)
+    assert abs(got["conv0"][3] - want[3]) <= 1e-6 and abs(got["conv0"][4] - want[4]) > 1e-4, (got, want)
+
+
 def test_nxd_optimizer_state_resumes_the_run(hf_model, tmp_path, kjv_prefix, capsys):
     """NxDT's ZeRO-1 Adam shards (dp 3: dims of 64 rows pad to 66 and split 22/22/20) of a tp 2 x
     pp 2 run, xser, made from nxdt's own step-2 checkpoint of the same tiny Llama: converted, the
@@ -413,12 +446,7 @@ def test_nxd_optimizer_state_resumes_the_run(hf_model, tmp_path, kjv_prefix, cap
     run = ["--config-name", "tiny_llama_cpu", *TINY_OVERRIDES, "trainer.devices=1", "trainer.max_steps=4",
            "model_source=hf", f"model.model_config={root / 'hf' / 'config.json'}", "model.do_layer_norm_weight_decay=true",
            "model.optim.sched.warmup_steps=2", f"data.data_prefix=[1.0,{kjv_prefix}]"]
-    ref = train_in_process([*run, f"exp_manager.explicit_log_dir={tmp_path / 'ref'}",
-                            "exp_manager.create_checkpoint_callback=true",
-                            "exp_manager.checkpoint_callback_params.every_n_train_steps=2",
-                            "exp_manager.checkpoint_callback_params.save_top_k=-1"])
-    assert ref.rc == 0, ref.err[-3000:]
-    weights, optim = _nxdt_state(next((tmp_path / "ref" / "checkpoints").glob("*step=2-*")))
+    weights, optim, want = _reference_run(tmp_path, run)
     tag = tmp_path / "nxd" / "hf_llama--step=2-consumed_samples=16.0.ckpt"
     _nxd_with_optimizer(tag, weights, optim, dp=3, xser=True)
     config = _yaml(root, 2, 2, None)
@@ -437,18 +465,10 @@ def test_nxd_optimizer_state_resumes_the_run(hf_model, tmp_path, kjv_prefix, cap
     zeroed = {k: torch.zeros_like(v) if "exp_avg" in k else v for k, v in optim.items()}
     _nxd_with_optimizer(tmp_path / "nxd0" / tag.name, weights, zeroed, dp=3, xser=False)
     nxd_to_nxdt(tmp_path / "nxd0" / tag.name, tmp_path / "conv0", config)
-    want = read_scalars(tmp_path / "ref")["reduced_train_loss"]
     got = {}
     for name in ("conv", "conv0"):
-        resumed = train_in_process([*run, f"exp_manager.explicit_log_dir={tmp_path / name}_run",
-                                    f"exp_manager.resume_from_checkpoint={tmp_path / name}"])
-        assert resumed.rc == 0, resumed.err[-3000:]
-        assert f"resuming from {tmp_path / name} (step 2, consumed_samples 16)" in resumed.out, resumed.out[-2000:]
-        got[name] = read_scalars(tmp_path / f"{name}_run")["reduced_train_loss"]
-        assert sorted(got[name]) == [3, 4], got  # steps 3 and 4 (steps done)
-    for step in (3, 4):
-        assert abs(got["conv"][step] - want[step]) <= 1e-6, (step, got, want)
-    assert abs(got["conv0"][3] - want[3]) <= 1e-6 and abs(got["conv0"][4] - want[4]) > 1e-4, (got, want)
+        got[name] = _resumed_losses(tmp_path, run, name, tmp_path / name)
+    _assert_the_moments_carry_step_4(got, want)
     # an optimizer keeping more than Adam's moments (amsgrad's max_exp_avg_sq): one line, exit 2
     amsgrad = train_in_process([*run, f"exp_manager.explicit_log_dir={tmp_path / 'amsgrad_run'}",
                                 f"exp_manager.resume_from_checkpoint={tmp_path / 'conv'}", "+model.optim.amsgrad=true"])
@@ -934,14 +954,8 @@ def test_megatron_optimizer_state_resumes_the_run(tmp_path, kjv_prefix):
     at steps 3 and 4 within 1e-6; the same checkpoint with Adam's moments zeroed misses step 4's."""
     run = ["--config-name", "tiny_llama_cpu", *TINY_OVERRIDES, "trainer.devices=1", "trainer.max_steps=4",
            "model.optim.sched.warmup_steps=2", f"data.data_prefix=[1.0,{kjv_prefix}]"]
-    ref = train_in_process([*run, f"exp_manager.explicit_log_dir={tmp_path / 'ref'}",
-                            "exp_manager.create_checkpoint_callback=true",
-                            "exp_manager.checkpoint_callback_params.every_n_train_steps=2",
-                            "exp_manager.checkpoint_callback_params.save_top_k=-1"])
-    assert ref.rc == 0, ref.err[-3000:]
-    weights, optim = _nxdt_state(next((tmp_path / "ref" / "checkpoints").glob("*step=2-*")))
+    weights, optim, want = _reference_run(tmp_path, run)
     c = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_kv_heads": 2}
-    want = read_scalars(tmp_path / "ref")["reduced_train_loss"]
     got = {}
     for name, moments in (("conv", optim), ("conv0", {k: torch.zeros_like(v) if "exp_avg" in k else v
                                                       for k, v in optim.items()})):
@@ -951,17 +965,10 @@ def test_megatron_optimizer_state_resumes_the_run(tmp_path, kjv_prefix):
                              "--config", str(REPO / "conf" / "tiny_llama_cpu.yaml"), *TINY_OVERRIDES,
                              "distributed_strategy.tensor_model_parallel_size=2",
                              "distributed_strategy.pipeline_model_parallel_size=2"]) == 0
-        resumed = train_in_process([*run, f"exp_manager.explicit_log_dir={tmp_path / name}_run",
-                                    f"exp_manager.resume_from_checkpoint={tmp_path / name}_ckpt"])
-        assert resumed.rc == 0, resumed.err[-3000:]
-        assert f"resuming from {tmp_path / name}_ckpt (step 2, consumed_samples 16)" in resumed.out, resumed.out[-2000:]
-        got[name] = read_scalars(tmp_path / f"{name}_run")["reduced_train_loss"]
-        assert sorted(got[name]) == [3, 4], got
+        got[name] = _resumed_losses(tmp_path, run, name, tmp_path / f"{name}_ckpt")
     _, converted = _nxdt_state(tmp_path / "conv_ckpt")
     assert set(converted) == set(optim) and all(torch.equal(converted[k], v) for k, v in optim.items())
-    for step in (3, 4):
-        assert abs(got["conv"][step] - want[step]) <= 1e-6, (step, got, want)
-    assert abs(got["conv0"][3] - want[3]) <= 1e-6 and abs(got["conv0"][4] - want[4]) > 1e-4, (got, want)
+    _assert_the_moments_carry_step_4(got, want)
 
 
 def test_expert_parallel_optimizer_state_resumes_the_run(tmp_path, kjv_prefix):
@@ -972,13 +979,7 @@ def test_expert_parallel_optimizer_state_resumes_the_run(tmp_path, kjv_prefix):
     moe = ["model.moe.num_experts=4", "model.moe.top_k=2"]
     run = ["--config-name", "tiny_llama_cpu", *TINY_OVERRIDES, *moe, "trainer.devices=1", "trainer.max_steps=4",
            "model.optim.sched.warmup_steps=2", f"data.data_prefix=[1.0,{kjv_prefix}]"]
-    ref = train_in_process([*run, f"exp_manager.explicit_log_dir={tmp_path / 'ref'}",
-                            "exp_manager.create_checkpoint_callback=true",
-                            "exp_manager.checkpoint_callback_params.every_n_train_steps=2",
-                            "exp_manager.checkpoint_callback_params.save_top_k=-1"])
-    assert ref.rc == 0, ref.err[-3000:]
-    weights, optim = _nxdt_state(next((tmp_path / "ref" / "checkpoints").glob("*step=2-*")))
-    want = read_scalars(tmp_path / "ref")["reduced_train_loss"]
+    weights, optim, want = _reference_run(tmp_path, run)
     c = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_kv_heads": 2}
     shards = {r: _megatron_order(s, True) for r, s in _nxd_shards("megatron", weights, 2, 2, 2, 2, c).items()}
     step = float(next(v for k, v in optim.items() if k.endswith(".step")))
@@ -993,12 +994,5 @@ def test_expert_parallel_optimizer_state_resumes_the_run(tmp_path, kjv_prefix):
                              "distributed_strategy.tensor_model_parallel_size=2",
                              "distributed_strategy.pipeline_model_parallel_size=2",
                              "distributed_strategy.expert_model_parallel_size=2"]) == 0
-        resumed = train_in_process([*run, f"exp_manager.explicit_log_dir={tmp_path / name}_run",
-                                    f"exp_manager.resume_from_checkpoint={tmp_path / name}_ckpt"])
-        assert resumed.rc == 0, resumed.err[-3000:]
-        assert f"resuming from {tmp_path / name}_ckpt (step 2, consumed_samples 16)" in resumed.out, resumed.out[-2000:]
-        got[name] = read_scalars(tmp_path / f"{name}_run")["reduced_train_loss"]
-        assert sorted(got[name]) == [3, 4], got
-    for step in (3, 4):
-        assert abs(got["conv"][step] - want[step]) <= 1e-6, (step, got, want)
-    assert abs(got["conv0"][3] - want[3]) <= 1e-6 and abs(got["conv0"][4] - want[4]) > 1e-4, (got, want)
+        got[name] = _resumed_losses(tmp_path, run, name, tmp_path / f"{name}_ckpt")
+    _assert_the_moments_carry_step_4(got, want)
