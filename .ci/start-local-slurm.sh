@@ -36,8 +36,18 @@ NodeName=$H CPUs=$CPUS RealMemory=$MEM State=UNKNOWN
 PartitionName=debug Nodes=$H Default=YES MaxTime=INFINITE State=UP
 CONF
 printf 'CgroupPlugin=cgroup/v1\nIgnoreSystemd=yes\n' > /etc/slurm/cgroup.conf
-pgrep -x munged >/dev/null || su -s /bin/sh munge -c /usr/sbin/munged
-pgrep -x slurmctld >/dev/null || /usr/sbin/slurmctld
-pgrep -x slurmd >/dev/null || /usr/sbin/slurmd
+# The daemons start with only stdin/stdout/stderr open: a daemon keeps every descriptor it
+# inherits, and one started under `flock LOCK bash .ci/run` would hold that lock for its lifetime.
+without_inherited_fds() {
+    (
+        for fd in $(ls /proc/$BASHPID/fd); do
+            [ "$fd" -gt 2 ] && eval "exec $fd>&-"
+        done
+        exec "$@"
+    )
+}
+pgrep -x munged >/dev/null || without_inherited_fds su -s /bin/sh munge -c /usr/sbin/munged
+pgrep -x slurmctld >/dev/null || without_inherited_fds /usr/sbin/slurmctld
+pgrep -x slurmd >/dev/null || without_inherited_fds /usr/sbin/slurmd
 for _ in $(seq 20); do sinfo -h -o %t 2>/dev/null | grep -q idle && break; sleep 1; done
 sinfo

@@ -32,9 +32,10 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.callbacks import Callback
 
 from nxdt.checkpoint.callbacks import NxdtCheckpoint, check_checkpoint_params
-from nxdt.checkpoint.checkpointer import load_checkpoint, rank_file, validate_checkpoint
+from nxdt.checkpoint.checkpointer import load_checkpoint, validate_checkpoint
 from nxdt.checkpoint.locate import check_start_weights, is_hf_folder, load_hf_folder, load_start_weights
 from nxdt.checkpoint.lora_state import is_adapter_only
+from nxdt.checkpoint.rank_state import rank_file
 from nxdt.checkpoint.retention import complete_checkpoints
 from nxdt.checkpoint.state import read_json, set_rng_state
 from nxdt.config.errors import ConfigError

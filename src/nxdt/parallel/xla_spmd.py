@@ -30,10 +30,12 @@ torch-xla is optional; it is imported where used, never at module import.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
@@ -142,8 +144,6 @@ def device_count() -> int:
 
 def build_mesh(shape: tuple[int, int, int]):
     """The SPMD mesh ("dp", "ep", "tp") over all devices; their number must be dp x ep x tp."""
-    import numpy as np  # numpy comes with torch-xla; only needed here
-
     n = device_count()
     if n != shape[0] * shape[1] * shape[2]:
         raise ValueError(f"the XLA mesh (dp, ep, tp) = {shape} needs {shape[0] * shape[1] * shape[2]} devices; "
@@ -299,8 +299,6 @@ def one_write_per_chunk(items: list) -> list:
 def save_planner():
     """torch-xla's SPMDSavePlanner with each chunk of a partially replicated tensor planned once
     (`one_write_per_chunk`): every shard written once, from a device that holds it."""
-    import dataclasses  # only needed here
-
     from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner  # torch-xla is optional
 
     class OneWritePerChunk(SPMDSavePlanner):

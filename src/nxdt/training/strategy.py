@@ -19,7 +19,8 @@ import torch.distributed as dist
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from nxdt.checkpoint.checkpointer import Checkpointer, ResumedLoader, batches_done_in_epoch, load_checkpoint, use_xser
+from nxdt.checkpoint.checkpointer import Checkpointer, load_checkpoint, use_xser
+from nxdt.checkpoint.rank_state import ResumedLoader, batches_done_in_epoch
 
 from nxdt.device import device_count, memory_stats, process_group_backend, set_device
 from nxdt.parallel.mesh import build_mesh, dp_rank_and_size

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from lightning.pytorch.accelerators import XLAAccelerator
 from lightning.pytorch.strategies import SingleDeviceXLAStrategy
 
-from nxdt.checkpoint.checkpointer import ResumedLoader
+from nxdt.checkpoint.rank_state import ResumedLoader
 from nxdt.device import mark_step
 from nxdt.parallel.mesh import build_mesh
 from nxdt.parallel.xla_spmd import check_device_count, dcp_planner, is_spmd, process_layout, use_spmd
