@@ -375,6 +375,14 @@ def test_lora_on_experts_counts_adapters_per_expert_under_ep_and_fsdp(capsys):
     mem = p["memory_per_rank_bytes"]
     assert p["parameters_per_rank"] == (base + adapters) // 2 and (mem["grads"], mem["optimizer"]) == (
         4 * adapters // 2, 8 * adapters // 2)
+    # experts trained in full (modules_to_save) beside q_proj adapters: a token's weight gradients touch
+    # its top-2 of the 4 experts, 2 FLOPs per activated weight
+    q_only = [*lora[:4], "+model_alignment_strategy.peft.target_modules=[q_proj]"]
+    adapters_only = _plan(capsys, "tiny_mixtral_cpu", "trainer.devices=1", *q_only)
+    saved = _plan(capsys, "tiny_mixtral_cpu", "trainer.devices=1", *q_only,
+                  "+model_alignment_strategy.peft.modules_to_save=[experts]")
+    assert saved["parameters_trainable"] - adapters_only["parameters_trainable"] == experts
+    assert saved["flops_per_token"] - adapters_only["flops_per_token"] == 2 * experts * 2 // e
 
 
 def test_8b_sft_lora_per_rank(capsys):

@@ -76,6 +76,19 @@ def expert_parameter_names(model: nn.Module) -> set[str]:
     return {n for n, _ in model.named_parameters() if prefixes and n.startswith(prefixes)}
 
 
+def activated_elements(model: nn.Module, names: set[str]) -> int:
+    """Elements of the parameters `names` that one token multiplies: an expert weight's top_k / E
+    share of its block (as `parameter_counts` counts `experts_activated`), every other one whole."""
+    blocks = moe_blocks(model)
+    total = 0
+    for pname, p in model.named_parameters():
+        if pname not in names:
+            continue
+        owner = next((b for name, b in blocks.items() if pname.startswith(f"{name}.experts.")), None)
+        total += p.numel() if owner is None else p.numel() * _top_k(owner) // _num_experts(owner)
+    return total
+
+
 def parameter_counts(model: nn.Module) -> ParameterCount:
     """Total, activated per token, and the split of `model`'s parameters; a tied tensor counts once."""
     blocks = moe_blocks(model)

@@ -33,7 +33,7 @@ from nxdt.config.errors import ConfigError
 from nxdt.models import build_model
 from nxdt.models.flops import ModelShape, flops_per_token, lookup_parameters, model_shape
 from nxdt.models.lora import inject_lora, lora_parameter_counts
-from nxdt.models.param_count import expert_parameter_names, parameter_counts
+from nxdt.models.param_count import activated_elements, expert_parameter_names, parameter_counts
 from nxdt.parallel.plan import ParallelPlan, make_plan
 
 GPT2_VOCAB = 50257
@@ -57,14 +57,13 @@ def sm3_accumulator_elems(shape) -> int:
 def _trained_base_parameters(model: nn.Module) -> int:
     """Elements of the base model that a LoRA run trains in full (`modules_to_save`, `lora_bias`) and
     that a token multiplies: their weight gradients cost FLOPs like any trained weight's. Adapters are
-    not the base; untied lookup tables do no matmul. Experts saved in full are left at the frozen count
-    (an undercount of 2 FLOPs per activated expert weight)."""
+    not the base; untied lookup tables do no matmul; an expert weight counts its activated share
+    (top_k / E), as the frozen count it comes out of does."""
     multiplied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
     tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)} - multiplied
-    experts = expert_parameter_names(model)
-    return sum(p.numel() for n, p in model.named_parameters()
-               if p.requires_grad and n not in experts and id(p) not in tables
-               and not any(part.startswith("lora_") for part in n.split(".")))
+    trained = {n for n, p in model.named_parameters()
+               if p.requires_grad and id(p) not in tables and not any(part.startswith("lora_") for part in n.split("."))}
+    return activated_elements(model, trained)
 
 
 @dataclass
