@@ -5,6 +5,8 @@
     .venv/bin/python benchmarks/peers.py --jobs titan,sft      # some jobs
     .venv/bin/python benchmarks/peers.py --quick               # smoke shapes, 1 repeat, each job < 60 s
     .venv/bin/python benchmarks/peers.py --json peers.json     # the merged table as JSON too
+    .venv/bin/python benchmarks/peers.py --markdown peers.md   # and as the Markdown table docs/performance.md holds
+    .venv/bin/python benchmarks/peers.py --render peers.json   # a saved run's Markdown table, nothing run
 
 It prints the machine line first (the CPU, its capability flags, the fp32 and bf16 matmul peaks
 measured now by benchmarks/throughput.py's probe), then runs each job's script in a subprocess of
@@ -97,6 +99,8 @@ def fmt(x) -> str:
         return "-"
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         return str(x)
+    if isinstance(x, float) and x.is_integer() and abs(x) >= 10_000:  # byte counts, token totals
+        return f"{x:,.0f}"
     return f"{x:,.1f}" if abs(x) >= 100 else f"{x:.4g}"
 
 
@@ -123,11 +127,34 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines + notes)
 
 
+def markdown(saved: dict) -> str:
+    """A run's merged table (what --json writes) as the Markdown docs/performance.md holds: the date and
+    machine line, one row per goal, then each skipped or failed job with its reason."""
+    lines = [f"Measured {saved['date']}{' (--quick)' if saved.get('quick') else ''} by one run of "
+             f"`benchmarks/peers.py`; `{saved['machine']}`.", "",
+             "| job | peer | what | nxdt | peer | ratio | goal | |", "|---|---|---|---|---|---|---|---|"]
+    notes = []
+    for res in saved["jobs"]:
+        if "failed" in res:
+            notes.append(f"- {res['job']}: FAILED: {res['failed']}")
+            continue
+        if res.get("skipped"):
+            notes.append(f"- {res['job']}: skipped: {res['skipped']}")
+        for i, row in enumerate(res["rows"]):
+            verdict = "skipped" if row["pass"] is None else ("PASS" if row["pass"] else "MISS")
+            job, peer = (res["job"], res.get("peer", "")) if i == 0 else ("", "")  # once, on the job's first row
+            cells = (job, peer, row["what"], fmt(row["nxdt"]), fmt(row["peer"]), fmt(row["ratio"]), row["goal"], verdict)
+            lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
+
+
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--jobs", default=",".join(JOBS), help=f"comma list from {','.join(JOBS)} (default: all)")
     p.add_argument("--quick", action="store_true", help="passed to every job: smoke shapes, 1 repeat")
     p.add_argument("--json", metavar="OUT", help="write the merged table (machine line, every job) here")
+    p.add_argument("--markdown", metavar="OUT", help="write the table as Markdown (docs/performance.md's form) here")
+    p.add_argument("--render", metavar="JSON", help="print the Markdown table of a saved --json run; runs nothing")
     p.add_argument("--probe-seconds", type=float, default=1.0, help="seconds per dtype of the matmul peak probe")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one job may run")
     args = p.parse_args(argv)
@@ -144,6 +171,14 @@ def main(argv=None) -> int:
     import tempfile
 
     args = parse(argv)
+    if args.render:
+        try:
+            saved = json.loads(Path(args.render).read_text())
+            print(markdown(saved), end="")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"peers.py: --render {args.render}: not a saved run ({type(e).__name__}: {e})", file=sys.stderr)
+            return 2
+        return 0
     machine = machine_line(args.probe_seconds)
     print(machine, flush=True)
     with tempfile.TemporaryDirectory(prefix="nxdt-peers-") as tmp:
@@ -152,9 +187,12 @@ def main(argv=None) -> int:
     print(f"nxdt vs its peers, {time.strftime('%Y-%m-%d', time.gmtime())}{' (--quick)' if args.quick else ''}")
     print(machine)
     print(table(results), flush=True)
+    saved = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine, "quick": args.quick,
+             "jobs": results}
     if args.json:
-        Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                                               "machine": machine, "quick": args.quick, "jobs": results}, indent=1))
+        Path(args.json).write_text(json.dumps(saved, indent=1))
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(saved))
     failed = [r["job"] for r in results if "failed" in r]
     if failed:
         print(f"\njobs failed: {', '.join(failed)}", flush=True)

@@ -205,8 +205,9 @@ def test_peers_runner_prints_one_table_and_goes_on_past_failed_jobs(tmp_path, ca
     exit 0 where the only bad news is a MISS; --quick reaches the jobs; --json holds the merged table."""
     _fake_jobs(tmp_path, monkeypatch)
     merged = tmp_path / "peers.json"
+    md = tmp_path / "peers.md"
     rc, out, err = _main(peers.main, ["--jobs", "ok,skip,fail,silent,gone", "--quick", "--probe-seconds", "0.05",
-                                      "--json", str(merged)], capfd)
+                                      "--json", str(merged), "--markdown", str(md)], capfd)
     assert rc == 1, out + err
     assert out.startswith("cpu: ") and "matmul peak fp32" in out.splitlines()[0]
     table = out[out.index("nxdt vs its peers"):]
@@ -223,6 +224,18 @@ def test_peers_runner_prints_one_table_and_goes_on_past_failed_jobs(tmp_path, ca
     assert saved["machine"].startswith("cpu: ") and saved["quick"] is True
     assert [j["job"] for j in saved["jobs"]] == ["fake-job", "skip-job", "fail", "silent", "gone"]
     assert saved["jobs"][0]["rows"][1]["pass"] is False
+    # the Markdown table docs/performance.md holds, written by the run and rendered again from its JSON
+    lines = md.read_text().splitlines()
+    assert lines[0].startswith(f"Measured {saved['date']} (--quick) by one run of `benchmarks/peers.py`; `cpu: ")
+    assert lines[4:7] == ["| fake-job | FakePeer 1.0 | tokens/s | 1,200.0 | 1,000.0 | 1.2 | >= 1.1 | PASS |",
+                          "|  |  | loss step 1 \\|diff\\| | 2.5 | 2.5 | 0.0001 | <= 1e-5 | MISS |",
+                          "|  |  | tokens/s bf16 | - | - | - | >= 1.0 | skipped |"]
+    assert lines[-4:] == ["- skip-job: skipped: No module named 'other'", "- fail: FAILED: exit 3: RuntimeError: boom",
+                          "- silent: FAILED: exit 0, no --peers-json table", f"- gone: FAILED: {tmp_path / 'gone.py'} not found"]
+    rc, out, err = _main(peers.main, ["--render", str(merged)], capfd)
+    assert rc == 0 and out == md.read_text()
+    rc, out, err = _main(peers.main, ["--render", str(md)], capfd)
+    assert rc == 2 and err.strip().startswith(f"peers.py: --render {md}: not a saved run (JSONDecodeError")
     rc, out, err = _main(peers.main, ["--jobs", "ok,skip", "--probe-seconds", "0.05"], capfd)
     assert rc == 0 and "| MISS" in out and "PASS  full" in out  # a MISS is a result, not a failure
     rc, out, err = _main(peers.main, ["--jobs", "ok,nope"], capfd)
