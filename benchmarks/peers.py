@@ -99,7 +99,7 @@ def fmt(x) -> str:
         return "-"
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         return str(x)
-    if isinstance(x, float) and x.is_integer() and abs(x) >= 10_000:  # byte counts, token totals
+    if float(x).is_integer() and abs(x) >= 10_000:  # byte counts, token totals
         return f"{x:,.0f}"
     return f"{x:,.1f}" if abs(x) >= 100 else f"{x:.4g}"
 
