@@ -115,6 +115,24 @@ def test_summary_says_how_many_torch_threads_it_uses_why_and_how_to_change_it(ca
         "set OMP_NUM_THREADS=N to change it")
 
 
+def test_summary_says_how_the_cpu_heap_is_kept_and_how_to_change_it(capsys):
+    """CPU runs with glibc: a line after the threads line saying whether freed buffers stay in the process
+    between steps (training.trainer.keep_cpu_heap) and the NXDT_KEEP_CPU_HEAP switch; none elsewhere."""
+    module = SimpleNamespace(vocab_size=256, device=torch.device("cpu"))
+    spec = build_spec(_load("trainer.max_steps=7"))
+    shown = {}
+    for kept in (True, False, None):
+        RunSummary(spec, None, cpu_heap_kept=kept).on_fit_start(None, module)
+        lines = capsys.readouterr().out.splitlines()
+        at = next(i for i, line in enumerate(lines) if line.startswith("  threads"))
+        shown[kept] = lines[at + 1] if lines[at + 1].startswith("  cpu heap") else None
+    assert shown == {
+        True: "  cpu heap     a step's freed buffers stay in the process for the next step (glibc: up to 1 GiB each); "
+              "NXDT_KEEP_CPU_HEAP=0 gives them back to the OS",
+        False: "  cpu heap     glibc's defaults: buffers over 32 MiB are mapped afresh each step",
+        None: None}
+
+
 def test_plan_prints_the_summarys_lines_and_json_figures(capsys):
     argv = ["--config-path", CONF, "--config-name", "tiny_llama_cpu", *TINY, "trainer.max_tokens=2000"]
     assert plan_main(argv) == 0

@@ -285,19 +285,36 @@ def threads_line(env=os.environ) -> str:
     return line
 
 
+def cpu_heap_line(kept: bool | None) -> str | None:
+    """The start summary's line on how the CPU heap is kept between steps (nxdt.training.trainer.keep_cpu_heap:
+    glibc's mallopt, an environment switch like OMP_NUM_THREADS, not a config key); None where it does not
+    apply (not a CPU run, or not glibc)."""
+    if kept is None:
+        return None
+    if kept:
+        return ("  cpu heap     a step's freed buffers stay in the process for the next step (glibc: up to 1 GiB "
+                "each); NXDT_KEEP_CPU_HEAP=0 gives them back to the OS")
+    return "  cpu heap     glibc's defaults: buffers over 32 MiB are mapped afresh each step"
+
+
 class RunSummary(Callback):
     """Prints a one-screen summary (layout, parameters, batch, tokens per step, max_steps and the
     tokens in all, memory, FLOPs) at fit start."""
 
-    def __init__(self, spec, log_dir: str | None, figures: RunFigures | None = None) -> None:
-        """`spec`: the run spec (its config and layout)."""
+    def __init__(self, spec, log_dir: str | None, figures: RunFigures | None = None,
+                 cpu_heap_kept: bool | None = None) -> None:
+        """`spec`: the run spec (its config and layout); `cpu_heap_kept`: keep_cpu_heap's outcome on a
+        CPU run with glibc (None elsewhere)."""
         self.cfg, self.layout, self.log_dir = spec.cfg, spec.layout, log_dir
         self.figures = figures or RunFigures(spec)
+        self.heap = cpu_heap_line(cpu_heap_kept)
 
     @rank_zero_only
     def on_fit_start(self, trainer: pl.Trainer, pl_module) -> None:
         p = run_figures(self.figures, pl_module)
         threads = threads_line() if pl_module.device.type == "cpu" else None  # CPU: torch's intra-op threads
+        if threads and self.heap:
+            threads += "\n" + self.heap
         text = format_summary(self.cfg, self.layout, p, self.log_dir, self.figures.peak(pl_module.device), threads)
         lora = getattr(pl_module, "lora_summary", None)  # LoRA: trainable vs total (lora_verbose: per target)
         print(text + (f"\n  lora         {lora}" if lora else ""), flush=True)

@@ -148,8 +148,9 @@ def train(cfg, record_job: Callable[[Path], None] | None = None) -> TrainOutcome
     quiet_lightning()
     spec = build_spec(cfg)  # the run spec, once: everything below reads it
     check_run(spec)  # before anything is written or any process group starts (nxdt plan runs it too)
-    if local_device_type(cfg.trainer.accelerator) == "cpu" and not use_xla(cfg):
-        keep_cpu_heap()
+    heap_kept = None  # keep_cpu_heap's outcome where it applies, for the start summary
+    if local_device_type(cfg.trainer.accelerator) == "cpu" and not use_xla(cfg) and platform.libc_ver()[0] == "glibc":
+        heap_kept = keep_cpu_heap()
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     dirs = resolve_dirs(cfg)
     resume, resume_helper, checkpointing = setup_checkpointing(cfg, dirs)
@@ -167,7 +168,7 @@ def train(cfg, record_job: Callable[[Path], None] | None = None) -> TrainOutcome
             resume_helper,
             MemoryMonitor(cfg, figures),  # before throughput: a sampled step's scan is not in the step time
             ThroughputMonitor(spec.layout.tokens_per_step, figures),
-            RunSummary(spec, str(dirs.log_dir), figures),
+            RunSummary(spec, str(dirs.log_dir), figures, heap_kept),
             *([DynamicDataSelection()] if cfg.data.dynamic_data_selection != "none" else []),  # moves the blend
             StepProgressBar() if shows_bar(cfg) else ProgressLines(),  # a bar on a terminal, lines in a file
             *([CompileTimer()] if spec.compile and not use_xla(cfg) else []),  # once, after the first step
