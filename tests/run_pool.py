@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import io
 import json
 import os
 import sys
@@ -29,21 +30,35 @@ import time
 import traceback
 from pathlib import Path
 
+import torch.distributed as dist
+
+# as under `python examples/train.py`: the script's directory comes first on sys.path (the
+# custom-data-module example is imported from there)
+EXAMPLES = str(Path(__file__).resolve().parents[1] / "examples")
+
 
 @contextlib.contextmanager
-def _captured(out: Path, err: Path):
-    """Point file descriptors 1 and 2 (and so sys.stdout/err, logging, C++ prints) at files."""
+def _captured(out: Path, err: Path, in_process: bool = False):
+    """Point file descriptors 1 and 2 (and so sys.stdout/err, logging, C++ prints) at files.
+    `in_process` (a pytest worker, whose sys.stdout/err write to pytest's capture files, not to 1
+    and 2): sys.stdout/err are writers on descriptors 1 and 2 meanwhile, never closed (a logging
+    handler made during the run may keep one)."""
     sys.stdout.flush()
     sys.stderr.flush()
     saved = os.dup(1), os.dup(2)
+    streams = sys.stdout, sys.stderr
     with out.open("w") as o, err.open("w") as e:
         os.dup2(o.fileno(), 1)
         os.dup2(e.fileno(), 2)
+        if in_process:
+            sys.stdout, sys.stderr = (io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), write_through=True)
+                                      for fd in (1, 2))
         try:
             yield
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
+            sys.stdout, sys.stderr = streams
             os.dup2(saved[0], 1)
             os.dup2(saved[1], 2)
             os.close(saved[0])
@@ -70,25 +85,15 @@ def _run_one(argv: list[str], entry: str = "nxdt.tools.train", env: dict | None 
         os.environ.update(environ)
 
 
-def main() -> None:
-    # as under `python examples/train.py`: the script's directory comes first on sys.path (the
-    # custom-data-module example is imported from there)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    spec = json.loads(Path(os.environ["NXDT_POOL_JOBS"]).read_text())
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    import torch.distributed as dist
-
-    if world > 1:
-        dist.init_process_group("gloo")
-    if os.environ.get("NXDT_POOL_PROFILE"):
-        Path(spec["out"]).mkdir(parents=True, exist_ok=True)
-        (Path(spec["out"]) / f"rank{rank}.start").write_text(f"{time.time()} {time.process_time()}")
+def run_jobs(spec: dict, rank: int = 0, world: int = 1, in_process: bool = False) -> bool:
+    """Run the jobs of `spec` in order on this rank, each one's output and exit status in its folder.
+    False as soon as one exits other than expected (the rest are not run). `in_process`: in the
+    pytest worker (conftest.run_pool of one process), which the garbage collector's freeze would outlive."""
     for job in spec["jobs"]:
         run_dir = Path(spec["out"]) / job["name"]
         run_dir.mkdir(parents=True, exist_ok=True)
         t0, c0 = time.time(), time.process_time()
-        with _captured(run_dir / f"rank{rank}.out", run_dir / f"rank{rank}.err"):
+        with _captured(run_dir / f"rank{rank}.out", run_dir / f"rank{rank}.err", in_process):
             if os.environ.get("NXDT_POOL_PROFILE") == "cprofile":  # development: each run's cProfile per rank
                 import cProfile  # reason: development only
 
@@ -103,15 +108,30 @@ def main() -> None:
         if rc != job.get("expect", 0):
             sys.stderr.write(f"run_pool: run '{job['name']}' exited {rc} on rank {rank}\n")
             sys.stderr.flush()
-            os._exit(1)  # the other ranks may be waiting in a collective: torchrun ends them
+            return False
         if world > 1:
             dist.barrier()
-        if os.environ.get("NXDT_POOL_FREEZE"):  # conftest.run_pool(freeze=True)
+        if os.environ.get("NXDT_POOL_FREEZE") and not in_process:  # conftest.run_pool(freeze=True)
             # what the run left alive (module caches, compiled graphs, ...) out of the collector's sight: the
             # later runs' full collections scanned it again and again (the 2-rank layouts launch's last 27 runs
             # took 8% less wall and CPU time with this, its first 26 4% less; measured once each). Garbage first.
             gc.collect()
             gc.freeze()
+    return True
+
+
+def main() -> None:
+    sys.path.insert(0, EXAMPLES)
+    spec = json.loads(Path(os.environ["NXDT_POOL_JOBS"]).read_text())
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        dist.init_process_group("gloo")
+    if os.environ.get("NXDT_POOL_PROFILE"):
+        Path(spec["out"]).mkdir(parents=True, exist_ok=True)
+        (Path(spec["out"]) / f"rank{rank}.start").write_text(f"{time.time()} {time.process_time()}")
+    if not run_jobs(spec, rank, world):
+        os._exit(1)  # the other ranks may be waiting in a collective: torchrun ends them
     if world > 1:
         dist.destroy_process_group()
     # every run's output is in its files: skip interpreter teardown, where a gloo thread can still
