@@ -135,8 +135,9 @@ def test_nxdt_evaluate_bad_input(data_args, tmp_path, capsys):
     from nxdt.cli import main
 
     missing = tmp_path / "no_checkpoint"
-    rc = main(["evaluate", "--checkpoint", str(missing)])
-    said = capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:  # nxdt evaluate's main_guard ends the process: its exit status
+        main(["evaluate", "--checkpoint", str(missing)])
+    rc, said = stop.value.code, capsys.readouterr()
     _assert_one_line_error(SimpleNamespace(returncode=rc, stdout=said.out, stderr=said.err), str(missing), "does not exist")
     proc = run_cli_here([*BASE, *data_args, "trainer.devices=1", "trainer.max_epochs=0"])
     _assert_one_line_error(proc, "trainer.max_epochs=0", "no weights to evaluate", "exp_manager.resume_from_checkpoint")

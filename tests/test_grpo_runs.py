@@ -75,7 +75,7 @@ def runs(tmp_path_factory):
            # sequence parallel: each decode step recomputes the sequence padded to a multiple of tp
            "kl_tp2_sp": _args(root / "kl_tp2_sp", 5, [*KL, "trainer.devices=2", "distributed_strategy.tensor_model_parallel_size=2",
                                                      "distributed_strategy.sequence_parallel=true"])}
-    procs = run_pool(dp2, 2, root / "pool", freeze=True)
+    procs = run_pool(dp2, 2, root / "pool")
     out.update({name: proc.stdout for name, proc in procs.items()})
     return root, out
 

@@ -38,7 +38,7 @@ def runs(kjv_prefix, tmp_path_factory):
         jobs[f"{config}_whole"] = _args(config, kjv_prefix, root / f"{config}_whole", STEPS)
         jobs[f"{config}_first"] = _args(config, kjv_prefix, root / f"{config}_stopped", SAVED)
         jobs[f"{config}_resumed"] = _args(config, kjv_prefix, root / f"{config}_stopped", STEPS)
-    procs = run_pool(jobs, 2, root / "pool", freeze=True)
+    procs = run_pool(jobs, 2, root / "pool")
     return root, procs
 
 
