@@ -6,6 +6,8 @@ parity tests give one launch a list of runs of the same world size, and each ran
 after another in-process through the product's own entry (`nxdt.tools.train.main` under
 `main_guard`, exactly what examples/train.py calls). The launch starts the process group once;
 each run's NxdtStrategy finds it started, builds its own mesh on it and leaves it for the next.
+One process's runs need no launch at all: conftest runs them in the pytest worker
+(`run_jobs(..., in_process=True)`).
 
 Each run's stdout and stderr (file descriptors 1 and 2, so C++ and logging output too) go to
 `<out>/<name>/rank<R>.{out,err}`, and its exit status to `rank<R>.rc`. A run that exits other
