@@ -32,10 +32,6 @@ def build_mesh(shape: Layout, device_type: str) -> DeviceMesh:
             f"parallel layout pp={shape.pp} × dp={shape.dp} × cp={shape.cp} × tp={shape.tp} = "
             f"{shape.world_size} does not match the world size {world}"
         )
-    key = (shape.sizes(), shape.ep, device_type)
-    built = _MESHES.get(key)
-    if built is not None and dist.is_initialized() and built[0] is dist.group.WORLD:
-        return built[1]
     mesh = init_device_mesh(device_type, shape.sizes(), mesh_dim_names=MESH_AXES)
     _FLAT[(mesh, "dp")] = mesh["dp_replicate", "dp_shard"]._flatten("dp")
     if shape.cp > 1:
@@ -47,16 +43,8 @@ def build_mesh(shape: Layout, device_type: str) -> DeviceMesh:
         experts = init_device_mesh(device_type, shape.expert_sizes(), mesh_dim_names=EXPERT_MESH_AXES)
         _FLAT[(mesh, "ep")] = experts["ep"]
         _FLAT[(mesh, "edp")] = experts["edp"]
-    _MESHES[key] = (dist.group.WORLD, mesh)
     return mesh
 
-
-# The meshes built on the current process group, by layout: a process that trains several runs on one
-# process group (a sweep, a notebook, tests/run_pool.py) cuts each layout's groups once. A new mesh made
-# new gloo groups per axis that live as long as the process group, threads and sockets with them (~20
-# threads a run), and each later run was slower (measured: 30 equal tp2 runs in one launch, 0.7 CPU-s
-# each at the start, 1.0 at the end). A new process group (its WORLD) builds anew.
-_MESHES: dict[tuple, tuple[object, DeviceMesh]] = {}
 
 # Flattened axes, kept here because slicing a flattened axis from the root mesh is deprecated.
 _FLAT: dict[tuple[DeviceMesh, str], DeviceMesh] = {}
