@@ -161,13 +161,14 @@ HEAP_ABORTS = ("malloc(): ", "free(): ", "double free", "corrupted size")
 def run_pool(runs: dict[str, list[str]], nproc: int, out_dir: Path, expect: dict[str, int] | None = None,
              timeout: int = 900, entry: str | None = None,
              env: dict[str, dict[str, str]] | None = None, relaunched: bool = False, freeze: bool = False,
-             in_process: bool = True) -> dict[str, subprocess.CompletedProcess]:
+             in_process: bool = True, end_groups: bool = False) -> dict[str, subprocess.CompletedProcess]:
     """Run several examples/train.py command lines (name -> argv) of one world size in one launch,
     in order, in-process on each rank (tests/run_pool.py); each must exit 0, or as `expect` says
     (name -> exit status). Returns, per name, what `run_cli` would: the exit status and every
     rank's stdout and stderr (rank order). `freeze`: after each run, collect garbage and gc.freeze() what is left (tests/run_pool.py). `entry`: another module whose `main(argv)` runs the
     command lines (e.g. "nxdt.tools.evaluate"). `env`: name -> environment variables for that run only.
-    `in_process`: one process's runs go in this process (`_pool_here`), not in a launch of their own."""
+    `in_process`: one process's runs go in this process (`_pool_here`), not in a launch of their own.
+    `end_groups`: each run's process groups are destroyed when it ends (tests/run_pool._end_run_groups)."""
     expect = expect or {}
     run_env = env
     out_dir = Path(out_dir)
@@ -178,7 +179,7 @@ def run_pool(runs: dict[str, list[str]], nproc: int, out_dir: Path, expect: dict
                                                            **({"env": env[k]} if env and k in env else {})}
                                                           for k, v in runs.items()]}))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "NXDT_POOL_JOBS": str(spec),
-           **({"NXDT_POOL_FREEZE": "1"} if freeze else {})}
+           **({"NXDT_POOL_FREEZE": "1"} if freeze else {}), **({"NXDT_POOL_END_GROUPS": "1"} if end_groups else {})}
     env.pop("NXDT_RUN_VERSION", None)
     pool = str(REPO / "tests" / "run_pool.py")
     cmd = ([sys.executable, pool] if nproc == 1 else
@@ -207,7 +208,7 @@ def run_pool(runs: dict[str, list[str]], nproc: int, out_dir: Path, expect: dict
                 for n in [n for n in rest if n in new_dirs]:
                     shutil.rmtree(log_dirs[n], ignore_errors=True)  # a fresh start for the runs' new log dirs
                 results.update(run_pool({n: runs[n] for n in rest}, nproc, out_dir / "relaunch", expect, timeout,
-                                        entry, run_env, relaunched=True, freeze=freeze))
+                                        entry, run_env, relaunched=True, freeze=freeze, end_groups=end_groups))
                 return results
             # each rank's own tail: the rank that died first (e.g. an abort in a gloo thread) says why,
             # and its lines would be cut off behind the others' tracebacks in one joined tail
