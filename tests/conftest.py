@@ -121,6 +121,16 @@ def run_cli(args: list[str], nproc: int = 1, env: dict | None = None, timeout: i
     return subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=timeout, cwd=REPO)
 
 
+def run_cli_here(args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    """`run_cli(args)` of one process, in this one: the entry examples/train.py calls (main_guard(main),
+    whose status is the process's exit code), from the repository, `env` set for the call only. For
+    bad input (one line, exit 2): a process of its own spends ~1 CPU-s starting Python and importing the
+    config side, ~4 s more where the error is found after torch and Lightning are imported."""
+    with contextlib.chdir(REPO):
+        run = train_in_process(args, env)
+    return subprocess.CompletedProcess(args, run.rc, run.out, run.err)
+
+
 def exit_worker() -> None:
     """End a torchrun test worker whose results are written and whose process group is destroyed:
     flush and leave without interpreter teardown, where a gloo thread can still abort a rank
@@ -151,12 +161,14 @@ HEAP_ABORTS = ("malloc(): ", "free(): ", "double free", "corrupted size")
 def run_pool(runs: dict[str, list[str]], nproc: int, out_dir: Path, expect: dict[str, int] | None = None,
              timeout: int = 900, entry: str | None = None,
              env: dict[str, dict[str, str]] | None = None, relaunched: bool = False, freeze: bool = False,
-             ) -> dict[str, subprocess.CompletedProcess]:
+             in_process: bool = True, end_groups: bool = False) -> dict[str, subprocess.CompletedProcess]:
     """Run several examples/train.py command lines (name -> argv) of one world size in one launch,
     in order, in-process on each rank (tests/run_pool.py); each must exit 0, or as `expect` says
     (name -> exit status). Returns, per name, what `run_cli` would: the exit status and every
     rank's stdout and stderr (rank order). `freeze`: after each run, collect garbage and gc.freeze() what is left (tests/run_pool.py). `entry`: another module whose `main(argv)` runs the
-    command lines (e.g. "nxdt.tools.evaluate"). `env`: name -> environment variables for that run only."""
+    command lines (e.g. "nxdt.tools.evaluate"). `env`: name -> environment variables for that run only.
+    `in_process`: one process's runs go in this process (`_pool_here`), not in a launch of their own.
+    `end_groups`: each run's process groups are destroyed when it ends (tests/run_pool._end_run_groups)."""
     expect = expect or {}
     run_env = env
     out_dir = Path(out_dir)
@@ -167,7 +179,7 @@ def run_pool(runs: dict[str, list[str]], nproc: int, out_dir: Path, expect: dict
                                                            **({"env": env[k]} if env and k in env else {})}
                                                           for k, v in runs.items()]}))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "NXDT_POOL_JOBS": str(spec),
-           **({"NXDT_POOL_FREEZE": "1"} if freeze else {})}
+           **({"NXDT_POOL_FREEZE": "1"} if freeze else {}), **({"NXDT_POOL_END_GROUPS": "1"} if end_groups else {})}
     env.pop("NXDT_RUN_VERSION", None)
     pool = str(REPO / "tests" / "run_pool.py")
     cmd = ([sys.executable, pool] if nproc == 1 else
@@ -175,7 +187,10 @@ def run_pool(runs: dict[str, list[str]], nproc: int, out_dir: Path, expect: dict
     log_dirs = {n: Path(a.split("=", 1)[1].strip("'")) for n, argv in runs.items() for a in argv
                 if a.startswith("exp_manager.explicit_log_dir=")}
     new_dirs = {n for n, d in log_dirs.items() if not d.exists()}  # a relaunch may clear these
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
+    if nproc == 1 and in_process:
+        proc = _pool_here(json.loads(spec.read_text()), env)
+    else:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
     results = {}
     for name in runs:
         run_dir = out_dir / name
@@ -193,7 +208,7 @@ def run_pool(runs: dict[str, list[str]], nproc: int, out_dir: Path, expect: dict
                 for n in [n for n in rest if n in new_dirs]:
                     shutil.rmtree(log_dirs[n], ignore_errors=True)  # a fresh start for the runs' new log dirs
                 results.update(run_pool({n: runs[n] for n in rest}, nproc, out_dir / "relaunch", expect, timeout,
-                                        entry, run_env, relaunched=True, freeze=freeze))
+                                        entry, run_env, relaunched=True, freeze=freeze, end_groups=end_groups))
                 return results
             # each rank's own tail: the rank that died first (e.g. an abort in a gloo thread) says why,
             # and its lines would be cut off behind the others' tracebacks in one joined tail
@@ -205,6 +220,37 @@ def run_pool(runs: dict[str, list[str]], nproc: int, out_dir: Path, expect: dict
             raise AssertionError(f"run '{name}' failed\n{text['out'][-2000:]}\n{tails}\n{proc.stderr[-3000:]}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return results
+
+
+def _pool_here(spec: dict, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """The runs of a one-process pool in this process (tests/run_pool.run_jobs), as its launch would run
+    them: in the repository, examples/ first on sys.path, one torch thread, the launch's environment.
+    A launch of its own mostly imported torch, Lightning and transformers again (~4 CPU-s; the pytest
+    worker has them). The environment, sys.path, working directory and thread count are put back, and
+    the rank log file and a process group a failed run left are closed."""
+    import torch  # reason: conftest imports torch only when a test needs it
+    import torch.distributed as dist  # reason: as above
+
+    import run_pool as pool  # reason: tests/run_pool.py imports torch (as above)
+    from nxdt.exp.exp_manager import close_rank_log_file  # reason: as above (nxdt.exp imports torch)
+
+    environ, threads, had_group = dict(os.environ), torch.get_num_threads(), dist.is_initialized()
+    os.environ.clear()
+    os.environ.update(env)
+    sys.path.insert(0, pool.EXAMPLES)
+    torch.set_num_threads(1)
+    try:
+        with contextlib.chdir(REPO):
+            ok = pool.run_jobs(spec, in_process=True)
+    finally:
+        close_rank_log_file()
+        if dist.is_initialized() and not had_group:
+            dist.destroy_process_group()
+        torch.set_num_threads(threads)
+        sys.path.remove(pool.EXAMPLES)
+        os.environ.clear()
+        os.environ.update(environ)
+    return subprocess.CompletedProcess(["run_pool"], 0 if ok else 1, "", "")
 
 
 def train_and_read(args: list[str], log_dir: Path, nproc: int = 1):

@@ -168,7 +168,7 @@ def runs(kjv_prefix, tmp_path_factory) -> dict[str, Run]:
                     # quoted: the checkpoint's name contains '=' (step=..., consumed_samples=...)
                     extra = [*extra, f"exp_manager.resume_from_checkpoint='{source(resume)}'"]
                 argvs[name] = _args(kjv_prefix, root / name, nproc, extra)
-        for name, proc in run_pool(argvs, nproc, root / f"pool{nproc}", EXPECTED_RC).items():
+        for name, proc in run_pool(argvs, nproc, root / f"pool{nproc}", EXPECTED_RC, freeze=True).items():
             out[name] = Run(root / name, proc)
             if RUNS[name][2] is not None and name not in EXPECTED_RC and RUNS[name][2][0] != "nxd":
                 assert f"resuming from {source(RUNS[name][2])} (step {RUNS[name][2][1]}" in proc.stdout, name

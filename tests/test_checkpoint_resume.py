@@ -198,7 +198,7 @@ def runs(killed, kjv_prefix, tmp_path_factory):
     argv["enospc_rank1_async"] = _args(kjv_prefix, failing / "async", extra=["exp_manager.async_checkpointing=true"])
     hook = {"NXDT_TEST_SAVE_HOOK": "4:enospc@1"}
     procs = run_pool(argv, 2, tmp_path_factory.mktemp("pool"), expect={"enospc_rank1": 1, "enospc_rank1_async": 1},
-                     env={"enospc_rank1": hook, "enospc_rank1_async": hook})
+                     env={"enospc_rank1": hook, "enospc_rank1_async": hook}, freeze=True)
     return {"reference_dir": log_dir, "failing": failing, **procs}
 
 

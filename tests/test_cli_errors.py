@@ -1,8 +1,10 @@
 """Bad input through the real entry point: one clear line on stderr, exit code 2, no traceback.
 
-These runs stop during config validation, before torch is imported, so each takes ~1-2 s. The
-errors found later, after torch and Lightning are imported but before any process group starts,
-go through the same entry in the pytest process (`_in_process`): a launch would mostly import.
+The entry examples/train.py calls (`main_guard(main)`, whose status is the process's exit code) runs
+in the pytest process (conftest.run_cli_here): a process of its own would spend its ~1 CPU-s starting Python
+and importing the config side (~4 s more where the error is found after torch and Lightning are
+imported). Real processes remain where the process is the point: a torchrun launch whose ranks
+refuse their world size, `nxdt train`'s launch of two workers, and nxdt's command line's exit status.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from conftest import REPO, run_cli, train_in_process
+from conftest import REPO, run_cli, run_cli_here
 
 BASE = ["--config-name", "tiny_llama_cpu"]
 
@@ -25,25 +27,18 @@ def _assert_one_line_error(proc, *fragments: str) -> str:
     return errors[0]
 
 
-def _in_process(argv: list[str]) -> SimpleNamespace:
-    """The entry examples/train.py calls, in this process: for errors found after torch is imported
-    and before any process group starts (a launch would mostly import torch and Lightning)."""
-    run = train_in_process(argv)
-    return SimpleNamespace(returncode=run.rc, stdout=run.out, stderr=run.err)
-
-
 @pytest.fixture()
 def data_args(kjv_prefix):
     return [f"data.data_prefix=[1.0,{kjv_prefix}]"]
 
 
 def test_unknown_key_names_dotted_path_and_suggestion(data_args):
-    proc = run_cli([*BASE, *data_args, "model.hiden_size=64"])
+    proc = run_cli_here([*BASE, *data_args, "model.hiden_size=64"])
     _assert_one_line_error(proc, "model.hiden_size", "model.hidden_size")
 
 
 def test_wrong_type_names_key_and_expected_type(data_args):
-    proc = run_cli([*BASE, *data_args, "model.num_layers=abc"])
+    proc = run_cli_here([*BASE, *data_args, "model.num_layers=abc"])
     _assert_one_line_error(proc, "model.num_layers", "int", "abc")
 
 
@@ -62,45 +57,45 @@ def test_a_value_given_to_a_section_names_the_key_meant():
 
 def test_malformed_yaml_names_the_file(tmp_path):
     (tmp_path / "broken.yaml").write_text("name: x\nmodel:\n  hidden_size: [1, 2\n")
-    proc = run_cli(["--config-path", str(tmp_path), "--config-name", "broken"])
+    proc = run_cli_here(["--config-path", str(tmp_path), "--config-name", "broken"])
     _assert_one_line_error(proc, "broken.yaml")
 
 
 def test_missing_config_name_lists_available():
-    proc = run_cli(["--config-name", "no_such_config"])
+    proc = run_cli_here(["--config-name", "no_such_config"])
     _assert_one_line_error(proc, "no_such_config", "tiny_llama_cpu")
 
 
 def test_missing_data_prefix_names_the_path(tmp_path):
     missing = tmp_path / "nothing_here"
-    proc = run_cli([*BASE, f"data.data_prefix=[1.0,{missing}]"])
+    proc = run_cli_here([*BASE, f"data.data_prefix=[1.0,{missing}]"])
     _assert_one_line_error(proc, "data.data_prefix", str(missing))
 
 
 def test_missing_tokenizer_dir_names_the_path(data_args, tmp_path):
     missing = tmp_path / "no_tokenizer"
-    proc = run_cli([*BASE, *data_args, f"data.tokenizer.type={missing}"])
+    proc = run_cli_here([*BASE, *data_args, f"data.tokenizer.type={missing}"])
     _assert_one_line_error(proc, "data.tokenizer.type", str(missing))
 
 
 def test_world_size_must_match_devices_times_nodes(data_args):
-    proc = run_cli([*BASE, *data_args, "trainer.devices=2"], env={"WORLD_SIZE": "3", "RANK": "0"})
+    proc = run_cli_here([*BASE, *data_args, "trainer.devices=2"], env={"WORLD_SIZE": "3", "RANK": "0"})
     _assert_one_line_error(proc, "trainer.devices", "3")
 
 
 def test_batch_sizes_that_do_not_divide(data_args):
     # dp = 2 (devices 2), micro 4 → global must be a multiple of 8
-    proc = run_cli([*BASE, *data_args, "data.global_batch_size=12"])
+    proc = run_cli_here([*BASE, *data_args, "data.global_batch_size=12"])
     _assert_one_line_error(proc, "data.global_batch_size", "12", "8")
 
 
 def test_accumulate_grad_batches_is_rejected_with_the_reason(data_args):
-    proc = run_cli([*BASE, *data_args, "trainer.accumulate_grad_batches=4"])
+    proc = run_cli_here([*BASE, *data_args, "trainer.accumulate_grad_batches=4"])
     _assert_one_line_error(proc, "trainer.accumulate_grad_batches", "global_batch_size")
 
 
 def test_feature_not_built_yet_is_refused_not_ignored(data_args):
-    proc = run_cli([*BASE, *data_args, "+model_alignment_strategy.dpo.precompute_ref_log_probs=false"])
+    proc = run_cli_here([*BASE, *data_args, "+model_alignment_strategy.dpo.precompute_ref_log_probs=false"])
     _assert_one_line_error(proc, "model_alignment_strategy.dpo.precompute_ref_log_probs", "not supported yet")
 
 
@@ -124,27 +119,27 @@ def test_nxdt_cli_unknown_command():
 def test_bad_fine_tuning_inputs_stop_before_training(data_args, tmp_path):
     """A LoRA target the model lacks (checked on a meta-device build, before any process group), and
     a preference row without 'rejected' (read when the data module sets up): one line, exit 2."""
-    proc = _in_process([*BASE, *data_args, "trainer.devices=1", "+model_alignment_strategy.peft.target_modules=[qkv]"])
+    proc = run_cli_here([*BASE, *data_args, "trainer.devices=1", "+model_alignment_strategy.peft.target_modules=[qkv]"])
     line = _assert_one_line_error(proc, "model_alignment_strategy.peft.target_modules: 'qkv' is not a linear layer")
     assert "qkv_proj" in line and "down_proj" in line  # the valid names are listed
     rows = tmp_path / "pref.jsonl"
     rows.write_text('{"prompt": "a", "chosen": " b", "rejected": " c"}\n{"prompt": "a", "chosen": " b"}\n')
-    proc = run_cli([*BASE, "trainer.devices=1", "data.data_prefix=null", f"data.train_dir={rows}",
+    proc = run_cli_here([*BASE, "trainer.devices=1", "data.data_prefix=null", f"data.train_dir={rows}",
                     "+model_alignment_strategy.orpo.beta=0.1"])
     _assert_one_line_error(proc, f"{rows}:2", "rejected")
 
 
-def test_nxdt_evaluate_bad_input(data_args, tmp_path):
+def test_nxdt_evaluate_bad_input(data_args, tmp_path, capsys):
     """`nxdt evaluate` of a directory that is not there, and evaluate-only training (trainer.max_epochs=0)
     with no checkpoint to evaluate: one line, exit 2 (tests/test_evaluate.py has the other cases)."""
-    import subprocess
-    import sys
+    from nxdt.cli import main
 
     missing = tmp_path / "no_checkpoint"
-    proc = subprocess.run([sys.executable, "-m", "nxdt.cli", "evaluate", "--checkpoint", str(missing)],
-                          capture_output=True, text=True, cwd=REPO)
-    _assert_one_line_error(proc, str(missing), "does not exist")
-    proc = _in_process([*BASE, *data_args, "trainer.devices=1", "trainer.max_epochs=0"])
+    with pytest.raises(SystemExit) as stop:  # nxdt evaluate's main_guard ends the process: its exit status
+        main(["evaluate", "--checkpoint", str(missing)])
+    rc, said = stop.value.code, capsys.readouterr()
+    _assert_one_line_error(SimpleNamespace(returncode=rc, stdout=said.out, stderr=said.err), str(missing), "does not exist")
+    proc = run_cli_here([*BASE, *data_args, "trainer.devices=1", "trainer.max_epochs=0"])
     _assert_one_line_error(proc, "trainer.max_epochs=0", "no weights to evaluate", "exp_manager.resume_from_checkpoint")
 
 

@@ -17,7 +17,7 @@ import typing
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_cli
+from conftest import REPO, run_cli_here
 
 from nxdt.config import ConfigError, describe, ranges, schema
 
@@ -153,7 +153,7 @@ def test_typed_configs_are_range_checked_too():
 
 
 def test_a_bad_value_through_the_real_entry_is_one_line_exit_2():
-    proc = run_cli(["--config-name", "tiny_llama_cpu", "model.optim.lr=-1"])
+    proc = run_cli_here(["--config-name", "tiny_llama_cpu", "model.optim.lr=-1"])
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == ["error: model.optim.lr: must be >= 0, got -1"]
 
@@ -296,7 +296,7 @@ def test_help_shows_ranges_and_marks():
 
 def test_help_with_a_misspelled_section_is_one_line_exit_2():
     assert error_of(describe, "trainr").startswith("--help trainr: no such section or key (did you mean 'trainer'?)")
-    proc = run_cli(["--help", "exp_manger"])
+    proc = run_cli_here(["--help", "exp_manger"])
     assert proc.returncode == 2 and proc.stdout == "", (proc.stdout[:500], proc.stderr[-500:])
     assert proc.stderr.strip().splitlines()[-1].startswith(
         "error: --help exp_manger: no such section or key (did you mean 'exp_manager'?)")

@@ -113,7 +113,7 @@ def runs(kjv_prefix, tmp_path_factory):
                     "model.num_layers=3", "trainer.devices=2", "distributed_strategy.pipeline_model_parallel_size=2",
                     "data.use_dummy_dataset=true", "trainer.max_steps=2", "model.optim.capturable=true",
                     f"exp_manager.explicit_log_dir={root / UNEVEN}"]
-    procs = run_pool(jobs, 2, root / "pool")
+    procs = run_pool(jobs, 2, root / "pool", freeze=True)
     return {name: (procs[name], read_scalars(root / name)) for name in [*NAMES, UNEVEN]}
 
 

@@ -367,7 +367,7 @@ def runs(kjv_prefix, tmp_path_factory) -> dict[str, Run]:
     def pool(named: dict[str, tuple[int, str, list[str]]], nproc: int) -> dict[str, Run]:
         procs = run_pool({n: _args(root / n, nproc, model, [*data(model), *extra])
                           for n, (_, model, extra) in named.items()}, nproc, root / f"pool{nproc}",
-                         freeze=True)
+                         freeze=True, end_groups=True)
         return {n: Run(proc, root / n) for n, proc in procs.items()}
 
     # development: NXDT_TEST_LAYOUTS=a,b runs a subset of LAYOUTS (and their single-process references)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_OVERRIDES, run_cli
+from conftest import TINY_OVERRIDES, run_cli_here
 
 from nxdt.config.errors import ConfigError
 from nxdt.spec import config_from_dict
@@ -121,10 +121,10 @@ def test_stages_chained_equal_the_whole_model_and_keep_names(source, block):
         assert not any("embed_positions" in n for part in parts[1:] for n, _ in part.named_parameters())
 
 
-# --------------------------------------------------------------------------- bad input (torch-free, cheap)
+# --------------------------------------------------------------------------- bad input (torch-free, cheap: in this process)
 def _bad(kjv_prefix, tmp_path, *extra):
-    proc = run_cli(["--config-name", "tiny_llama_cpu", *TINY_OVERRIDES, "trainer.devices=2",
-                    f"data.data_prefix=[1.0,{kjv_prefix}]", f"exp_manager.explicit_log_dir={tmp_path}", *extra])
+    proc = run_cli_here(["--config-name", "tiny_llama_cpu", *TINY_OVERRIDES, "trainer.devices=2",
+                         f"data.data_prefix=[1.0,{kjv_prefix}]", f"exp_manager.explicit_log_dir={tmp_path}", *extra])
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     return proc.returncode, lines
 
