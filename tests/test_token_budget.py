@@ -115,17 +115,23 @@ def test_summary_says_how_many_torch_threads_it_uses_why_and_how_to_change_it(ca
         "set OMP_NUM_THREADS=N to change it")
 
 
-def test_summary_says_how_the_cpu_heap_is_kept_and_how_to_change_it(capsys):
+@pytest.mark.parametrize("load", [0.0, 99.0], ids=["idle", "loaded"])
+def test_summary_says_how_the_cpu_heap_is_kept_and_how_to_change_it(capsys, monkeypatch, load):
     """CPU runs with glibc: a line after the threads line saying whether freed buffers stay in the process
     between steps (training.trainer.keep_cpu_heap) and the NXDT_KEEP_CPU_HEAP switch; none elsewhere."""
+    monkeypatch.setattr(callbacks.torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(callbacks.os, "getloadavg", lambda: (load, load, load))  # loaded: the threads hint line
     module = SimpleNamespace(vocab_size=256, device=torch.device("cpu"))
     spec = build_spec(_load("trainer.max_steps=7"))
     shown = {}
     for kept in (True, False, None):
         RunSummary(spec, None, cpu_heap_kept=kept).on_fit_start(None, module)
         lines = capsys.readouterr().out.splitlines()
-        at = next(i for i, line in enumerate(lines) if line.startswith("  threads"))
-        shown[kept] = lines[at + 1] if lines[at + 1].startswith("  cpu heap") else None
+        threads = next(i for i, line in enumerate(lines) if line.startswith("  threads"))
+        heap = [i for i, line in enumerate(lines) if line.startswith("  cpu heap")]
+        # right after the threads line and its load hint (on a loaded machine: a second, indented line)
+        assert all(i in (threads + 1, threads + 2) for i in heap) and len(heap) <= 1, lines
+        shown[kept] = lines[heap[0]] if heap else None
     assert shown == {
         True: "  cpu heap     a step's freed buffers stay in the process for the next step (glibc: up to 1 GiB each); "
               "NXDT_KEEP_CPU_HEAP=0 gives them back to the OS",
