@@ -381,3 +381,23 @@ def test_the_progress_bar_after_a_resume_counts_the_run_and_its_eta_this_launchs
     # an epoch-bounded run (max_steps -1) keeps Lightning's count of this epoch's batches
     trainer.max_steps = -1
     assert bar.total_train_batches == 41
+
+
+def test_a_slurm_requeue_is_announced_before_scontrol_and_a_failed_one_says_why(monkeypatch, tmp_path, capsys):
+    """Rank 0 after a preemption save in a Slurm batch job: the line that it requeues comes before
+    `scontrol requeue` (which may end the process before it returns), then the outcome; a failed requeue
+    says why; outside a batch job nothing is said or run."""
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text("#!/bin/sh\necho \"scontrol $*\" >> \"$0.calls\"\n[ \"$2\" = 41 ] || { echo 'Invalid job id' >&2; exit 1; }\n")
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("ENVIRONMENT", "BATCH")
+    for job, outcome in (("41", "slurm job 41: requeued"), ("42", "slurm job 42: not requeued: Invalid job id")):
+        monkeypatch.setenv("SLURM_JOB_ID", job)
+        fault_tolerance.requeue_slurm_job()
+        assert capsys.readouterr().out.splitlines() == [f"slurm job {job}: requeueing it (scontrol requeue {job})",
+                                                        outcome]
+    monkeypatch.delenv("ENVIRONMENT")
+    fault_tolerance.requeue_slurm_job()
+    assert capsys.readouterr().out == ""
+    assert (tmp_path / "scontrol.calls").read_text().splitlines() == ["scontrol requeue 41", "scontrol requeue 42"]

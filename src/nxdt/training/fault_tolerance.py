@@ -185,9 +185,11 @@ def requeue_slurm_job() -> None:
     job = slurm_batch_job()
     if job is None:
         return
+    # said before the call: a requeue ends this job's processes, often before scontrol has returned here
+    print(f"slurm job {job}: requeueing it (scontrol requeue {job})", flush=True)
     try:
         done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
-        result = "requeued" if done.returncode == 0 else f"not requeued: {' '.join(done.stderr.split())}"
+        failed = None if done.returncode == 0 else " ".join(done.stderr.split())
     except (OSError, subprocess.TimeoutExpired) as err:
-        result = f"not requeued: {err}"
-    print(f"slurm job {job}: {result}", flush=True)
+        failed = str(err)
+    print(f"slurm job {job}: requeued" if failed is None else f"slurm job {job}: not requeued: {failed}", flush=True)
