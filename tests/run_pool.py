@@ -102,7 +102,6 @@ def _end_run_groups() -> None:
     then fills them again, which is why only the long layouts pool asks for this (measured: layouts
     274.5 -> 243.1 CPU-s; reshard 61.1 -> 64.6 and release 48.1 -> 51.8, within their noise or worse)."""
     world = dist.group.WORLD
-    # DTensor's sharding caches match meshes by value: a later run would be handed this run's meshes
     _clear_sharding_prop_cache()
     for group in [g for g in c10d._world.pg_map if g is not world]:
         dist.destroy_process_group(group)
